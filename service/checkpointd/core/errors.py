@@ -1,0 +1,41 @@
+"""Domain errors. The gRPC status each maps to lives in `checkpointd.status`."""
+
+
+class CheckpointdError(Exception):
+    """Base of every error checkpointd raises on purpose."""
+
+
+class InvalidRequestError(CheckpointdError):
+    """The request is malformed: bad run name, path, manifest, template."""
+
+
+class RunNotFoundError(CheckpointdError):
+    """The run was never registered on this daemon (or the daemon restarted)."""
+
+
+class RunClosedError(CheckpointdError):
+    """The run's lane was closed; register the run again to reopen it."""
+
+
+class ChecksumError(CheckpointdError):
+    """A chunk's CRC32C does not match its data."""
+
+
+class LimitExceededError(CheckpointdError):
+    """A payload or a count is larger than the daemon allows."""
+
+
+class DrainingError(CheckpointdError):
+    """The daemon is shutting down and takes no new saves; retry elsewhere or later."""
+
+
+class DeadlineError(CheckpointdError):
+    """A flush, close or wait did not finish before its deadline."""
+
+
+class SaveFailedError(CheckpointdError):
+    """The save was accepted but could not be written (I/O error, internal error)."""
+
+
+class UnauthenticatedError(CheckpointdError):
+    """The caller's credentials are missing or wrong."""

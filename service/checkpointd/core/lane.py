@@ -1,0 +1,210 @@
+"""One lane per run: the AsyncPolicySaver rules as an explicit state machine.
+
+The lane decides; it never waits. Callers (the servicer) hold one lock around
+every call and wait on their own condition variable for `Ticket.state` to
+change. Rules:
+- one save in flight per run ("in flight" = receiving the snapshot + writing);
+- a non-blocking save while another is in flight (or queued) is skipped, and
+  the skip is returned and counted, never just logged;
+- a blocking save queues behind the in-flight one, FIFO, and is never skipped;
+- an accepted save is never replaced or dropped: it ends written or failed;
+- a failure is reported to its caller and the lane keeps serving;
+- close() refuses new saves at once; queued and in-flight saves still finish.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from checkpointd.core.errors import DrainingError, RunClosedError
+from checkpointd.core.ports import Clock, MetricsSink
+
+
+class SaveKind(enum.Enum):
+    SAVED_MODEL = "saved_model"
+    CHECKPOINT = "checkpoint"
+
+
+class LaneState(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"  # close() called; saves still in flight or queued
+    CLOSED = "closed"
+
+
+class TicketState(enum.Enum):
+    WAITING = "waiting"  # a blocking save queued behind the in-flight one
+    ACTIVE = "active"  # accepted: the lane's one save in flight
+    WRITTEN = "written"
+    FAILED = "failed"
+    WITHDRAWN = "withdrawn"  # gave up while waiting; never accepted
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    kind: SaveKind
+    export_dir: str
+    blocking: bool = False
+    step: int = -1
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A non-blocking save that found the lane busy."""
+
+    spec: SaveSpec
+    reason: str
+
+
+@dataclass(frozen=True)
+class Written:
+    path: str
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str
+
+
+@dataclass
+class Ticket:
+    """One save request on a lane, from queueing or acceptance to its end."""
+
+    id: int
+    spec: SaveSpec
+    state: TicketState
+    requested_at: float
+    accepted_at: float | None = None
+    outcome: Written | Failed | None = None
+
+
+@dataclass(frozen=True)
+class LastSuccess:
+    kind: SaveKind
+    path: str
+    step: int
+    at: float
+
+
+@dataclass
+class LaneStats:
+    ok: int = 0
+    skipped: int = 0
+    failed: int = 0
+    last_success: LastSuccess | None = None
+    last_error: str = ""
+
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Lane:
+    """The save lane of one run. Not thread-safe: callers hold one lock."""
+
+    run: str
+    clock: Clock
+    sink: MetricsSink
+    state: LaneState = LaneState.OPEN
+    in_flight: Ticket | None = None
+    waiting: deque[Ticket] = field(default_factory=deque)
+    stats: LaneStats = field(default_factory=LaneStats)
+
+    @property
+    def idle(self) -> bool:
+        """True when no save is in flight or queued."""
+        return self.in_flight is None and not self.waiting
+
+    def request(self, spec: SaveSpec, *, draining: bool = False) -> Ticket | Skipped:
+        """Accepts, queues (blocking) or skips a save.
+
+        Returns:
+            An ACTIVE ticket (accepted), a WAITING ticket (blocking, queued),
+            or Skipped.
+
+        Raises:
+            RunClosedError: if close() was called on the lane.
+            DrainingError: if `draining` (the daemon is shutting down).
+        """
+        if self.state is not LaneState.OPEN:
+            raise RunClosedError(
+                f"run {self.run!r} is closed; register it again to save "
+                f"({spec.kind.value} {spec.export_dir!r} refused)"
+            )
+        if draining:
+            raise DrainingError(
+                f"the daemon is shutting down; save of run {self.run!r} to "
+                f"{spec.export_dir!r} refused, retry against a running daemon"
+            )
+        ticket = Ticket(next(_ids), spec, TicketState.WAITING, requested_at=self.clock())
+        if self.idle:
+            self._start(ticket)
+            return ticket
+        if spec.blocking:
+            self.waiting.append(ticket)
+            return ticket
+        busy = self.in_flight or self.waiting[0]
+        self.stats.skipped += 1
+        self.sink.save_skipped(self.run, spec.kind.value)
+        return Skipped(
+            spec,
+            f"a {busy.spec.kind.value} save to {busy.spec.export_dir!r} is in flight",
+        )
+
+    def finish(self, ticket: Ticket, outcome: Written | Failed) -> Ticket | None:
+        """Ends the in-flight save and starts the next queued one, if any.
+
+        Returns:
+            The ticket that became ACTIVE, or None.
+        """
+        if ticket is not self.in_flight:
+            raise ValueError(f"ticket {ticket.id} is not the in-flight save of {self.run!r}")
+        now = self.clock()
+        ticket.outcome = outcome
+        duration = now - (ticket.accepted_at or now)
+        kind = ticket.spec.kind.value
+        if isinstance(outcome, Written):
+            ticket.state = TicketState.WRITTEN
+            self.stats.ok += 1
+            self.stats.last_success = LastSuccess(ticket.spec.kind, outcome.path, ticket.spec.step, now)
+            self.sink.save_written(self.run, kind, outcome.bytes_written, duration, now)
+        else:
+            ticket.state = TicketState.FAILED
+            self.stats.failed += 1
+            self.stats.last_error = outcome.error
+            self.sink.save_failed(self.run, kind, duration)
+        self.in_flight = None
+        self.sink.in_flight_changed(-1)
+        if self.waiting:
+            nxt = self.waiting.popleft()
+            self._start(nxt)
+            return nxt
+        if self.state is LaneState.CLOSING:
+            self.state = LaneState.CLOSED
+        return None
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """Removes a queued blocking save whose caller gave up."""
+        if ticket.state is TicketState.WAITING:
+            self.waiting.remove(ticket)
+            ticket.state = TicketState.WITHDRAWN
+            if self.idle and self.state is LaneState.CLOSING:
+                self.state = LaneState.CLOSED
+
+    def close(self) -> None:
+        """Refuses new saves; the lane is CLOSED once queued saves end."""
+        if self.state is LaneState.OPEN:
+            self.state = LaneState.CLOSED if self.idle else LaneState.CLOSING
+
+    def reopen(self) -> None:
+        """Opens a closed lane again (the run was registered anew)."""
+        self.state = LaneState.OPEN
+
+    def _start(self, ticket: Ticket) -> None:
+        ticket.state = TicketState.ACTIVE
+        ticket.accepted_at = self.clock()
+        self.in_flight = ticket
+        self.sink.in_flight_changed(+1)

@@ -1,0 +1,121 @@
+"""Variable manifests: what a run's snapshots must contain, byte for byte."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from checkpointd.core.errors import InvalidRequestError, LimitExceededError
+
+# Item sizes of the dtypes a snapshot may carry (NumPy names). Strings and
+# resources have no fixed size and are refused at registration.
+ITEMSIZE: dict[str, int] = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+@dataclass(frozen=True)
+class VariableSpec:
+    """One variable: its keys in both checkpoint layouts, dtype and shape."""
+
+    key: str
+    checkpoint_key: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.key or not self.checkpoint_key:
+            raise InvalidRequestError("a variable has an empty key")
+        if self.dtype not in ITEMSIZE:
+            raise InvalidRequestError(
+                f"variable {self.key!r} has dtype {self.dtype!r}; supported: "
+                + ", ".join(sorted(ITEMSIZE))
+            )
+        if any(d < 0 for d in self.shape):
+            raise InvalidRequestError(f"variable {self.key!r} has a negative dimension {self.shape}")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The ordered variables every snapshot of a run must carry."""
+
+    variables: tuple[VariableSpec, ...]
+
+    def __post_init__(self) -> None:
+        for attr in ("key", "checkpoint_key"):
+            seen: set[str] = set()
+            for v in self.variables:
+                name = getattr(v, attr)
+                if name in seen:
+                    raise InvalidRequestError(f"variable {attr} {name!r} appears twice")
+                seen.add(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.variables)
+
+    def offsets(self) -> list[tuple[int, int]]:
+        """(start, end) byte ranges of each variable in a snapshot."""
+        ranges, start = [], 0
+        for v in self.variables:
+            ranges.append((start, start + v.nbytes))
+            start += v.nbytes
+        return ranges
+
+    def check_snapshot(
+        self, declared: Sequence[VariableSpec], declared_bytes: int, max_bytes: int | None = None
+    ) -> None:
+        """Checks a save's declared snapshot against the manifest.
+
+        Raises:
+            InvalidRequestError: naming the first variable that differs.
+            LimitExceededError: if the snapshot is larger than `max_bytes`.
+        """
+        for i, (want, got) in enumerate(zip(self.variables, declared)):
+            if got.key != want.key:
+                raise InvalidRequestError(
+                    f"snapshot variable #{i} is {got.key!r}; the run's manifest has {want.key!r}"
+                )
+            if got.dtype != want.dtype or tuple(got.shape) != want.shape:
+                raise InvalidRequestError(
+                    f"snapshot variable {got.key!r} is {got.dtype}{list(got.shape)}; "
+                    f"the run's manifest has {want.dtype}{list(want.shape)}"
+                )
+        if len(declared) != len(self.variables):
+            first = (
+                self.variables[len(declared)].key
+                if len(declared) < len(self.variables)
+                else declared[len(self.variables)].key
+            )
+            raise InvalidRequestError(
+                f"snapshot has {len(declared)} variables; the run's manifest has "
+                f"{len(self.variables)} (first unmatched: {first!r})"
+            )
+        if declared_bytes != self.nbytes:
+            raise InvalidRequestError(
+                f"snapshot declares {declared_bytes} bytes; its variables take {self.nbytes}"
+            )
+        if max_bytes is not None and declared_bytes > max_bytes:
+            raise LimitExceededError(
+                f"snapshot of {declared_bytes} bytes exceeds the daemon's limit of {max_bytes} "
+                "(--max-snapshot-bytes)"
+            )

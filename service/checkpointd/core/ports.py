@@ -1,0 +1,78 @@
+"""What the core needs from the outside world, as Protocols."""
+
+from __future__ import annotations
+
+from collections.abc import Buffer, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from checkpointd.core.lane import SaveKind
+    from checkpointd.core.manifest import Manifest, VariableSpec
+
+
+class Clock(Protocol):
+    def __call__(self) -> float:
+        """Seconds since the epoch."""
+
+
+class MetricsSink(Protocol):
+    """Receives every save outcome; `checkpointd.metrics` implements it."""
+
+    def save_skipped(self, run: str, kind: str) -> None: ...
+
+    def save_written(
+        self, run: str, kind: str, bytes_written: int, seconds: float, at: float
+    ) -> None: ...
+
+    def save_failed(self, run: str, kind: str, seconds: float) -> None: ...
+
+    def in_flight_changed(self, delta: int) -> None: ...
+
+
+class NullSink:
+    """A MetricsSink that records nothing."""
+
+    def save_skipped(self, run: str, kind: str) -> None:
+        pass
+
+    def save_written(
+        self, run: str, kind: str, bytes_written: int, seconds: float, at: float
+    ) -> None:
+        pass
+
+    def save_failed(self, run: str, kind: str, seconds: float) -> None:
+        pass
+
+    def in_flight_changed(self, delta: int) -> None:
+        pass
+
+
+class Writer(Protocol):
+    """Turns templates and snapshots into files; `checkpointd.writer` implements it.
+
+    Both methods leave nothing behind on failure.
+    """
+
+    def register(
+        self,
+        run: str,
+        staged_dir: Path,
+        variables: Sequence[VariableSpec],
+        checkpoint_object_graph: bytes,
+    ) -> Manifest:
+        """Validates an uploaded template and makes it the run's template.
+
+        Raises:
+            InvalidRequestError: the template is not a TF-Agents policy
+                SavedModel, or `variables` disagree with it.
+        """
+        ...
+
+    def write(self, run: str, kind: SaveKind, target: Path, snapshot: Buffer) -> int:
+        """Writes one save atomically to `target`; returns the bytes written.
+
+        Raises:
+            SaveFailedError: the save could not be written.
+        """
+        ...

@@ -1,0 +1,1 @@
+"""Generated gRPC code for checkpointd.v1 (scripts/gen_protos.sh); do not edit."""

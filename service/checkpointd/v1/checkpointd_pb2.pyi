@@ -1,0 +1,214 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SaveKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAVE_KIND_UNSPECIFIED: _ClassVar[SaveKind]
+    SAVED_MODEL: _ClassVar[SaveKind]
+    CHECKPOINT: _ClassVar[SaveKind]
+SAVE_KIND_UNSPECIFIED: SaveKind
+SAVED_MODEL: SaveKind
+CHECKPOINT: SaveKind
+
+class Variable(_message.Message):
+    __slots__ = ("key", "checkpoint_key", "dtype", "shape")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    checkpoint_key: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[str] = ..., checkpoint_key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("path", "offset", "data", "crc32c")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    data: bytes
+    crc32c: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class RegisterRunHeader(_message.Message):
+    __slots__ = ("run", "variables", "checkpoint_object_graph", "template_bytes")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_OBJECT_GRAPH_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    variables: _containers.RepeatedCompositeFieldContainer[Variable]
+    checkpoint_object_graph: bytes
+    template_bytes: int
+    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., checkpoint_object_graph: _Optional[bytes] = ..., template_bytes: _Optional[int] = ...) -> None: ...
+
+class RegisterRunRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: RegisterRunHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[RegisterRunHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class RegisterRunResponse(_message.Message):
+    __slots__ = ("run", "variables", "snapshot_bytes")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    variables: _containers.RepeatedCompositeFieldContainer[Variable]
+    snapshot_bytes: int
+    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+
+class SaveHeader(_message.Message):
+    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    BLOCKING_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    kind: SaveKind
+    export_dir: str
+    blocking: bool
+    step: int
+    variables: _containers.RepeatedCompositeFieldContainer[Variable]
+    snapshot_bytes: int
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: SaveHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[SaveHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class SaveDecision(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SaveResult(_message.Message):
+    __slots__ = ("path", "bytes_written", "duration_seconds", "step", "kind")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    bytes_written: int
+    duration_seconds: float
+    step: int
+    kind: SaveKind
+    def __init__(self, path: _Optional[str] = ..., bytes_written: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ...) -> None: ...
+
+class SaveResponse(_message.Message):
+    __slots__ = ("decision", "result")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    decision: SaveDecision
+    result: SaveResult
+    def __init__(self, decision: _Optional[_Union[SaveDecision, _Mapping]] = ..., result: _Optional[_Union[SaveResult, _Mapping]] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ("run", "timeout_seconds")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    timeout_seconds: float
+    def __init__(self, run: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, runs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CloseRunRequest(_message.Message):
+    __slots__ = ("run", "timeout_seconds")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    timeout_seconds: float
+    def __init__(self, run: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CloseRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...
+
+class InFlightSave(_message.Message):
+    __slots__ = ("kind", "export_dir", "step", "started_unix_seconds", "waiting")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    kind: SaveKind
+    export_dir: str
+    step: int
+    started_unix_seconds: float
+    waiting: int
+    def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., step: _Optional[int] = ..., started_unix_seconds: _Optional[float] = ..., waiting: _Optional[int] = ...) -> None: ...
+
+class LastSuccess(_message.Message):
+    __slots__ = ("kind", "path", "step", "unix_seconds")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: SaveKind
+    path: str
+    step: int
+    unix_seconds: float
+    def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
+
+class RunStatus(_message.Message):
+    __slots__ = ("run", "state", "in_flight", "saves_ok", "saves_skipped", "saves_failed", "last_success", "last_error")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SAVES_OK_FIELD_NUMBER: _ClassVar[int]
+    SAVES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SAVES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    state: str
+    in_flight: InFlightSave
+    saves_ok: int
+    saves_skipped: int
+    saves_failed: int
+    last_success: LastSuccess
+    last_error: str
+    def __init__(self, run: _Optional[str] = ..., state: _Optional[str] = ..., in_flight: _Optional[_Union[InFlightSave, _Mapping]] = ..., saves_ok: _Optional[int] = ..., saves_skipped: _Optional[int] = ..., saves_failed: _Optional[int] = ..., last_success: _Optional[_Union[LastSuccess, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("runs", "draining")
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
+    draining: bool
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., draining: bool = ...) -> None: ...
