@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Buffer, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -69,7 +69,7 @@ class Writer(Protocol):
         """
         ...
 
-    def write(self, run: str, kind: SaveKind, target: Path, snapshot: Buffer) -> int:
+    def write(self, run: str, kind: SaveKind, target: Path, snapshot: bytes | bytearray | memoryview) -> int:
         """Writes one save atomically to `target`; returns the bytes written.
 
         Raises:
