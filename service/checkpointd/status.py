@@ -97,5 +97,6 @@ def grpc_errors(method: _F) -> _F:
 
 
 def _is_abort(exc: BaseException) -> bool:
-    # context.abort() raises a bare Exception subclass private to grpc; let it through.
-    return type(exc).__module__.startswith("grpc")
+    # A grpc.RpcError here means the call already ended (the client cancelled
+    # and the request iterator raised): there is no status left to set.
+    return isinstance(exc, grpc.RpcError)

@@ -1,0 +1,145 @@
+"""`checkpointd serve|flush|status|close`: parsing is pure, running is not."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpointd import __version__
+from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServeConfig
+
+_LOGGER = logging.getLogger("checkpointd")
+
+
+@dataclass(frozen=True)
+class OpsCommand:
+    """flush, status or close against a running daemon."""
+
+    name: str
+    address: str
+    run: str | None
+    timeout: float | None
+    as_json: bool = False
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    text = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 8G)") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="checkpointd",
+        description="An asynchronous checkpoint service for TF-Agents.",
+    )
+    parser.add_argument("--version", action="version", version=f"checkpointd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the daemon", description="Run the daemon until SIGTERM/SIGINT, then drain.")
+    serve.add_argument("--root", type=Path, default=Path("checkpoints"), help="where runs are written (default: ./checkpoints)")
+    serve.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1; 0.0.0.0 or [::] for remote trainers)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port, 0 = any free port (default: {DEFAULT_PORT})")
+    serve.add_argument("--port-file", type=Path, help="write the bound gRPC port here once serving")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="/metrics bind address (default: 127.0.0.1)")
+    serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help=f"/metrics port, 0 = any free port, -1 = off (default: {DEFAULT_METRICS_PORT})")
+    serve.add_argument("--metrics-port-file", type=Path, help="write the bound metrics port here once serving")
+    serve.add_argument("--grace-seconds", type=float, default=60.0, help="on SIGTERM, time accepted saves get to finish (default: 60)")
+    serve.add_argument("--max-snapshot-bytes", type=_size, default=8 << 30, help="largest snapshot one save may carry (default: 8G)")
+    serve.add_argument("--max-template-bytes", type=_size, default=16 << 30, help="largest template a run may register (default: 16G)")
+    serve.add_argument("--max-workers", type=int, default=64, help="gRPC handler threads; each open save holds one (default: 64)")
+    serve.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing (throwaway runs only)")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    for name, text in (
+        ("flush", "wait until every accepted save is durable (exit 1 past --timeout)"),
+        ("status", "show runs, in-flight saves, counts and last success"),
+        ("close", "flush one run and end its lane"),
+    ):
+        cmd = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        cmd.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}", help=f"daemon HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
+        cmd.add_argument("--run", required=name == "close", help="one run" + ("" if name == "close" else " (default: all runs)"))
+        cmd.add_argument("--timeout", type=float, help="seconds to wait (default: no limit)")
+        if name == "status":
+            cmd.add_argument("--json", action="store_true", dest="as_json", help="machine-readable output")
+    return parser
+
+
+def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand, str]:
+    """Parses a command line; no side effects.
+
+    Returns:
+        The serve config or the ops command, and the log level.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            config = ServeConfig(
+                root=args.root,
+                host=args.host,
+                port=args.port,
+                port_file=args.port_file,
+                metrics_host=args.metrics_host,
+                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                metrics_port_file=args.metrics_port_file,
+                grace_seconds=args.grace_seconds,
+                max_snapshot_bytes=args.max_snapshot_bytes,
+                max_template_bytes=args.max_template_bytes,
+                max_workers=args.max_workers,
+                fsync=not args.no_fsync,
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
+        return config, args.log_level
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error("--timeout must be positive")
+    return OpsCommand(args.command, args.address, args.run, args.timeout, getattr(args, "as_json", False)), "WARNING"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `checkpointd` entry point."""
+    command, level = config_from_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if isinstance(command, ServeConfig):
+        return _serve(command)
+    from checkpointd import ops  # grpc stubs only; no TensorFlow
+
+    return ops.run(command)
+
+
+def _serve(config: ServeConfig) -> int:
+    from checkpointd.server import Server
+
+    server = Server(config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        server.start()
+    except OSError as exc:
+        _LOGGER.error("cannot start: %s", exc)
+        return 2
+    stop.wait()
+    _LOGGER.info("shutting down: draining accepted saves (grace %.0fs)", config.grace_seconds)
+    started = time.monotonic()
+    clean = server.stop()
+    _LOGGER.info("stopped after %.3fs", time.monotonic() - started)
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Every run's lane behind one lock: the threads and the waiting live here.
+
+The core `Lane` decides (accept, queue, skip); this module makes callers wait
+for those decisions with deadlines, and never holds the lock while a save is
+received or written. Lock discipline: `_cond` guards `_runs`, every lane in
+it, and `_draining`; it is released by `wait`, and notified whenever a lane
+changes state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from checkpointd.core.errors import DeadlineError, RunNotFoundError
+from checkpointd.core.lane import (
+    Failed,
+    Lane,
+    LaneState,
+    LaneStats,
+    SaveSpec,
+    Skipped,
+    Ticket,
+    TicketState,
+    Written,
+)
+from checkpointd.core.manifest import Manifest
+from checkpointd.core.ports import Clock, MetricsSink, NullSink
+
+_LOGGER = logging.getLogger(__name__)
+
+# How often a waiting blocking save checks that its caller is still there.
+_POLL_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A copy of one run's state, safe to read without the lock."""
+
+    run: str
+    state: LaneState
+    in_flight: Ticket | None
+    waiting: int
+    stats: LaneStats
+    manifest: Manifest
+
+
+@dataclass
+class _Run:
+    lane: Lane
+    manifest: Manifest
+
+
+class Lanes:
+    """The daemon's runs: register, begin/finish saves, flush, close, drain."""
+
+    def __init__(self, clock: Clock = time.time, sink: MetricsSink | None = None) -> None:
+        self._clock = clock
+        self._sink = sink or NullSink()
+        self._cond = threading.Condition()
+        self._runs: dict[str, _Run] = {}
+        self._draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def register(self, run: str, manifest: Manifest) -> None:
+        """Adds a run, or gives an existing one a new manifest and reopens it."""
+        with self._cond:
+            entry = self._runs.get(run)
+            if entry is None:
+                self._runs[run] = _Run(Lane(run, self._clock, self._sink), manifest)
+            else:
+                entry.manifest = manifest
+                entry.lane.reopen()
+            self._cond.notify_all()
+
+    def manifest(self, run: str) -> Manifest:
+        """The run's manifest.
+
+        Raises:
+            RunNotFoundError: if the run was never registered.
+        """
+        with self._cond:
+            return self._get(run).manifest
+
+    def begin(
+        self,
+        run: str,
+        spec: SaveSpec,
+        *,
+        timeout: float | None = None,
+        is_active: Callable[[], bool] = lambda: True,
+    ) -> Ticket | Skipped:
+        """Asks the run's lane for a save; a blocking save waits its turn here.
+
+        Args:
+            run: the run.
+            spec: the save.
+            timeout: seconds a blocking save may wait for the in-flight one.
+            is_active: False once the caller has gone away.
+
+        Returns:
+            An ACTIVE ticket (the caller must `finish` it) or Skipped.
+
+        Raises:
+            RunNotFoundError, RunClosedError, DrainingError: as the lane says.
+            DeadlineError: a blocking save waited longer than `timeout`, or
+                its caller went away.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            decision = self._get(run).lane.request(spec, draining=self._draining)
+            if isinstance(decision, Skipped) or decision.state is TicketState.ACTIVE:
+                return decision
+            while decision.state is TicketState.WAITING:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if (remaining is not None and remaining <= 0) or not is_active():
+                    self._runs[run].lane.withdraw(decision)
+                    self._cond.notify_all()
+                    raise DeadlineError(
+                        f"blocking save of run {run!r} to {spec.export_dir!r} gave up waiting "
+                        "for the save in flight"
+                    )
+                self._cond.wait(_POLL_SECONDS if remaining is None else min(remaining, _POLL_SECONDS))
+            return decision
+
+    def finish(self, run: str, ticket: Ticket, outcome: Written | Failed) -> None:
+        """Ends an accepted save; the next queued blocking save starts."""
+        with self._cond:
+            self._runs[run].lane.finish(ticket, outcome)
+            self._cond.notify_all()
+
+    def flush(self, run: str | None = None, timeout: float | None = None) -> list[str]:
+        """Waits until no save is in flight or queued (one run, or all).
+
+        Returns:
+            The runs flushed.
+
+        Raises:
+            RunNotFoundError: `run` is unknown.
+            DeadlineError: saves were still in flight after `timeout` seconds.
+        """
+        with self._cond:
+            names = [run] if run else sorted(self._runs)
+            for name in names:
+                self._get(name)
+
+            def idle() -> bool:
+                return all(self._runs[n].lane.idle for n in names)
+
+            if not self._cond.wait_for(idle, timeout):
+                busy = [n for n in names if not self._runs[n].lane.idle]
+                raise DeadlineError(
+                    f"flush timed out after {timeout:g}s; saves still in flight for runs: "
+                    + ", ".join(busy)
+                )
+            return names
+
+    def close(self, run: str, timeout: float | None = None) -> None:
+        """Refuses new saves on `run` at once, then waits for its lane to end.
+
+        Raises:
+            RunNotFoundError: `run` is unknown.
+            DeadlineError: saves were still in flight after `timeout` seconds;
+                the run stays closing and closes when they end.
+        """
+        with self._cond:
+            lane = self._get(run).lane
+            lane.close()
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: lane.state is LaneState.CLOSED, timeout):
+                raise DeadlineError(
+                    f"close of run {run!r} timed out after {timeout:g}s; it closes when its "
+                    "save in flight ends"
+                )
+
+    def drain(self) -> None:
+        """Refuses every new save from now on (the daemon is shutting down)."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+
+    def views(self, run: str | None = None) -> list[RunView]:
+        """Copies of the runs' state, for status."""
+        with self._cond:
+            names = [run] if run else sorted(self._runs)
+            out = []
+            for name in names:
+                entry = self._get(name)
+                lane = entry.lane
+                out.append(
+                    RunView(
+                        run=name,
+                        state=lane.state,
+                        in_flight=dataclasses.replace(lane.in_flight) if lane.in_flight else None,
+                        waiting=len(lane.waiting),
+                        stats=dataclasses.replace(lane.stats),
+                        manifest=entry.manifest,
+                    )
+                )
+            return out
+
+    def _get(self, run: str) -> _Run:
+        entry = self._runs.get(run)
+        if entry is None:
+            raise RunNotFoundError(
+                f"run {run!r} is not registered on this daemon (never registered, or the "
+                "daemon restarted): register it first"
+            )
+        return entry

@@ -1,0 +1,146 @@
+"""The daemon's lifecycle: start serving, report ports, drain on shutdown."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from checkpointd import publish
+from checkpointd.core.config import ServeConfig
+from checkpointd.core.errors import DeadlineError
+from checkpointd.core.ports import Writer
+from checkpointd.lanes import Lanes
+from checkpointd.metrics import Metrics, serve_metrics
+from checkpointd.servicer import CheckpointServicer
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
+
+_LOGGER = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
+# Chunks are <= 1 MiB; leave room for framing, refuse anything near gRPC's 4 MiB.
+_MAX_MESSAGE_BYTES = 4 << 20
+
+
+class Server:
+    """A running checkpointd: gRPC service, health, reflection and /metrics.
+
+    Usage: `server = Server(config); server.start(); ...; server.stop()`.
+    `port` and `metrics_port` are the ports actually bound (0 picks one).
+    """
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        writer: Writer | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = registry or CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        self.lanes = Lanes(sink=self.metrics)
+        self._writer = writer
+        self._health = health.HealthServicer()
+        self._grpc: grpc.Server | None = None
+        self._http = None
+        self._stopped = threading.Event()
+        self.port = 0
+        self.metrics_port: int | None = None
+
+    def start(self) -> None:
+        """Binds, starts serving and writes the port files."""
+        config = self.config
+        config.root.mkdir(parents=True, exist_ok=True)
+        fixed = publish.recover(config.root)
+        if fixed:
+            _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, config.root)
+        if self._writer is None:
+            from checkpointd.writer import TfWriter  # TensorFlow loads here, not at import
+
+            self._writer = TfWriter(config.state_dir, fsync=config.fsync)
+        servicer = CheckpointServicer(config, self.lanes, self._writer)
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_CheckpointServiceServicer_to_server(servicer, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._grpc,
+        )
+        address = f"{_bracket(config.host)}:{config.port}"
+        self.port = self._grpc.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind gRPC to {address}")
+        self._grpc.start()
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if config.metrics_port is not None:
+            self._http, _ = serve_metrics(self.registry, config.metrics_host, config.metrics_port)
+            self.metrics_port = self._http.server_port
+        _LOGGER.info(
+            "listening on port %d (root %s, metrics %s)",
+            self.port, config.root.resolve(),
+            f"http://{config.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
+        )
+        _write_port(config.port_file, self.port)
+        if self.metrics_port is not None:
+            _write_port(config.metrics_port_file, self.metrics_port)
+
+    def stop(self, grace: float | None = None) -> bool:
+        """Drains: NOT_SERVING, refuse new saves, let accepted ones finish.
+
+        Args:
+            grace: seconds accepted saves may take; default config.grace_seconds.
+
+        Returns:
+            True if every accepted save finished within the grace period.
+        """
+        grace = self.config.grace_seconds if grace is None else grace
+        self._health.enter_graceful_shutdown()
+        self.lanes.drain()
+        started = time.monotonic()
+        try:
+            self.lanes.flush(None, grace)
+            clean = True
+        except DeadlineError as exc:
+            _LOGGER.error("shutdown: %s; abandoning them", exc)
+            clean = False
+        _LOGGER.info("drained in %.3fs", time.monotonic() - started)
+        if self._grpc is not None:
+            self._grpc.stop(grace=1.0).wait()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self._stopped.set()
+        return clean
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until stop() has finished."""
+        return self._stopped.wait(timeout)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _write_port(path: Path | None, port: int) -> None:
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)  # readers never see a half-written file

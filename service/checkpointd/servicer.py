@@ -1,0 +1,257 @@
+"""The gRPC servicer: CheckpointService on top of Lanes and a Writer.
+
+Requests are checked before any decision (bad input is refused, counted as
+nothing and writes nothing); domain errors become statuses in one place,
+`checkpointd.status.grpc_errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import crc32c
+import grpc
+
+from checkpointd.core.config import ServeConfig
+from checkpointd.core.errors import (
+    ChecksumError,
+    InvalidRequestError,
+    LimitExceededError,
+)
+from checkpointd.core.lane import Failed, SaveKind, SaveSpec, Skipped, Written
+from checkpointd.core.manifest import VariableSpec
+from checkpointd.core.paths import check_export_dir, check_run_name, resolve_export_dir
+from checkpointd.core.ports import Writer
+from checkpointd.lanes import Lanes
+from checkpointd.status import grpc_errors
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
+
+_LOGGER = logging.getLogger(__name__)
+
+KIND_FROM_PB = {pb.SAVED_MODEL: SaveKind.SAVED_MODEL, pb.CHECKPOINT: SaveKind.CHECKPOINT}
+KIND_TO_PB = {v: k for k, v in KIND_FROM_PB.items()}
+
+
+def variable_from_pb(v: pb.Variable) -> VariableSpec:
+    return VariableSpec(v.key, v.checkpoint_key, v.dtype, tuple(v.shape))
+
+
+def variable_to_pb(v: VariableSpec) -> pb.Variable:
+    return pb.Variable(key=v.key, checkpoint_key=v.checkpoint_key, dtype=v.dtype, shape=v.shape)
+
+
+def _first(requests: Iterator, field: str, rpc: str):  # noqa: ANN202 - a pb message
+    try:
+        first = next(requests)
+    except StopIteration:
+        raise InvalidRequestError(f"{rpc}: the stream ended before its {field}") from None
+    if first.WhichOneof("item") != field:
+        raise InvalidRequestError(f"{rpc}: the first message must be a {field}")
+    return getattr(first, field)
+
+
+def _check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -> None:
+    if chunk.offset != expected_offset:
+        raise InvalidRequestError(
+            f"{what}: chunk at offset {chunk.offset}, expected {expected_offset} (chunks in order)"
+        )
+    if chunk.offset + len(chunk.data) > limit:
+        raise InvalidRequestError(
+            f"{what}: data runs past the announced {limit} bytes "
+            f"(chunk at {chunk.offset} of {len(chunk.data)} bytes)"
+        )
+    if crc32c.crc32c(chunk.data) != chunk.crc32c:
+        raise ChecksumError(f"{what}: CRC32C mismatch in the chunk at offset {chunk.offset}")
+
+
+class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
+    """Implements checkpointd.v1.CheckpointService."""
+
+    def __init__(self, config: ServeConfig, lanes: Lanes, writer: Writer) -> None:
+        self._config = config
+        self._lanes = lanes
+        self._writer = writer
+        self._staging = config.state_dir / "staging"
+
+    @grpc_errors
+    def RegisterRun(self, request_iterator: Iterator[pb.RegisterRunRequest], context: grpc.ServicerContext) -> pb.RegisterRunResponse:
+        header = _first(request_iterator, "header", "RegisterRun")
+        run = check_run_name(header.run)
+        variables = [variable_from_pb(v) for v in header.variables]
+        if header.template_bytes > self._config.max_template_bytes:
+            raise LimitExceededError(
+                f"template of {header.template_bytes} bytes exceeds the daemon's limit of "
+                f"{self._config.max_template_bytes} (--max-template-bytes)"
+            )
+        started = time.monotonic()
+        staged = self._staging / uuid.uuid4().hex
+        try:
+            self._receive_template(request_iterator, staged, header.template_bytes)
+            manifest = self._writer.register(run, staged, variables, header.checkpoint_object_graph)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        self._lanes.register(run, manifest)
+        _LOGGER.info(
+            "registered run=%s variables=%d snapshot_bytes=%d template_bytes=%d in %.3fs",
+            run, len(manifest.variables), manifest.nbytes, header.template_bytes,
+            time.monotonic() - started,
+        )
+        return pb.RegisterRunResponse(
+            run=run,
+            variables=[variable_to_pb(v) for v in manifest.variables],
+            snapshot_bytes=manifest.nbytes,
+        )
+
+    def _receive_template(self, requests: Iterator[pb.RegisterRunRequest], staged: Path, total: int) -> None:
+        received = 0
+        current: tuple[str, object] | None = None  # (path, open file)
+        offset = 0
+        staged.mkdir(parents=True)
+        try:
+            for request in requests:
+                if request.WhichOneof("item") != "chunk":
+                    raise InvalidRequestError("RegisterRun: only chunks may follow the header")
+                chunk = request.chunk
+                if current is None or chunk.path != current[0]:
+                    if current is not None:
+                        current[1].close()
+                    relative = check_export_dir(chunk.path)
+                    target = staged / relative
+                    if target.exists():
+                        raise InvalidRequestError(f"RegisterRun: file {chunk.path!r} sent twice")
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    current, offset = (chunk.path, open(target, "wb")), 0
+                _check_chunk(chunk, offset, offset + (total - received), f"template file {chunk.path!r}")
+                current[1].write(chunk.data)
+                offset += len(chunk.data)
+                received += len(chunk.data)
+        finally:
+            if current is not None:
+                current[1].close()
+        if received != total:
+            raise InvalidRequestError(
+                f"RegisterRun: received {received} template bytes; the header announced {total}"
+            )
+
+    @grpc_errors
+    def Save(self, request_iterator: Iterator[pb.SaveRequest], context: grpc.ServicerContext) -> Iterator[pb.SaveResponse]:
+        header = _first(request_iterator, "header", "Save")
+        if header.kind not in KIND_FROM_PB:
+            raise InvalidRequestError("Save: kind must be SAVED_MODEL or CHECKPOINT")
+        kind = KIND_FROM_PB[header.kind]
+        run = check_run_name(header.run)
+        manifest = self._lanes.manifest(run)
+        target = resolve_export_dir(self._config.root, run, header.export_dir)
+        manifest.check_snapshot(
+            [variable_from_pb(v) for v in header.variables],
+            header.snapshot_bytes,
+            self._config.max_snapshot_bytes,
+        )
+        spec = SaveSpec(kind, header.export_dir, header.blocking, header.step)
+        decision = self._lanes.begin(
+            run, spec, timeout=context.time_remaining(), is_active=context.is_active
+        )
+        if isinstance(decision, Skipped):
+            _LOGGER.warning(
+                "skipped run=%s kind=%s export_dir=%s step=%d: %s",
+                run, kind.value, header.export_dir, header.step, decision.reason,
+            )
+            yield pb.SaveResponse(decision=pb.SaveDecision(accepted=False, reason=decision.reason))
+            return
+        outcome: Written | Failed = Failed("the client went away during the save")
+        try:
+            yield pb.SaveResponse(decision=pb.SaveDecision(accepted=True))
+            snapshot = self._receive_snapshot(request_iterator, header.snapshot_bytes, context)
+            outcome = Written(str(target), self._writer.write(run, kind, target, snapshot))
+        except Exception as exc:
+            outcome = Failed(str(exc) or type(exc).__name__)
+            raise
+        finally:
+            self._lanes.finish(run, decision, outcome)
+            seconds = time.time() - (decision.accepted_at or time.time())
+            if isinstance(outcome, Written):
+                _LOGGER.info(
+                    "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs",
+                    run, kind.value, header.export_dir, header.step, outcome.bytes_written, seconds,
+                )
+            else:
+                _LOGGER.warning(
+                    "failed run=%s kind=%s export_dir=%s step=%d duration=%.3fs: %s",
+                    run, kind.value, header.export_dir, header.step, seconds, outcome.error,
+                )
+        yield pb.SaveResponse(
+            result=pb.SaveResult(
+                path=outcome.path,
+                bytes_written=outcome.bytes_written,
+                duration_seconds=seconds,
+                step=header.step,
+                kind=header.kind,
+            )
+        )
+
+    def _receive_snapshot(self, requests: Iterator[pb.SaveRequest], total: int, context: grpc.ServicerContext) -> bytearray:
+        buffer = bytearray(total)
+        view = memoryview(buffer)
+        received = 0
+        for request in requests:
+            if request.WhichOneof("item") != "chunk":
+                raise InvalidRequestError("Save: only chunks may follow the header")
+            chunk = request.chunk
+            _check_chunk(chunk, received, total, "snapshot")
+            view[received : received + len(chunk.data)] = chunk.data
+            received += len(chunk.data)
+        if not context.is_active():
+            raise InvalidRequestError("Save: the client went away during the upload")
+        if received != total:
+            raise InvalidRequestError(
+                f"Save: the snapshot ended after {received} of its {total} bytes"
+            )
+        return buffer
+
+    @grpc_errors
+    def Flush(self, request: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
+        runs = self._lanes.flush(request.run or None, request.timeout_seconds or None)
+        return pb.FlushResponse(runs=runs)
+
+    @grpc_errors
+    def CloseRun(self, request: pb.CloseRunRequest, context: grpc.ServicerContext) -> pb.CloseRunResponse:
+        self._lanes.close(check_run_name(request.run), request.timeout_seconds or None)
+        _LOGGER.info("closed run=%s", request.run)
+        return pb.CloseRunResponse(run=request.run)
+
+    @grpc_errors
+    def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        runs = []
+        for view in self._lanes.views(request.run or None):
+            status = pb.RunStatus(
+                run=view.run,
+                state=view.state.value,
+                saves_ok=view.stats.ok,
+                saves_skipped=view.stats.skipped,
+                saves_failed=view.stats.failed,
+                last_error=view.stats.last_error,
+            )
+            if view.in_flight is not None:
+                spec = view.in_flight.spec
+                status.in_flight.CopyFrom(
+                    pb.InFlightSave(
+                        kind=KIND_TO_PB[spec.kind],
+                        export_dir=spec.export_dir,
+                        step=spec.step,
+                        started_unix_seconds=view.in_flight.accepted_at or 0.0,
+                        waiting=view.waiting,
+                    )
+                )
+            if view.stats.last_success is not None:
+                last = view.stats.last_success
+                status.last_success.CopyFrom(
+                    pb.LastSuccess(kind=KIND_TO_PB[last.kind], path=last.path, step=last.step, unix_seconds=last.at)
+                )
+            runs.append(status)
+        return pb.StatusResponse(runs=runs, draining=self._lanes.draining)
