@@ -1,0 +1,62 @@
+"""The daemon's configuration: frozen, validated, and free of argparse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PORT = 7431
+DEFAULT_METRICS_PORT = 9431
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `checkpointd serve` needs.
+
+    Attributes:
+        root: where run folders are written; `<root>/.checkpointd/` holds the
+            daemon's own state (templates, staging).
+        host: gRPC bind address.
+        port: gRPC port; 0 picks a free one.
+        metrics_host: bind address of the /metrics endpoint.
+        metrics_port: /metrics port; 0 picks a free one, None disables it.
+        port_file: if set, the bound gRPC port is written there once serving.
+        metrics_port_file: likewise for the metrics port.
+        grace_seconds: on SIGTERM, how long accepted saves may take to finish.
+        max_snapshot_bytes: largest snapshot one save may carry.
+        max_template_bytes: largest template a run may register.
+        max_workers: gRPC handler threads (each open save or wait holds one).
+        fsync: fsync files and directories before publishing (turn off only
+            for throwaway tests).
+    """
+
+    root: Path = Path("checkpoints")
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    port_file: Path | None = None
+    metrics_port_file: Path | None = None
+    grace_seconds: float = 60.0
+    max_snapshot_bytes: int = 8 * GiB
+    max_template_bytes: int = 16 * GiB
+    max_workers: int = 64
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {value}")
+        if self.grace_seconds < 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        for name in ("max_snapshot_bytes", "max_template_bytes", "max_workers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.host:
+            raise ValueError("host must not be empty")
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / ".checkpointd"
