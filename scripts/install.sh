@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv (Python 3.11) and installs checkpointd with the daemon, the
+# client and the test tools. Safe to run again: pip skips what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "checkpointd needs Python 3.11 (TensorFlow 2.15); found $("$PY" --version). Set PYTHON=/path/to/python3.11." >&2
+  exit 1
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade "pip>=23.2"
+.venv/bin/python -m pip install --quiet -e ".[daemon,client,test]"
+echo "installed into $(pwd)/.venv"
