@@ -8,6 +8,7 @@ window and clears leftover temp dirs when the daemon starts. Stdlib only.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -42,7 +43,13 @@ def make_temp_sibling(target: Path) -> Path:
         OSError: if the parents or the temp dir cannot be created.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        # mkdir says "File exists" when the parent is a file; say what is wrong.
+        raise NotADirectoryError(
+            errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(target.parent)
+        ) from None
     tmp = target.parent / f"{TMP_PREFIX}{target.name}-{_suffix()}"
     tmp.mkdir()
     return tmp

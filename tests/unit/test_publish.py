@@ -1,0 +1,166 @@
+"""Atomic directory publication and start-up recovery, on real files, no TF."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpointd import publish
+from checkpointd.core.errors import SaveFailedError
+
+_HEX = "0123456789abcdef"
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Relative path -> content of every file under root."""
+    return {
+        os.path.relpath(os.path.join(d, f), root): Path(d, f).read_text()
+        for d, _, fs in os.walk(root)
+        for f in fs
+    }
+
+
+def make(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_publish_imports_only_the_stdlib_and_the_core() -> None:
+    code = (
+        "import sys, checkpointd.publish; "
+        "sys.exit(any(m.split('.')[0] in ('tensorflow', 'numpy', 'grpc') for m in sys.modules))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_temp_sibling_is_a_fresh_dir_next_to_the_target(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "export"
+    first, second = publish.make_temp_sibling(target), publish.make_temp_sibling(target)
+    assert first.is_dir() and second.is_dir() and first != second
+    assert first.parent == target.parent
+    assert re.fullmatch(r"\.checkpointd-tmp-export-[0-9a-f]+", first.name)
+    assert not target.exists()
+
+
+def test_temp_sibling_under_a_file_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "blocker").write_text("x")
+    with pytest.raises(NotADirectoryError, match="blocker"):
+        publish.make_temp_sibling(tmp_path / "blocker" / "export")
+
+
+def test_publish_to_an_absent_target_renames_the_tree(tmp_path: Path) -> None:
+    target = tmp_path / "export"
+    tmp = make(publish.make_temp_sibling(target), {"a.txt": "new", "sub/b.txt": "new b"})
+    publish.publish_dir(tmp, target)
+    assert tree(target) == {"a.txt": "new", "sub/b.txt": "new b"}
+    assert os.listdir(tmp_path) == ["export"]
+
+
+def test_publish_over_a_directory_replaces_it_completely(tmp_path: Path) -> None:
+    target = make(tmp_path / "export", {"stale.txt": "old", "a.txt": "old a", "old/c.txt": "c"})
+    tmp = make(publish.make_temp_sibling(target), {"a.txt": "new a"})
+    publish.publish_dir(tmp, target, fsync=False)
+    assert tree(target) == {"a.txt": "new a"}
+    assert os.listdir(tmp_path) == ["export"]
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink_to_file", "symlink_to_dir"])
+def test_publish_over_a_non_directory_fails_and_touches_nothing(tmp_path: Path, kind: str) -> None:
+    make(tmp_path, {"real.txt": "keep", "real_dir/x.txt": "keep x"})
+    target = tmp_path / "export"
+    if kind == "file":
+        target.write_text("keep me")
+    else:
+        target.symlink_to(tmp_path / ("real.txt" if kind == "symlink_to_file" else "real_dir"))
+    tmp = make(publish.make_temp_sibling(target), {"a.txt": "new"})
+    with pytest.raises(SaveFailedError, match="not a directory"):
+        publish.publish_dir(tmp, target)
+    assert tree(tmp) == {"a.txt": "new"}  # left for the caller to remove
+    if kind == "file":
+        assert target.read_text() == "keep me"
+    else:
+        assert target.is_symlink()
+    assert tree(tmp_path / "real_dir") == {"x.txt": "keep x"}
+
+
+def test_a_failed_second_rename_puts_the_old_tree_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = make(tmp_path / "export", {"a.txt": "old"})
+    tmp = make(publish.make_temp_sibling(target), {"a.txt": "new"})
+    real_rename = os.rename
+
+    def rename(src: os.PathLike[str], dst: os.PathLike[str]) -> None:
+        if Path(src) == tmp:
+            raise OSError(28, "No space left on device", str(src))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(publish.os, "rename", rename)
+    with pytest.raises(OSError, match="No space"):
+        publish.publish_dir(tmp, target, fsync=False)
+    assert tree(target) == {"a.txt": "old"}
+    assert sorted(os.listdir(tmp_path)) == sorted(["export", tmp.name])
+
+
+def test_fsync_tree_syncs_a_tree_and_a_single_file(tmp_path: Path) -> None:
+    root = make(tmp_path / "t", {"a.txt": "a", "d/e/b.txt": "b"})
+    (root / "d" / "link").symlink_to(tmp_path / "missing")  # dangling: must not be opened
+    publish.fsync_tree(root)
+    publish.fsync_tree(root / "a.txt")
+
+
+def test_remove_quietly_removes_trees_files_and_ignores_the_absent(tmp_path: Path) -> None:
+    make(tmp_path, {"d/x.txt": "x", "f.txt": "f"})
+    publish.remove_quietly(tmp_path / "d")
+    publish.remove_quietly(tmp_path / "f.txt")
+    publish.remove_quietly(tmp_path / "absent")
+    assert os.listdir(tmp_path) == []
+
+
+def test_recover_repairs_interrupted_publications_and_nothing_else(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    old, older = f".checkpointd-old-export-{_HEX}", f".checkpointd-old-kept-{_HEX}"
+    make(
+        root,
+        {
+            # A crash between the two renames: restore the old tree.
+            f"run1/{old}/saved_model.pb": "old export",
+            # A crash before the old tree was deleted: the new one is in place.
+            f"run1/{older}/a.txt": "superseded",
+            "run1/kept/a.txt": "current",
+            # Unfinished writes, at any depth.
+            "run1/.checkpointd-tmp-export-0a1b/variables/variables.index": "partial",
+            "run2/deep/er/.checkpointd-tmp-x-ff/a": "partial",
+            # Not ours: left alone.
+            "run2/normal/a.txt": "n",
+            "run2/.hidden/a.txt": "h",
+            "run2/.checkpointd-old-nohex/a.txt": "malformed",
+            "run2/.checkpointd-tmp-a-file-not-a-dir": "a file",
+        },
+    )
+    outside = make(tmp_path / "outside", {".checkpointd-tmp-y-00/a": "via symlink"})
+    (root / "run2" / "link").symlink_to(outside)
+
+    assert publish.recover(root) == 4
+    assert tree(root) == {
+        "run1/export/saved_model.pb": "old export",
+        "run1/kept/a.txt": "current",
+        "run2/normal/a.txt": "n",
+        "run2/.hidden/a.txt": "h",
+        "run2/.checkpointd-old-nohex/a.txt": "malformed",
+        "run2/.checkpointd-tmp-a-file-not-a-dir": "a file",
+    }
+    assert tree(outside) == {".checkpointd-tmp-y-00/a": "via symlink"}
+    assert publish.recover(root) == 0
+
+
+def test_recover_of_an_empty_or_absent_root_fixes_nothing(tmp_path: Path) -> None:
+    assert publish.recover(tmp_path) == 0
+    assert publish.recover(tmp_path / "absent") == 0
