@@ -1,0 +1,164 @@
+"""Prometheus metrics read back from a fresh registry, and the /metrics endpoint."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from checkpointd.metrics import KINDS, OUTCOMES, Metrics, serve_metrics
+
+# Upper bound on an HTTP round trip to the local endpoint; reached only on failure.
+LIMIT = 5.0
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def metrics(registry: CollectorRegistry) -> Metrics:
+    return Metrics(registry)
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_every_kind_and_outcome_series_exists_at_zero(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    for kind in KINDS:
+        for outcome in OUTCOMES:
+            assert sample(registry, "checkpointd_saves_total", kind=kind, outcome=outcome) == 0
+        assert sample(registry, "checkpointd_saves_skipped_total", kind=kind) == 0
+        assert sample(registry, "checkpointd_written_bytes_total", kind=kind) == 0
+        assert sample(registry, "checkpointd_save_duration_seconds_count", kind=kind) == 0
+        assert sample(registry, "checkpointd_save_duration_seconds_sum", kind=kind) == 0
+    assert sample(registry, "checkpointd_saves_in_flight") == 0
+
+
+def test_a_known_sequence_gives_exact_values(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.in_flight_changed(+1)
+    metrics.save_skipped("r1", "saved_model")
+    metrics.save_skipped("r1", "saved_model")
+    metrics.save_skipped("r1", "checkpoint")
+    metrics.in_flight_changed(+1)
+    metrics.save_written("r1", "saved_model", 1000, 0.5, 1_700_000_000.0)
+    metrics.in_flight_changed(-1)
+    metrics.save_written("r2", "checkpoint", 24, 0.25, 1_700_000_100.0)
+    metrics.save_written("r1", "saved_model", 500, 1.5, 1_700_000_200.0)
+    metrics.save_failed("r2", "checkpoint", 2.0)
+
+    def saves(kind: str, outcome: str) -> float | None:
+        return sample(registry, "checkpointd_saves_total", kind=kind, outcome=outcome)
+
+    assert saves("saved_model", "ok") == 2
+    assert saves("saved_model", "skipped") == 2
+    assert saves("saved_model", "failed") == 0
+    assert saves("checkpoint", "ok") == 1
+    assert saves("checkpoint", "skipped") == 1
+    assert saves("checkpoint", "failed") == 1
+    assert sample(registry, "checkpointd_saves_skipped_total", kind="saved_model") == 2
+    assert sample(registry, "checkpointd_saves_skipped_total", kind="checkpoint") == 1
+    assert sample(registry, "checkpointd_saves_in_flight") == 1
+    assert sample(registry, "checkpointd_written_bytes_total", kind="saved_model") == 1500
+    assert sample(registry, "checkpointd_written_bytes_total", kind="checkpoint") == 24
+    # Failed saves are timed too: that is how slow failures show.
+    assert sample(registry, "checkpointd_save_duration_seconds_count", kind="saved_model") == 2
+    assert sample(registry, "checkpointd_save_duration_seconds_sum", kind="saved_model") == 2.0
+    assert sample(registry, "checkpointd_save_duration_seconds_count", kind="checkpoint") == 2
+    assert sample(registry, "checkpointd_save_duration_seconds_sum", kind="checkpoint") == 2.25
+    assert (
+        sample(registry, "checkpointd_save_duration_seconds_bucket", kind="checkpoint", le="0.25")
+        == 1
+    )
+    last_success = "checkpointd_last_success_timestamp_seconds"
+    assert sample(registry, last_success, run="r1") == 1_700_000_200.0
+    # r2's later failure does not move its last success.
+    assert sample(registry, last_success, run="r2") == 1_700_000_100.0
+    assert sample(registry, last_success, run="r3") is None
+
+
+def test_run_count_gauge(registry: CollectorRegistry, metrics: Metrics) -> None:
+    metrics.run_registered(3)
+    assert sample(registry, "checkpointd_runs") == 3
+
+
+def test_two_metrics_on_two_registries_are_independent() -> None:
+    first, second = CollectorRegistry(), CollectorRegistry()
+    a, _ = Metrics(first), Metrics(second)
+
+    a.save_skipped("r", "checkpoint")
+
+    assert sample(first, "checkpointd_saves_skipped_total", kind="checkpoint") == 1
+    assert sample(second, "checkpointd_saves_skipped_total", kind="checkpoint") == 0
+
+
+def test_labels_are_bounded(registry: CollectorRegistry, metrics: Metrics) -> None:
+    metrics.save_written("r1", "saved_model", 1, 0.1, 1.0)
+
+    for family in registry.collect():
+        for s in family.samples:
+            assert set(s.labels) <= {"kind", "outcome", "run", "le"}, (s.name, s.labels)
+
+
+@pytest.fixture
+def endpoint(registry: CollectorRegistry, metrics: Metrics) -> Iterator[str]:
+    server, thread = serve_metrics(registry, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(LIMIT)
+
+
+def test_serve_metrics_on_port_zero_serves_the_registry(endpoint: str, metrics: Metrics) -> None:
+    metrics.save_written("r1", "saved_model", 1234, 0.5, 1_700_000_000.0)
+
+    with urllib.request.urlopen(endpoint, timeout=LIMIT) as response:
+        assert response.status == 200
+        body = response.read().decode()
+
+    for name in (
+        "checkpointd_saves_total",
+        "checkpointd_saves_skipped_total",
+        "checkpointd_saves_in_flight",
+        "checkpointd_written_bytes_total",
+        "checkpointd_save_duration_seconds_count",
+        "checkpointd_save_duration_seconds_sum",
+        "checkpointd_last_success_timestamp_seconds",
+    ):
+        assert name in body
+    assert 'checkpointd_written_bytes_total{kind="saved_model"} 1234.0' in body
+    assert 'checkpointd_saves_total{kind="saved_model",outcome="ok"} 1.0' in body
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="pyproject's daemon extra allows prometheus-client>=0.17, but serve_metrics "
+    "unpacks `server, thread = start_http_server(...)`, and start_http_server returns "
+    "None before 0.20.0 (client_python #999): with 0.17-0.19 the daemon's /metrics "
+    "startup dies with a TypeError",
+)
+def test_declared_prometheus_client_floor_returns_server_and_thread() -> None:
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    floors = [
+        tuple(int(part) for part in match.group(1).split("."))
+        for requirements in extras.values()
+        for requirement in requirements
+        if (match := re.fullmatch(r"prometheus[-_]client\s*>=\s*([0-9.]+).*", requirement))
+    ]
+
+    assert floors, "prometheus-client is not declared with a >= floor"
+    assert all(floor >= (0, 20) for floor in floors)
