@@ -37,7 +37,7 @@ def _size(text: str) -> int:
         if text and text[-1] in units:
             return int(float(text[:-1]) * units[text[-1]])
         return int(text)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 8G)") from None
 
 

@@ -59,7 +59,9 @@ def grpc_errors(method: _F) -> _F:
 
     Works for unary methods and for generator (streaming) methods. An
     unexpected exception is logged once with its traceback and becomes
-    INTERNAL with a short message and no traceback.
+    INTERNAL with a short message and no traceback. Decorated methods raise
+    domain errors and never call `context.abort` themselves: grpc's abort
+    raises a bare Exception this wrapper could not tell from a bug.
     """
 
     def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:

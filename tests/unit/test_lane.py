@@ -330,11 +330,6 @@ def test_durations_run_from_accept_to_finish_on_the_lane_clock(
     assert sink.in_flight == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Lane.finish computes `now - (ticket.accepted_at or now)`: an accept at "
-    "clock time 0.0 is falsy, so the duration reported is 0 instead of the real one",
-)
 def test_duration_is_right_when_the_clock_reads_zero_at_accept(
     clock: FakeClock, sink: RecordingSink
 ) -> None:

@@ -143,13 +143,6 @@ def test_serve_metrics_on_port_zero_serves_the_registry(endpoint: str, metrics: 
     assert 'checkpointd_saves_total{kind="saved_model",outcome="ok"} 1.0' in body
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pyproject's daemon extra allows prometheus-client>=0.17, but serve_metrics "
-    "unpacks `server, thread = start_http_server(...)`, and start_http_server returns "
-    "None before 0.20.0 (client_python #999): with 0.17-0.19 the daemon's /metrics "
-    "startup dies with a TypeError",
-)
 def test_declared_prometheus_client_floor_returns_server_and_thread() -> None:
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]

@@ -164,7 +164,7 @@ class Lane:
             raise ValueError(f"ticket {ticket.id} is not the in-flight save of {self.run!r}")
         now = self.clock()
         ticket.outcome = outcome
-        duration = now - (ticket.accepted_at or now)
+        duration = now - ticket.accepted_at if ticket.accepted_at is not None else 0.0
         kind = ticket.spec.kind.value
         if isinstance(outcome, Written):
             ticket.state = TicketState.WRITTEN
