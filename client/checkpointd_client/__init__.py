@@ -1,0 +1,32 @@
+"""checkpointd_client: save TF-Agents policies through a checkpointd daemon."""
+
+from checkpointd.core.errors import (
+    CheckpointdError,
+    ChecksumError,
+    DeadlineError,
+    DrainingError,
+    InvalidRequestError,
+    LimitExceededError,
+    RunClosedError,
+    RunNotFoundError,
+    SaveFailedError,
+    UnauthenticatedError,
+)
+from checkpointd_client.saver import RemotePolicySaver
+from checkpointd_client.ticket import SaveResult, SaveTicket
+
+__all__ = [
+    "CheckpointdError",
+    "ChecksumError",
+    "DeadlineError",
+    "DrainingError",
+    "InvalidRequestError",
+    "LimitExceededError",
+    "RemotePolicySaver",
+    "RunClosedError",
+    "RunNotFoundError",
+    "SaveFailedError",
+    "SaveResult",
+    "SaveTicket",
+    "UnauthenticatedError",
+]

@@ -1,0 +1,397 @@
+"""RemotePolicySaver: AsyncPolicySaver's interface, with the saving done by checkpointd.
+
+The trainer keeps a real `PolicySaver` (same arguments, same errors) and uses
+it once per template: at the first save, and again after `register_function`.
+Each save then costs a host copy of the variables and a stream to the
+daemon, which answers at once whether it accepted or skipped the save.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+import tensorflow as tf
+from tf_agents.policies import policy_saver, tf_policy
+from tf_agents.typing import types
+
+from checkpointd.core import SaveKind
+from checkpointd.core.errors import CheckpointdError, DeadlineError, RunClosedError
+from checkpointd.core.paths import check_export_dir, check_run_name
+from checkpointd.status import error_for
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import snapshot, template
+from checkpointd_client.stream import WIRE_KIND, SaveStream, rpc_error
+from checkpointd_client.ticket import SaveTicket
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class RemotePolicySaver:
+    """Saves a TF-Agents policy through a checkpointd daemon.
+
+    A drop-in for `AsyncPolicySaver(PolicySaver(policy, ...))`: `save()` and
+    `save_checkpoint()` take a snapshot at the call and return at once (or,
+    with `blocking=True`, once the save is durable). Unlike AsyncPolicySaver,
+    every call returns a `SaveTicket` that says whether the save was skipped
+    and, later, whether it was written; a failed save never stops the saver.
+
+    Lock discipline: `_lock` guards `_busy`, `_closing` and `_closed` and is
+    never held across an RPC or a TF call; `_register_lock` serializes
+    template exports and registrations; `_close_lock` serializes close().
+    """
+
+    def __init__(
+        self,
+        policy: tf_policy.TFPolicy,
+        address: str,
+        *,
+        run: str,
+        batch_size: int | None = None,
+        use_nest_path_signatures: bool = True,
+        seed: types.Seed | None = None,
+        train_step: tf.Variable | None = None,
+        metadata: dict[str, tf.Variable] | None = None,
+        input_fn_and_spec: policy_saver.InputFnAndSpecType | None = None,
+        chunk_bytes: int = 1 << 20,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Builds the PolicySaver and a channel to the daemon; no network I/O yet.
+
+        Args:
+            policy, batch_size, use_nest_path_signatures, seed, train_step,
+                metadata, input_fn_and_spec: as for `PolicySaver`.
+            address: the daemon's `host:port`.
+            run: this run's name on the daemon, 1-128 of [A-Za-z0-9._-].
+            chunk_bytes: the largest payload per message (template and snapshot).
+            channel_credentials: TLS credentials; None for a plaintext channel.
+            timeout: deadline in seconds of every RPC (a Save call includes
+                waiting for the daemon's decision, the upload and the write)
+                and the default for `flush()` and `close()`; None waits as
+                long as the daemon is reachable.
+
+        Raises:
+            TypeError: if `policy` is not a TFPolicy or `metadata` is not a
+                dict of str to tf.Variable (raised by PolicySaver).
+            ValueError: for PolicySaver's invalid arguments (e.g. batch_size),
+                an invalid run name, chunk_bytes or timeout.
+        """
+        self._saver = policy_saver.PolicySaver(
+            policy,
+            batch_size=batch_size,
+            use_nest_path_signatures=use_nest_path_signatures,
+            seed=seed,
+            train_step=train_step,
+            input_fn_and_spec=input_fn_and_spec,
+            metadata=metadata,
+        )
+        try:
+            self._run = check_run_name(run)
+        except CheckpointdError as e:
+            raise ValueError(str(e)) from None
+        snapshot.check_chunk_bytes(chunk_bytes)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be None or > 0 seconds, saw {timeout!r}")
+        self._address = address
+        self._chunk_bytes = chunk_bytes
+        self._timeout = timeout
+        if channel_credentials is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            self._channel = grpc.secure_channel(address, channel_credentials)
+        self._stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0  # save calls running plus background uploads
+        self._closing = False
+        self._closed = False
+        self._register_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._bindings: snapshot.Bindings | None = None
+        self._dirty = True  # the template must be (re-)exported before the next save
+
+    # PolicySaver's surface, as AsyncPolicySaver offers it.
+
+    @property
+    def run(self) -> str:
+        return self._run
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def policy(self) -> tf.Module:
+        """The module PolicySaver exports (not the TFPolicy given)."""
+        return self._saver.policy
+
+    @property
+    def action_input_spec(self) -> types.NestedTensorSpec:
+        return self._saver.action_input_spec
+
+    @property
+    def policy_step_spec(self) -> types.NestedTensorSpec:
+        return self._saver.policy_step_spec
+
+    @property
+    def policy_state_spec(self) -> types.NestedTensorSpec:
+        return self._saver.policy_state_spec
+
+    @property
+    def signatures(self) -> dict[str, Callable[..., Any]]:
+        return self._saver.signatures
+
+    def get_train_step(self) -> types.Int:
+        return self._saver.get_train_step()
+
+    def get_metadata(self) -> dict[str, tf.Variable]:
+        return self._saver.get_metadata()
+
+    def register_function(
+        self,
+        name: str,
+        fn: policy_saver.InputFnType,
+        input_spec: types.NestedTensorSpec,
+        outer_dims: Sequence[int | None] = (None,),
+    ) -> None:
+        """As PolicySaver's; the template is exported again before the next save."""
+        self._saver.register_function(name, fn, input_spec, outer_dims)
+        self._dirty = True
+
+    def register_concrete_function(self, name: str, fn: Any, assets: Any | None = None) -> None:
+        """As PolicySaver's; the template is exported again before the next save."""
+        self._saver.register_concrete_function(name, fn, assets)
+        self._dirty = True
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this class lacks; forward them like AsyncPolicySaver.
+        if name.startswith("__") or "_saver" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._saver, name)
+
+    # Saving.
+
+    def save(self, export_dir: str, blocking: bool = False) -> SaveTicket:
+        """Saves the policy as a SavedModel under `<root>/<run>/<export_dir>` on the daemon.
+
+        The variables are copied when this is called. Without `blocking`, it
+        returns once the daemon has accepted or skipped the save (skipped if
+        another save of this run is in flight); an accepted snapshot is then
+        uploaded in the background and `ticket.result()` waits until it is
+        durable. With `blocking`, the daemon waits for the in-flight save and
+        this returns once the save is durable.
+
+        Args:
+            export_dir: a relative path inside the run's folder.
+            blocking: wait for the in-flight save instead of being skipped,
+                and for this save to be durable.
+
+        Returns:
+            The save's ticket (`ticket.skipped` is already known).
+
+        Raises:
+            RunClosedError: if `close()` was called (no network call is made).
+            InvalidRequestError: if `export_dir` is absolute or leaves the run's folder.
+            CheckpointdError: a subclass for the status the daemon (or the
+                channel) answered, e.g. DrainingError when it is unreachable
+                or shutting down; with `blocking`, also the save's own error.
+            ValueError: if the template's variables cannot be bound.
+        """
+        return self._save(export_dir, SaveKind.SAVED_MODEL, blocking)
+
+    def save_checkpoint(self, export_dir: str, blocking: bool = False) -> SaveTicket:
+        """Saves the variables only, in PolicySaver.save_checkpoint's layout.
+
+        Same rules, arguments, return value and errors as `save()`.
+        """
+        return self._save(export_dir, SaveKind.CHECKPOINT, blocking)
+
+    def _save(self, export_dir: str, kind: SaveKind, blocking: bool) -> SaveTicket:
+        with self._lock:
+            if self._closing:
+                raise RunClosedError(f"run {self._run!r}: the saver was closed")
+            self._busy += 1
+        handed_off = False
+        try:
+            check_export_dir(export_dir)
+            bindings = self._registered()
+            snap = snapshot.take_snapshot(bindings, self._saver._train_step)  # noqa: SLF001
+            ticket = SaveTicket(export_dir, kind, snap.step)
+            stream, snap = self._decide(ticket, snap, bindings, blocking)
+            if ticket.skipped:
+                return ticket
+            if blocking:
+                self._upload(stream, snap, ticket)
+                ticket.result()  # raises the save's error
+                return ticket
+            threading.Thread(
+                target=self._upload_then_release,
+                args=(stream, snap, ticket),
+                name=f"checkpointd-upload-{self._run}-{snap.step}",
+            ).start()
+            handed_off = True
+            return ticket
+        finally:
+            if not handed_off:
+                self._release()
+
+    def _decide(
+        self,
+        ticket: SaveTicket,
+        snap: snapshot.Snapshot,
+        bindings: snapshot.Bindings,
+        blocking: bool,
+    ) -> tuple[SaveStream, snapshot.Snapshot]:
+        """Opens the Save call and reads the decision; re-registers once on NOT_FOUND."""
+        for attempt in (1, 2):
+            header = pb.SaveHeader(
+                run=self._run,
+                kind=WIRE_KIND[ticket.kind],
+                export_dir=ticket.export_dir,
+                blocking=blocking,
+                step=snap.step,
+                variables=bindings.protos(),
+                snapshot_bytes=snap.nbytes,
+            )
+            stream = SaveStream(self._stub, header, self._timeout)
+            try:
+                decision = stream.decision()
+            except grpc.RpcError as e:
+                stream.close()
+                code, details = rpc_error(e)
+                if code != grpc.StatusCode.NOT_FOUND or attempt == 2:
+                    raise error_for(code, details) from e
+                msg = "run %s: daemon lost the run (%s); registering again, then step %s"
+                _LOGGER.warning(msg, self._run, details, snap.step)
+                bindings = self._registered(stale=bindings)
+                snap = snap.ordered([b.key for b in bindings.variables])
+                continue
+            except BaseException:
+                stream.close()
+                raise
+            if not decision.accepted:
+                stream.skip(ticket, decision.reason, self._run)
+            return stream, snap
+        raise AssertionError("unreachable")
+
+    def _upload(self, stream: SaveStream, snap: snapshot.Snapshot, ticket: SaveTicket) -> None:
+        stream.finish(ticket, snap.chunks(self._chunk_bytes), self._run)
+
+    def _upload_then_release(
+        self, stream: SaveStream, snap: snapshot.Snapshot, ticket: SaveTicket
+    ) -> None:
+        try:
+            self._upload(stream, snap, ticket)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            if not self._busy:
+                self._idle.notify_all()
+
+    # Registration.
+
+    def _registered(self, stale: snapshot.Bindings | None = None) -> snapshot.Bindings:
+        """The bindings, registering first if needed or if the daemon lost `stale`."""
+        with self._register_lock:
+            if self._bindings is None or self._dirty or self._bindings is stale:
+                self._dirty = False  # a register_function() from now on dirties it again
+                try:
+                    self._bindings = template.register(
+                        self._stub,
+                        self._saver,
+                        self._run,
+                        chunk_bytes=self._chunk_bytes,
+                        timeout=self._timeout,
+                    )
+                except BaseException:
+                    self._dirty = True
+                    raise
+            return self._bindings
+
+    # Flush and close.
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until this saver's saves have ended, then until the daemon's run is idle.
+
+        Args:
+            timeout: seconds for both waits together; None uses the saver's timeout.
+
+        Raises:
+            DeadlineError: if the saves did not end in time.
+            CheckpointdError: a subclass for another status the daemon answered.
+        """
+        timeout = timeout if timeout is not None else self._timeout
+        deadline = _deadline(timeout)
+        with self._idle:
+            while self._busy:
+                left = _left(deadline)
+                if left == 0.0:
+                    raise DeadlineError(
+                        f"run {self._run!r}: {self._busy} save(s) of this saver still running "
+                        f"after {timeout} s (step {self._saver.get_train_step()})"
+                    )
+                self._idle.wait(left)
+        if self._bindings is not None:  # else the daemon holds nothing of this saver's
+            self._call_run(self._stub.Flush, pb.FlushRequest, deadline)
+        _LOGGER.debug("run %s: flushed at step %s", self._run, self._saver.get_train_step())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flushes, closes the run on the daemon and the channel; idempotent.
+
+        New saves fail with RunClosedError from the moment close() is called,
+        even if it then fails; calling it again retries the remaining steps.
+
+        Args:
+            timeout: seconds for flush and close together; None uses the saver's timeout.
+
+        Raises:
+            DeadlineError: if the saves did not end in time.
+            CheckpointdError: a subclass for another status the daemon answered.
+        """
+        with self._close_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closing = True
+            deadline = _deadline(timeout if timeout is not None else self._timeout)
+            self.flush(_left(deadline))
+            if self._bindings is not None:
+                self._call_run(self._stub.CloseRun, pb.CloseRunRequest, deadline)
+            with self._lock:
+                self._closed = True
+            self._channel.close()
+            _LOGGER.info("run %s: closed at step %s", self._run, self._saver.get_train_step())
+
+    def _call_run(self, method: Callable[..., Any], request: type, deadline: float | None) -> None:
+        """Calls Flush or CloseRun for this run; a daemon that lost the run has nothing to do."""
+        left = _left(deadline)
+        try:
+            method(request(run=self._run, timeout_seconds=left or 0.0), timeout=left)
+        except grpc.RpcError as e:
+            code, details = rpc_error(e)
+            if code != grpc.StatusCode.NOT_FOUND:
+                raise error_for(code, details) from e
+
+    def __enter__(self) -> RemotePolicySaver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before `deadline` (0.0 once past), or None for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -1,0 +1,275 @@
+"""Variable bindings, point-in-time snapshots and the chunks they travel in.
+
+A *binding* ties one live `tf.Variable` of the policy to the two names TF gives
+it on disk: its key in the SavedModel's `variables/` checkpoint and its key in
+`PolicySaver.save_checkpoint`'s checkpoint. Both come from TF's own
+breadth-first object-graph naming, so the daemon can write either layout
+without TF ever walking the policy on its side.
+
+A *snapshot* is the values of the bound variables at one instant, as host
+NumPy arrays (`tf.Variable.numpy()` returns a copy), in manifest order. It is
+never concatenated: chunks are slices of each array's bytes, with offsets over
+the concatenation, so a save costs one host copy of the model and no more.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.checkpoint import graph_view, save_util
+from tensorflow.python.trackable import trackable_utils
+from tensorflow.python.util import object_identity
+from tf_agents.policies import policy_saver
+
+from checkpointd.core.manifest import ITEMSIZE
+from checkpointd.v1 import checkpointd_pb2
+
+_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One policy variable and its keys in both of PolicySaver's checkpoints."""
+
+    key: str
+    checkpoint_key: str
+    dtype: str
+    shape: tuple[int, ...]
+    variable: tf.Variable
+
+    def to_proto(self) -> checkpointd_pb2.Variable:
+        return checkpointd_pb2.Variable(
+            key=self.key, checkpoint_key=self.checkpoint_key, dtype=self.dtype, shape=self.shape
+        )
+
+
+@dataclass(frozen=True)
+class Bindings:
+    """Every variable of a policy, sorted by key, and the checkpoint object graph."""
+
+    variables: tuple[Binding, ...]
+    # The serialized TrackableObjectGraph PolicySaver.save_checkpoint writes.
+    object_graph: bytes
+
+    def protos(self) -> list[checkpointd_pb2.Variable]:
+        return [b.to_proto() for b in self.variables]
+
+    def ordered(self, manifest: Sequence[checkpointd_pb2.Variable]) -> Bindings:
+        """These bindings in the order of the daemon's manifest.
+
+        Raises:
+            ValueError: if the manifest names other variables, dtypes or shapes.
+        """
+        by_key = {b.key: b for b in self.variables}
+        ordered = []
+        for spec in manifest:
+            b = by_key.pop(spec.key, None)
+            if b is None or b.to_proto() != spec:
+                raise ValueError(
+                    f"the daemon's manifest has {spec.key!r} as {spec.dtype}{list(spec.shape)}; "
+                    f"the policy has {f'{b.dtype}{list(b.shape)}' if b else 'no such variable'}"
+                )
+            ordered.append(b)
+        if by_key:
+            raise ValueError(f"the daemon's manifest lacks variables {sorted(by_key)}")
+        return Bindings(tuple(ordered), self.object_graph)
+
+
+def bfs_keys(root: tf.Module) -> dict[str, tf.Variable]:
+    """Checkpoint key -> variable, exactly as TF names the entries it writes for `root`."""
+    objects, paths = graph_view.ObjectGraphView(root).breadth_first_traversal()
+    return {
+        trackable_utils.object_path_to_string(paths[o]) + _SUFFIX: o
+        for o in objects
+        if isinstance(o, tf.Variable)
+    }
+
+
+def bind(saver: policy_saver.PolicySaver, template_dir: str) -> Bindings:
+    """Binds the variables of `saver.policy` to their keys in both checkpoints.
+
+    Args:
+        saver: the PolicySaver whose policy the template was exported from.
+        template_dir: the directory `saver.save()` wrote.
+
+    Returns:
+        The bindings, sorted by SavedModel key.
+
+    Raises:
+        ValueError: if a variable is missing from one of the two checkpoints,
+            if the template's checkpoint has other keys than the policy's
+            object graph, or if a variable has a dtype or shape the daemon
+            cannot carry.
+    """
+    saved_model = bfs_keys(saver.policy)
+    root = _checkpoint_root(saver)
+    checkpoint_keys = object_identity.ObjectIdentityDictionary()
+    for key, var in bfs_keys(root).items():
+        checkpoint_keys[var] = key
+    template = _template_keys(template_dir)
+    if set(saved_model) != template:
+        raise ValueError(
+            "the template SavedModel's checkpoint does not hold the policy's variables as TF's "
+            "object graph names them; only in the template: "
+            f"{sorted(template - set(saved_model))}, only in the policy: "
+            f"{sorted(set(saved_model) - template)}"
+        )
+    bound = object_identity.ObjectIdentitySet()
+    bindings = []
+    for key in sorted(saved_model):
+        var = saved_model[key]
+        if var not in checkpoint_keys:
+            raise ValueError(
+                f"variable {key!r} is in the SavedModel but not in the checkpoint "
+                "PolicySaver.save_checkpoint writes (policy, model_variables, train_step); "
+                "the daemon could not write it in a save_checkpoint()"
+            )
+        bound.add(var)
+        bindings.append(_binding(key, checkpoint_keys[var], var))
+    extra = [k for v, k in checkpoint_keys.items() if v not in bound]
+    if extra:
+        raise ValueError(f"variables {sorted(extra)} are in save_checkpoint's checkpoint only")
+    graph = save_util.serialize_graph_view(graph_view.ObjectGraphView(root))[3]
+    return Bindings(tuple(bindings), graph.SerializeToString())
+
+
+def _checkpoint_root(saver: policy_saver.PolicySaver) -> tf.train.Checkpoint:
+    # The same root PolicySaver.save_checkpoint builds; _train_step is the
+    # variable it was given (or made), which it exposes no other way.
+    return tf.train.Checkpoint(
+        policy=saver.policy,
+        model_variables=saver.policy.model_variables,
+        train_step=saver._train_step,  # noqa: SLF001 - see above
+    )
+
+
+def _template_keys(template_dir: str) -> set[str]:
+    prefix = os.path.join(
+        template_dir, tf.saved_model.VARIABLES_DIRECTORY, tf.saved_model.VARIABLES_FILENAME
+    )
+    keys = set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map())
+    keys.discard(_OBJECT_GRAPH_KEY)
+    return keys
+
+
+def _binding(key: str, checkpoint_key: str, var: tf.Variable) -> Binding:
+    dtype = var.dtype.name
+    if dtype not in ITEMSIZE:
+        raise ValueError(
+            f"variable {key!r} has dtype {dtype}; checkpointd carries {', '.join(sorted(ITEMSIZE))}"
+        )
+    if not var.shape.is_fully_defined():
+        raise ValueError(f"variable {key!r} has a partly unknown shape {var.shape}")
+    return Binding(key, checkpoint_key, dtype, tuple(var.shape.as_list()), var)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The values of bound variables at one instant, in manifest order."""
+
+    keys: tuple[str, ...]
+    arrays: tuple[np.ndarray, ...]
+    step: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def ordered(self, keys: Sequence[str]) -> Snapshot:
+        """The same values in another key order (after a re-registration)."""
+        by_key = dict(zip(self.keys, self.arrays, strict=True))
+        if set(keys) != set(by_key) or len(keys) != len(by_key):
+            raise ValueError("the re-registered manifest names other variables than the snapshot")
+        return Snapshot(tuple(keys), tuple(by_key[k] for k in keys), self.step)
+
+    def chunks(self, chunk_bytes: int) -> Iterator[checkpointd_pb2.Chunk]:
+        """The snapshot's bytes as chunks (see `array_chunks`)."""
+        return array_chunks(self.arrays, chunk_bytes)
+
+
+def take_snapshot(bindings: Bindings, train_step: tf.Variable) -> Snapshot:
+    """Copies every bound variable to host memory now; the step comes from the same copy."""
+    arrays = tuple(little_endian(b.variable.numpy()) for b in bindings.variables)
+    step = None
+    for b, a in zip(bindings.variables, arrays, strict=True):
+        if b.variable is train_step:
+            step = int(a)
+    if step is None:  # PolicySaver always tracks it; read it anyway rather than guess.
+        step = int(train_step.numpy())
+    return Snapshot(tuple(b.key for b in bindings.variables), arrays, step)
+
+
+def little_endian(array: np.ndarray) -> np.ndarray:
+    """`array` as C-contiguous memory holding little-endian bytes (the wire order).
+
+    A big-endian array is byte-swapped in memory; its dtype label is kept, so
+    read the result as bytes only.
+    """
+    array = np.ascontiguousarray(array)
+    order = array.dtype.byteorder
+    if array.dtype.itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
+        array = array.byteswap()
+    return array
+
+
+def array_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[checkpointd_pb2.Chunk]:
+    """Chunks over the concatenation of `arrays`' bytes, never concatenating them.
+
+    Each chunk is a slice of one array of at most `chunk_bytes`; offsets are
+    contiguous over the concatenation; zero-size arrays yield nothing. Slices
+    are copied to `bytes` lazily, one at a time.
+    """
+    check_chunk_bytes(chunk_bytes)
+    offset = 0
+    for array in arrays:
+        view = memoryview(little_endian(array).reshape(-1).view(np.uint8))
+        for start in range(0, len(view), chunk_bytes):
+            data = bytes(view[start : start + chunk_bytes])
+            yield checkpointd_pb2.Chunk(offset=offset, data=data, crc32c=crc32c.crc32c(data))
+            offset += len(data)
+
+
+def file_chunks(root: str, chunk_bytes: int) -> Iterator[checkpointd_pb2.Chunk]:
+    """Chunks of every file under `root`, paths relative and '/'-separated.
+
+    Files come in sorted path order; an empty file is one chunk with no data.
+    """
+    check_chunk_bytes(chunk_bytes)
+    for path in template_files(root):
+        relative = os.path.relpath(path, root).replace(os.sep, "/")
+        with open(path, "rb") as f:
+            offset = 0
+            while True:
+                data = f.read(chunk_bytes)
+                if data or offset == 0:
+                    yield checkpointd_pb2.Chunk(
+                        path=relative, offset=offset, data=data, crc32c=crc32c.crc32c(data)
+                    )
+                if len(data) < chunk_bytes:
+                    break
+                offset += len(data)
+
+
+def template_files(root: str) -> list[str]:
+    """Every regular file under `root`, sorted."""
+    found = []
+    for dirpath, _, filenames in os.walk(root):
+        found.extend(os.path.join(dirpath, name) for name in filenames)
+    return sorted(found)
+
+
+def template_size(root: str) -> int:
+    return sum(os.path.getsize(p) for p in template_files(root))
+
+
+def check_chunk_bytes(chunk_bytes: int) -> None:
+    """Raises ValueError unless `chunk_bytes` is a positive int."""
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, saw {chunk_bytes!r}")

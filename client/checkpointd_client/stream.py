@@ -1,0 +1,167 @@
+"""One Save call on the wire: header, decision, then (if accepted) chunks and result.
+
+gRPC pulls requests from an iterator on its own thread. Here that iterator
+reads a queue, so nothing but the header can leave before the daemon's
+decision has been read: chunks are queued only by `upload()`. Every way out
+of a stream puts the end marker on the queue, so gRPC's thread never waits
+on it forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterable, Iterator
+
+import grpc
+
+from checkpointd.core import SaveKind
+from checkpointd.core.errors import SaveFailedError
+from checkpointd.status import error_for
+from checkpointd.v1 import checkpointd_pb2, checkpointd_pb2_grpc
+from checkpointd_client.ticket import SaveResult, SaveTicket
+
+_LOGGER = logging.getLogger(__name__)
+
+WIRE_KIND = {
+    SaveKind.SAVED_MODEL: checkpointd_pb2.SAVED_MODEL,
+    SaveKind.CHECKPOINT: checkpointd_pb2.CHECKPOINT,
+}
+_KIND = {v: k for k, v in WIRE_KIND.items()}
+_END = None
+
+
+class SaveStream:
+    """A Save call whose requests are fed through a queue.
+
+    Methods raise `grpc.RpcError` for a status the daemon (or the channel)
+    sent; the caller maps it with `checkpointd.status.error_for`.
+    """
+
+    def __init__(
+        self,
+        stub: checkpointd_pb2_grpc.CheckpointServiceStub,
+        header: checkpointd_pb2.SaveHeader,
+        timeout: float | None,
+    ) -> None:
+        self._queue: queue.SimpleQueue[Iterable[checkpointd_pb2.SaveRequest] | None] = (
+            queue.SimpleQueue()
+        )
+        self._queue.put([checkpointd_pb2.SaveRequest(header=header)])
+        self._responses = stub.Save(self._requests(), timeout=timeout)
+
+    def _requests(self) -> Iterator[checkpointd_pb2.SaveRequest]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            yield from item
+
+    def decision(self) -> checkpointd_pb2.SaveDecision:
+        """Waits for the daemon's first answer: accepted or skipped.
+
+        Raises:
+            grpc.RpcError: the status that ended the call instead.
+            SaveFailedError: if the daemon broke the protocol.
+        """
+        return self._next("decision").decision
+
+    def upload(self, chunks: Iterable[checkpointd_pb2.Chunk]) -> None:
+        """Queues the snapshot's chunks, then the half-close.
+
+        Chunks are built lazily as gRPC sends them, so at most a few are in
+        memory at once.
+        """
+        self._queue.put(checkpointd_pb2.SaveRequest(chunk=c) for c in chunks)
+        self._queue.put(_END)
+
+    def result(self) -> checkpointd_pb2.SaveResult:
+        """Waits for the daemon's SaveResult (the save is durable).
+
+        Raises:
+            grpc.RpcError: the status that ended the call instead.
+            SaveFailedError: if the daemon broke the protocol.
+        """
+        return self._next("result").result
+
+    def skip(self, ticket: SaveTicket, reason: str, run: str) -> None:
+        """Completes `ticket` as skipped, logs it, and lets the daemon end the call."""
+        _LOGGER.warning(
+            "run %s: %s of step %s to %r skipped: %s",
+            *(run, ticket.kind.value, ticket.step, ticket.export_dir, reason),
+        )
+        ticket._skip(reason)  # noqa: SLF001 - the saver's side completes tickets
+        self._queue.put(_END)
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError:
+            pass  # the skip is already known; how the call ends adds nothing
+
+    def finish(self, ticket: SaveTicket, chunks: Iterable[checkpointd_pb2.Chunk], run: str) -> None:
+        """Uploads an accepted snapshot and completes `ticket` with the daemon's answer.
+
+        The save's own failure is not raised: it is stored on the ticket (so
+        `ticket.result()` raises it) and logged at WARNING.
+        """
+        start = time.monotonic()
+        where = (run, ticket.kind.value, ticket.step, ticket.export_dir)
+        try:
+            self.upload(chunks)
+            result = self.result()
+        except Exception as e:  # noqa: BLE001 - stored on the ticket, raised by result()
+            error: Exception = e
+            if isinstance(e, grpc.RpcError):
+                error = error_for(*rpc_error(e))
+                error.__cause__ = e
+            _LOGGER.warning(
+                "run %s: %s of step %s to %r failed: %s: %s", *where, type(error).__name__, error
+            )
+            ticket._fail(error)  # noqa: SLF001 - the saver's side completes tickets
+            return
+        except BaseException as e:  # interrupted: end the ticket, then let it through
+            ticket._fail(e)  # noqa: SLF001
+            raise
+        finally:
+            self.close()
+        _LOGGER.info(
+            "run %s: %s of step %s to %r durable at %s (%s bytes; daemon %.3f s, here %.3f s)",
+            *where,
+            result.path,
+            result.bytes_written,
+            result.duration_seconds,
+            time.monotonic() - start,
+        )
+        ticket._succeed(  # noqa: SLF001
+            SaveResult(
+                path=result.path,
+                bytes_written=result.bytes_written,
+                duration_seconds=result.duration_seconds,
+                step=result.step,
+                kind=_KIND.get(result.kind, ticket.kind),
+            )
+        )
+
+    def close(self) -> None:
+        """Half-closes and cancels the call if it is still running; idempotent."""
+        self._queue.put(_END)
+        self._responses.cancel()
+
+    def _next(self, item: str) -> checkpointd_pb2.SaveResponse:
+        try:
+            response = next(self._responses)
+        except StopIteration:
+            raise SaveFailedError(f"the daemon ended the save without a {item}") from None
+        if response.WhichOneof("item") != item:
+            raise SaveFailedError(
+                f"the daemon sent a {response.WhichOneof('item')} where a {item} was due"
+            )
+        return response
+
+
+def rpc_error(error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """The status code and details of a gRPC error (both are on the call object)."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    return code, details or ""

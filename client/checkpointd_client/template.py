@@ -1,0 +1,91 @@
+"""The template: PolicySaver's own export of the policy, uploaded when a run registers.
+
+The daemon reuses the template's graph for every save of the run and writes
+only new variable values into it, so the trainer pays for PolicySaver's
+graph building once per template instead of once per save.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+
+import grpc
+from tf_agents.policies import policy_saver
+
+from checkpointd.status import error_for
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import snapshot
+from checkpointd_client.stream import rpc_error
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def register(
+    stub: checkpointd_pb2_grpc.CheckpointServiceStub,
+    saver: policy_saver.PolicySaver,
+    run: str,
+    *,
+    chunk_bytes: int,
+    timeout: float | None,
+) -> snapshot.Bindings:
+    """Exports the template, binds the policy's variables and registers the run.
+
+    The template is written to a temp dir, streamed file by file, and deleted.
+
+    Args:
+        stub: the daemon's stub.
+        saver: the PolicySaver to export with.
+        run: the run's name.
+        chunk_bytes: the largest payload per chunk.
+        timeout: the RPC's deadline in seconds, or None.
+
+    Returns:
+        The bindings, in the order of the manifest the daemon answered.
+
+    Raises:
+        ValueError: if the variables cannot be bound (see `snapshot.bind`), or
+            the daemon's manifest does not describe them.
+        CheckpointdError: a subclass for the status the daemon answered.
+    """
+    step = saver.get_train_step()
+    start = time.monotonic()
+    template = tempfile.mkdtemp(prefix=f"checkpointd-{run}-template-")
+    try:
+        saver.save(template)
+        bindings = snapshot.bind(saver, template)
+        header = pb.RegisterRunHeader(
+            run=run,
+            variables=bindings.protos(),
+            checkpoint_object_graph=bindings.object_graph,
+            template_bytes=snapshot.template_size(template),
+        )
+        try:
+            response = stub.RegisterRun(_requests(header, template, chunk_bytes), timeout=timeout)
+        except grpc.RpcError as e:
+            raise error_for(*rpc_error(e)) from e
+    finally:
+        shutil.rmtree(template, ignore_errors=True)
+    bindings = bindings.ordered(response.variables)
+    _LOGGER.info(
+        "run %s: registered at step %s (%s variables, template of %s bytes, %.2f s)",
+        run,
+        step,
+        len(bindings.variables),
+        header.template_bytes,
+        time.monotonic() - start,
+    )
+    return bindings
+
+
+def _requests(
+    header: pb.RegisterRunHeader, template: str, chunk_bytes: int
+) -> Iterator[pb.RegisterRunRequest]:
+    # Read lazily as gRPC sends: a large template is never held in memory whole.
+    yield pb.RegisterRunRequest(header=header)
+    for chunk in snapshot.file_chunks(template, chunk_bytes):
+        yield pb.RegisterRunRequest(chunk=chunk)
