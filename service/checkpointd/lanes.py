@@ -109,7 +109,7 @@ class Lanes:
             An ACTIVE ticket (the caller must `finish` it) or Skipped.
 
         Raises:
-            RunNotFoundError, RunClosedError, DrainingError: as the lane says.
+            RunNotFoundError, RunClosedError, UnavailableError: as the lane says.
             DeadlineError: a blocking save waited longer than `timeout`, or
                 its caller went away.
         """

@@ -25,7 +25,7 @@ CODES: dict[type[errors.CheckpointdError], grpc.StatusCode] = {
     errors.RunClosedError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ChecksumError: grpc.StatusCode.DATA_LOSS,
     errors.LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.DrainingError: grpc.StatusCode.UNAVAILABLE,
+    errors.UnavailableError: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.SaveFailedError: grpc.StatusCode.INTERNAL,
     errors.UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,

@@ -281,7 +281,9 @@ def _validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: 
     )
     return _Template(
         manifest=manifest,
-        dirs=tuple(d for d in dirs if d.split("/")[0] not in _NOT_COPIED),
+        # tf.saved_model.save always makes assets/, empty or not; uploads
+        # carry files only, so an empty one is made here.
+        dirs=tuple(sorted({d for d in dirs if d.split("/")[0] not in _NOT_COPIED} | {"assets"})),
         files=tuple((p, b) for p, b in files if p.split("/")[0] not in _NOT_COPIED),
         saved_model_graph=saved_model_graph,
         checkpoint_graph=checkpoint_graph,

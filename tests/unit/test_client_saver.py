@@ -28,7 +28,7 @@ from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import (
     ChecksumError,
     DeadlineError,
-    DrainingError,
+    UnavailableError,
     InvalidRequestError,
     LimitExceededError,
     RemotePolicySaver,
@@ -236,7 +236,7 @@ def test_skip_is_reported_on_the_ticket_and_sends_no_chunk(daemon, saver, caplog
     "code, error",
     [
         (grpc.StatusCode.FAILED_PRECONDITION, RunClosedError),
-        (grpc.StatusCode.UNAVAILABLE, DrainingError),
+        (grpc.StatusCode.UNAVAILABLE, UnavailableError),
         (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequestError),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, LimitExceededError),
     ],
@@ -338,7 +338,7 @@ def test_invalid_export_dir_is_refused_without_a_call(daemon, saver) -> None:
 
 def test_unreachable_daemon_raises_draining_error(policy) -> None:
     remote = RemotePolicySaver(policy, "127.0.0.1:1", run="nowhere", timeout=WAIT)
-    with pytest.raises(DrainingError):
+    with pytest.raises(UnavailableError):
         remote.save("p")
     remote.close(timeout=WAIT)  # never registered: nothing to flush or close remotely
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from checkpointd.core.errors import DrainingError, RunClosedError
+from checkpointd.core.errors import UnavailableError, RunClosedError
 from checkpointd.core.lane import (
     Failed,
     Lane,
@@ -283,7 +283,7 @@ def test_withdrawing_the_last_waiter_of_a_closing_lane_does_not_block_close(lane
 
 
 def test_draining_refuses_with_draining_error(lane: Lane, sink: RecordingSink) -> None:
-    with pytest.raises(DrainingError, match=RUN):
+    with pytest.raises(UnavailableError, match=RUN):
         lane.request(spec(), draining=True)
     assert lane.idle
     assert sink.calls == []

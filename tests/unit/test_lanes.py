@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from checkpointd.core.errors import DeadlineError, DrainingError, RunClosedError, RunNotFoundError
+from checkpointd.core.errors import DeadlineError, UnavailableError, RunClosedError, RunNotFoundError
 from checkpointd.core.lane import (
     LaneState,
     SaveKind,
@@ -284,9 +284,9 @@ def test_drain_refuses_new_saves_but_lets_the_in_flight_one_finish(lanes: Lanes)
     lanes.drain()
 
     assert lanes.draining
-    with pytest.raises(DrainingError):
+    with pytest.raises(UnavailableError):
         lanes.begin("a", spec("late"))
-    with pytest.raises(DrainingError):
+    with pytest.raises(UnavailableError):
         lanes.begin("a", spec("late", blocking=True), timeout=LIMIT)
     lanes.finish("a", first, Written("/r/a/first", 1))
     assert lanes.flush(timeout=LIMIT) == ["a"]

@@ -54,7 +54,7 @@ def test_error_for_code_for_round_trips_the_class(cls: type[errors.CheckpointdEr
 
 
 def test_codes_follow_the_retry_rules() -> None:
-    assert CODES[errors.DrainingError] is grpc.StatusCode.UNAVAILABLE
+    assert CODES[errors.UnavailableError] is grpc.StatusCode.UNAVAILABLE
     assert CODES[errors.RunClosedError] is grpc.StatusCode.FAILED_PRECONDITION
     assert CODES[errors.InvalidRequestError] is grpc.StatusCode.INVALID_ARGUMENT
 
@@ -110,7 +110,7 @@ class Servicer:
     def Stream(self, request: object, context: FakeContext) -> Iterator[str]:
         yield "decision"
         if request == "domain":
-            raise errors.DrainingError("the daemon is shutting down")
+            raise errors.UnavailableError("the daemon is shutting down")
         if request == "bug":
             raise ZeroDivisionError(SECRET)
         if request == "cancelled":

@@ -25,8 +25,8 @@ class LimitExceededError(CheckpointdError):
     """A payload or a count is larger than the daemon allows."""
 
 
-class DrainingError(CheckpointdError):
-    """The daemon is shutting down and takes no new saves; retry elsewhere or later."""
+class UnavailableError(CheckpointdError):
+    """The daemon is shutting down or cannot be reached: retry the same call later."""
 
 
 class DeadlineError(CheckpointdError):

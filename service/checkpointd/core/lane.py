@@ -19,7 +19,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from checkpointd.core.errors import DrainingError, RunClosedError
+from checkpointd.core.errors import UnavailableError, RunClosedError
 from checkpointd.core.ports import Clock, MetricsSink
 
 
@@ -127,7 +127,7 @@ class Lane:
 
         Raises:
             RunClosedError: if close() was called on the lane.
-            DrainingError: if `draining` (the daemon is shutting down).
+            UnavailableError: if `draining` (the daemon is shutting down).
         """
         if self.state is not LaneState.OPEN:
             raise RunClosedError(
@@ -135,7 +135,7 @@ class Lane:
                 f"({spec.kind.value} {spec.export_dir!r} refused)"
             )
         if draining:
-            raise DrainingError(
+            raise UnavailableError(
                 f"the daemon is shutting down; save of run {self.run!r} to "
                 f"{spec.export_dir!r} refused, retry against a running daemon"
             )

@@ -1,0 +1,43 @@
+"""Fixtures for the real-daemon tier: a `checkpointd serve` subprocess."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon shared by a test module; tests use their own run names."""
+    base = tmp_path_factory.mktemp("daemon")
+    proc = start_daemon(base / "root", base / "work")
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+
+
+@pytest.fixture
+def fresh_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Starts daemons of the test's own (exact counts, shutdown); stops them all."""
+    started: list[Daemon] = []
+
+    def start(*extra: str) -> Daemon:
+        d = start_daemon(tmp_path / "root", tmp_path / f"work{len(started)}", *extra)
+        started.append(d)
+        return d
+
+    try:
+        yield start
+    finally:
+        for d in started:
+            if d.proc.poll() is None:
+                d.proc.kill()
+                d.proc.wait()

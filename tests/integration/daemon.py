@@ -1,0 +1,98 @@
+"""Starts and stops a real `checkpointd serve` subprocess for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+START_TIMEOUT = 60.0
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    root: Path
+    port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait for the drain; SIGKILL if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, deadline: float, log: Path) -> str:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}:\n{log.read_text()}")
+        if path.exists():
+            return path.read_text().strip()
+        time.sleep(0.05)  # polling a file for a result, with a deadline
+    raise TimeoutError(f"daemon wrote no {path.name} in time:\n{log.read_text()}")
+
+
+def start_daemon(root: Path, workdir: Path, *extra: str) -> Daemon:
+    """Runs `checkpointd serve --port 0` and waits until health says SERVING."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port_file, metrics_file = workdir / "port", workdir / "metrics-port"
+    for f in (port_file, metrics_file):
+        f.unlink(missing_ok=True)
+    log_path = workdir / "daemon.log"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "checkpointd", "serve",
+                "--root", str(root),
+                "--port", "0", "--port-file", str(port_file),
+                "--metrics-port", "0", "--metrics-port-file", str(metrics_file),
+                *extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        port = int(_wait_for_file(port_file, proc, deadline, log_path))
+        metrics_port = int(_wait_for_file(metrics_file, proc, deadline, log_path))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="checkpointd.v1.CheckpointService"),
+                timeout=max(1.0, deadline - time.monotonic()),
+                wait_for_ready=True,
+            )
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(f"daemon health is {reply.status}")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return Daemon(proc, root, port, metrics_port, log_path)
