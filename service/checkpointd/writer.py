@@ -131,7 +131,7 @@ class TfWriter:
         except BaseException:
             publish.remove_quietly(staged_dir)
             raise
-        _LOGGER.info(
+        _LOGGER.debug(
             "run %s: registered a template of %d variables (%d bytes a snapshot)",
             run,
             len(template.manifest.variables),
@@ -184,7 +184,7 @@ class TfWriter:
             reason = f"could not write {kind.value} to {target}: {_describe(e)}"
             _LOGGER.warning("run %s: %s", run, reason)
             raise SaveFailedError(f"run {run!r}: {reason}") from e
-        _LOGGER.info("run %s: wrote %s to %s (%d bytes)", run, kind.value, target, written)
+        _LOGGER.debug("run %s: wrote %s to %s (%d bytes)", run, kind.value, target, written)
         return written
 
 
@@ -248,7 +248,7 @@ def _validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: 
             reader.get_tensor(_OBJECT_GRAPH_KEY) if _OBJECT_GRAPH_KEY in shapes else None
         )
     except (tf.errors.OpError, ValueError) as e:
-        _LOGGER.info("run %s: template checkpoint unreadable: %s", run, _describe(e))
+        _LOGGER.debug("run %s: template checkpoint unreadable: %s", run, _describe(e))
         raise _invalid(
             run,
             "variables/variables.index and .data-00000-of-00001 are missing or unreadable; "
