@@ -24,6 +24,9 @@ _LOGGER = logging.getLogger(__name__)
 
 KINDS = ("saved_model", "checkpoint")
 OUTCOMES = ("ok", "skipped", "failed")
+# Where an accepted save's time goes: the blocking wait before the accept, the
+# snapshot upload (accept -> last chunk), and writer.write.
+PHASES = ("queue", "transfer", "write")
 # From a 5k-parameter checkpoint (a few ms) to a multi-GB SavedModel (minutes).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -69,6 +72,14 @@ class Metrics:
             ["run"],
             registry=registry,
         )
+        self.phase_duration = Histogram(
+            "checkpointd_save_phase_duration_seconds",
+            "Seconds an accepted save spent in each phase: queue (blocking wait before "
+            "the accept), transfer (accept to last chunk received), write (files written).",
+            ["kind", "phase"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
         self.runs = Gauge(
             "checkpointd_runs",
             "Runs registered on this daemon.",
@@ -80,6 +91,8 @@ class Metrics:
             self.written_bytes.labels(kind)
             for outcome in OUTCOMES:
                 self.saves.labels(kind, outcome)
+            for phase in PHASES:
+                self.phase_duration.labels(kind, phase)
 
     def save_skipped(self, run: str, kind: str) -> None:
         self.saves.labels(kind, "skipped").inc()
@@ -96,6 +109,16 @@ class Metrics:
     def save_failed(self, run: str, kind: str, seconds: float) -> None:
         self.saves.labels(kind, "failed").inc()
         self.save_duration.labels(kind).observe(seconds)
+
+    def observe_phase(self, kind: str, phase: str, seconds: float) -> None:
+        """Times one phase of an accepted save.
+
+        Raises:
+            ValueError: `phase` is not one of PHASES (labels stay bounded).
+        """
+        if phase not in PHASES:
+            raise ValueError(f"unknown save phase {phase!r}; expected one of {PHASES}")
+        self.phase_duration.labels(kind, phase).observe(seconds)
 
     def in_flight_changed(self, delta: int) -> None:
         self.in_flight.inc(delta)

@@ -67,7 +67,7 @@ class Server:
             from checkpointd.writer import TfWriter  # TensorFlow loads here, not at import
 
             self._writer = TfWriter(config.state_dir, fsync=config.fsync)
-        servicer = CheckpointServicer(config, self.lanes, self._writer)
+        servicer = CheckpointServicer(config, self.lanes, self._writer, phases=self.metrics)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
             options=[

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import crc32c
 import grpc
@@ -36,6 +37,17 @@ _LOGGER = logging.getLogger(__name__)
 
 KIND_FROM_PB = {pb.SAVED_MODEL: SaveKind.SAVED_MODEL, pb.CHECKPOINT: SaveKind.CHECKPOINT}
 KIND_TO_PB = {v: k for k, v in KIND_FROM_PB.items()}
+
+
+class PhaseSink(Protocol):
+    """Times the phases of accepted saves; `checkpointd.metrics.Metrics` implements it."""
+
+    def observe_phase(self, kind: str, phase: str, seconds: float) -> None: ...
+
+
+class _NoPhases:
+    def observe_phase(self, kind: str, phase: str, seconds: float) -> None:
+        pass
 
 
 def variable_from_pb(v: pb.Variable) -> VariableSpec:
@@ -73,10 +85,13 @@ def _check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     """Implements checkpointd.v1.CheckpointService."""
 
-    def __init__(self, config: ServeConfig, lanes: Lanes, writer: Writer) -> None:
+    def __init__(
+        self, config: ServeConfig, lanes: Lanes, writer: Writer, phases: PhaseSink | None = None
+    ) -> None:
         self._config = config
         self._lanes = lanes
         self._writer = writer
+        self._phases = phases if phases is not None else _NoPhases()
         self._staging = config.state_dir / "staging"
 
     @grpc_errors
@@ -154,6 +169,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self._config.max_snapshot_bytes,
         )
         spec = SaveSpec(kind, header.export_dir, header.blocking, header.step)
+        asked = time.monotonic()
         decision = self._lanes.begin(
             run, spec, timeout=context.time_remaining(), is_active=context.is_active
         )
@@ -164,11 +180,22 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             )
             yield pb.SaveResponse(decision=pb.SaveDecision(accepted=False, reason=decision.reason))
             return
+        accepted = time.monotonic()
+        self._phases.observe_phase(kind.value, "queue", accepted - asked)
         outcome: Written | Failed = Failed("the client went away during the save")
         try:
             yield pb.SaveResponse(decision=pb.SaveDecision(accepted=True))
-            snapshot = self._receive_snapshot(request_iterator, header.snapshot_bytes, context)
-            outcome = Written(str(target), self._writer.write(run, kind, target, snapshot))
+            # A phase is timed when it ends, failed or not, as save_duration is.
+            try:
+                snapshot = self._receive_snapshot(request_iterator, header.snapshot_bytes, context)
+            finally:
+                self._phases.observe_phase(kind.value, "transfer", time.monotonic() - accepted)
+            writing = time.monotonic()
+            try:
+                bytes_written = self._writer.write(run, kind, target, snapshot)
+            finally:
+                self._phases.observe_phase(kind.value, "write", time.monotonic() - writing)
+            outcome = Written(str(target), bytes_written)
         except Exception as exc:
             outcome = Failed(str(exc) or type(exc).__name__)
             raise

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from checkpointd.metrics import KINDS, OUTCOMES, Metrics, serve_metrics
+from checkpointd.metrics import KINDS, OUTCOMES, PHASES, Metrics, serve_metrics
 
 # Upper bound on an HTTP round trip to the local endpoint; reached only on failure.
 LIMIT = 5.0
@@ -108,7 +108,7 @@ def test_labels_are_bounded(registry: CollectorRegistry, metrics: Metrics) -> No
 
     for family in registry.collect():
         for s in family.samples:
-            assert set(s.labels) <= {"kind", "outcome", "run", "le"}, (s.name, s.labels)
+            assert set(s.labels) <= {"kind", "outcome", "run", "phase", "le"}, (s.name, s.labels)
 
 
 @pytest.fixture
@@ -155,3 +155,26 @@ def test_declared_prometheus_client_floor_returns_server_and_thread() -> None:
 
     assert floors, "prometheus-client is not declared with a >= floor"
     assert all(floor >= (0, 20) for floor in floors)
+
+
+def test_every_kind_and_phase_series_exists_at_zero(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    for kind in KINDS:
+        for phase in PHASES:
+            labels = {"kind": kind, "phase": phase}
+            assert sample(registry, "checkpointd_save_phase_duration_seconds_count", **labels) == 0
+
+
+def test_observe_phase_times_one_phase_and_refuses_unknown_ones(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.observe_phase("checkpoint", "write", 0.2)
+    metrics.observe_phase("checkpoint", "write", 0.3)
+
+    name = "checkpointd_save_phase_duration_seconds"
+    assert sample(registry, f"{name}_count", kind="checkpoint", phase="write") == 2
+    assert sample(registry, f"{name}_sum", kind="checkpoint", phase="write") == 0.5
+    assert sample(registry, f"{name}_count", kind="checkpoint", phase="queue") == 0
+    with pytest.raises(ValueError, match="unknown save phase"):
+        metrics.observe_phase("checkpoint", "step_42", 1.0)
