@@ -1,0 +1,204 @@
+"""`python -m bench`: runs every section, prints the table, writes the JSON.
+
+Run from the repository root (it imports `tests.integration.daemon`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.config import FANIN_RATE_HZ, SIZES, BenchConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL_WINDOWS = {"small": 3.0, "medium": 4.0, "large": 8.0}
+QUICK_WINDOW = 1.0
+_START = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.monotonic() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
+    """Parses the command line; --quick changes the defaults, explicit flags still win."""
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true",
+                   help="small policy, 2 reps, fan-in of 2 processes for 3 s (the test suite's mode)")
+    p.add_argument("--sizes", help=f"comma-separated, of {','.join(SIZES)} (default: all; quick: small)")
+    p.add_argument("--reps", type=int, help="repetitions for small and medium (default 5; quick 2)")
+    p.add_argument("--large-reps", type=int, help="repetitions for large (default min(reps, 3))")
+    p.add_argument("--fanin-procs", type=int, help="fan-in trainer processes (default 8; quick 2)")
+    p.add_argument("--fanin-seconds", type=float, help="fan-in duration (default 30; quick 3)")
+    p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
+    p.add_argument("--workdir", type=Path,
+                   help="scratch directory (default: a new temp dir, removed at the end)")
+    a = p.parse_args(argv)
+    quick = a.quick
+    reps = a.reps if a.reps is not None else (2 if quick else 5)
+    sizes = tuple(a.sizes.split(",")) if a.sizes else (("small",) if quick else tuple(SIZES))
+    sizes = tuple(sorted(sizes, key=list(SIZES).index)) if set(sizes) <= set(SIZES) else sizes
+    workdir = a.workdir or Path(tempfile.mkdtemp(prefix="checkpointd-bench-"))
+    try:
+        return BenchConfig(
+            sizes=sizes,
+            reps=reps,
+            large_reps=a.large_reps if a.large_reps is not None else max(1, min(reps, 3)),
+            window_seconds={s: QUICK_WINDOW if quick else FULL_WINDOWS[s] for s in SIZES},
+            min_window_steps=3 if quick else 5,
+            fanin_procs=a.fanin_procs if a.fanin_procs is not None else (2 if quick else 8),
+            fanin_seconds=a.fanin_seconds if a.fanin_seconds is not None else (3.0 if quick else 30.0),
+            limit_bytes=(32 << 20) if quick else (512 << 20),
+            quick=quick,
+            workdir=workdir,
+            out=a.out,
+            extra={"workdir_given": str(a.workdir is not None)},
+        )
+    except ValueError as e:
+        p.error(str(e))
+        raise  # unreachable: error() exits
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_kib = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal")
+    )
+    versions = []
+    for name in ("tensorflow-cpu", "tensorflow", "tf-agents", "grpcio", "protobuf"):
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem_kib / (1 << 20),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "packages": ", ".join(versions),
+        "commit": commit,
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def run_size(config: BenchConfig, size: str) -> dict[str, Any]:
+    """Sections 1, 2, 3 and 6 for one size, in a worker process."""
+    out = config.workdir / f"{size}.json"
+    log = config.workdir / f"{size}-worker.log"
+    cmd = [
+        sys.executable, "-m", "bench.worker",
+        "--size", size,
+        "--reps", str(config.reps_for(size)),
+        "--window", str(config.window_seconds[size]),
+        "--min-steps", str(config.min_window_steps),
+        "--workdir", str(config.workdir),
+        "--out", str(out),
+    ]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    with open(log, "wb") as err:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=err,
+                              timeout=600 if config.quick else 1800, check=False)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"the {size} worker exited with {proc.returncode}:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
+    from bench import fanin, limits
+
+    results: dict[str, Any] = {
+        "meta": {
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": shlex.join(["python", "-m", "bench", *argv]),
+            **machine(),
+        },
+        "config": {
+            "sizes": list(config.sizes),
+            "reps": {s: config.reps_for(s) for s in config.sizes},
+            "window_seconds": {s: config.window_seconds[s] for s in config.sizes},
+            "min_window_steps": config.min_window_steps,
+            "fanin_procs": config.fanin_procs,
+            "fanin_seconds": config.fanin_seconds,
+            "fanin_rate_hz": FANIN_RATE_HZ,
+            "limit_bytes": config.limit_bytes,
+            "quick": config.quick,
+        },
+    }
+    progress("4. machine limits: memcpy, fsync'd disk writes, gRPC loopback")
+    reps = max(config.reps, 3)
+    results["limits"] = {
+        "memcpy": {s: limits.memcpy(SIZES[s].weight_bytes, reps) for s in config.sizes},
+        "disk_fsync": limits.disk_fsync(config.workdir / "disk", config.limit_bytes, reps),
+        "grpc_loopback": limits.grpc_loopback(config.workdir / "grpc", config.limit_bytes, reps),
+    }
+    per_size = {}
+    for s in config.sizes:
+        progress(f"{s}: sections 1, 2, 3, 6 in a worker process")
+        per_size[s] = run_size(config, s)
+    results["sizes"] = {s: per_size[s]["size"] for s in config.sizes}
+    for section in ("inprocess", "async", "remote", "training", "memory"):
+        results[section] = {s: per_size[s][section] for s in config.sizes}
+
+    progress(f"5. fan-in: starting {config.fanin_procs} trainer processes")
+    daemon = fanin.fanin_daemon(config.workdir)
+    try:
+        results["fanin"] = fanin.run_fanin(
+            daemon, config.fanin_procs, config.fanin_seconds, FANIN_RATE_HZ, progress
+        )
+    finally:
+        code = daemon.terminate()
+    results["fanin"]["daemon_exit_code"] = code
+    results["targets"] = report.targets(results)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config = config_from_args(argv)
+    progress(f"workdir {config.workdir}")
+    try:
+        results = run(config, argv)
+    except BaseException:
+        progress(f"failed; logs are kept in {config.workdir}")
+        raise
+    if config.extra.get("workdir_given") != "True":
+        shutil.rmtree(config.workdir, ignore_errors=True)
+    results["meta"]["duration_seconds"] = time.monotonic() - _START
+    results["meta"]["load_average_at_end"] = os.getloadavg()
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    config.out.write_text(json.dumps(results, indent=1))
+    print(report.table(results))
+    progress(f"wrote {config.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

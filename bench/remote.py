@@ -1,0 +1,61 @@
+"""Section 3: checkpointd seen from the trainer: the stall of a call and the wait for durable.
+
+The daemon is a real `checkpointd serve` subprocess on this machine; the
+trainer side is `RemotePolicySaver`, exactly as a trainer would use it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from checkpointd_client import RemotePolicySaver
+from bench.stats import summarize
+
+
+def first_save(saver: RemotePolicySaver) -> float:
+    """The first save: exports and uploads the template, then saves. Seconds, call to durable."""
+    start = time.perf_counter()
+    ticket = saver.save("first", blocking=True)
+    seconds = time.perf_counter() - start
+    if ticket.skipped:
+        raise RuntimeError(f"the first save of run {saver.run} was skipped: {ticket.reason}")
+    return seconds
+
+
+def checkpointd_times(
+    saver: RemotePolicySaver, run_root: Path, reps: int, timeout: float
+) -> dict[str, Any]:
+    """Non-blocking save()/save_checkpoint(): stall, call->durable, and the daemon's own time.
+
+    Each call waits for the previous one to be durable, so none is skipped.
+    `run_root` is `<daemon root>/<run>`; published saves are deleted there.
+
+    Raises:
+        RuntimeError: if a save is skipped or fails.
+    """
+    result: dict[str, Any] = {}
+    for kind in ("save", "save_checkpoint"):
+        stall, latency, daemon, throughput = [], [], [], []
+        for i in range(reps):
+            export_dir = f"{kind}-{i}"
+            start = time.perf_counter()
+            ticket = getattr(saver, kind)(export_dir)
+            returned = time.perf_counter()
+            if ticket.skipped:
+                raise RuntimeError(f"{kind} {export_dir} was skipped: {ticket.reason}")
+            done = ticket.result(timeout)
+            durable = time.perf_counter()
+            stall.append(returned - start)
+            latency.append(durable - start)
+            daemon.append(done.duration_seconds)
+            throughput.append(done.bytes_written / (durable - start))
+            shutil.rmtree(run_root / export_dir, ignore_errors=True)
+        result[f"{kind}_stall"] = summarize(stall)
+        result[f"{kind}_latency"] = summarize(latency)
+        result[f"{kind}_daemon"] = summarize(daemon)
+        result[f"{kind}_throughput"] = summarize(throughput)
+        result[f"{kind}_bytes_written"] = done.bytes_written
+    return result
