@@ -111,8 +111,10 @@ class Server:
             True if every accepted save finished within the grace period.
         """
         grace = self.config.grace_seconds if grace is None else grace
-        self._health.enter_graceful_shutdown()
+        # Refuse saves before health says NOT_SERVING: a client that sees
+        # NOT_SERVING can then rely on every later save being refused.
         self.lanes.drain()
+        self._health.enter_graceful_shutdown()
         started = time.monotonic()
         try:
             self.lanes.flush(None, grace)
