@@ -3,5 +3,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
+
+# tests/integration/test_prometheus.py runs promtool and a real Prometheus.
+# Debian's package ships both; its maintainer script would start a service, so
+# a policy-rc.d that denies starts is in place during the install (unless the
+# machine has one already): the tests start their own prometheus.
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" -eq 0 ]; then
+    policy=/usr/sbin/policy-rc.d
+    if [ ! -e "$policy" ]; then
+      printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy"
+      trap 'rm -f "$policy"' EXIT
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    if [ -n "$(trap -p EXIT)" ]; then rm -f "$policy"; trap - EXIT; fi
+  else
+    echo "warning: prometheus/promtool missing and not root; the Prometheus tests will be skipped" >&2
+  fi
+fi
+
 export TF_CPP_MIN_LOG_LEVEL=2
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
