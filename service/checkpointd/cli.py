@@ -1,4 +1,4 @@
-"""`checkpointd serve|flush|status|close`: parsing is pure, running is not."""
+"""`checkpointd serve|flush|status|close|verify`: parsing is pure, running is not."""
 
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ class OpsCommand:
     run: str | None
     timeout: float | None
     as_json: bool = False
+
+
+@dataclass(frozen=True)
+class VerifyCommand:
+    """verify: check save dirs against their manifests, offline."""
+
+    paths: tuple[Path, ...]
+    as_json: bool = False
+    progress: bool | None = None  # None: only when stderr is a terminal
 
 
 def _size(text: str) -> int:
@@ -75,14 +84,25 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--timeout", type=float, help="seconds to wait (default: no limit)")
         if name == "status":
             cmd.add_argument("--json", action="store_true", dest="as_json", help="machine-readable output")
+
+    verify = sub.add_parser(
+        "verify",
+        help="check saves against their checkpointd.manifest.json (offline)",
+        description="Check save dirs, or every save dir under a run or root dir, against their "
+        "checkpointd.manifest.json: every listed file present with its size and CRC32C, no "
+        "other file. Exit 0 if all are OK, 1 if any is not.",
+    )
+    verify.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a save dir, or a dir to search for save dirs")
+    verify.add_argument("--json", action="store_true", dest="as_json", help="machine-readable output")
+    verify.add_argument("--progress", action="store_true", default=None, help="show bytes checked on stderr (default: only when stderr is a terminal)")
     return parser
 
 
-def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand, str]:
+def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | VerifyCommand, str]:
     """Parses a command line; no side effects.
 
     Returns:
-        The serve config or the ops command, and the log level.
+        The serve config, the ops or verify command, and the log level.
     """
     parser = _parser()
     args = parser.parse_args(argv)
@@ -105,6 +125,8 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand, str
         except ValueError as exc:
             parser.error(str(exc))
         return config, args.log_level
+    if args.command == "verify":
+        return VerifyCommand(tuple(args.paths), args.as_json, args.progress), "WARNING"
     if args.timeout is not None and args.timeout <= 0:
         parser.error("--timeout must be positive")
     return OpsCommand(args.command, args.address, args.run, args.timeout, getattr(args, "as_json", False)), "WARNING"
@@ -116,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if isinstance(command, ServeConfig):
         return _serve(command)
+    if isinstance(command, VerifyCommand):
+        from checkpointd import verify  # stdlib and crc32c only
+
+        return verify.run(command.paths, as_json=command.as_json, progress=command.progress)
     from checkpointd import ops  # grpc stubs only; no TensorFlow
 
     return ops.run(command)

@@ -192,7 +192,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 self._phases.observe_phase(kind.value, "transfer", time.monotonic() - accepted)
             writing = time.monotonic()
             try:
-                bytes_written = self._writer.write(run, kind, target, snapshot)
+                bytes_written = self._writer.write(
+                    run, kind, target, snapshot, step=header.step, export_dir=header.export_dir
+                )
             finally:
                 self._phases.observe_phase(kind.value, "write", time.monotonic() - writing)
             outcome = Written(str(target), bytes_written)

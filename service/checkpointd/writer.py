@@ -10,6 +10,9 @@ A CHECKPOINT save writes the `variables/` checkpoint alone, under the keys and
 object graph of `PolicySaver.save_checkpoint`. Tensors are written in the order
 of the object graph's nodes, which is the order TensorFlow's own saver uses, so
 the variable files are byte-identical to PolicySaver's for the same values.
+Last, `checkpointd.manifest.json` (see `checkpointd.verify`) lists every file
+with its size and CRC32C, so a crash or a bad disk can be told from a
+complete save without TensorFlow.
 
 Lock discipline: `_lock` guards `_templates` only. A write takes the run's
 `_Template` (immutable, its files held in memory) under the lock and then works
@@ -19,6 +22,8 @@ without it, so registering a new template never disturbs a write in progress.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -28,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpointd import publish
+import crc32c
+
+from checkpointd import __version__, publish, verify
 from checkpointd.core.errors import (
     CheckpointdError,
     InvalidRequestError,
@@ -60,6 +67,7 @@ class _Template:
     checkpoint_graph: bytes  # PolicySaver.save_checkpoint's object graph
     saved_model_order: tuple[int, ...]  # manifest indexes in SavedModel key order
     checkpoint_order: tuple[int, ...]  # manifest indexes in checkpoint key order
+    checksums: dict[str, tuple[int, int]]  # files' (size, CRC32C), for save manifests
 
 
 class TfWriter:
@@ -140,9 +148,16 @@ class TfWriter:
         return template.manifest
 
     def write(
-        self, run: str, kind: SaveKind, target: Path, snapshot: bytes | bytearray | memoryview
+        self,
+        run: str,
+        kind: SaveKind,
+        target: Path,
+        snapshot: bytes | bytearray | memoryview,
+        *,
+        step: int = -1,
+        export_dir: str | None = None,
     ) -> int:
-        """Writes one save atomically to `target`.
+        """Writes one save atomically to `target`, its save manifest last.
 
         Args:
             run: A registered run.
@@ -151,6 +166,9 @@ class TfWriter:
             target: The export dir; an existing directory there is replaced.
             snapshot: Every variable's raw little-endian C-order bytes,
                 concatenated in manifest order.
+            step: The trainer's step, recorded in the save manifest.
+            export_dir: The export dir as the trainer named it, for the
+                save manifest; default `target.name`.
 
         Returns:
             The total size of the files written, in bytes.
@@ -175,6 +193,15 @@ class TfWriter:
         try:
             tmp = publish.make_temp_sibling(target)
             written = _write_tree(template, kind, tmp, snapshot)
+            written += verify.write_manifest(
+                tmp,
+                run=run,
+                kind=kind.value,
+                step=step,
+                export_dir=target.name if export_dir is None else export_dir,
+                versions=_versions(),
+                known=template.checksums if kind is SaveKind.SAVED_MODEL else None,
+            )
             publish.publish_dir(tmp, target, fsync=self._fsync)
         except Exception as e:
             if tmp is not None:
@@ -186,6 +213,19 @@ class TfWriter:
             raise SaveFailedError(f"run {run!r}: {reason}") from e
         _LOGGER.debug("run %s: wrote %s to %s (%d bytes)", run, kind.value, target, written)
         return written
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    """Versions recorded in save manifests; tf-agents only if it is installed here."""
+    import tensorflow as tf
+
+    versions = {"checkpointd": __version__, "tensorflow": tf.__version__}
+    try:
+        versions["tf_agents"] = importlib.metadata.version("tf-agents")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return versions
 
 
 def _describe(e: BaseException) -> str:
@@ -279,16 +319,19 @@ def _validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: 
     checkpoint_order = _order(
         run, "checkpoint_object_graph", checkpoint_graph, manifest, "checkpoint_key"
     )
+    copied = tuple((p, b) for p, b in files if p.split("/")[0] not in _NOT_COPIED)
     return _Template(
         manifest=manifest,
         # tf.saved_model.save always makes assets/, empty or not; uploads
         # carry files only, so an empty one is made here.
         dirs=tuple(sorted({d for d in dirs if d.split("/")[0] not in _NOT_COPIED} | {"assets"})),
-        files=tuple((p, b) for p, b in files if p.split("/")[0] not in _NOT_COPIED),
+        files=copied,
         saved_model_graph=saved_model_graph,
         checkpoint_graph=checkpoint_graph,
         saved_model_order=saved_model_order,
         checkpoint_order=checkpoint_order,
+        # Only files copied verbatim: fingerprint.pb is rewritten for every save.
+        checksums={p: (len(b), crc32c.crc32c(b)) for p, b in copied},
     )
 
 

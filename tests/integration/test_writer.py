@@ -34,6 +34,7 @@ from tf_agents.trajectories import time_step as ts
 from checkpointd.core.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.core.lane import SaveKind
 from checkpointd.core.manifest import VariableSpec
+from checkpointd.verify import MANIFEST_NAME
 from checkpointd.writer import TfWriter
 
 _VARIABLES = ("variables.index", "variables.data-00000-of-00001")
@@ -209,7 +210,7 @@ def test_saved_model_loads_with_the_policy_functions(case: Case) -> None:
         "get_train_step",
         "get_metadata",
     }
-    assert files_under(case.out_sm) == files_under(case.ref_sm)
+    assert files_under(case.out_sm) == files_under(case.ref_sm) | {MANIFEST_NAME}
 
 
 def test_saved_model_holds_the_snapshot_not_the_live_state(case: Case) -> None:
@@ -252,7 +253,7 @@ def test_fingerprint_is_true_for_the_written_content(case: Case) -> None:
 
 def test_checkpoint_is_the_layout_of_save_checkpoint(case: Case) -> None:
     assert (
-        files_under(case.out_ck)
+        files_under(case.out_ck) - {MANIFEST_NAME}
         == files_under(case.ref_ck)
         == {f"variables/{n}" for n in _VARIABLES}
     )
@@ -269,7 +270,7 @@ def test_checkpoint_is_the_layout_of_save_checkpoint(case: Case) -> None:
             case.ref_ck / "variables" / name
         ).read_bytes()
     assert case.written[SaveKind.CHECKPOINT] == sum(
-        (case.out_ck / "variables" / n).stat().st_size for n in _VARIABLES
+        (case.out_ck / n).stat().st_size for n in (*(f"variables/{n}" for n in _VARIABLES), MANIFEST_NAME)
     )
 
 
@@ -409,7 +410,7 @@ def test_writing_over_an_export_dir_replaces_it_completely(
     (target / "variables" / "variables.data-00000-of-00002").write_text("old shard")
     (target / "old_dir").mkdir()
     writer.write("run1", SaveKind.SAVED_MODEL, target, q_case[3])
-    assert files_under(target) == files_under(q_case[0])
+    assert files_under(target) == files_under(q_case[0]) | {MANIFEST_NAME}
     assert os.listdir(target.parent) == ["policy"]
 
 

@@ -69,8 +69,20 @@ class Writer(Protocol):
         """
         ...
 
-    def write(self, run: str, kind: SaveKind, target: Path, snapshot: bytes | bytearray | memoryview) -> int:
+    def write(
+        self,
+        run: str,
+        kind: SaveKind,
+        target: Path,
+        snapshot: bytes | bytearray | memoryview,
+        *,
+        step: int = -1,
+        export_dir: str | None = None,
+    ) -> int:
         """Writes one save atomically to `target`; returns the bytes written.
+
+        `step` and `export_dir` (as the trainer named it) are recorded in the
+        save's manifest.
 
         Raises:
             SaveFailedError: the save could not be written.

@@ -1,0 +1,367 @@
+"""Save manifests: what a committed save holds, and `checkpointd verify` against it.
+
+Every save the daemon publishes carries `checkpointd.manifest.json`, written
+last into its temp dir before the fsync and rename: the save's run, kind,
+step, export dir, creation time and versions, and every other file with its
+size and CRC32C. A dir whose files all match its manifest is the complete save
+the daemon committed; anything else (a file missing, short, changed or added,
+or no manifest at all) is reported with the reason.
+
+Stdlib and `crc32c` only: verifying a multi-GB root must not wait for
+TensorFlow to import, and must work on a host without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
+
+import crc32c
+
+MANIFEST_NAME = "checkpointd.manifest.json"
+FORMAT = "checkpointd.save-manifest"
+FORMAT_VERSION = 1
+# Dirs the daemon owns (temp, replaced, state): never published saves.
+_RESERVED_PREFIX = ".checkpointd"
+_READ_BYTES = 4 << 20
+# How many problems one dir's reason names before "(and N more)".
+_MAX_REASONS = 3
+
+Progress = Callable[[int], None]  # called with the bytes just checked
+
+
+class ManifestError(ValueError):
+    """A manifest is missing, unreadable or malformed."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a save: its path relative to the save dir, size and CRC32C."""
+
+    path: str
+    size: int
+    crc32c: str  # 8 lowercase hex digits
+
+
+@dataclass(frozen=True)
+class Report:
+    """The verdict on one save dir."""
+
+    path: str
+    ok: bool
+    reason: str = ""
+    run: str = ""
+    kind: str = ""
+    step: int = -1
+    files: int = 0
+    bytes: int = 0
+
+
+def file_checksum(path: Path, progress: Progress | None = None) -> tuple[int, int]:
+    """Returns (size, CRC32C) of a file, read in 4 MiB blocks."""
+    size, value = 0, 0
+    buffer = bytearray(_READ_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            value = crc32c.crc32c(view[:n], value)
+            size += n
+            if progress is not None:
+                progress(n)
+    return size, value
+
+
+def _hex(value: int) -> str:
+    return f"{value:08x}"
+
+
+def _files(save_dir: Path) -> list[str]:
+    """Every entry but dirs and the manifest under `save_dir`, '/'-separated, sorted."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(save_dir):
+        rel = Path(dirpath).relative_to(save_dir)
+        # A symlinked dir is listed as an entry, not followed.
+        names = filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        found.extend((rel / name).as_posix() for name in names)
+    return sorted(f for f in found if f != MANIFEST_NAME)
+
+
+def write_manifest(
+    save_dir: Path,
+    *,
+    run: str,
+    kind: str,
+    step: int,
+    export_dir: str,
+    versions: Mapping[str, str],
+    known: Mapping[str, tuple[int, int]] | None = None,
+    created: float | None = None,
+) -> int:
+    """Writes `save_dir/checkpointd.manifest.json` listing every other file there.
+
+    Call it last, once the save's files are complete and before they are
+    fsynced and published.
+
+    Args:
+        save_dir: the finished save's (temp) dir.
+        run, kind, step, export_dir: what the save is.
+        versions: software versions to record, e.g. {"tensorflow": "2.15.1"}.
+        known: (size, CRC32C) of files whose content the caller already
+            checksummed (template files written from memory); used when the
+            size on disk agrees, every other file is read back.
+        created: Unix time of the save; default now.
+
+    Returns:
+        The manifest's size in bytes.
+
+    Raises:
+        OSError: a file could not be read or the manifest written.
+    """
+    save_dir = Path(save_dir)
+    known = known or {}
+    entries = []
+    for rel in _files(save_dir):
+        path = save_dir / rel
+        if not path.is_file() or path.is_symlink():
+            raise OSError(f"{path} is not a regular file; a save holds only regular files")
+        size, value = known.get(rel, (-1, 0))
+        if size != path.stat().st_size:
+            size, value = file_checksum(path)
+        entries.append(FileEntry(rel, size, _hex(value)))
+    document = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "run": run,
+        "kind": kind,
+        "step": step,
+        "export_dir": export_dir,
+        "created_unix_seconds": time.time() if created is None else created,
+        "versions": dict(versions),
+        "files": [asdict(e) for e in entries],
+    }
+    data = (json.dumps(document, indent=1) + "\n").encode("utf-8")
+    with open(save_dir / MANIFEST_NAME, "xb") as f:
+        f.write(data)
+    return len(data)
+
+
+def read_manifest(save_dir: Path) -> dict[str, Any]:
+    """Reads and checks the shape of a save dir's manifest.
+
+    Returns:
+        The manifest, with "files" as a list of FileEntry.
+
+    Raises:
+        ManifestError: it is missing, not JSON, of another format or version,
+            or lists an unsafe or duplicate path.
+    """
+    path = Path(save_dir) / MANIFEST_NAME
+    try:
+        document = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ManifestError(f"no {MANIFEST_NAME} (not a checkpointd save, or not complete)") from None
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{MANIFEST_NAME} is unreadable: {e}") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise ManifestError(f"{MANIFEST_NAME} is not a {FORMAT}")
+    version = document.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ManifestError(
+            f"{MANIFEST_NAME} has format_version {version!r}; this checkpointd reads "
+            f"up to {FORMAT_VERSION}"
+        )
+    try:
+        entries = [FileEntry(str(f["path"]), int(f["size"]), str(f["crc32c"])) for f in document["files"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{MANIFEST_NAME} has a malformed file list ({e!r})") from None
+    seen: set[str] = set()
+    for e in entries:
+        pure = PurePosixPath(e.path)
+        if pure.is_absolute() or ".." in pure.parts or e.path in seen or e.path == MANIFEST_NAME:
+            raise ManifestError(f"{MANIFEST_NAME} lists an invalid or repeated path {e.path!r}")
+        seen.add(e.path)
+    document["files"] = entries
+    return document
+
+
+def verify_dir(save_dir: Path, progress: Progress | None = None) -> Report:
+    """Checks one save dir against its manifest.
+
+    Every listed file must be there, a regular file of the listed size and
+    CRC32C, and no other file may be there.
+    """
+    save_dir = Path(save_dir)
+    where = str(save_dir)
+    if not save_dir.is_dir():
+        return Report(where, False, "not a directory" if save_dir.exists() else "does not exist")
+    try:
+        manifest = read_manifest(save_dir)
+    except ManifestError as e:
+        return Report(where, False, str(e))
+    entries: list[FileEntry] = manifest["files"]
+    about = {
+        "run": str(manifest.get("run", "")),
+        "kind": str(manifest.get("kind", "")),
+        "step": int(manifest.get("step", -1)),
+        "files": len(entries),
+        "bytes": sum(e.size for e in entries),
+    }
+    problems = []
+    for e in entries:
+        path = save_dir / e.path
+        if path.is_symlink() or not path.exists():
+            problems.append(f"{e.path} is missing")
+            continue
+        if not path.is_file():
+            problems.append(f"{e.path} is not a regular file")
+            continue
+        size = path.stat().st_size
+        if size != e.size:
+            problems.append(f"{e.path} has {size} bytes, the manifest says {e.size}")
+            continue
+        try:
+            _, value = file_checksum(path, progress)
+        except OSError as err:
+            problems.append(f"{e.path} is unreadable ({err.strerror or err})")
+            continue
+        if _hex(value) != e.crc32c.lower():
+            problems.append(f"{e.path} has CRC32C {_hex(value)}, the manifest says {e.crc32c}")
+    listed = {e.path for e in entries}
+    problems.extend(f"{rel} is not in the manifest" for rel in _files(save_dir) if rel not in listed)
+    if problems:
+        more = len(problems) - _MAX_REASONS
+        reason = "; ".join(problems[:_MAX_REASONS]) + (f" (and {more} more)" if more > 0 else "")
+        return Report(where, False, reason, **about)
+    return Report(where, True, **about)
+
+
+def _looks_like_a_save(path: Path) -> bool:
+    return (path / "saved_model.pb").is_file() or (path / "variables" / "variables.index").is_file()
+
+
+def find_save_dirs(path: Path) -> list[Path]:
+    """Save dirs at or under `path`, sorted: dirs holding a manifest, or a
+    SavedModel or checkpoint without one (reported as lacking it).
+
+    Dirs starting `.checkpointd` (the daemon's temp, replaced and state dirs)
+    are not searched; symlinks are not followed; a save dir is not searched
+    further.
+    """
+    path = Path(path)
+    if path.name == MANIFEST_NAME and path.is_file():
+        return [path.parent]
+    if (path / MANIFEST_NAME).exists() or _looks_like_a_save(path):
+        return [path]
+    found = []
+    for dirpath, dirnames, _ in os.walk(path):
+        dirnames.sort()
+        keep = []
+        for name in dirnames:
+            child = Path(dirpath, name)
+            if name.startswith(_RESERVED_PREFIX) or child.is_symlink():
+                continue
+            if (child / MANIFEST_NAME).exists() or _looks_like_a_save(child):
+                found.append(child)
+            else:
+                keep.append(name)
+        dirnames[:] = keep
+    return sorted(found)
+
+
+def verify_paths(paths: Iterable[Path], progress: Progress | None = None) -> list[Report]:
+    """Verifies every save dir at or under each path, in order."""
+    reports = []
+    for path in paths:
+        path = Path(path)
+        if not path.exists():
+            reports.append(Report(str(path), False, "does not exist"))
+            continue
+        dirs = find_save_dirs(path)
+        if not dirs:
+            reports.append(Report(str(path), False, f"no save dirs ({MANIFEST_NAME}) found here"))
+        reports.extend(verify_dir(d, progress) for d in dirs)
+    return reports
+
+
+class _ProgressLine:
+    """Bytes checked so far, on one rewritten stderr line, at most 5 times a second."""
+
+    def __init__(self, stream: IO[str], total: int) -> None:
+        self._stream, self._total = stream, total
+        self._done, self._shown = 0, 0.0
+
+    def __call__(self, n: int) -> None:
+        self._done += n
+        now = time.monotonic()
+        if now - self._shown >= 0.2:
+            self._shown = now
+            self._stream.write(
+                f"\rchecked {self._done / (1 << 20):,.1f} of {self._total / (1 << 20):,.1f} MiB"
+            )
+            self._stream.flush()
+
+    def end(self) -> None:
+        if self._shown:
+            self._stream.write(f"\rchecked {self._done / (1 << 20):,.1f} MiB\n")
+            self._stream.flush()
+
+
+def _listed_bytes(dirs: Iterable[Path]) -> int:
+    total = 0
+    for d in dirs:
+        try:
+            total += sum(e.size for e in read_manifest(d)["files"])
+        except ManifestError:
+            pass
+    return total
+
+
+def run(
+    paths: Sequence[Path],
+    *,
+    as_json: bool = False,
+    progress: bool | None = None,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+) -> int:
+    """`checkpointd verify`: prints OK/FAILED per save dir.
+
+    Args:
+        paths: save dirs, or dirs (a run, the root) to search for them.
+        as_json: print one JSON document instead of lines.
+        progress: show bytes checked on stderr; None = only if stderr is a TTY.
+        out, err: streams (default stdout, stderr).
+
+    Returns:
+        0 if every save dir is OK, 1 otherwise.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if progress is None:
+        progress = err.isatty()
+    line = None
+    if progress:
+        dirs = [d for p in paths if Path(p).exists() for d in find_save_dirs(Path(p))]
+        line = _ProgressLine(err, _listed_bytes(dirs))
+    reports = verify_paths(paths, line)
+    if line is not None:
+        line.end()
+    ok = all(r.ok for r in reports)
+    if as_json:
+        json.dump({"ok": ok, "dirs": [asdict(r) for r in reports]}, out, indent=1)
+        out.write("\n")
+    else:
+        for r in reports:
+            if r.ok:
+                out.write(f"OK      {r.path} ({r.kind}, step {r.step}, {r.files} files, {r.bytes} bytes)\n")
+            else:
+                out.write(f"FAILED  {r.path}: {r.reason}\n")
+        failed = sum(not r.ok for r in reports)
+        out.write(f"{len(reports) - failed} OK, {failed} FAILED\n")
+    return 0 if ok else 1
