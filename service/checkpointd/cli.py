@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-template-bytes", type=_size, default=16 << 30, help="largest template a run may register (default: 16G)")
     serve.add_argument("--max-workers", type=int, default=64, help="gRPC handler threads; each open save holds one (default: 64)")
     serve.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing (throwaway runs only)")
+    serve.add_argument("--upload-timeout", type=float, default=300.0, metavar="SECONDS", help="fail an accepted save whose snapshot has not arrived this long after its accept, freeing the run (default: 300)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     for name, text in (
@@ -121,6 +122,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 max_template_bytes=args.max_template_bytes,
                 max_workers=args.max_workers,
                 fsync=not args.no_fsync,
+                upload_timeout_seconds=args.upload_timeout,
             )
         except ValueError as exc:
             parser.error(str(exc))

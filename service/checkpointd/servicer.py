@@ -8,7 +8,9 @@ nothing and writes nothing); domain errors become statuses in one place,
 from __future__ import annotations
 
 import logging
+import queue
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import grpc
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.errors import (
     ChecksumError,
+    DeadlineError,
     InvalidRequestError,
     LimitExceededError,
 )
@@ -80,6 +83,63 @@ def _check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -
         )
     if crc32c.crc32c(chunk.data) != chunk.crc32c:
         raise ChecksumError(f"{what}: CRC32C mismatch in the chunk at offset {chunk.offset}")
+
+
+# Chunks a reader thread may hold ahead of the handler (each <= 1 MiB).
+_READ_AHEAD = 4
+_END = object()
+
+
+def _until(requests: Iterator[pb.SaveRequest], deadline: float, timeout: float) -> Iterator[pb.SaveRequest]:
+    """`requests`, ending in DeadlineError once the monotonic `deadline` passes.
+
+    gRPC's request iterator blocks with no timeout, so a thread reads it into
+    a short queue and this waits on the queue for the time left: a client
+    that stalls, or sends nothing at all, is cut off at the deadline without
+    polling. Once this stops, the reader ends with the call.
+    """
+    ahead: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
+    stop = threading.Event()
+
+    def read() -> None:
+        # After `stop` is set and the queue drained, at most two more puts
+        # happen (one in progress, one final), so the reader never blocks.
+        error: BaseException | None = None
+        try:
+            for request in requests:
+                if stop.is_set():
+                    return
+                ahead.put((request, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the handler thread
+            error = exc
+        if not stop.is_set():
+            ahead.put((_END, error))
+
+    threading.Thread(target=read, name="upload-reader", daemon=True).start()
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise queue.Empty
+                request, error = ahead.get(timeout=remaining)
+            except queue.Empty:
+                raise DeadlineError(
+                    f"upload did not finish within {timeout:g}s after the save was accepted "
+                    "(--upload-timeout); the save is discarded"
+                ) from None
+            if error is not None:
+                raise error
+            if request is _END:
+                return
+            yield request
+    finally:
+        stop.set()
+        while True:
+            try:
+                ahead.get_nowait()
+            except queue.Empty:
+                break
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
@@ -186,9 +246,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         try:
             yield pb.SaveResponse(decision=pb.SaveDecision(accepted=True))
             # A phase is timed when it ends, failed or not, as save_duration is.
+            timeout = self._config.upload_timeout_seconds
+            upload = _until(request_iterator, accepted + timeout, timeout)
             try:
-                snapshot = self._receive_snapshot(request_iterator, header.snapshot_bytes, context)
+                snapshot = self._receive_snapshot(upload, header.snapshot_bytes, context)
             finally:
+                upload.close()  # stops its reader now, not when the generator is collected
                 self._phases.observe_phase(kind.value, "transfer", time.monotonic() - accepted)
             writing = time.monotonic()
             try:

@@ -1,10 +1,14 @@
 """Save manifests and `checkpointd verify`, on real files, without TensorFlow.
+
+Also the parsing side of the upload deadline (`--upload-timeout`), which the
+daemon tier exercises in tests/integration/test_faults.py.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +18,7 @@ import pytest
 
 from checkpointd import verify
 from checkpointd.cli import VerifyCommand, config_from_args, main
+from checkpointd.core.config import ServeConfig
 
 MANIFEST = verify.MANIFEST_NAME
 SUBPROCESS_LIMIT = 30.0
@@ -252,3 +257,24 @@ def test_verify_entry_point_exit_codes(root: Path) -> None:
     usage = subprocess.run(run, capture_output=True, text=True, timeout=SUBPROCESS_LIMIT)
     assert (ok.returncode, bad.returncode, usage.returncode) == (0, 1, 2)
 
+
+# The upload deadline's configuration.
+
+
+def test_upload_timeout_defaults_to_300_seconds_and_parses() -> None:
+    assert ServeConfig().upload_timeout_seconds == 300.0
+    config, _ = config_from_args(["serve", "--upload-timeout", "2.5"])
+    assert isinstance(config, ServeConfig) and config.upload_timeout_seconds == 2.5
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
+def test_upload_timeout_must_be_positive_and_finite(value: float) -> None:
+    with pytest.raises(ValueError, match="upload_timeout_seconds"):
+        ServeConfig(upload_timeout_seconds=value)
+
+
+def test_a_bad_upload_timeout_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(["serve", "--upload-timeout", "0"])
+    assert exc.value.code == 2
+    assert "upload_timeout_seconds must be > 0" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,9 @@ class ServeConfig:
         max_snapshot_bytes: largest snapshot one save may carry.
         max_template_bytes: largest template a run may register.
         max_workers: gRPC handler threads (each open save or wait holds one).
+        upload_timeout_seconds: an accepted save whose snapshot has not fully
+            arrived this long after its accept fails with DEADLINE_EXCEEDED
+            and frees its run's lane, so a stalled trainer cannot hold it.
         fsync: fsync files and directories before publishing (turn off only
             for throwaway tests).
     """
@@ -43,6 +47,7 @@ class ServeConfig:
     max_template_bytes: int = 16 * GiB
     max_workers: int = 64
     fsync: bool = True
+    upload_timeout_seconds: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -54,6 +59,10 @@ class ServeConfig:
         for name in ("max_snapshot_bytes", "max_template_bytes", "max_workers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.upload_timeout_seconds < math.inf:  # also refuses NaN
+            raise ValueError(
+                f"upload_timeout_seconds must be > 0 and finite, got {self.upload_timeout_seconds}"
+            )
         if not self.host:
             raise ValueError("host must not be empty")
 

@@ -1,0 +1,386 @@
+"""Faults: writes that fail, trainers that vanish or stall mid-upload.
+
+Each fault must end the same way: the caller gets a clear error, the save is
+counted failed, nothing of it stays on disk, earlier saves still verify, and
+the run's lane serves the next save at once (accepted, not skipped).
+
+Disk full uses a 2 MiB tmpfs as the daemon's --root (falling back to a
+loop-mounted ext4 image, else skipping with the reason): it needs root.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import tensorflow as tf
+from prometheus_client.parser import text_string_to_metric_families
+from tf_agents.policies import policy_saver
+
+from checkpointd import publish, verify
+from checkpointd.core.errors import DeadlineError, SaveFailedError
+from checkpointd.servicer import _until
+from checkpointd.status import error_for
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
+from checkpointd_client import RemotePolicySaver, snapshot, template
+from tests.integration import policies
+from tests.integration.daemon import Daemon, start_daemon
+
+DEADLINE = 30.0  # any single wait in these tests
+
+
+# The upload deadline's reader, without a daemon.
+
+
+def _blocking_source(items: list[int], release: threading.Event) -> Iterator[int]:
+    yield from items
+    release.wait(DEADLINE)  # a client that stops sending and never half-closes
+
+
+def _readers() -> int:
+    return sum(t.name == "upload-reader" for t in threading.enumerate())
+
+
+def _wait_until(predicate, what: str, timeout: float = DEADLINE) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.02)  # polling a result, with a deadline
+
+
+def test_until_passes_requests_through_and_ends_with_them() -> None:
+    assert list(_until(iter(range(10)), time.monotonic() + DEADLINE, DEADLINE)) == list(range(10))
+    _wait_until(lambda: _readers() == 0, "the reader ended")
+
+
+def test_until_cuts_off_a_stalled_source_at_the_deadline_and_its_reader_ends() -> None:
+    release = threading.Event()
+    got = []
+    started = time.monotonic()
+    with pytest.raises(DeadlineError, match=r"upload did not finish within 0\.3s"):
+        for item in _until(_blocking_source([1, 2], release), started + 0.3, 0.3):
+            got.append(item)
+    assert got == [1, 2]
+    assert 0.3 <= time.monotonic() - started < 5.0
+    release.set()  # the call ends: the reader sees the end of the stream
+    _wait_until(lambda: _readers() == 0, "the reader ended")
+
+
+def test_until_hands_the_source_error_to_the_caller() -> None:
+    def failing() -> Iterator[int]:
+        yield 1
+        raise grpc.RpcError("cancelled")
+
+    with pytest.raises(grpc.RpcError):
+        list(_until(failing(), time.monotonic() + DEADLINE, DEADLINE))
+
+
+def test_until_reader_never_blocks_when_the_caller_stops_early() -> None:
+    # A fast source fills the read-ahead queue; the caller takes one and leaves.
+    upload = _until(iter(range(1000)), time.monotonic() + DEADLINE, DEADLINE)
+    assert next(upload) == 0
+    upload.close()
+    _wait_until(lambda: _readers() == 0, "the reader ended")
+
+
+# Helpers for the daemon tier.
+
+
+class RawSave:
+    """A Save call driven by hand: header, decision, chosen chunks, then end or cancel."""
+
+    def __init__(self, stub: pb_grpc.CheckpointServiceStub, header: pb.SaveHeader) -> None:
+        self._requests: queue.SimpleQueue[pb.SaveRequest | None] = queue.SimpleQueue()
+        self._requests.put(pb.SaveRequest(header=header))
+        self.call = stub.Save(self._pull(), timeout=DEADLINE)
+
+    def _pull(self) -> Iterator[pb.SaveRequest]:
+        while (request := self._requests.get()) is not None:
+            yield request
+
+    def decision(self) -> pb.SaveDecision:
+        return next(self.call).decision
+
+    def send(self, chunks: Iterable[pb.Chunk]) -> None:
+        for chunk in chunks:
+            self._requests.put(pb.SaveRequest(chunk=chunk))
+
+    def finish(self) -> pb.SaveResult:
+        """Half-closes (the snapshot is complete) and waits for the result."""
+        self._requests.put(None)
+        return self.verdict()
+
+    def verdict(self) -> pb.SaveResult:
+        """Waits for the daemon's next answer without half-closing."""
+        return next(self.call).result
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self.call.cancel()
+
+    def __enter__(self) -> RawSave:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Trainer:
+    """A run registered by hand, so its snapshots can be sent chunk by chunk."""
+
+    def __init__(self, daemon: Daemon, run: str) -> None:
+        self.run = run
+        self.daemon = daemon
+        self.channel = grpc.insecure_channel(daemon.address)
+        self.stub = pb_grpc.CheckpointServiceStub(self.channel)
+        self.train_step = tf.Variable(0, dtype=tf.int64)
+        saver = policy_saver.PolicySaver(policies.build(policies.q()), train_step=self.train_step)
+        self.bindings = template.register(self.stub, saver, run, chunk_bytes=1 << 20, timeout=DEADLINE)
+
+    def save(self, export_dir: str, *, step: int, kind: int = pb.SAVED_MODEL) -> tuple[RawSave, list[pb.Chunk]]:
+        self.train_step.assign(step)
+        snap = snapshot.take_snapshot(self.bindings, self.train_step)
+        header = pb.SaveHeader(
+            run=self.run, kind=kind, export_dir=export_dir, step=step,
+            variables=self.bindings.protos(), snapshot_bytes=snap.nbytes,
+        )  # fmt: skip
+        return RawSave(self.stub, header), list(snap.chunks(64))
+
+    def save_whole(self, export_dir: str, *, step: int) -> pb.SaveResult:
+        call, chunks = self.save(export_dir, step=step)
+        with call:
+            assert call.decision().accepted
+            call.send(chunks)
+            return call.finish()
+
+    def in_flight(self) -> bool:
+        status = self.stub.GetStatus(pb.StatusRequest(run=self.run), timeout=DEADLINE)
+        return status.runs[0].HasField("in_flight")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def saves_total(daemon: Daemon, kind: str, outcome: str) -> float:
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=DEADLINE).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "checkpointd_saves_total" and sample.labels == {"kind": kind, "outcome": outcome}:
+                return sample.value
+    raise AssertionError("checkpointd_saves_total not exported")
+
+
+def temp_dirs(root: Path) -> list[str]:
+    return [
+        os.path.join(d, n) for d, names, _ in os.walk(root) for n in names if n.startswith(publish.TMP_PREFIX)
+    ]
+
+
+@pytest.fixture(scope="module")
+def q_policy():  # noqa: ANN201
+    return policies.build(policies.q())
+
+
+def remote_saver(daemon: Daemon, run: str, policy) -> RemotePolicySaver:  # noqa: ANN001
+    return RemotePolicySaver(policy, daemon.address, run=run, timeout=DEADLINE)
+
+
+# Write failures.
+
+
+def test_an_export_dir_blocked_by_a_file_fails_and_the_lane_serves_on(daemon: Daemon, q_policy) -> None:  # noqa: ANN001
+    run_dir = daemon.root / "faults-blocked"
+    saver = remote_saver(daemon, "faults-blocked", q_policy)
+    try:
+        saver.save("good", blocking=True)
+        (run_dir / "blocked").write_text("a user's file")
+        failed = saves_total(daemon, "saved_model", "failed")
+
+        with pytest.raises(SaveFailedError, match="blocked: it exists and is not a directory"):
+            saver.save("blocked", blocking=True)
+
+        assert saves_total(daemon, "saved_model", "failed") == failed + 1
+        assert (run_dir / "blocked").read_text() == "a user's file"
+        assert temp_dirs(run_dir) == []
+        after = saver.save("after")  # non-blocking: accepted, since the lane is free
+        assert not after.skipped
+        after.result(DEADLINE)
+        assert [r.ok for r in verify.verify_paths([run_dir / "good", run_dir / "after"])] == [True, True]
+    finally:
+        saver.close()
+
+
+def test_an_export_dir_under_a_file_fails_and_the_lane_serves_on(daemon: Daemon, q_policy) -> None:  # noqa: ANN001
+    run_dir = daemon.root / "faults-parent"
+    saver = remote_saver(daemon, "faults-parent", q_policy)
+    try:
+        saver.save_checkpoint("good", blocking=True)
+        (run_dir / "afile").write_text("not a dir")
+        failed = saves_total(daemon, "checkpoint", "failed")
+
+        with pytest.raises(SaveFailedError, match=r"Not a directory \(.*afile\)"):
+            saver.save_checkpoint("afile/ckpt", blocking=True)
+
+        assert saves_total(daemon, "checkpoint", "failed") == failed + 1
+        assert (run_dir / "afile").read_text() == "not a dir"
+        assert temp_dirs(run_dir) == []
+        after = saver.save_checkpoint("after")
+        assert not after.skipped
+        after.result(DEADLINE)
+        assert all(r.ok for r in verify.verify_paths([run_dir]))
+    finally:
+        saver.close()
+
+
+def _mount_small_disk(where: Path) -> str:
+    """Mounts a 2 MiB filesystem at `where`; returns which kind, or skips."""
+    where.mkdir()
+    tried = []
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True, text=True)
+    if done.returncode == 0:
+        return "tmpfs"
+    tried.append(f"tmpfs: {done.stderr.strip()}")
+    image = where.parent / "small-disk.img"
+    for command in (
+        ["truncate", "-s", "4M", str(image)],
+        ["mkfs.ext4", "-q", "-F", str(image)],
+        ["mount", "-o", "loop", str(image), str(where)],
+    ):
+        done = subprocess.run(command, capture_output=True, text=True) if shutil.which(command[0]) else None
+        if done is None or done.returncode != 0:
+            tried.append(f"{command[0]}: {done.stderr.strip() if done else 'not installed'}")
+            pytest.skip("cannot mount a small filesystem here (needs root): " + "; ".join(tried))
+    return "loop ext4"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    disk = tmp_path / "disk"
+    _mount_small_disk(disk)
+    try:
+        yield disk
+    finally:
+        if subprocess.run(["umount", str(disk)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.fixture
+def full_disk_daemon(small_disk: Path, tmp_path: Path) -> Iterator[Daemon]:
+    d = start_daemon(small_disk / "root", tmp_path / "work")
+    try:
+        yield d
+    finally:
+        d.proc.kill()
+        d.proc.wait()
+
+
+def _fill(path: Path) -> None:
+    """Writes `path` until the filesystem is full."""
+    block = b"\0" * (64 << 10)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
+    assert shutil.disk_usage(path.parent).free < (64 << 10)
+
+
+def test_a_full_disk_fails_the_save_cleanly_and_the_lane_serves_on(full_disk_daemon: Daemon, q_policy) -> None:  # noqa: ANN001
+    daemon = full_disk_daemon
+    run_dir = daemon.root / "faults-full"
+    saver = remote_saver(daemon, "faults-full", q_policy)
+    try:
+        saver.save("good", blocking=True)
+        filler = daemon.root / "filler"
+        _fill(filler)
+
+        with pytest.raises(SaveFailedError, match="No space left on device"):
+            saver.save("big", blocking=True)
+
+        assert saves_total(daemon, "saved_model", "failed") == 1
+        assert saves_total(daemon, "saved_model", "ok") == 1
+        assert not (run_dir / "big").exists()
+        assert temp_dirs(daemon.root) == []
+        assert verify.verify_dir(run_dir / "good").ok
+        filler.unlink()
+        after = saver.save("after")
+        assert not after.skipped
+        after.result(DEADLINE)
+        assert all(r.ok for r in verify.verify_paths([run_dir]))
+    finally:
+        saver.close()
+
+
+# Trainers that vanish or stall.
+
+
+def test_a_trainer_that_disconnects_mid_upload_frees_the_lane(daemon: Daemon) -> None:
+    trainer = Trainer(daemon, "faults-cancel")
+    try:
+        failed = saves_total(daemon, "saved_model", "failed")
+        call, chunks = trainer.save("partial", step=1)
+        assert len(chunks) >= 6
+        with call:
+            assert call.decision().accepted
+            call.send(chunks[: len(chunks) // 2])
+        # The call is cancelled; the daemon ends the save as it notices.
+        _wait_until(lambda: not trainer.in_flight(), "the cancelled save left the lane")
+        assert saves_total(daemon, "saved_model", "failed") == failed + 1
+
+        call, chunks = trainer.save("next", step=2)
+        with call:
+            assert call.decision().accepted  # not skipped
+            call.send(chunks)
+            assert call.finish().step == 2
+        run_dir = daemon.root / "faults-cancel"
+        assert sorted(os.listdir(run_dir)) == ["next"]
+        assert verify.verify_dir(run_dir / "next").ok
+    finally:
+        trainer.close()
+
+
+def test_a_stalled_upload_times_out_and_frees_the_lane(fresh_daemon) -> None:  # noqa: ANN001
+    daemon = fresh_daemon("--upload-timeout", "2")
+    trainer = Trainer(daemon, "faults-stall")
+    try:
+        for sent in (0, 3):  # a client that sends nothing, then one that stops midway
+            call, chunks = trainer.save(f"stalled-{sent}", step=sent)
+            with call:
+                accepted = time.monotonic()
+                assert call.decision().accepted
+                call.send(chunks[:sent])
+                # While it stalls it holds the lane: a non-blocking save is skipped.
+                other, _ = trainer.save("skipped", step=99)
+                with other:
+                    assert not other.decision().accepted
+                with pytest.raises(grpc.RpcError) as caught:
+                    call.verdict()  # never half-closed: waits for the daemon's verdict
+                took = time.monotonic() - accepted
+            code, details = caught.value.code(), caught.value.details()
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED, details
+            assert "upload did not finish within 2s" in details
+            assert isinstance(error_for(code, details), DeadlineError)
+            assert 1.9 <= took < 10.0
+            # Freed at the deadline: the next save is accepted straight away.
+            result = trainer.save_whole("next", step=sent + 1)
+            assert result.step == sent + 1
+        assert saves_total(daemon, "saved_model", "failed") == 2
+        assert saves_total(daemon, "saved_model", "skipped") == 2
+        run_dir = daemon.root / "faults-stall"
+        assert sorted(os.listdir(run_dir)) == ["next"]
+        assert verify.verify_dir(run_dir / "next").ok
+    finally:
+        trainer.close()
