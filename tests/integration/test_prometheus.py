@@ -47,10 +47,10 @@ from tests.integration.daemon import Daemon
 
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
-_MISSING = "not installed (scripts/test.sh installs Debian's `prometheus` package, which ships both)"
-requires_promtool = pytest.mark.skipif(PROMTOOL is None, reason=f"promtool {_MISSING}")
-requires_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None or PROMTOOL is None, reason=f"prometheus/promtool {_MISSING}"
+# Both come from one package; skip before any daemon starts if either is missing.
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None or PROMTOOL is None,
+    reason="prometheus/promtool not installed (scripts/test.sh installs Debian's `prometheus` package)",
 )
 
 FILES = Path(__file__).resolve().parents[2] / "docker" / "prometheus"
@@ -78,17 +78,14 @@ def _ok(done: subprocess.CompletedProcess[str]) -> str:
 # promtool on the files in docker/prometheus.
 
 
-@requires_promtool
 def test_prometheus_config_is_valid() -> None:
     assert "1 rule files found" in _ok(promtool("check", "config", "prometheus.yml"))
 
 
-@requires_promtool
 def test_alert_rules_are_valid() -> None:
     assert "4 rules found" in _ok(promtool("check", "rules", "alerts.yml"))
 
 
-@requires_promtool
 def test_alert_rule_unit_tests_pass() -> None:
     assert "SUCCESS" in _ok(promtool("test", "rules", "alerts_test.yml"))
 
@@ -252,8 +249,6 @@ class Scenario:
 @pytest.fixture(scope="module")
 def scenario(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     """Runs the module docstring's saves against the module's own daemon."""
-    if PROMETHEUS is None or PROMTOOL is None:
-        pytest.skip(f"prometheus/promtool {_MISSING}")
     prom = start_prometheus(tmp_path_factory.mktemp("prometheus"), daemon.metrics_port)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     held: HeldSave | None = None
@@ -408,7 +403,6 @@ def test_the_daemons_metrics_pass_promtool(scenario: Scenario) -> None:
     _ok(promtool("check", "metrics", stdin=text))
 
 
-@requires_prometheus
 def test_a_stopped_daemon_makes_the_down_alert_pending(
     fresh_daemon: Callable[..., Daemon], tmp_path: Path
 ) -> None:
