@@ -16,10 +16,10 @@ import queue
 import threading
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.scrape import saves_by_outcome
 from bench.stats import percentile, summarize
 
 SAVE_TIMEOUT = 60.0
@@ -111,18 +111,6 @@ def _save_on_a_clock(saver: Any, run: str, rate: float, seconds: float) -> dict[
     }
 
 
-def daemon_counters(metrics_url: str) -> dict[str, float]:
-    """checkpointd_saves_total by outcome (summed over kinds), from /metrics."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()  # noqa: S310 - loopback
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("checkpointd_saves_total{"):
-            labels, value = line[len("checkpointd_saves_total{") :].split("} ")
-            outcome = dict(p.split("=", 1) for p in labels.split(","))["outcome"].strip('"')
-            counts[outcome] = counts.get(outcome, 0.0) + float(value)
-    return counts
-
-
 def run_fanin(
     daemon: Any, procs: int, seconds: float, rate: float, progress: Any = print
 ) -> dict[str, Any]:
@@ -157,7 +145,7 @@ def run_fanin(
             outcomes.append(results.get(timeout=max(1.0, deadline - time.monotonic())))
         for w in workers:
             w.join(SAVE_TIMEOUT)
-        after = daemon_counters(daemon.metrics_url)
+        after = saves_by_outcome(daemon.metrics_url)
     finally:
         for w in workers:
             if w.is_alive():

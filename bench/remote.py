@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointd_client import RemotePolicySaver
+from bench.scrape import phase_means, phase_totals
 from bench.stats import summarize
 
 
@@ -26,17 +27,20 @@ def first_save(saver: RemotePolicySaver) -> float:
 
 
 def checkpointd_times(
-    saver: RemotePolicySaver, run_root: Path, reps: int, timeout: float
+    saver: RemotePolicySaver, run_root: Path, metrics_url: str, reps: int, timeout: float
 ) -> dict[str, Any]:
     """Non-blocking save()/save_checkpoint(): stall, call->durable, and the daemon's own time.
 
     Each call waits for the previous one to be durable, so none is skipped.
     `run_root` is `<daemon root>/<run>`; published saves are deleted there.
+    The daemon's phase histograms (from `metrics_url`) split its time into
+    transfer (accept to last chunk) and write (files, fsync, rename).
 
     Raises:
         RuntimeError: if a save is skipped or fails.
     """
     result: dict[str, Any] = {}
+    phases_before = phase_totals(metrics_url)
     for kind in ("save", "save_checkpoint"):
         stall, latency, daemon, throughput = [], [], [], []
         for i in range(reps):
@@ -58,4 +62,5 @@ def checkpointd_times(
         result[f"{kind}_daemon"] = summarize(daemon)
         result[f"{kind}_throughput"] = summarize(throughput)
         result[f"{kind}_bytes_written"] = done.bytes_written
+    result["daemon_phase_mean_seconds"] = phase_means(phases_before, phase_totals(metrics_url))
     return result

@@ -140,8 +140,12 @@ def fmt_bytes(n: float) -> str:
 
 def fmt_rate(stats: dict[str, Any]) -> str:
     scale, unit = (1e9, "GB/s") if stats["median"] >= 1e9 else (1e6, "MB/s")
-    spread = f" ({stats['min'] / scale:.3g}–{stats['max'] / scale:.3g})" if stats["n"] > 1 else ""
-    return f"{stats['median'] / scale:.3g} {unit}{spread}"
+    spread = f" ({_num(stats['min'] / scale)}–{_num(stats['max'] / scale)})" if stats["n"] > 1 else ""
+    return f"{_num(stats['median'] / scale)} {unit}{spread}"
+
+
+def fmt_share(stats: dict[str, Any]) -> str:
+    return f"{100 * stats['median']:.1f}% ({100 * stats['min']:.1f}–{100 * stats['max']:.1f})"
 
 
 def fmt_sps(stats: dict[str, Any], base: float | None = None) -> str:
@@ -213,6 +217,10 @@ def table(r: dict[str, Any]) -> str:
     per_size("save(): trainer stall", lambda s: fmt_time(rem[s]["save_stall"]))
     per_size("save(): call -> durable", lambda s: fmt_time(rem[s]["save_latency"]))
     per_size("save(): daemon, accept -> durable", lambda s: fmt_time(rem[s]["save_daemon"]))
+    phase = lambda s, k: rem[s]["daemon_phase_mean_seconds"][k]  # noqa: E731
+    per_size("  of which transfer / write (mean)", lambda s: (
+        f"{fmt_time(phase(s, 'saved_model/transfer'))} / {fmt_time(phase(s, 'saved_model/write'))}"
+    ))
     per_size("save_checkpoint(): trainer stall", lambda s: fmt_time(rem[s]["save_checkpoint_stall"]))
     per_size("save_checkpoint(): call -> durable", lambda s: fmt_time(rem[s]["save_checkpoint_latency"]))
     per_size("save(): bytes written / (call -> durable)", lambda s: fmt_rate(rem[s]["save_throughput"]))
@@ -220,7 +228,7 @@ def table(r: dict[str, Any]) -> str:
 
     tr = r["training"]
     head("2+3. DQN agent.train steps/s (batch 32x2), same cadence for every saver")
-    per_size("a save requested every", lambda s: f"{tr[s]['cadence_seconds']:.3g} s")
+    per_size("a save requested every (<= 1 per step)", lambda s: f"{tr[s]['cadence_seconds']:.3g} s")
     per_size("no saves", lambda s: fmt_sps(tr[s]["steps_per_second"]["baseline"]))
     for key, label in (
         ("async_policy_saver", "AsyncPolicySaver.save"),
@@ -230,6 +238,10 @@ def table(r: dict[str, Any]) -> str:
         per_size(label, lambda s, k=key: fmt_sps(
             tr[s]["steps_per_second"][k], tr[s]["steps_per_second"]["baseline"]["median"]
         ))
+    share = lambda s, k: fmt_share(tr[s]["request_share"][k])  # noqa: E731
+    per_size("  loop time in save calls: AsyncPolicySaver", lambda s: share(s, "async_policy_saver"))
+    per_size("  loop time in save calls: TF async", lambda s: share(s, "tf_async_checkpoint"))
+    per_size("  loop time in save calls: checkpointd", lambda s: share(s, "checkpointd"))
     per_size("  written/requested: AsyncPolicySaver", lambda s: _counts(tr[s]["saves"]["async_policy_saver"]))
     per_size("  written/requested: TF async", lambda s: _counts(tr[s]["saves"]["tf_async_checkpoint"]))
     per_size("  written/requested: checkpointd", lambda s: _counts(tr[s]["saves"]["checkpointd"]))
@@ -266,6 +278,7 @@ def table(r: dict[str, Any]) -> str:
     per_size("peak during a save", lambda s: fmt_bytes(mem[s]["save_peak_bytes"]["median"]))
     per_size("(peak - idle) / payload", lambda s: (
         f"{(mem[s]['save_peak_bytes']['median'] - mem[s]['idle_rss_bytes']) / mem[s]['payload_bytes']:.2f}"
+        if mem[s]["payload_bytes"] >= 1e6 else "- (payload < 1 MB)"
     ))
 
     head("targets (from this run's medians)")

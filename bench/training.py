@@ -34,6 +34,7 @@ class Window:
     steps: int
     seconds: float
     counts: dict[str, int]
+    request_seconds: float = 0.0  # time the loop spent inside the saver's calls
 
     @property
     def steps_per_second(self) -> float:
@@ -49,15 +50,18 @@ def train_window(
 ) -> Window:
     """Trains for at least `seconds` and `min_steps`; with `saver`, requests a save every `cadence` s.
 
-    The first save is requested at the start of the window.
+    The first save is requested at the start of the window, and at most one
+    per train step (a step longer than the cadence gets one request).
     """
     steps = requested = 0
+    in_requests = 0.0
     start = time.perf_counter()
     next_save = start
     while True:
         now = time.perf_counter()
         if saver is not None and now >= next_save:
             saver.request(requested)
+            in_requests += time.perf_counter() - now
             requested += 1
             next_save += cadence
             if next_save < now:  # a step longer than the cadence: do not queue a burst
@@ -68,7 +72,7 @@ def train_window(
         if elapsed >= seconds and steps >= min_steps:
             break
     counts = saver.finish() if saver is not None else {}
-    return Window(steps, elapsed, counts)
+    return Window(steps, elapsed, counts, in_requests)
 
 
 class AsyncPolicySaverDriver:

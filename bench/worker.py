@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["remote"] = {"first_save_seconds": first}
             result["remote"].update(
                 remote.checkpointd_times(
-                    remote_saver, daemon.root / "trainer", args.reps, SAVE_TIMEOUT
+                    remote_saver, daemon.root / "trainer", daemon.metrics_url, args.reps,
+                    SAVE_TIMEOUT,
                 )
             )
 
@@ -129,6 +130,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 k: summarize(w.steps_per_second for w in ws) for k, ws in windows.items()
             },
             "steps": {k: [w.steps for w in ws] for k, ws in windows.items()},
+            # Share of each window the loop spent inside save calls (the stalls).
+            "request_share": {
+                k: summarize(w.request_seconds / w.seconds for w in ws)
+                for k, ws in windows.items()
+                if k != "baseline"
+            },
             "saves": {
                 k: {c: sum(w.counts[c] for w in ws) for c in ws[0].counts}
                 for k, ws in windows.items()
