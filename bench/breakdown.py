@@ -1,0 +1,182 @@
+"""Where a checkpointd save's time goes, step by step, for one policy size.
+
+`python -m bench.breakdown --size large` times, on the real policy, each step
+of the save path in isolation, then whole saves against a real daemon with
+the daemon's own phase timings:
+
+- trainer: the host copy (`tf.Variable.numpy()`, what the snapshot does),
+  against a plain memcpy and a copy into freshly allocated memory; chunking
+  (1 MiB slices copied to bytes, CRC32C, Chunk messages); protobuf encoding;
+- daemon-side steps, run here with the same libraries: the receive buffer,
+  NumPy -> tensor conversion, SaveV2 into the page cache, fsync;
+- end to end: stall, call -> durable, and the daemon's transfer and write.
+
+It reads two private pieces of the client (`_registered`, `take_snapshot`)
+because it measures them; it is a diagnostic, not an API user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _time(label: str, fn: Callable[[], Any], reps: int, out: dict[str, float]) -> Any:
+    seconds, result = [], None
+    for _ in range(reps):
+        result = None  # free the previous result first: each rep allocates as a save would
+        start = time.perf_counter()
+        result = fn()
+        seconds.append(time.perf_counter() - start)
+    out[label] = statistics.median(seconds)
+    print(f"  {label:58s} {out[label] * 1e3:9.1f} ms", flush=True)
+    return result
+
+
+def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
+    import crc32c
+    import numpy as np
+    import tensorflow as tf
+
+    from bench import agents, scrape
+    from bench.config import SIZES
+    from bench.inprocess import fsync_tree
+    from checkpointd.v1 import checkpointd_pb2 as pb
+    from checkpointd_client import RemotePolicySaver
+    from checkpointd_client import snapshot as snapshots
+    from tests.integration.daemon import start_daemon
+
+    size = SIZES[size_name]
+    daemon = start_daemon(workdir / "root", workdir / "work")
+    steps: dict[str, float] = {}
+    try:
+        agent = agents.build_agent(size)
+        saver = RemotePolicySaver(
+            agent.policy, daemon.address, run="breakdown",
+            train_step=agent.train_step_counter, timeout=600,
+        )
+        saver.save("registered", blocking=True)
+        bindings = saver._registered()  # noqa: SLF001 - the bindings the saver snapshots
+        variables = [b.variable for b in bindings.variables]
+        nbytes = sum(v.dtype.size * int(v.shape.num_elements()) for v in variables)
+        print(f"{size.name}: {size.params:,} parameters, {nbytes:,} bytes per snapshot")
+
+        print("trainer side")
+        src = np.ones(nbytes // 4, np.float32)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        _time("memcpy into memory already touched", lambda: np.copyto(dst, src), reps, steps)
+        _time("copy into fresh memory (np.copy)", src.copy, reps, steps)
+        del src, dst
+        _time("tf.Variable.numpy(), every variable", lambda: [v.numpy() for v in variables], reps, steps)
+        snap = _time(
+            "take_snapshot (the stall's copy)",
+            lambda: snapshots.take_snapshot(bindings, agent.train_step_counter), reps, steps,
+        )
+        views = [memoryview(a.reshape(-1).view(np.uint8)) for a in snap.arrays]
+        mib = 1 << 20
+        _time(
+            "CRC32C of every 1 MiB slice",
+            lambda: [crc32c.crc32c(v[i : i + mib]) for v in views for i in range(0, len(v), mib)],
+            reps, steps,
+        )
+        chunks = _time(
+            "array_chunks: bytes copies + CRC32C + Chunk", lambda: list(snap.chunks(mib)), reps, steps
+        )
+        _time(
+            "SaveRequest(chunk).SerializeToString(), all chunks",
+            lambda: [pb.SaveRequest(chunk=c).SerializeToString() for c in chunks], reps, steps,
+        )
+
+        print("daemon-side steps, in this process")
+
+        def receive() -> bytearray:
+            buffer = bytearray(nbytes)
+            view, offset = memoryview(buffer), 0
+            for c in chunks:
+                view[offset : offset + len(c.data)] = c.data
+                offset += len(c.data)
+            return buffer
+
+        buffer = _time("bytearray(total) filled from the chunks", receive, reps, steps)
+        del chunks
+        arrays, offset = [], 0
+        for a in snap.arrays:
+            arrays.append(np.frombuffer(buffer, a.dtype, a.size, offset).reshape(a.shape))
+            offset += a.nbytes
+        _time("NumPy views -> tensors (as SaveV2's inputs)",
+              lambda: [tf.convert_to_tensor(a) for a in arrays], reps, steps)
+        out = workdir / "savev2"
+
+        def save_v2() -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            tf.raw_ops.SaveV2(
+                prefix=str(out / "variables"),
+                tensor_names=[f"v{i}" for i in range(len(arrays))],
+                shape_and_slices=[""] * len(arrays),
+                tensors=arrays,
+            )
+
+        _time("SaveV2 into the page cache (conversion included)", save_v2, reps, steps)
+
+        def save_v2_fsync() -> None:
+            save_v2()
+            fsync_tree(out)
+
+        _time("SaveV2, then fsync", save_v2_fsync, reps, steps)
+        shutil.rmtree(out, ignore_errors=True)
+        del buffer, arrays, snap, views
+
+        print("end to end, against the daemon")
+        before = scrape.phase_totals(daemon.metrics_url)
+        stall, latency = [], []
+        for i in range(reps):
+            start = time.perf_counter()
+            ticket = saver.save(f"s{i}")
+            stall.append(time.perf_counter() - start)
+            ticket.result(600)
+            latency.append(time.perf_counter() - start)
+            shutil.rmtree(daemon.root / "breakdown" / f"s{i}", ignore_errors=True)
+        steps["save(): stall"] = statistics.median(stall)
+        steps["save(): call -> durable"] = statistics.median(latency)
+        for key, mean in scrape.phase_means(before, scrape.phase_totals(daemon.metrics_url)).items():
+            steps[f"daemon {key} (mean)"] = mean
+        for key in [k for k in steps if k.startswith(("save():", "daemon "))]:
+            print(f"  {key:58s} {steps[key] * 1e3:9.1f} ms")
+        saver.close()
+    finally:
+        daemon.terminate()
+    return {"size": size.name, "params": size.params, "bytes": nbytes, "median_seconds": steps}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.breakdown", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="large")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", type=Path, help="also write the medians as JSON here")
+    args = p.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="checkpointd-breakdown-"))
+    try:
+        result = run(args.size, args.reps, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
