@@ -1,0 +1,454 @@
+"""The daemon's lifecycle and CLI against real `checkpointd` processes.
+
+Startup (port file, log line, health, reflection), SIGTERM with a save in
+flight, the ops commands (`status`, `flush`, `close`) against a live daemon,
+the per-save log lines, and recovery of interrupted publications on restart.
+A save is held in flight by a raw Save stream that has its accept but has not
+sent its chunks; the test releases it when it chooses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tensorflow as tf
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import (
+    CheckpointdError,
+    RemotePolicySaver,
+    RunClosedError,
+    SaveFailedError,
+    UnavailableError,
+)
+from checkpointd_client import snapshot
+from tests.integration import policies
+from tests.integration.daemon import Daemon
+
+RPC_TIMEOUT = 30.0
+EXIT_TIMEOUT = 30.0
+SERVICE = "checkpointd.v1.CheckpointService"
+CHECKPOINTD = str(Path(sys.executable).with_name("checkpointd"))
+_END = object()
+
+
+# Helpers: savers, held saves, the CLI.
+
+
+class Saver:
+    """A RemotePolicySaver on a fresh small policy, its train_step, and the saves it holds."""
+
+    def __init__(self, address: str, run: str) -> None:
+        self.train_step = tf.Variable(0, dtype=tf.int64)
+        self.remote = RemotePolicySaver(
+            policies.build(policies.q()),
+            address,
+            run=run,
+            train_step=self.train_step,
+            timeout=RPC_TIMEOUT,
+        )
+        self.remote.register()
+        self._held: list[HeldSave] = []
+
+    def hold(self, kind: int, export_dir: str) -> HeldSave:
+        self._held.append(HeldSave(self.remote, self.train_step, kind, export_dir))
+        return self._held[-1]
+
+    def close(self) -> None:
+        for held in self._held:
+            held.close()
+        with contextlib.suppress(CheckpointdError):
+            self.remote.close(timeout=5)
+
+
+class HeldSave:
+    """A raw Save call that holds the run's lane: accepted, its chunks not yet sent."""
+
+    def __init__(
+        self, saver: RemotePolicySaver, train_step: tf.Variable, kind: int, export_dir: str
+    ) -> None:
+        self._channel = grpc.insecure_channel(saver.address)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        bindings = saver._bindings  # noqa: SLF001 - the manifest the daemon answered
+        self.snapshot = snapshot.take_snapshot(bindings, train_step)
+        header = pb.SaveHeader(
+            run=saver.run, kind=kind, export_dir=export_dir, step=self.snapshot.step,
+            variables=bindings.protos(), snapshot_bytes=self.snapshot.nbytes,
+        )  # fmt: skip
+        self._outbox.put(pb.SaveRequest(header=header))
+        stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
+        self._responses = stub.Save(self._requests(), timeout=RPC_TIMEOUT)
+        first = next(self._responses)
+        assert first.decision.accepted, first
+
+    def _requests(self) -> Iterator[pb.SaveRequest]:
+        while (item := self._outbox.get()) is not _END:
+            yield item
+
+    def release(self) -> pb.SaveResult:
+        """Sends the snapshot; returns the daemon's result once the save is durable."""
+        for chunk in self.snapshot.chunks(1 << 20):
+            self._outbox.put(pb.SaveRequest(chunk=chunk))
+        self._outbox.put(_END)
+        response = next(self._responses)
+        assert response.WhichOneof("item") == "result", response
+        return response.result
+
+    def close(self) -> None:
+        self._outbox.put(_END)
+        self._responses.cancel()
+        self._channel.close()
+
+
+@pytest.fixture
+def saver() -> Iterator[Callable[[str, str], Saver]]:
+    """Makes Savers; closes them and their held saves at teardown, even after a failed assert."""
+    made: list[Saver] = []
+
+    def make(address: str, run: str) -> Saver:
+        made.append(Saver(address, run))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Runs the `checkpointd` entry point; bounded."""
+    return subprocess.run(
+        [CHECKPOINTD, *args], capture_output=True, text=True, timeout=RPC_TIMEOUT, check=False
+    )
+
+
+def stub_for(daemon: Daemon) -> tuple[grpc.Channel, checkpointd_pb2_grpc.CheckpointServiceStub]:
+    channel = grpc.insecure_channel(daemon.address)
+    return channel, checkpointd_pb2_grpc.CheckpointServiceStub(channel)
+
+
+def run_status(daemon: Daemon, run: str) -> pb.RunStatus:
+    channel, stub = stub_for(daemon)
+    with channel:
+        (status,) = stub.GetStatus(pb.StatusRequest(run=run), timeout=RPC_TIMEOUT).runs
+    return status
+
+
+def raw_save_code(daemon: Daemon, saver: Saver, export_dir: str) -> grpc.StatusCode:
+    """Status code of a raw save the daemon must refuse before its decision."""
+    snap = snapshot.take_snapshot(saver.remote._bindings, saver.train_step)  # noqa: SLF001
+    header = pb.SaveHeader(
+        run=saver.remote.run, kind=pb.SAVED_MODEL, export_dir=export_dir, step=snap.step,
+        variables=saver.remote._bindings.protos(), snapshot_bytes=snap.nbytes,  # noqa: SLF001
+    )  # fmt: skip
+    channel, stub = stub_for(daemon)
+    with channel, pytest.raises(grpc.RpcError) as caught:
+        for _ in stub.Save(iter([pb.SaveRequest(header=header)]), timeout=RPC_TIMEOUT):
+            pass
+    return caught.value.code()
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Relative path -> SHA-256 of every file under `root`."""
+    return {
+        str(Path(d, f).relative_to(root)): hashlib.sha256(Path(d, f).read_bytes()).hexdigest()
+        for d, _, files in os.walk(root)
+        for f in files
+    }
+
+
+def assert_holds_snapshot(export_dir: Path, snap: snapshot.Snapshot) -> None:
+    """The SavedModel loads, and its checkpoint holds exactly the snapshot's values."""
+    loaded = tf.saved_model.load(str(export_dir))
+    assert int(loaded.get_train_step().numpy()) == snap.step
+    reader = tf.train.load_checkpoint(str(export_dir / "variables" / "variables"))
+    for key, array in zip(snap.keys, snap.arrays, strict=True):
+        np.testing.assert_array_equal(reader.get_tensor(key), array)
+
+
+# Startup: port file, log line, health, reflection.
+
+
+def test_serve_writes_the_bound_port_to_its_port_file_and_logs_it(daemon: Daemon) -> None:
+    # The fixture ran `checkpointd serve --port 0 --port-file <work>/port`.
+    port_file = daemon.log_path.with_name("port")
+    assert port_file.read_text() == f"{daemon.port}\n"
+    assert daemon.port != 0
+    assert re.search(rf"listening on port {daemon.port}\b", daemon.log())
+    with grpc.insecure_channel(f"127.0.0.1:{int(port_file.read_text())}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=RPC_TIMEOUT
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_health_is_serving_for_the_server_and_the_service(daemon: Daemon) -> None:
+    with grpc.insecure_channel(daemon.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE):
+            reply = health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as caught:
+            health.Check(
+                health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=RPC_TIMEOUT
+            )
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_and_describes_the_service(daemon: Daemon) -> None:
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        requests = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE),
+        ]
+        listed, described = stub.ServerReflectionInfo(iter(requests), timeout=RPC_TIMEOUT)
+    services = {s.name for s in listed.list_services_response.service}
+    assert {SERVICE, "grpc.health.v1.Health"} <= services
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for raw in described.file_descriptor_response.file_descriptor_proto
+    ]
+    (proto,) = [f for f in files if f.package == "checkpointd.v1"]
+    (service,) = proto.service
+    assert {m.name for m in service.method} == {
+        "RegisterRun",
+        "Save",
+        "Flush",
+        "CloseRun",
+        "GetStatus",
+    }
+
+
+# Shutdown: SIGTERM drains the save in flight, refuses new ones, exits 0.
+
+
+def test_sigterm_refuses_new_saves_finishes_the_accepted_one_and_exits_zero(
+    fresh_daemon, saver
+) -> None:
+    daemon = fresh_daemon()
+    s = saver(daemon.address, "drain")
+    s.train_step.assign(42)
+    held = s.hold(pb.SAVED_MODEL, "accepted-before-sigterm")
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=RPC_TIMEOUT
+        )
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+
+    # From NOT_SERVING on, every new save is refused as "retry later".
+    assert run_status(daemon, "drain").in_flight.export_dir == "accepted-before-sigterm"
+    with pytest.raises(UnavailableError):
+        s.remote.save("after-sigterm")
+    with pytest.raises(UnavailableError):
+        s.remote.save_checkpoint("after-sigterm-blocking", blocking=True)
+    assert raw_save_code(daemon, s, "after-sigterm-raw") == grpc.StatusCode.UNAVAILABLE
+    assert daemon.proc.poll() is None  # still draining: the accepted save holds it
+
+    result = held.release()
+    assert daemon.proc.wait(EXIT_TIMEOUT) == 0
+    assert result.path == str(daemon.root / "drain" / "accepted-before-sigterm")
+    assert result.step == 42
+    assert_holds_snapshot(Path(result.path), held.snapshot)
+    assert sorted(p.name for p in (daemon.root / "drain").iterdir()) == ["accepted-before-sigterm"]
+    assert "drained in" in daemon.log()
+
+
+# The ops CLI against a live daemon.
+
+
+def test_cli_status_prints_a_table_and_json_with_the_run(daemon: Daemon, saver) -> None:
+    s = saver(daemon.address, "cli-status")
+    s.remote.save("sm", blocking=True)
+    s.remote.save_checkpoint("ck", blocking=True)
+
+    table = cli("status", "--address", daemon.address)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:2] == ["RUN", "STATE"]
+    (row,) = [line.split() for line in lines if line.split()[:1] == ["cli-status"]]
+    assert row[:6] == [
+        "cli-status",
+        "open",
+        "-",
+        "2",
+        "0",
+        "0",
+    ]  # run, state, in flight, ok, skipped, failed
+
+    as_json = cli("status", "--address", daemon.address, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    runs = {r["run"]: r for r in json.loads(as_json.stdout)["runs"]}
+    status = runs["cli-status"]
+    assert (int(status["saves_ok"]), int(status["saves_skipped"]), int(status["saves_failed"])) == (
+        2,
+        0,
+        0,
+    )
+    assert status["state"] == "open"
+    assert status["last_success"]["path"] == str(daemon.root / "cli-status" / "ck")
+
+
+def test_cli_flush_exits_zero_once_every_accepted_save_is_durable(daemon: Daemon, saver) -> None:
+    s = saver(daemon.address, "cli-flush")
+    ticket = s.remote.save("policy")  # non-blocking: returns at the accept
+    assert not ticket.skipped
+    done = cli("flush", "--address", daemon.address)
+    assert done.returncode == 0, done.stderr
+    assert "every accepted save is durable" in done.stdout
+    assert "cli-flush" in done.stdout
+    status = run_status(daemon, "cli-flush")
+    assert not status.HasField("in_flight")
+    assert status.saves_ok == 1
+    assert (daemon.root / "cli-flush" / "policy" / "saved_model.pb").is_file()
+
+
+def test_cli_flush_with_timeout_fails_clearly_while_a_save_is_held(daemon: Daemon, saver) -> None:
+    s = saver(daemon.address, "cli-held")
+    held = s.hold(pb.CHECKPOINT, "held")
+    timed_out = cli("flush", "--address", daemon.address, "--timeout", "1")
+    assert timed_out.returncode != 0
+    assert "DeadlineError" in timed_out.stderr
+    assert "timed out" in timed_out.stderr and "cli-held" in timed_out.stderr
+    assert held.release().bytes_written > 0  # the held save was not disturbed
+    assert cli("flush", "--address", daemon.address, "--timeout", "10").returncode == 0
+
+
+def test_cli_close_ends_the_run_and_later_saves_fail_precondition(daemon: Daemon, saver) -> None:
+    s = saver(daemon.address, "cli-close")
+    s.remote.save("before-close", blocking=True)
+    closed = cli("close", "--address", daemon.address, "--run", "cli-close")
+    assert closed.returncode == 0, closed.stderr
+    assert "cli-close" in closed.stdout
+    assert run_status(daemon, "cli-close").state == "closed"
+    assert raw_save_code(daemon, s, "after-close") == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(RunClosedError):
+        s.remote.save("after-close")
+    assert sorted(p.name for p in (daemon.root / "cli-close").iterdir()) == ["before-close"]
+
+
+def test_cli_against_nothing_listening_says_cannot_reach() -> None:
+    for command in (["status"], ["flush"], ["close", "--run", "r"]):
+        unreachable = cli(*command, "--address", "127.0.0.1:1")
+        assert unreachable.returncode != 0
+        assert "cannot reach" in unreachable.stderr, unreachable.stderr
+        assert "Traceback" not in unreachable.stderr
+
+
+# The daemon's log: one line per save outcome.
+
+
+_OUTCOME = re.compile(
+    r"(?P<outcome>saved|skipped|failed) run=(?P<run>\S+) kind=(?P<kind>\w+) "
+    r"export_dir=(?P<export_dir>\S+) step=(?P<step>-?\d+)"
+    r"(?: bytes=(?P<bytes>\d+))?(?: duration=(?P<duration>[0-9.]+)s)?"
+)
+
+
+def test_daemon_logs_one_line_per_save_outcome(daemon: Daemon, saver) -> None:
+    run = "logged"
+    s = saver(daemon.address, run)
+    s.train_step.assign(11)
+    ok_sm = s.remote.save("sm", blocking=True).result()
+    s.train_step.assign(12)
+    ok_ck = s.remote.save_checkpoint("ck", blocking=True).result()
+    s.train_step.assign(13)
+    held = s.hold(pb.CHECKPOINT, "held")
+    s.train_step.assign(14)
+    assert s.remote.save("skipped").skipped
+    ok_held = held.release()
+    (daemon.root / run / "blocker").write_text("a regular file where the export dir would go")
+    s.train_step.assign(15)
+    with pytest.raises(SaveFailedError):
+        s.remote.save("blocker", blocking=True)
+
+    # Each outcome is logged before the daemon answers, so the log is complete now.
+    lines = [
+        m.groupdict()
+        for m in map(_OUTCOME.search, daemon.log().splitlines())
+        if m and m["run"] == run
+    ]
+    by_dir = {line["export_dir"]: line for line in lines}
+    assert len(lines) == len(by_dir) == 5, lines  # one line per save, none twice
+    expected = {
+        "sm": ("saved", "saved_model", 11, ok_sm.bytes_written),
+        "ck": ("saved", "checkpoint", 12, ok_ck.bytes_written),
+        "held": ("saved", "checkpoint", 13, ok_held.bytes_written),
+        "skipped": ("skipped", "saved_model", 14, None),
+        "blocker": ("failed", "saved_model", 15, None),
+    }
+    for export_dir, (outcome, kind, step, nbytes) in expected.items():
+        line = by_dir[export_dir]
+        assert (line["outcome"], line["kind"], int(line["step"])) == (outcome, kind, step), line
+        if outcome == "saved":
+            assert int(line["bytes"]) == nbytes
+        if outcome != "skipped":
+            assert line["duration"] is not None, line
+
+
+# Restart: interrupted publications are repaired before serving.
+
+
+def test_restart_cleans_temp_dirs_and_restores_a_parked_old_tree(fresh_daemon, saver) -> None:
+    first = fresh_daemon()
+    s = saver(first.address, "recover")
+    s.remote.save("policy", blocking=True)
+    s.remote.save("other", blocking=True)
+    s.remote.close()
+    assert first.terminate(EXIT_TIMEOUT) == 0
+
+    run_dir = first.root / "recover"
+    policy = tree_digest(run_dir / "policy")
+    other = tree_digest(run_dir / "other")
+    hex16 = "0123456789abcdef"
+    # A crash between publish_dir's two renames: the old tree parked, its name free.
+    (run_dir / "policy").rename(run_dir / f".checkpointd-old-policy-{hex16}")
+    # A parked tree whose name was taken by the new one: stale.
+    (run_dir / f".checkpointd-old-other-{hex16}").mkdir()
+    # Unfinished writes, at several depths.
+    temps = [
+        run_dir / f".checkpointd-tmp-policy-{hex16}",
+        run_dir / "nested" / f".checkpointd-tmp-deep-{hex16}",
+        first.root / f".checkpointd-tmp-top-{hex16}",
+    ]
+    for tmp in temps:
+        (tmp / "variables").mkdir(parents=True)
+        (tmp / "variables" / "variables.index").write_bytes(b"half-written")
+    # Names recovery must not touch: not its pattern (no 16-hex suffix), or a user's.
+    untouched = [run_dir / ".checkpointd-old-policy-nothex", run_dir / "user-dir"]
+    for path in untouched:
+        path.mkdir()
+
+    second = fresh_daemon()  # the same root
+    assert second.root == first.root
+    assert tree_digest(run_dir / "policy") == policy
+    assert tree_digest(run_dir / "other") == other
+    assert not list(run_dir.glob(f".checkpointd-old-*-{hex16}"))
+    assert not [t for t in temps if t.exists()]
+    assert all(path.is_dir() for path in untouched)
+    assert (run_dir / "nested").is_dir()  # only the temp dir inside it went
+    assert re.search(r"recovered 5 interrupted save dirs", second.log())
+    loaded = tf.saved_model.load(str(run_dir / "policy"))
+    assert int(loaded.get_train_step().numpy()) == 0
