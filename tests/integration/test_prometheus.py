@@ -8,7 +8,8 @@ second) drives saves of one run through RemotePolicySaver:
 - a raw Save stream holds the lane (accepted, chunks not sent yet);
 - `skipped`, non-blocking, while the lane is held: skipped;
 - `queued`, blocking, waits behind the held save (its queue phase);
-- the held stream sends its chunks: ok; then `queued` is written: ok;
+- Prometheus shows the held save in flight; then the held stream sends its
+  chunks: ok; then `queued` is written: ok;
 - `blocker`, blocking, into a path that is a regular file: failed.
 So for saved_model: 3 ok, 1 skipped, 1 failed, 4 timed saves; for checkpoint: 1 ok.
 """
@@ -91,6 +92,11 @@ def test_alert_rule_unit_tests_pass() -> None:
 
 
 # A real Prometheus process.
+
+
+def _series(name: str, **labels: str) -> str:
+    matchers = [JOB, *(f'{key}="{value}"' for key, value in labels.items())]
+    return f"{name}{{{','.join(matchers)}}}"
 
 
 @dataclass
@@ -243,7 +249,7 @@ class Scenario:
     prom: Prometheus
     results: dict[str, SaveResult | pb.SaveResult]
     last_success: float
-    queue_lower_bound: float
+    held_lower_bound: float
 
 
 @pytest.fixture(scope="module")
@@ -273,8 +279,11 @@ def scenario(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         queued = pool.submit(lambda: saver.save("queued", blocking=True).result())
         _wait_until_waiting(daemon.address, 1)
         waiting_seen = time.monotonic()
+        # While the lane is held, Prometheus must see the accepted save in flight.
+        prom.wait_for(_series("checkpointd_saves_in_flight"), 1)
+        # `queued` has waited, and `held` has been transferring, at least this long.
+        held_lower_bound = time.monotonic() - waiting_seen
         results["held"] = held.finish(bytes(nbytes))
-        queue_lower_bound = time.monotonic() - waiting_seen
         results["queued"] = queued.result(RPC_TIMEOUT)
 
         (daemon.root / RUN / "blocker").write_text("a regular file where a save should go")
@@ -283,17 +292,12 @@ def scenario(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         saver.flush(RPC_TIMEOUT)
         status = _status(daemon.address)
         assert (status.saves_ok, status.saves_skipped, status.saves_failed) == (4, 1, 1)
-        yield Scenario(daemon, prom, results, status.last_success.unix_seconds, queue_lower_bound)
+        yield Scenario(daemon, prom, results, status.last_success.unix_seconds, held_lower_bound)
     finally:
         if held is not None:
             held.close()  # lets a queued save go on if the scenario failed midway
         pool.shutdown(wait=True)
         prom.stop()
-
-
-def _series(name: str, **labels: str) -> str:
-    matchers = [JOB, *(f'{key}="{value}"' for key, value in labels.items())]
-    return f"{name}{{{','.join(matchers)}}}"
 
 
 @pytest.mark.parametrize(
@@ -333,12 +337,12 @@ def test_prometheus_sees_each_phase_of_each_accepted_save(scenario: Scenario) ->
     for phase in PHASES:
         scenario.prom.wait_for(_series(f"{name}_count", kind="saved_model", phase=phase), 4)
         scenario.prom.wait_for(_series(f"{name}_count", kind="checkpoint", phase=phase), 1)
-    # `queued` waited at least from when the daemon reported it waiting until
-    # the held save was written.
-    bound = scenario.queue_lower_bound
-    scenario.prom.wait_for(
-        _series(f"{name}_sum", kind="saved_model", phase="queue"), lambda v: v >= bound
-    )
+    # `queued` queued, and `held` transferred, while the test watched the lane held.
+    bound = scenario.held_lower_bound
+    for phase in ("queue", "transfer"):
+        scenario.prom.wait_for(
+            _series(f"{name}_sum", kind="saved_model", phase=phase), lambda v: v >= bound
+        )
 
 
 def test_prometheus_sees_the_written_bytes(scenario: Scenario) -> None:
