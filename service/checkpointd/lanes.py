@@ -69,6 +69,11 @@ class Lanes:
     def draining(self) -> bool:
         return self._draining
 
+    def count(self) -> int:
+        """How many runs are registered."""
+        with self._cond:
+            return len(self._runs)
+
     def register(self, run: str, manifest: Manifest) -> None:
         """Adds a run, or gives an existing one a new manifest and reopens it."""
         with self._cond:

@@ -123,8 +123,6 @@ class Metrics:
     def in_flight_changed(self, delta: int) -> None:
         self.in_flight.inc(delta)
 
-    def run_registered(self, count: int) -> None:
-        self.runs.set(count)
 
 
 def serve_metrics(

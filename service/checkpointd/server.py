@@ -48,6 +48,7 @@ class Server:
         self.registry = registry or CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.lanes = Lanes(sink=self.metrics)
+        self.metrics.runs.set_function(self.lanes.count)
         self._writer = writer
         self._health = health.HealthServicer()
         self._grpc: grpc.Server | None = None

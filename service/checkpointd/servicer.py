@@ -253,6 +253,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             finally:
                 upload.close()  # stops its reader now, not when the generator is collected
                 self._phases.observe_phase(kind.value, "transfer", time.monotonic() - accepted)
+            # Again at write time: a symlink planted during the upload must not
+            # redirect the save out of the run's folder.
+            target = resolve_export_dir(self._config.root, run, header.export_dir)
             writing = time.monotonic()
             try:
                 bytes_written = self._writer.write(

@@ -67,7 +67,7 @@ def grpc_errors(method: _F) -> _F:
     def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
         if isinstance(exc, errors.CheckpointdError):
             code = code_for(exc)
-            _LOGGER.warning("%s refused with %s: %s", method.__name__, code.name, exc)
+            _LOGGER.warning("%s ended with %s: %s", method.__name__, code.name, exc)
             context.abort(code, str(exc))
         _LOGGER.exception("%s failed unexpectedly", method.__name__)
         context.abort(

@@ -521,11 +521,6 @@ def test_symlink_out_of_the_root_is_invalid(
     assert_serving(daemon, stub, run)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="export_dir is checked against symlinks only at the header; a symlink planted "
-    "during the upload redirects the write outside the root",
-)
 def test_symlink_planted_after_the_accept_is_not_followed(
     daemon: Daemon, stub: Stub, run: Run, outside: Path
 ) -> None:

@@ -254,9 +254,5 @@ def test_status_tells_the_same_story(sequence: Sequence) -> None:
     assert "blocker" in status.last_error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpointd_runs is declared but never set: Lanes.register does not report runs",
-)
 def test_runs_gauge_counts_registered_runs(sequence: Sequence) -> None:
     assert sequence.end("checkpointd_runs") == 1

@@ -88,9 +88,12 @@ def test_a_known_sequence_gives_exact_values(
     assert sample(registry, last_success, run="r3") is None
 
 
-def test_run_count_gauge(registry: CollectorRegistry, metrics: Metrics) -> None:
-    metrics.run_registered(3)
+def test_run_count_gauge_reads_its_source_at_scrape(registry: CollectorRegistry, metrics: Metrics) -> None:
+    runs = ["a", "b", "c"]
+    metrics.runs.set_function(lambda: len(runs))
     assert sample(registry, "checkpointd_runs") == 3
+    runs.append("d")
+    assert sample(registry, "checkpointd_runs") == 4
 
 
 def test_two_metrics_on_two_registries_are_independent() -> None:
