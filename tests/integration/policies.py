@@ -55,3 +55,28 @@ def perturb(policy: TFPolicy, seed: int) -> None:
     rng = np.random.default_rng(seed)
     for v in policy.variables():
         v.assign(rng.normal(size=v.shape).astype(v.dtype.as_numpy_dtype))
+
+
+def greedy(policy: TFPolicy) -> TFPolicy:
+    """`policy` taking its distribution's mode, so two copies can be compared by action."""
+    from tf_agents.policies import greedy_policy
+
+    return greedy_policy.GreedyPolicy(policy)
+
+
+def mid_steps(batch: int, seed: int = 0) -> ts.TimeStep:
+    """Mid-episode time steps: a recurrent network keeps its state instead of resetting it."""
+    rng = np.random.default_rng(seed)
+    obs = tf.constant(rng.normal(size=(batch, 4)).astype(np.float32))
+    return ts.transition(obs, reward=tf.zeros([batch]), discount=tf.ones([batch]))
+
+
+def values(policy: TFPolicy) -> list[np.ndarray]:
+    """Copies of every variable's value, in `policy.variables()` order."""
+    return [v.numpy() for v in policy.variables()]
+
+
+def restore(policy: TFPolicy, saved: list[np.ndarray]) -> None:
+    """Assigns values taken by `values()` back."""
+    for v, value in zip(policy.variables(), saved, strict=True):
+        v.assign(value)
