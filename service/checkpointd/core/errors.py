@@ -13,7 +13,7 @@ class RunNotFoundError(CheckpointdError):
     """The run was never registered on this daemon (or the daemon restarted)."""
 
 
-class RunClosedError(CheckpointdError):
+class RunClosedError(CheckpointdError, ValueError):
     """The run's lane was closed; register the run again to reopen it."""
 
 
