@@ -17,6 +17,7 @@ So for saved_model: 3 ok, 1 skipped, 1 failed, 4 timed saves; for checkpoint: 1 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import math
 import queue
@@ -41,7 +42,7 @@ from checkpointd.core.manifest import ITEMSIZE
 from checkpointd.metrics import PHASES
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
-from checkpointd_client import RemotePolicySaver, SaveFailedError, SaveResult
+from checkpointd_client import CheckpointdError, RemotePolicySaver, SaveFailedError, SaveResult
 from checkpointd_client.snapshot import array_chunks
 from tests.integration import policies
 from tests.integration.daemon import Daemon
@@ -258,6 +259,7 @@ def scenario(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     prom = start_prometheus(tmp_path_factory.mktemp("prometheus"), daemon.metrics_port)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     held: HeldSave | None = None
+    saver: RemotePolicySaver | None = None
     try:
         prom.wait_for(f"up{{{JOB}}}", 1)
         saver = RemotePolicySaver(policies.build(policies.q()), daemon.address, run=RUN)
@@ -297,6 +299,9 @@ def scenario(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         if held is not None:
             held.close()  # lets a queued save go on if the scenario failed midway
         pool.shutdown(wait=True)
+        if saver is not None:
+            with contextlib.suppress(CheckpointdError):  # the scenario's own error is the news
+                saver.close(RPC_TIMEOUT)
         prom.stop()
 
 
