@@ -183,9 +183,11 @@ def table(r: dict[str, Any]) -> str:
         f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.1f} GiB; Python {m['python']}, "
         f"{m['packages']}"
     )
+    lines.append(f"command: {m['command']}   ({m['duration_seconds']:.0f} s)")
     lines.append(
-        f"command: {m['command']}   ({m['duration_seconds']:.0f} s; load average "
-        f"{m['load_average_at_start'][0]:.2f} at start, {m['load_average_at_end'][0]:.2f} at end)"
+        f"other processes used {m['other_cpu_seconds']:.0f} CPU-s during the run "
+        f"({100 * m['other_cpu_share']:.1f}% of the machine); load average "
+        f"{m['load_average_at_start'][0]:.2f} at start, {m['load_average_at_end'][0]:.2f} at end"
     )
     lines.append(
         "cells: median (min–max) over "
