@@ -28,6 +28,15 @@ class OpsCommand:
     run: str | None
     timeout: float | None
     as_json: bool = False
+    tls: bool = False  # TLS with the system's roots, when no tls_ca is given
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    token_file: Path | None = None  # else the CHECKPOINTD_TOKEN environment variable
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.tls_ca is not None or self.tls_cert is not None
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,14 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 8G)") from None
 
 
+class _NoTokenOnCommandLine(argparse.Action):
+    """`--token`: refused without echoing its value (argparse's own error would)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        parser.error("tokens never go on the command line (ps and shell history show them): "
+                     "use --token-file FILE or the environment variable instead")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="checkpointd",
@@ -58,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"checkpointd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the daemon", description="Run the daemon until SIGTERM/SIGINT, then drain.")
+    # allow_abbrev=False: a mistyped `--token SECRET` must be an error, not `--token-file SECRET`.
+    serve = sub.add_parser("serve", help="run the daemon", description="Run the daemon until SIGTERM/SIGINT, then drain.", allow_abbrev=False)
     serve.add_argument("--root", type=Path, default=Path("checkpoints"), help="where runs are written (default: ./checkpoints)")
     serve.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1; 0.0.0.0 or [::] for remote trainers)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port, 0 = any free port (default: {DEFAULT_PORT})")
@@ -73,18 +91,34 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing (throwaway runs only)")
     serve.add_argument("--upload-timeout", type=float, default=300.0, metavar="SECONDS", help="fail an accepted save whose snapshot has not arrived this long after its accept, freeing the run (default: 300)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    security = serve.add_argument_group(
+        "security",
+        "Off by default on a loopback --host. Any other --host needs TLS, tokens, or --insecure.",
+    )
+    security.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM server certificate (chain); with --tls-key, the gRPC port speaks TLS only")
+    security.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key of --tls-cert")
+    security.add_argument("--tls-client-ca", type=Path, metavar="FILE", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    security.add_argument("--token-file", type=Path, metavar="FILE", help="bearer tokens, one per line, # comments; also CHECKPOINTD_TOKENS=tok1,tok2 (never on the command line)")
+    security.add_argument("--token", "--tokens", nargs="?", action=_NoTokenOnCommandLine, help=argparse.SUPPRESS)
+    security.add_argument("--insecure", action="store_true", help="serve a non-loopback --host with neither TLS nor tokens (logged at WARNING)")
 
     for name, text in (
         ("flush", "wait until every accepted save is durable (exit 1 past --timeout)"),
         ("status", "show runs, in-flight saves, counts and last success"),
         ("close", "flush one run and end its lane"),
     ):
-        cmd = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        cmd = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", allow_abbrev=False)
         cmd.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}", help=f"daemon HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
         cmd.add_argument("--run", required=name == "close", help="one run" + ("" if name == "close" else " (default: all runs)"))
         cmd.add_argument("--timeout", type=float, help="seconds to wait (default: no limit)")
         if name == "status":
             cmd.add_argument("--json", action="store_true", dest="as_json", help="machine-readable output")
+        cmd.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs (implied by --tls-ca/--tls-cert)")
+        cmd.add_argument("--tls-ca", type=Path, metavar="FILE", help="PEM CA that signed the daemon's certificate")
+        cmd.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM client certificate, for a daemon with --tls-client-ca")
+        cmd.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM key of --tls-cert")
+        cmd.add_argument("--token-file", type=Path, metavar="FILE", help="file holding the bearer token (default: the CHECKPOINTD_TOKEN environment variable)")
+        cmd.add_argument("--token", nargs="?", action=_NoTokenOnCommandLine, help=argparse.SUPPRESS)
 
     verify = sub.add_parser(
         "verify",
@@ -123,6 +157,11 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 max_workers=args.max_workers,
                 fsync=not args.no_fsync,
                 upload_timeout_seconds=args.upload_timeout,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+                tls_client_ca=args.tls_client_ca,
+                token_file=args.token_file,
+                insecure=args.insecure,
             )
         except ValueError as exc:
             parser.error(str(exc))
@@ -131,7 +170,14 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
         return VerifyCommand(tuple(args.paths), args.as_json, args.progress), "WARNING"
     if args.timeout is not None and args.timeout <= 0:
         parser.error("--timeout must be positive")
-    return OpsCommand(args.command, args.address, args.run, args.timeout, getattr(args, "as_json", False)), "WARNING"
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    command = OpsCommand(
+        args.command, args.address, args.run, args.timeout, getattr(args, "as_json", False),
+        tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        token_file=args.token_file,
+    )  # fmt: skip
+    return command, "WARNING"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,9 +196,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(config: ServeConfig) -> int:
+    from checkpointd.auth import load_server_auth  # grpc only: refuse before TensorFlow loads
+
+    try:
+        auth = load_server_auth(config)
+    except ValueError as exc:
+        _LOGGER.error("cannot start: %s", exc)
+        return 2
     from checkpointd.server import Server
 
-    server = Server(config)
+    server = Server(config, auth=auth)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import grpc
 from google.protobuf import json_format
 
+from checkpointd import auth
 from checkpointd.cli import OpsCommand
 from checkpointd.status import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -19,9 +22,23 @@ from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 _RPC_SLACK = 5.0
 
 
-def run(command: OpsCommand, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Runs one ops command; returns the process exit code."""
-    with grpc.insecure_channel(command.address) as channel:
+def run(
+    command: OpsCommand,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Runs one ops command; returns the process exit code.
+
+    The token comes from `command.token_file`, else from CHECKPOINTD_TOKEN in
+    `environ` (default os.environ); unreadable credentials exit 2.
+    """
+    try:
+        channel = _channel(command, os.environ if environ is None else environ)
+    except (OSError, ValueError) as exc:
+        print(f"checkpointd {command.name}: {exc}", file=err)
+        return 2
+    with channel:
         stub = pb_grpc.CheckpointServiceStub(channel)
         rpc_timeout = None if command.timeout is None else command.timeout + _RPC_SLACK
         try:
@@ -52,6 +69,22 @@ def run(command: OpsCommand, out: TextIO = sys.stdout, err: TextIO = sys.stderr)
             print(f"checkpointd {command.name}: {type(error).__name__}: {error}", file=err)
             return 1
     return 0
+
+
+def _channel(command: OpsCommand, environ: Mapping[str, str]) -> grpc.Channel:
+    token = environ.get(auth.TOKEN_ENV, "").strip() or None
+    if command.token_file is not None:
+        try:
+            token = auth.read_token(command.token_file)
+        except OSError as exc:
+            raise OSError(f"cannot read --token-file {command.token_file}: {exc.strerror or exc}") from None
+    credentials = None
+    if command.uses_tls:
+        try:
+            credentials = auth.credentials(command.tls_ca, command.tls_cert, command.tls_key)
+        except OSError as exc:
+            raise OSError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
+    return auth.open_channel(command.address, credentials, token)
 
 
 def status_dict(reply: pb.StatusResponse) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from checkpointd import publish
+from checkpointd.auth import ServerAuth, load_server_auth
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.errors import DeadlineError
 from checkpointd.core.ports import Writer
@@ -43,8 +44,19 @@ class Server:
         *,
         registry: CollectorRegistry | None = None,
         writer: Writer | None = None,
+        auth: ServerAuth | None = None,
     ) -> None:
+        """Builds the daemon; nothing binds and TensorFlow does not load until start().
+
+        Args:
+            config: what to serve and where.
+            registry: the metrics registry; a fresh one by default.
+            writer: the save writer; TfWriter by default (TensorFlow loads in start()).
+            auth: TLS credentials and tokens; by default loaded in start() from
+                the config and CHECKPOINTD_TOKENS (see checkpointd.auth).
+        """
         self.config = config
+        self._auth = auth
         self.registry = registry or CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.lanes = Lanes(sink=self.metrics)
@@ -58,8 +70,16 @@ class Server:
         self.metrics_port: int | None = None
 
     def start(self) -> None:
-        """Binds, starts serving and writes the port files."""
+        """Binds, starts serving and writes the port files.
+
+        Raises:
+            AuthSetupError: (a ValueError) auth was not given and loading it
+                failed, or the host is exposed without auth.
+            OSError: the port cannot be bound.
+        """
         config = self.config
+        # First: an exposed bind without auth must not touch the root or load TF.
+        auth = self._auth if self._auth is not None else load_server_auth(config)
         config.root.mkdir(parents=True, exist_ok=True)
         fixed = publish.recover(config.root)
         if fixed:
@@ -76,6 +96,7 @@ class Server:
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
+            interceptors=auth.interceptors(),
         )
         pb_grpc.add_CheckpointServiceServicer_to_server(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -84,7 +105,10 @@ class Server:
             self._grpc,
         )
         address = f"{_bracket(config.host)}:{config.port}"
-        self.port = self._grpc.add_insecure_port(address)
+        if auth.credentials is None:
+            self.port = self._grpc.add_insecure_port(address)
+        else:
+            self.port = self._grpc.add_secure_port(address, auth.credentials)
         if self.port == 0:
             raise OSError(f"could not bind gRPC to {address}")
         self._grpc.start()
@@ -94,9 +118,10 @@ class Server:
             self._http, _ = serve_metrics(self.registry, config.metrics_host, config.metrics_port)
             self.metrics_port = self._http.server_port
         _LOGGER.info(
-            "listening on port %d (root %s, metrics %s)",
+            "listening on port %d (root %s, metrics %s, auth %s)",
             self.port, config.root.resolve(),
             f"http://{config.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
+            auth.describe(),
         )
         _write_port(config.port_file, self.port)
         if self.metrics_port is not None:

@@ -33,6 +33,13 @@ class ServeConfig:
             and frees its run's lane, so a stalled trainer cannot hold it.
         fsync: fsync files and directories before publishing (turn off only
             for throwaway tests).
+        tls_cert, tls_key: PEM certificate (chain) and key; with both, the
+            gRPC port speaks TLS only.
+        tls_client_ca: PEM CA bundle; with it, clients must present a
+            certificate it signed (mutual TLS). Needs tls_cert.
+        token_file: bearer tokens, one per line (`#` comments); tokens may
+            also come from the environment, which this config never holds.
+        insecure: allow a non-loopback host with neither TLS nor tokens.
     """
 
     root: Path = Path("checkpoints")
@@ -48,8 +55,17 @@ class ServeConfig:
     max_workers: int = 64
     fsync: bool = True
     upload_timeout_seconds: float = 300.0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    token_file: Path | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
