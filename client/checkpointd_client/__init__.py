@@ -1,5 +1,6 @@
 """checkpointd_client: save TF-Agents policies through a checkpointd daemon."""
 
+from checkpointd.auth import credentials
 from checkpointd.core.errors import (
     CheckpointdError,
     ChecksumError,
@@ -29,4 +30,5 @@ __all__ = [
     "SaveResult",
     "SaveTicket",
     "UnauthenticatedError",
+    "credentials",
 ]

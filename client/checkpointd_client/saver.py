@@ -9,9 +9,11 @@ daemon, which answers at once whether it accepted or skipped the save.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,6 +21,7 @@ import tensorflow as tf
 from tf_agents.policies import policy_saver, tf_policy
 from tf_agents.typing import types
 
+from checkpointd import auth
 from checkpointd.core import SaveKind
 from checkpointd.core.errors import CheckpointdError, DeadlineError, RunClosedError
 from checkpointd.core.paths import check_export_dir, check_run_name
@@ -61,6 +64,8 @@ class RemotePolicySaver:
         chunk_bytes: int = 1 << 20,
         channel_credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = None,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
     ) -> None:
         """Builds the PolicySaver and a channel to the daemon; no network I/O yet.
 
@@ -70,17 +75,26 @@ class RemotePolicySaver:
             address: the daemon's `host:port`.
             run: this run's name on the daemon, 1-128 of [A-Za-z0-9._-].
             chunk_bytes: the largest payload per message (template and snapshot).
-            channel_credentials: TLS credentials; None for a plaintext channel.
+            channel_credentials: TLS credentials (`checkpointd_client.credentials(
+                ca_file, cert_file, key_file)` or grpc.ssl_channel_credentials);
+                None for a plaintext channel.
             timeout: deadline in seconds of every RPC (a Save call includes
                 waiting for the daemon's decision, the upload and the write)
                 and the default for `flush()` and `close()`; None waits as
                 long as the daemon is reachable.
+            token: the bearer token of a daemon with --token-file or
+                CHECKPOINTD_TOKENS, sent on every call (as call credentials
+                over TLS, as an `authorization` header over plaintext).
+            token_file: a file holding that token instead (one line; `#`
+                comments allowed); read once, here.
 
         Raises:
             TypeError: if `policy` is not a TFPolicy or `metadata` is not a
                 dict of str to tf.Variable (raised by PolicySaver).
             ValueError: for PolicySaver's invalid arguments (e.g. batch_size),
-                an invalid run name, chunk_bytes or timeout.
+                an invalid run name, chunk_bytes or timeout, both token and
+                token_file, or a token file without exactly one token.
+            OSError: token_file cannot be read.
         """
         self._saver = policy_saver.PolicySaver(
             policy,
@@ -98,13 +112,14 @@ class RemotePolicySaver:
         snapshot.check_chunk_bytes(chunk_bytes)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be None or > 0 seconds, saw {timeout!r}")
+        if token is not None and token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        if token_file is not None:
+            token = auth.read_token(Path(token_file))
         self._address = address
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
-        if channel_credentials is None:
-            self._channel = grpc.insecure_channel(address)
-        else:
-            self._channel = grpc.secure_channel(address, channel_credentials)
+        self._channel = auth.open_channel(address, channel_credentials, token)
         self._stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
