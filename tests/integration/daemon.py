@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,15 @@ class Daemon:
     port: int
     metrics_port: int
     log_path: Path
+    # What start_daemon connected with; None for a plaintext daemon.
+    credentials: grpc.ChannelCredentials | None = None
+
+    def channel(self, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+        """A channel to the daemon: plaintext, or TLS with these (default: the daemon's) credentials."""
+        credentials = credentials or self.credentials
+        if credentials is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, credentials)
 
     @property
     def address(self) -> str:
@@ -58,14 +68,28 @@ def _wait_for_file(path: Path, proc: subprocess.Popen, deadline: float, log: Pat
     raise TimeoutError(f"daemon wrote no {path.name} in time:\n{log.read_text()}")
 
 
-def start_daemon(root: Path, workdir: Path, *extra: str) -> Daemon:
-    """Runs `checkpointd serve --port 0` and waits until health says SERVING."""
+def start_daemon(
+    root: Path,
+    workdir: Path,
+    *extra: str,
+    credentials: grpc.ChannelCredentials | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Daemon:
+    """Runs `checkpointd serve --port 0` and waits until health says SERVING.
+
+    Args:
+        root, workdir: the daemon's --root, and where its port files and log go.
+        extra: more `serve` arguments.
+        credentials: TLS channel credentials for the health check, for a
+            daemon started with --tls-cert (health needs no token).
+        env: extra environment variables for the daemon (e.g. CHECKPOINTD_TOKENS).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     port_file, metrics_file = workdir / "port", workdir / "metrics-port"
     for f in (port_file, metrics_file):
         f.unlink(missing_ok=True)
     log_path = workdir / "daemon.log"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [
@@ -83,7 +107,9 @@ def start_daemon(root: Path, workdir: Path, *extra: str) -> Daemon:
         deadline = time.monotonic() + START_TIMEOUT
         port = int(_wait_for_file(port_file, proc, deadline, log_path))
         metrics_port = int(_wait_for_file(metrics_file, proc, deadline, log_path))
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        address = f"127.0.0.1:{port}"
+        channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="checkpointd.v1.CheckpointService"),
                 timeout=max(1.0, deadline - time.monotonic()),
@@ -95,4 +121,4 @@ def start_daemon(root: Path, workdir: Path, *extra: str) -> Daemon:
         proc.kill()
         proc.wait()
         raise
-    return Daemon(proc, root, port, metrics_port, log_path)
+    return Daemon(proc, root, port, metrics_port, log_path, credentials)
