@@ -40,16 +40,18 @@ class Chunk(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class RegisterRunHeader(_message.Message):
-    __slots__ = ("run", "variables", "checkpoint_object_graph", "template_bytes")
+    __slots__ = ("run", "variables", "checkpoint_object_graph", "template_bytes", "folder")
     RUN_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_OBJECT_GRAPH_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
     run: str
     variables: _containers.RepeatedCompositeFieldContainer[Variable]
     checkpoint_object_graph: bytes
     template_bytes: int
-    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., checkpoint_object_graph: _Optional[bytes] = ..., template_bytes: _Optional[int] = ...) -> None: ...
+    folder: str
+    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., checkpoint_object_graph: _Optional[bytes] = ..., template_bytes: _Optional[int] = ..., folder: _Optional[str] = ...) -> None: ...
 
 class RegisterRunRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -60,17 +62,35 @@ class RegisterRunRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RegisterRunHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class RegisterRunResponse(_message.Message):
-    __slots__ = ("run", "variables", "snapshot_bytes")
+    __slots__ = ("run", "variables", "snapshot_bytes", "folder")
     RUN_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
     run: str
     variables: _containers.RepeatedCompositeFieldContainer[Variable]
     snapshot_bytes: int
-    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+    folder: str
+    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., folder: _Optional[str] = ...) -> None: ...
+
+class NumpyStateEntry(_message.Message):
+    __slots__ = ("checkpoint_key", "nbytes")
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_key: str
+    nbytes: int
+    def __init__(self, checkpoint_key: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class NumpyState(_message.Message):
+    __slots__ = ("object_graph", "entries")
+    OBJECT_GRAPH_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    object_graph: bytes
+    entries: _containers.RepeatedCompositeFieldContainer[NumpyStateEntry]
+    def __init__(self, object_graph: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[NumpyStateEntry, _Mapping]]] = ...) -> None: ...
 
 class SaveHeader(_message.Message):
-    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes")
+    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state")
     RUN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +98,7 @@ class SaveHeader(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUMPY_STATE_FIELD_NUMBER: _ClassVar[int]
     run: str
     kind: SaveKind
     export_dir: str
@@ -85,7 +106,8 @@ class SaveHeader(_message.Message):
     step: int
     variables: _containers.RepeatedCompositeFieldContainer[Variable]
     snapshot_bytes: int
-    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+    numpy_state: NumpyState
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -212,3 +234,65 @@ class StatusResponse(_message.Message):
     runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
     draining: bool
     def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., draining: bool = ...) -> None: ...
+
+class LatestRequest(_message.Message):
+    __slots__ = ("run", "kind", "folder")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    kind: SaveKind
+    folder: str
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., folder: _Optional[str] = ...) -> None: ...
+
+class LatestResponse(_message.Message):
+    __slots__ = ("found", "path", "export_dir", "step", "kind", "unix_seconds")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    path: str
+    export_dir: str
+    step: int
+    kind: SaveKind
+    unix_seconds: float
+    def __init__(self, found: bool = ..., path: _Optional[str] = ..., export_dir: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("run", "export_dir")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    export_dir: str
+    def __init__(self, run: _Optional[str] = ..., export_dir: _Optional[str] = ...) -> None: ...
+
+class RestoreHeader(_message.Message):
+    __slots__ = ("export_dir", "step", "kind", "variables", "snapshot_bytes", "numpy_state", "path", "unix_seconds")
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUMPY_STATE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    export_dir: str
+    step: int
+    kind: SaveKind
+    variables: _containers.RepeatedCompositeFieldContainer[Variable]
+    snapshot_bytes: int
+    numpy_state: NumpyState
+    path: str
+    unix_seconds: float
+    def __init__(self, export_dir: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., path: _Optional[str] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: RestoreHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[RestoreHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...

@@ -39,6 +39,16 @@ class CheckpointServiceStub(object):
                 request_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.StatusRequest.SerializeToString,
                 response_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.StatusResponse.FromString,
                 )
+        self.GetLatest = channel.unary_unary(
+                '/checkpointd.v1.CheckpointService/GetLatest',
+                request_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.LatestRequest.SerializeToString,
+                response_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.LatestResponse.FromString,
+                )
+        self.Restore = channel.unary_stream(
+                '/checkpointd.v1.CheckpointService/Restore',
+                request_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreResponse.FromString,
+                )
 
 
 class CheckpointServiceServicer(object):
@@ -85,6 +95,26 @@ class CheckpointServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLatest(self, request, context):
+        """The newest committed save of a run: found by reading the save manifests
+        (checkpointd.manifest.json) under the run's folder, so saves made before
+        a daemon restart count. The run need not be registered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Streams a committed save's values back, for a restarted trainer: a
+        RestoreHeader, then the values as Chunks in the header's order. The run
+        must be registered (its manifest says which keys to read): NOT_FOUND for
+        an unknown run or a missing save; INVALID_ARGUMENT naming the first key
+        where the save disagrees with the run's manifest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +142,16 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.StatusRequest.FromString,
                     response_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.StatusResponse.SerializeToString,
+            ),
+            'GetLatest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLatest,
+                    request_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.LatestRequest.FromString,
+                    response_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.LatestResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_stream_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreRequest.FromString,
+                    response_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -205,5 +245,39 @@ class CheckpointService(object):
         return grpc.experimental.unary_unary(request, target, '/checkpointd.v1.CheckpointService/GetStatus',
             checkpointd_dot_v1_dot_checkpointd__pb2.StatusRequest.SerializeToString,
             checkpointd_dot_v1_dot_checkpointd__pb2.StatusResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def GetLatest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/checkpointd.v1.CheckpointService/GetLatest',
+            checkpointd_dot_v1_dot_checkpointd__pb2.LatestRequest.SerializeToString,
+            checkpointd_dot_v1_dot_checkpointd__pb2.LatestResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/checkpointd.v1.CheckpointService/Restore',
+            checkpointd_dot_v1_dot_checkpointd__pb2.RestoreRequest.SerializeToString,
+            checkpointd_dot_v1_dot_checkpointd__pb2.RestoreResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
