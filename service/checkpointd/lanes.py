@@ -53,6 +53,7 @@ class RunView:
 class _Run:
     lane: Lane
     manifest: Manifest
+    folder: str
 
 
 class Lanes:
@@ -74,14 +75,18 @@ class Lanes:
         with self._cond:
             return len(self._runs)
 
-    def register(self, run: str, manifest: Manifest) -> None:
-        """Adds a run, or gives an existing one a new manifest and reopens it."""
+    def register(self, run: str, manifest: Manifest, folder: str | None = None) -> None:
+        """Adds a run, or gives an existing one a new manifest (and folder) and reopens it.
+
+        `folder` is where the run's saves land under the root; None: the run's name.
+        """
         with self._cond:
             entry = self._runs.get(run)
             if entry is None:
-                self._runs[run] = _Run(Lane(run, self._clock, self._sink), manifest)
+                self._runs[run] = _Run(Lane(run, self._clock, self._sink), manifest, folder or run)
             else:
                 entry.manifest = manifest
+                entry.folder = folder or run
                 entry.lane.reopen()
             self._cond.notify_all()
 
@@ -93,6 +98,15 @@ class Lanes:
         """
         with self._cond:
             return self._get(run).manifest
+
+    def folder(self, run: str) -> str:
+        """The folder the run's saves land in, under the root.
+
+        Raises:
+            RunNotFoundError: if the run was never registered.
+        """
+        with self._cond:
+            return self._get(run).folder
 
     def begin(
         self,

@@ -29,6 +29,7 @@ from checkpointd.core.errors import (
 )
 from checkpointd.core.lane import Failed, SaveKind, SaveSpec, Skipped, Written
 from checkpointd.core.manifest import VariableSpec
+from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.core.paths import check_export_dir, check_run_name, resolve_export_dir
 from checkpointd.core.ports import Writer
 from checkpointd.lanes import Lanes
@@ -59,6 +60,24 @@ def variable_from_pb(v: pb.Variable) -> VariableSpec:
 
 def variable_to_pb(v: VariableSpec) -> pb.Variable:
     return pb.Variable(key=v.key, checkpoint_key=v.checkpoint_key, dtype=v.dtype, shape=v.shape)
+
+
+def numpy_state_from_pb(header: pb.SaveHeader) -> NumpyStateSpec | None:
+    if not header.HasField("numpy_state"):
+        return None
+    state = header.numpy_state
+    entries = tuple(NumpyEntry(e.checkpoint_key, e.nbytes) for e in state.entries)
+    return NumpyStateSpec(state.object_graph, entries)
+
+
+def _check_folder(folder: str) -> str:
+    try:
+        return check_run_name(folder)
+    except InvalidRequestError:
+        raise InvalidRequestError(
+            f"folder {folder!r} is invalid: like a run name, use 1-128 characters of "
+            "A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        ) from None
 
 
 def _first(requests: Iterator, field: str, rpc: str):  # noqa: ANN202 - a pb message
@@ -158,6 +177,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     def RegisterRun(self, request_iterator: Iterator[pb.RegisterRunRequest], context: grpc.ServicerContext) -> pb.RegisterRunResponse:
         header = _first(request_iterator, "header", "RegisterRun")
         run = check_run_name(header.run)
+        folder = _check_folder(header.folder) if header.folder else run
         variables = [variable_from_pb(v) for v in header.variables]
         if header.template_bytes > self._config.max_template_bytes:
             raise LimitExceededError(
@@ -171,16 +191,17 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             manifest = self._writer.register(run, staged, variables, header.checkpoint_object_graph)
         finally:
             shutil.rmtree(staged, ignore_errors=True)
-        self._lanes.register(run, manifest)
+        self._lanes.register(run, manifest, folder)
         _LOGGER.info(
-            "registered run=%s variables=%d snapshot_bytes=%d template_bytes=%d in %.3fs",
-            run, len(manifest.variables), manifest.nbytes, header.template_bytes,
+            "registered run=%s folder=%s variables=%d snapshot_bytes=%d template_bytes=%d in %.3fs",
+            run, folder, len(manifest.variables), manifest.nbytes, header.template_bytes,
             time.monotonic() - started,
         )
         return pb.RegisterRunResponse(
             run=run,
             variables=[variable_to_pb(v) for v in manifest.variables],
             snapshot_bytes=manifest.nbytes,
+            folder=folder,
         )
 
     def _receive_template(self, requests: Iterator[pb.RegisterRunRequest], staged: Path, total: int) -> None:
@@ -222,12 +243,20 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         kind = KIND_FROM_PB[header.kind]
         run = check_run_name(header.run)
         manifest = self._lanes.manifest(run)
-        target = resolve_export_dir(self._config.root, run, header.export_dir)
-        manifest.check_snapshot(
+        folder = self._lanes.folder(run)
+        target = resolve_export_dir(self._config.root, folder, header.export_dir)
+        numpy_state = numpy_state_from_pb(header)
+        check_payload(
+            manifest,
             [variable_from_pb(v) for v in header.variables],
             header.snapshot_bytes,
+            numpy_state,
             self._config.max_snapshot_bytes,
         )
+        if numpy_state is not None:
+            from checkpointd import numpy_files  # TensorFlow's protos parse the object graph
+
+            numpy_files.check(numpy_state)
         spec = SaveSpec(kind, header.export_dir, header.blocking, header.step)
         asked = time.monotonic()
         decision = self._lanes.begin(
@@ -255,11 +284,18 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 self._phases.observe_phase(kind.value, "transfer", time.monotonic() - accepted)
             # Again at write time: a symlink planted during the upload must not
             # redirect the save out of the run's folder.
-            target = resolve_export_dir(self._config.root, run, header.export_dir)
+            target = resolve_export_dir(self._config.root, folder, header.export_dir)
             writing = time.monotonic()
+            variables = memoryview(snapshot)[: manifest.nbytes]
+            payload = (
+                NumpyPayload(numpy_state, memoryview(snapshot)[manifest.nbytes :])
+                if numpy_state is not None
+                else None
+            )
             try:
                 bytes_written = self._writer.write(
-                    run, kind, target, snapshot, step=header.step, export_dir=header.export_dir
+                    run, kind, target, variables, step=header.step, export_dir=header.export_dir,
+                    numpy_state=payload,
                 )
             finally:
                 self._phases.observe_phase(kind.value, "write", time.monotonic() - writing)

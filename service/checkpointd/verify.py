@@ -102,6 +102,7 @@ def write_manifest(
     versions: Mapping[str, str],
     known: Mapping[str, tuple[int, int]] | None = None,
     created: float | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> int:
     """Writes `save_dir/checkpointd.manifest.json` listing every other file there.
 
@@ -116,6 +117,8 @@ def write_manifest(
             checksummed (template files written from memory); used when the
             size on disk agrees, every other file is read back.
         created: Unix time of the save; default now.
+        extra: more top-level fields (e.g. "numpy_state"); they may not
+            replace the ones above.
 
     Returns:
         The manifest's size in bytes.
@@ -145,6 +148,10 @@ def write_manifest(
         "versions": dict(versions),
         "files": [asdict(e) for e in entries],
     }
+    for key, value in (extra or {}).items():
+        if key in document:
+            raise ValueError(f"extra manifest field {key!r} would replace a standard one")
+        document[key] = value
     data = (json.dumps(document, indent=1) + "\n").encode("utf-8")
     with open(save_dir / MANIFEST_NAME, "xb") as f:
         f.write(data)

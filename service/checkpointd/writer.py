@@ -35,7 +35,7 @@ from typing import Any
 
 import crc32c
 
-from checkpointd import __version__, publish, verify
+from checkpointd import __version__, numpy_files, publish, verify
 from checkpointd.core.errors import (
     CheckpointdError,
     InvalidRequestError,
@@ -44,6 +44,8 @@ from checkpointd.core.errors import (
 )
 from checkpointd.core.lane import SaveKind
 from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
+from checkpointd.core.numpy_state import NumpyPayload
 from checkpointd.core.paths import check_run_name
 
 _LOGGER = logging.getLogger(__name__)
@@ -156,6 +158,7 @@ class TfWriter:
         *,
         step: int = -1,
         export_dir: str | None = None,
+        numpy_state: NumpyPayload | None = None,
     ) -> int:
         """Writes one save atomically to `target`, its save manifest last.
 
@@ -169,6 +172,8 @@ class TfWriter:
             step: The trainer's step, recorded in the save manifest.
             export_dir: The export dir as the trainer named it, for the
                 save manifest; default `target.name`.
+            numpy_state: A NumpyState to write beside the variables, as
+                `<target>/numpy_state/numpy_state` (see checkpointd.numpy_files).
 
         Returns:
             The total size of the files written, in bytes.
@@ -193,6 +198,15 @@ class TfWriter:
         try:
             tmp = publish.make_temp_sibling(target)
             written = _write_tree(template, kind, tmp, snapshot)
+            extra = None
+            if numpy_state is not None:
+                written += numpy_files.write(tmp, numpy_state)
+                extra = {
+                    "numpy_state": {
+                        "prefix": NUMPY_STATE_PREFIX,
+                        "keys": [e.checkpoint_key for e in numpy_state.spec.entries],
+                    }
+                }
             written += verify.write_manifest(
                 tmp,
                 run=run,
@@ -201,6 +215,7 @@ class TfWriter:
                 export_dir=target.name if export_dir is None else export_dir,
                 versions=_versions(),
                 known=template.checksums if kind is SaveKind.SAVED_MODEL else None,
+                extra=extra,
             )
             publish.publish_dir(tmp, target, fsync=self._fsync)
         except Exception as e:

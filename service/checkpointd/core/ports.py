@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from checkpointd.core.lane import SaveKind
     from checkpointd.core.manifest import Manifest, VariableSpec
+    from checkpointd.core.numpy_state import NumpyPayload
 
 
 class Clock(Protocol):
@@ -78,11 +79,13 @@ class Writer(Protocol):
         *,
         step: int = -1,
         export_dir: str | None = None,
+        numpy_state: NumpyPayload | None = None,
     ) -> int:
         """Writes one save atomically to `target`; returns the bytes written.
 
         `step` and `export_dir` (as the trainer named it) are recorded in the
-        save's manifest.
+        save's manifest; `numpy_state`, if given, is written beside the
+        variables and listed in it.
 
         Raises:
             SaveFailedError: the save could not be written.

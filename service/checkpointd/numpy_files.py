@@ -1,0 +1,135 @@
+"""NumpyState checkpoints on disk: check what a trainer declared, write it, read it back.
+
+A save's numpy state becomes `<export_dir>/numpy_state/numpy_state.{index,
+data-00000-of-00001}`: byte for byte the checkpoint that
+`tf.train.Checkpoint(numpy_arrays=state).write(prefix)` writes in the trainer.
+Each array is a scalar string tensor holding NumPy's `.npy` serialization (what
+`NumpyState`'s PythonState produces), under its checkpoint key, written in the
+order of the object graph's attributes (TensorFlow's saver order), then the
+object graph itself. The daemon never parses the arrays.
+
+TensorFlow is imported inside functions only, as in `checkpointd.writer`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpointd.core.errors import InvalidRequestError
+from checkpointd.core.numpy_state import PREFIX, NumpyEntry, NumpyPayload, NumpyStateSpec
+
+_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+# The attribute name TensorFlow gives a PythonState's serialization.
+_PY_STATE = "py_state"
+
+
+@dataclass(frozen=True)
+class NumpyStateRead:
+    """A save's numpy state as read back: the spec and each entry's bytes, in order."""
+
+    spec: NumpyStateSpec
+    values: tuple[bytes, ...]
+
+
+def graph_keys(object_graph: bytes) -> list[str]:
+    """The checkpoint keys of an object graph's attributes, in TensorFlow's saver order.
+
+    Raises:
+        InvalidRequestError: the graph does not parse, or holds state other
+            than PythonState (a NumpyState's arrays are its only attributes).
+    """
+    from google.protobuf import message
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    try:
+        graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(object_graph)
+    except message.DecodeError as e:
+        raise InvalidRequestError(f"numpy_state: the object graph does not parse ({e})") from None
+    keys = []
+    for node in graph.nodes:
+        for attribute in node.attributes:
+            if attribute.name != _PY_STATE:
+                raise InvalidRequestError(
+                    f"numpy_state: {attribute.checkpoint_key!r} is a {attribute.name!r}; only "
+                    "NumpyState arrays (PythonState) may be saved as numpy state"
+                )
+            keys.append(attribute.checkpoint_key)
+    return keys
+
+
+def check(spec: NumpyStateSpec) -> None:
+    """Checks that a save's declared entries are exactly its object graph's, in order.
+
+    Raises:
+        InvalidRequestError: naming the first key where they differ.
+    """
+    keys = graph_keys(spec.object_graph)
+    declared = [e.checkpoint_key for e in spec.entries]
+    for i, (want, got) in enumerate(zip(keys, declared)):
+        if want != got:
+            raise InvalidRequestError(
+                f"numpy_state: entry #{i} is {got!r}; the object graph has {want!r} there"
+            )
+    if len(keys) != len(declared):
+        first = keys[len(declared)] if len(keys) > len(declared) else declared[len(keys)]
+        raise InvalidRequestError(
+            f"numpy_state: {len(declared)} entries for {len(keys)} arrays in the object graph "
+            f"(first unmatched: {first!r})"
+        )
+
+
+def write(save_dir: Path, payload: NumpyPayload) -> int:
+    """Writes the numpy state checkpoint into a save's (temp) dir.
+
+    Args:
+        save_dir: the save being written.
+        payload: the checked spec and the entries' bytes, in order.
+
+    Returns:
+        The size of the files written, in bytes.
+
+    Raises:
+        tf.errors.OpError, OSError: the files could not be written.
+    """
+    import tensorflow as tf
+
+    prefix = Path(save_dir) / PREFIX
+    prefix.parent.mkdir()
+    data = memoryview(payload.data)
+    names = [e.checkpoint_key for e in payload.spec.entries]
+    tensors = [tf.constant(bytes(data[start:end])) for start, end in payload.spec.offsets(0)]
+    tf.raw_ops.SaveV2(
+        prefix=str(prefix),
+        tensor_names=names + [_OBJECT_GRAPH_KEY],
+        shape_and_slices=[""] * (len(names) + 1),
+        tensors=tensors + [tf.constant(payload.spec.object_graph)],
+    )
+    return sum(f.stat().st_size for f in prefix.parent.iterdir())
+
+
+def read(save_dir: Path) -> NumpyStateRead | None:
+    """Reads a save's numpy state back; None if the save has none.
+
+    Raises:
+        InvalidRequestError: the checkpoint's keys disagree with its object graph.
+        tf.errors.OpError: the files are unreadable or corrupt.
+    """
+    import tensorflow as tf
+
+    prefix = Path(save_dir) / PREFIX
+    if not os.path.exists(f"{prefix}.index"):
+        return None
+    reader = tf.train.load_checkpoint(str(prefix))
+    graph = reader.get_tensor(_OBJECT_GRAPH_KEY)
+    keys = graph_keys(graph)
+    stored = set(reader.get_variable_to_shape_map()) - {_OBJECT_GRAPH_KEY}
+    if stored != set(keys):
+        first = min(stored.symmetric_difference(keys))
+        raise InvalidRequestError(
+            f"the numpy state of {save_dir} does not match its object graph at {first!r}"
+        )
+    values = tuple(bytes(reader.get_tensor(k)) for k in keys)
+    spec = NumpyStateSpec(graph, tuple(NumpyEntry(k, len(v)) for k, v in zip(keys, values)))
+    return NumpyStateRead(spec, values)
