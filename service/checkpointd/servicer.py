@@ -26,6 +26,7 @@ from checkpointd.core.errors import (
     DeadlineError,
     InvalidRequestError,
     LimitExceededError,
+    RunNotFoundError,
 )
 from checkpointd.core.lane import Failed, SaveKind, SaveSpec, Skipped, Written
 from checkpointd.core.manifest import VariableSpec
@@ -33,6 +34,7 @@ from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpe
 from checkpointd.core.paths import check_export_dir, check_run_name, resolve_export_dir
 from checkpointd.core.ports import Writer
 from checkpointd.lanes import Lanes
+from checkpointd.restore import latest_response, restore_responses
 from checkpointd.status import grpc_errors
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
@@ -386,3 +388,26 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 )
             runs.append(status)
         return pb.StatusResponse(runs=runs, draining=self._lanes.draining)
+
+    @grpc_errors
+    def GetLatest(self, request: pb.LatestRequest, context: grpc.ServicerContext) -> pb.LatestResponse:
+        run = check_run_name(request.run)
+        if request.kind != pb.SAVE_KIND_UNSPECIFIED and request.kind not in KIND_FROM_PB:
+            raise InvalidRequestError("GetLatest: kind must be unspecified, SAVED_MODEL or CHECKPOINT")
+        kind = KIND_FROM_PB.get(request.kind)
+        return latest_response(self._config.root, self._folder(run, request.folder), run, kind)
+
+    def _folder(self, run: str, asked: str) -> str:
+        """The folder to search: the one asked for, else the registered one, else the run's name."""
+        if asked:
+            return _check_folder(asked)
+        try:
+            return self._lanes.folder(run)
+        except RunNotFoundError:
+            return run  # not registered (yet, or since a restart): its default folder
+
+    @grpc_errors
+    def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[pb.RestoreResponse]:
+        run = check_run_name(request.run)
+        manifest, folder = self._lanes.manifest(run), self._lanes.folder(run)
+        yield from restore_responses(self._config.root, folder, run, request.export_dir, manifest)

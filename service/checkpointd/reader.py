@@ -1,0 +1,137 @@
+"""Reads a committed save's values back, for Restore.
+
+A save's `variables/variables` checkpoint holds the run's variables under the
+SavedModel's keys (a SAVED_MODEL save) or under `PolicySaver.save_checkpoint`'s
+keys (a CHECKPOINT save); the run's manifest names both. The reader checks that
+the checkpoint holds exactly the manifest's variables, with their dtypes and
+shapes, before anything is sent, then yields each value's raw little-endian
+C-order bytes in manifest order, one tensor in memory at a time, followed by
+the numpy state's entries (see `checkpointd.numpy_files`).
+
+TensorFlow is imported inside functions only, as in `checkpointd.writer`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from checkpointd import numpy_files
+from checkpointd.core.errors import ChecksumError, InvalidRequestError, SaveFailedError
+from checkpointd.core.lane import SaveKind
+from checkpointd.core.manifest import Manifest
+from checkpointd.core.numpy_state import NumpyStateSpec
+
+_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+_VARIABLES_PREFIX = os.path.join("variables", "variables")
+
+
+@dataclass
+class SaveValues:
+    """An opened save whose keys matched the run's manifest.
+
+    Attributes:
+        manifest: the run's manifest, in payload order.
+        numpy_state: the save's numpy state, or None.
+        nbytes: the payload's size (variables plus numpy entries).
+    """
+
+    manifest: Manifest
+    numpy_state: NumpyStateSpec | None
+    nbytes: int
+    _reader: Any
+    _keys: tuple[str, ...]
+    _numpy_values: tuple[bytes, ...]
+    _where: str
+
+    def pieces(self) -> Iterator[memoryview]:
+        """Each variable's bytes in manifest order, then each numpy entry's.
+
+        Raises:
+            ChecksumError: TensorFlow found a tensor corrupt on disk.
+            SaveFailedError: a tensor could not be read (e.g. the save was
+                replaced while it was being read).
+        """
+        import numpy as np
+        import tensorflow as tf
+
+        for key in self._keys:
+            try:
+                value = self._reader.get_tensor(key)
+            except tf.errors.DataLossError as e:
+                raise ChecksumError(f"{self._where}: {key!r} is corrupt ({_first_line(e)})") from None
+            except tf.errors.OpError as e:
+                raise SaveFailedError(f"{self._where}: could not read {key!r} ({_first_line(e)})") from None
+            array = np.ascontiguousarray(value)
+            order = array.dtype.byteorder
+            if array.dtype.itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
+                array = array.byteswap()
+            yield memoryview(array.reshape(-1).view(np.uint8))
+        for value in self._numpy_values:
+            yield memoryview(value)
+
+
+def open_save(save_dir: Path, kind: SaveKind, manifest: Manifest, where: str) -> SaveValues:
+    """Opens a save's checkpoints and checks them against the run's manifest.
+
+    Args:
+        save_dir: the committed save.
+        kind: its kind (from its save manifest): which keys to expect.
+        manifest: the run's manifest.
+        where: how to name the save in errors (its export dir).
+
+    Returns:
+        The save, ready to stream.
+
+    Raises:
+        InvalidRequestError: naming the first key the save lacks, has in
+            excess, or holds with another dtype or shape than the manifest.
+        ChecksumError, SaveFailedError: its files are corrupt or unreadable.
+    """
+    import tensorflow as tf
+
+    try:
+        reader = tf.train.load_checkpoint(str(Path(save_dir) / _VARIABLES_PREFIX))
+        shapes = reader.get_variable_to_shape_map()
+        dtypes = reader.get_variable_to_dtype_map()
+        numpy_state = numpy_files.read(Path(save_dir))
+    except tf.errors.DataLossError as e:
+        raise ChecksumError(f"{where}: its checkpoint is corrupt ({_first_line(e)})") from None
+    except (tf.errors.OpError, ValueError) as e:
+        raise SaveFailedError(f"{where}: its checkpoint is unreadable ({_first_line(e)})") from None
+    keys = tuple(v.key if kind is SaveKind.SAVED_MODEL else v.checkpoint_key for v in manifest.variables)
+    for key, v in zip(keys, manifest.variables):
+        if key not in shapes:
+            raise InvalidRequestError(
+                f"{where}: the save has no {key!r}, which the run's manifest has; was it "
+                "written by another policy?"
+            )
+        if dtypes[key].name != v.dtype or tuple(shapes[key]) != v.shape:
+            raise InvalidRequestError(
+                f"{where}: {key!r} is {dtypes[key].name}{list(shapes[key])} in the save; the "
+                f"run's manifest has {v.dtype}{list(v.shape)}"
+            )
+    extra = set(shapes) - set(keys) - {_OBJECT_GRAPH_KEY}
+    if extra:
+        raise InvalidRequestError(
+            f"{where}: the save has {min(extra)!r}, which the run's manifest lacks; was it "
+            "written by another policy?"
+        )
+    return SaveValues(
+        manifest=manifest,
+        numpy_state=numpy_state.spec if numpy_state else None,
+        nbytes=manifest.nbytes + (numpy_state.spec.nbytes if numpy_state else 0),
+        _reader=reader,
+        _keys=keys,
+        _numpy_values=numpy_state.values if numpy_state else (),
+        _where=where,
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    message = getattr(e, "message", None) or str(e) or type(e).__name__
+    return message.strip().splitlines()[0]
