@@ -1,6 +1,7 @@
 """checkpointd_client: save TF-Agents policies through a checkpointd daemon."""
 
 from checkpointd.auth import credentials
+from checkpointd.core import SaveKind
 from checkpointd.core.errors import (
     CheckpointdError,
     ChecksumError,
@@ -13,6 +14,7 @@ from checkpointd.core.errors import (
     SaveFailedError,
     UnauthenticatedError,
 )
+from checkpointd_client.restore import LatestSave
 from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.ticket import SaveResult, SaveTicket
 
@@ -22,11 +24,13 @@ __all__ = [
     "DeadlineError",
     "UnavailableError",
     "InvalidRequestError",
+    "LatestSave",
     "LimitExceededError",
     "RemotePolicySaver",
     "RunClosedError",
     "RunNotFoundError",
     "SaveFailedError",
+    "SaveKind",
     "SaveResult",
     "SaveTicket",
     "UnauthenticatedError",

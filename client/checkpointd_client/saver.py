@@ -20,6 +20,7 @@ import grpc
 import tensorflow as tf
 from tf_agents.policies import policy_saver, tf_policy
 from tf_agents.typing import types
+from tf_agents.utils import numpy_storage
 
 from checkpointd import auth
 from checkpointd.core import SaveKind
@@ -28,6 +29,8 @@ from checkpointd.core.paths import check_export_dir, check_run_name
 from checkpointd.status import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import numpy_state as numpy_state_lib
+from checkpointd_client import restore as restore_lib
 from checkpointd_client import snapshot, template
 from checkpointd_client.stream import WIRE_KIND, SaveStream, rpc_error
 from checkpointd_client.ticket import SaveTicket
@@ -61,6 +64,8 @@ class RemotePolicySaver:
         train_step: tf.Variable | None = None,
         metadata: dict[str, tf.Variable] | None = None,
         input_fn_and_spec: policy_saver.InputFnAndSpecType | None = None,
+        numpy_state: numpy_storage.NumpyState | None = None,
+        folder: str | None = None,
         chunk_bytes: int = 1 << 20,
         channel_credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = None,
@@ -74,6 +79,13 @@ class RemotePolicySaver:
                 metadata, input_fn_and_spec: as for `PolicySaver`.
             address: the daemon's `host:port`.
             run: this run's name on the daemon, 1-128 of [A-Za-z0-9._-].
+            numpy_state: a `NumpyState` saved with every save (its arrays
+                serialized at the call) as `<export_dir>/numpy_state/`, and
+                restored by `restore()`.
+            folder: the run's folder under the daemon's root (a valid run
+                name); None: the run's name. Runs sharing a folder (one per
+                policy, as RemotePolicySavedModelTrigger does) must use
+                distinct export dirs.
             chunk_bytes: the largest payload per message (template and snapshot).
             channel_credentials: TLS credentials (`checkpointd_client.credentials(
                 ca_file, cert_file, key_file)` or grpc.ssl_channel_credentials);
@@ -116,6 +128,11 @@ class RemotePolicySaver:
             raise ValueError("give token or token_file, not both")
         if token_file is not None:
             token = auth.read_token(Path(token_file))
+        try:
+            self._folder = check_run_name(folder) if folder is not None else None
+        except CheckpointdError as e:
+            raise ValueError(f"folder: {e}") from None
+        self._numpy = numpy_state_lib.NumpySource(numpy_state) if numpy_state is not None else None
         self._address = address
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
@@ -136,6 +153,11 @@ class RemotePolicySaver:
     @property
     def run(self) -> str:
         return self._run
+
+    @property
+    def folder(self) -> str:
+        """The run's folder under the daemon's root."""
+        return self._folder or self._run
 
     @property
     def address(self) -> str:
@@ -236,7 +258,8 @@ class RemotePolicySaver:
         try:
             check_export_dir(export_dir)
             bindings = self._registered()
-            snap = snapshot.take_snapshot(bindings, self._saver._train_step)  # noqa: SLF001
+            train_step = self._saver._train_step  # noqa: SLF001 - PolicySaver exposes no other way
+            snap = snapshot.take_snapshot(bindings, train_step, self._numpy)
             ticket = SaveTicket(export_dir, kind, snap.step)
             stream, snap = self._decide(ticket, snap, bindings, blocking)
             if ticket.skipped:
@@ -273,6 +296,7 @@ class RemotePolicySaver:
                 step=snap.step,
                 variables=bindings.protos(),
                 snapshot_bytes=snap.nbytes,
+                numpy_state=snap.numpy_state.to_proto() if snap.numpy_state else None,
             )
             stream = SaveStream(self._stub, header, self._timeout)
             try:
@@ -312,6 +336,59 @@ class RemotePolicySaver:
             if not self._busy:
                 self._idle.notify_all()
 
+    # Restoring (a restarted trainer).
+
+    def latest(self, kind: SaveKind | None = None) -> restore_lib.LatestSave | None:
+        """The run's newest committed save on the daemon, or None if it has none.
+
+        Found from the daemon's save manifests on disk, so it counts saves
+        made before a trainer or daemon restart; needs no registration.
+
+        Args:
+            kind: only saves of this kind (SaveKind.SAVED_MODEL or
+                SaveKind.CHECKPOINT); None for either.
+
+        Raises:
+            RunClosedError: if `close()` was called.
+            CheckpointdError: a subclass for the status the daemon answered.
+        """
+        self._check_open()
+        return restore_lib.latest(self._stub, self._run, kind, self._folder, self._timeout)
+
+    def restore(self, export_dir: str | None = None) -> restore_lib.LatestSave:
+        """Assigns a committed save's values into the live policy, train_step and metadata.
+
+        Registers the run first if this saver has not (the daemon reads the
+        save with the run's manifest). Nothing is assigned until every value
+        has arrived and passed its checksum. The NumpyState given as
+        `numpy_state` gets the save's arrays (missing attributes are created,
+        others left alone, as TensorFlow's restore does).
+
+        Args:
+            export_dir: the save, relative to the run's folder; None for the
+                run's newest committed save.
+
+        Returns:
+            The save restored, with its numpy arrays.
+
+        Raises:
+            RunNotFoundError: the run has no committed save (at `export_dir`).
+            InvalidRequestError: the save's variables differ from the run's
+                (the message names the first key), or `export_dir` is invalid.
+            RunClosedError: if `close()` was called.
+            CheckpointdError: a subclass for another status the daemon answered.
+        """
+        self._check_open()
+        return restore_lib.restore(
+            self._stub, self._run, export_dir, self._registered, self._numpy, self._folder,
+            self._timeout,
+        )  # fmt: skip
+
+    def _check_open(self) -> None:
+        with self._lock:
+            if self._closing:
+                raise RunClosedError(f"run {self._run!r}: the saver was closed")
+
     # Registration.
 
     def register(self) -> None:
@@ -338,6 +415,7 @@ class RemotePolicySaver:
                         self._run,
                         chunk_bytes=self._chunk_bytes,
                         timeout=self._timeout,
+                        folder=self._folder,
                     )
                 except BaseException:
                     self._dirty = True

@@ -29,6 +29,7 @@ from tf_agents.policies import policy_saver
 
 from checkpointd.core.manifest import ITEMSIZE
 from checkpointd.v1 import checkpointd_pb2
+from checkpointd_client.numpy_state import NumpySnapshot, NumpySource
 
 _SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 _OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -172,30 +173,41 @@ def _binding(key: str, checkpoint_key: str, var: tf.Variable) -> Binding:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The values of bound variables at one instant, in manifest order."""
+    """The values of bound variables at one instant, in manifest order.
+
+    `numpy_state`, taken at the same instant, travels after the variables.
+    """
 
     keys: tuple[str, ...]
     arrays: tuple[np.ndarray, ...]
     step: int
+    numpy_state: NumpySnapshot | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
+        extra = self.numpy_state.nbytes if self.numpy_state is not None else 0
+        return sum(a.nbytes for a in self.arrays) + extra
 
     def ordered(self, keys: Sequence[str]) -> Snapshot:
         """The same values in another key order (after a re-registration)."""
         by_key = dict(zip(self.keys, self.arrays, strict=True))
         if set(keys) != set(by_key) or len(keys) != len(by_key):
             raise ValueError("the re-registered manifest names other variables than the snapshot")
-        return Snapshot(tuple(keys), tuple(by_key[k] for k in keys), self.step)
+        return Snapshot(tuple(keys), tuple(by_key[k] for k in keys), self.step, self.numpy_state)
 
     def chunks(self, chunk_bytes: int) -> Iterator[checkpointd_pb2.Chunk]:
-        """The snapshot's bytes as chunks (see `array_chunks`)."""
-        return array_chunks(self.arrays, chunk_bytes)
+        """The snapshot's bytes as chunks (see `array_chunks`), numpy state last."""
+        extra = tuple(self.numpy_state.arrays()) if self.numpy_state is not None else ()
+        return array_chunks(self.arrays + extra, chunk_bytes)
 
 
-def take_snapshot(bindings: Bindings, train_step: tf.Variable) -> Snapshot:
-    """Copies every bound variable to host memory now; the step comes from the same copy."""
+def take_snapshot(
+    bindings: Bindings, train_step: tf.Variable, numpy_source: NumpySource | None = None
+) -> Snapshot:
+    """Copies every bound variable (and the numpy state) to host memory now.
+
+    The step comes from the same copy.
+    """
     arrays = tuple(little_endian(b.variable.numpy()) for b in bindings.variables)
     step = None
     for b, a in zip(bindings.variables, arrays, strict=True):
@@ -203,7 +215,8 @@ def take_snapshot(bindings: Bindings, train_step: tf.Variable) -> Snapshot:
             step = int(a)
     if step is None:  # PolicySaver always tracks it; read it anyway rather than guess.
         step = int(train_step.numpy())
-    return Snapshot(tuple(b.key for b in bindings.variables), arrays, step)
+    numpy_state = numpy_source.take() if numpy_source is not None else None
+    return Snapshot(tuple(b.key for b in bindings.variables), arrays, step, numpy_state)
 
 
 def little_endian(array: np.ndarray) -> np.ndarray:

@@ -32,6 +32,7 @@ def register(
     *,
     chunk_bytes: int,
     timeout: float | None,
+    folder: str | None = None,
 ) -> snapshot.Bindings:
     """Exports the template, binds the policy's variables and registers the run.
 
@@ -43,6 +44,7 @@ def register(
         run: the run's name.
         chunk_bytes: the largest payload per chunk.
         timeout: the RPC's deadline in seconds, or None.
+        folder: the run's folder under the daemon's root; None for the run's name.
 
     Returns:
         The bindings, in the order of the manifest the daemon answered.
@@ -63,6 +65,7 @@ def register(
             variables=bindings.protos(),
             checkpoint_object_graph=bindings.object_graph,
             template_bytes=snapshot.template_size(template),
+            folder=folder or "",
         )
         try:
             response = stub.RegisterRun(_requests(header, template, chunk_bytes), timeout=timeout)

@@ -1,0 +1,190 @@
+"""A restarted trainer's side of GetLatest and Restore.
+
+`latest` asks the daemon for a run's newest committed save; it needs no
+registration, so it works right after a trainer or daemon restart. `restore`
+streams a save's values back (the run must be registered: the daemon reads the
+save with the run's manifest), checks every chunk's CRC32C and offset, and only
+once the whole payload has arrived assigns it into the live variables (policy,
+train_step, metadata) and the NumpyState: a broken stream changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import crc32c
+import grpc
+import numpy as np
+import tensorflow as tf
+
+from checkpointd.core import SaveKind
+from checkpointd.core.errors import ChecksumError, RunNotFoundError, SaveFailedError
+from checkpointd.core.paths import check_export_dir
+from checkpointd.status import error_for
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import numpy_state as numpy_state_lib
+from checkpointd_client import snapshot
+from checkpointd_client.stream import WIRE_KIND, rpc_error
+
+_LOGGER = logging.getLogger(__name__)
+
+_KIND = {v: k for k, v in WIRE_KIND.items()}
+Registered = Callable[..., snapshot.Bindings]  # RemotePolicySaver._registered(stale=None)
+
+
+@dataclass(frozen=True)
+class LatestSave:
+    """A committed save on the daemon.
+
+    Attributes:
+        path: the save dir on the daemon's host.
+        export_dir: relative to the run's folder, as `save()` and `restore()` take it.
+        step: the train step in the save.
+        kind: SAVED_MODEL (`save()`) or CHECKPOINT (`save_checkpoint()`).
+        unix_seconds: when the daemon committed it.
+        numpy_arrays: after `restore()`, the NumpyState arrays the save held
+            (attribute name -> array); empty from `latest()`.
+    """
+
+    path: str
+    export_dir: str
+    step: int
+    kind: SaveKind
+    unix_seconds: float
+    numpy_arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+def latest(
+    stub: checkpointd_pb2_grpc.CheckpointServiceStub,
+    run: str,
+    kind: SaveKind | None,
+    folder: str | None,
+    timeout: float | None,
+) -> LatestSave | None:
+    """The run's newest committed save, or None (see RemotePolicySaver.latest)."""
+    request = pb.LatestRequest(run=run, kind=WIRE_KIND[kind] if kind else 0, folder=folder or "")
+    try:
+        response = stub.GetLatest(request, timeout=timeout)
+    except grpc.RpcError as e:
+        raise error_for(*rpc_error(e)) from e
+    if not response.found:
+        return None
+    return LatestSave(
+        response.path, response.export_dir, response.step, _KIND[response.kind], response.unix_seconds
+    )
+
+
+def restore(
+    stub: checkpointd_pb2_grpc.CheckpointServiceStub,
+    run: str,
+    export_dir: str | None,
+    registered: Registered,
+    numpy_source: numpy_state_lib.NumpySource | None,
+    folder: str | None,
+    timeout: float | None,
+) -> LatestSave:
+    """Fetches a save and assigns it (see RemotePolicySaver.restore)."""
+    started = time.monotonic()
+    bindings = registered()
+    if export_dir is None:
+        found = latest(stub, run, None, folder, timeout)
+        if found is None:
+            raise RunNotFoundError(f"run {run!r} has no committed save on the daemon to restore")
+        export_dir = found.export_dir
+    check_export_dir(export_dir)
+    for attempt in (1, 2):
+        try:
+            header, payload = _fetch(stub, pb.RestoreRequest(run=run, export_dir=export_dir), timeout)
+            break
+        except grpc.RpcError as e:
+            code, details = rpc_error(e)
+            # NOT_FOUND is a missing save or a daemon that forgot the run
+            # (restarted): only the second is fixed by registering again.
+            if code == grpc.StatusCode.NOT_FOUND and attempt == 1 and not _known(stub, run, timeout):
+                _LOGGER.warning("run %s: daemon lost the run (%s); registering again", run, details)
+                bindings = registered(stale=bindings)
+                continue
+            raise error_for(code, details) from e
+    bindings = bindings.ordered(header.variables)
+    values = _split(bindings, payload)
+    arrays: dict[str, np.ndarray] = {}
+    if header.HasField("numpy_state"):
+        arrays = numpy_state_lib.arrays(header.numpy_state, payload[sum(a.nbytes for a in values) :])
+    for binding, value in zip(bindings.variables, values, strict=True):
+        binding.variable.assign(value)
+    if numpy_source is not None:
+        numpy_state_lib.assign(numpy_source.state, arrays)
+    _LOGGER.info(
+        "run %s: restored %s %r of step %s (%s bytes, %.2f s)",
+        run, _KIND[header.kind].value, header.export_dir, header.step, len(payload),
+        time.monotonic() - started,
+    )
+    return LatestSave(
+        header.path, header.export_dir, header.step, _KIND[header.kind], header.unix_seconds, arrays
+    )
+
+
+def _known(stub: checkpointd_pb2_grpc.CheckpointServiceStub, run: str, timeout: float | None) -> bool:
+    """Whether the daemon has the run registered (GetStatus answers NOT_FOUND if not)."""
+    try:
+        stub.GetStatus(pb.StatusRequest(run=run), timeout=timeout)
+    except grpc.RpcError as e:
+        code, details = rpc_error(e)
+        if code == grpc.StatusCode.NOT_FOUND:
+            return False
+        raise error_for(code, details) from e
+    return True
+
+
+def _fetch(
+    stub: checkpointd_pb2_grpc.CheckpointServiceStub, request: pb.RestoreRequest, timeout: float | None
+) -> tuple[pb.RestoreHeader, memoryview]:
+    """The header and the whole checked payload of one Restore call.
+
+    Raises:
+        grpc.RpcError: the status that ended the call.
+        ChecksumError: a chunk's CRC32C does not match.
+        SaveFailedError: the daemon broke the protocol.
+    """
+    responses = stub.Restore(request, timeout=timeout)
+    try:
+        first = next(responses, None)
+        if first is None or first.WhichOneof("item") != "header":
+            raise SaveFailedError("the daemon's Restore answer did not start with a header")
+        header = first.header
+        buffer = bytearray(header.snapshot_bytes)
+        received = 0
+        for response in responses:
+            chunk = response.chunk
+            if response.WhichOneof("item") != "chunk" or chunk.offset != received:
+                raise SaveFailedError(f"Restore: expected a chunk at offset {received}")
+            if received + len(chunk.data) > len(buffer):
+                raise SaveFailedError(f"Restore: data past the announced {len(buffer)} bytes")
+            if crc32c.crc32c(chunk.data) != chunk.crc32c:
+                raise ChecksumError(f"Restore: CRC32C mismatch in the chunk at offset {chunk.offset}")
+            buffer[received : received + len(chunk.data)] = chunk.data
+            received += len(chunk.data)
+        if received != len(buffer):
+            raise SaveFailedError(f"Restore: the stream ended after {received} of {len(buffer)} bytes")
+    finally:
+        responses.cancel()  # a no-op once the call has ended
+    return header, memoryview(buffer)
+
+
+def _split(bindings: snapshot.Bindings, payload: memoryview) -> list[np.ndarray]:
+    """Each bound variable's value, read from its bytes at the front of the payload."""
+    values, offset = [], 0
+    for b in bindings.variables:
+        dtype = np.dtype(tf.as_dtype(b.dtype).as_numpy_dtype)
+        count = int(np.prod(b.shape, dtype=np.int64))
+        if count == 0:
+            values.append(np.zeros(b.shape, dtype))
+            continue
+        # Wire order is little-endian, native on every platform TF ships for.
+        values.append(np.frombuffer(payload, dtype, count, offset).reshape(b.shape))
+        offset += count * dtype.itemsize
+    return values
