@@ -391,7 +391,7 @@ def k8s() -> dict[str, dict[str, Any]]:
     ]
     by_kind = {doc["kind"]: doc for doc in docs}
     assert len(by_kind) == len(docs), "one object of each kind expected"
-    assert set(by_kind) == {"Deployment", "Service", "PersistentVolumeClaim"}
+    assert set(by_kind) == {"Deployment", "Service", "PersistentVolumeClaim", "Secret"}
     return by_kind
 
 
@@ -431,8 +431,7 @@ def test_k8s_runs_one_daemon_on_its_claim_as_the_image_user(k8s: dict[str, dict[
     assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
     container = _container(k8s)
     config = image_serve_config(container["args"])
-    (mount,) = container["volumeMounts"]
-    assert mount["mountPath"] == str(config.root)
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(config.root)]
     (volume,) = [v for v in _pod(k8s)["volumes"] if v["name"] == mount["name"]]
     assert volume["persistentVolumeClaim"]["claimName"] == k8s["PersistentVolumeClaim"]["metadata"]["name"]
     uid = re.search(r"useradd .*--uid (\d+)", " ".join(_args("RUN"))).group(1)
@@ -453,3 +452,24 @@ def test_k8s_service_exposes_grpc_and_metrics_for_scraping(k8s: dict[str, dict[s
     assert annotations["prometheus.io/port"] == str(config.metrics_port)
     labels = k8s["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_exposed_daemons_are_configured_with_auth(k8s: dict[str, dict[str, Any]]) -> None:
+    # Bound to 0.0.0.0, the daemon refuses to start without TLS or tokens.
+    container = _container(k8s)
+    config = image_serve_config(container["args"])
+    assert config.host == "0.0.0.0" and config.token_file is not None
+    secret = k8s["Secret"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (volume,) = [v for v in _pod(k8s)["volumes"] if v["name"] == "tokens"]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    (item,) = volume["secret"]["items"]
+    assert str(config.token_file) == f"{mounts['tokens']}/{item['path']}"
+    assert item["key"] in secret["stringData"]
+    (env,) = [e for e in container["env"] if e["name"] == "CHECKPOINTD_TOKEN"]
+    ref = env["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == secret["metadata"]["name"]
+    ops_token = secret["stringData"][ref["key"]]
+    assert ops_token in secret["stringData"][item["key"]].split()
+    compose_env = load_yaml(DOCKER / "docker-compose.yml")["services"]["checkpointd"]["environment"]
+    assert "CHECKPOINTD_TOKENS" in compose_env
