@@ -17,6 +17,7 @@ from checkpointd.core.errors import (
 from checkpointd_client.restore import LatestSave
 from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.ticket import SaveResult, SaveTicket
+from checkpointd_client.trigger import RemotePolicySavedModelTrigger
 
 __all__ = [
     "CheckpointdError",
@@ -27,6 +28,7 @@ __all__ = [
     "LatestSave",
     "LimitExceededError",
     "RemotePolicySaver",
+    "RemotePolicySavedModelTrigger",
     "RunClosedError",
     "RunNotFoundError",
     "SaveFailedError",
