@@ -88,6 +88,9 @@ class Server:
             from checkpointd.writer import TfWriter  # TensorFlow loads here, not at import
 
             self._writer = TfWriter(config.state_dir, fsync=config.fsync)
+            # Import TensorFlow (~2.5 s) while the port opens, not inside the
+            # first registration a trainer is waiting on.
+            threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()
         servicer = CheckpointServicer(config, self.lanes, self._writer, phases=self.metrics)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
@@ -160,6 +163,13 @@ class Server:
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until stop() has finished."""
         return self._stopped.wait(timeout)
+
+
+def _preload_tensorflow() -> None:
+    started = time.monotonic()
+    import tensorflow  # noqa: F401  (the import is the point)
+
+    _LOGGER.info("TensorFlow loaded in %.1fs", time.monotonic() - started)
 
 
 def _bracket(host: str) -> str:

@@ -20,6 +20,7 @@ from typing import Protocol
 import crc32c
 import grpc
 
+from checkpointd import publish
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.errors import (
     ChecksumError,
@@ -187,7 +188,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 f"{self._config.max_template_bytes} (--max-template-bytes)"
             )
         started = time.monotonic()
-        staged = self._staging / uuid.uuid4().hex
+        # Named like a save temp dir, so startup recovery removes it after a crash.
+        staged = self._staging / f"{publish.TMP_PREFIX}template-{uuid.uuid4().hex}"
         try:
             self._receive_template(request_iterator, staged, header.template_bytes)
             manifest = self._writer.register(run, staged, variables, header.checkpoint_object_graph)

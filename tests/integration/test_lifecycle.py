@@ -235,6 +235,8 @@ def test_reflection_lists_and_describes_the_service(daemon: Daemon) -> None:
         "Flush",
         "CloseRun",
         "GetStatus",
+        "GetLatest",
+        "Restore",
     }
 
 
