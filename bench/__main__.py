@@ -46,7 +46,7 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--fanin-seconds", type=float, help="fan-in duration (default 30; quick 3)")
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
     p.add_argument("--workdir", type=Path,
-                   help="scratch directory (default: a new temp dir, removed at the end)")
+                   help="scratch directory, kept (default: a new temp dir, removed after success)")
     a = p.parse_args(argv)
     quick = a.quick
     reps = a.reps if a.reps is not None else (2 if quick else 5)
@@ -65,8 +65,8 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
             limit_bytes=(32 << 20) if quick else (512 << 20),
             quick=quick,
             workdir=workdir,
+            keep_workdir=a.workdir is not None,
             out=a.out,
-            extra={"workdir_given": str(a.workdir is not None)},
         )
     except ValueError as e:
         p.error(str(e))
@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException:
         progress(f"failed; logs are kept in {config.workdir}")
         raise
-    if config.extra.get("workdir_given") != "True":
+    if not config.keep_workdir:
         shutil.rmtree(config.workdir, ignore_errors=True)
     results["meta"]["duration_seconds"] = time.monotonic() - _START
     results["meta"]["load_average_at_end"] = os.getloadavg()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 OBS_DIM = 4
@@ -55,6 +55,8 @@ class BenchConfig:
         limit_bytes: bytes written or streamed by the disk and gRPC limits.
         quick: the test suite's mode (proves the benchmark works, nothing more).
         workdir: where daemons, savers and the limits write.
+        keep_workdir: keep `workdir` after a successful run (it is always
+            kept after a failure, for the logs).
         out: the JSON file written at the end.
     """
 
@@ -68,8 +70,8 @@ class BenchConfig:
     limit_bytes: int
     quick: bool
     workdir: Path
+    keep_workdir: bool
     out: Path
-    extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sizes if s not in SIZES]
