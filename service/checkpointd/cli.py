@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-template-bytes", type=_size, default=16 << 30, help="largest template a run may register (default: 16G)")
     serve.add_argument("--max-workers", type=int, default=64, help="gRPC handler threads; each open save holds one (default: 64)")
     serve.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing (throwaway runs only)")
+    serve.add_argument("--max-concurrent-uploads", type=int, default=32, metavar="N", help="saves admitted at once over all runs; past it RESOURCE_EXHAUSTED (default: 32)")
+    serve.add_argument("--max-staging-bytes", type=_size, metavar="SIZE", help="snapshot bytes held in memory at once over all saves; past it RESOURCE_EXHAUSTED (default: half the machine's memory)")
     serve.add_argument("--upload-timeout", type=float, default=300.0, metavar="SECONDS", help="fail an accepted save whose snapshot has not arrived this long after its accept, freeing the run (default: 300)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     security = serve.add_argument_group(
@@ -157,6 +159,8 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 max_workers=args.max_workers,
                 fsync=not args.no_fsync,
                 upload_timeout_seconds=args.upload_timeout,
+                max_concurrent_uploads=args.max_concurrent_uploads,
+                max_staging_bytes=args.max_staging_bytes,
                 tls_cert=args.tls_cert,
                 tls_key=args.tls_key,
                 tls_client_ca=args.tls_client_ca,

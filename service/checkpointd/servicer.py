@@ -30,10 +30,11 @@ from checkpointd.core.errors import (
     RunNotFoundError,
 )
 from checkpointd.core.lane import Failed, SaveKind, SaveSpec, Skipped, Written
-from checkpointd.core.manifest import VariableSpec
+from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.core.paths import check_export_dir, check_run_name, resolve_export_dir
 from checkpointd.core.ports import Writer
+from checkpointd.budget import UploadBudget, default_staging_bytes
 from checkpointd.lanes import Lanes
 from checkpointd.restore import latest_response, restore_responses
 from checkpointd.status import grpc_errors
@@ -175,6 +176,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self._writer = writer
         self._phases = phases if phases is not None else _NoPhases()
         self._staging = config.state_dir / "staging"
+        self._budget = UploadBudget(
+            config.max_concurrent_uploads, config.max_staging_bytes or default_staging_bytes()
+        )
 
     @grpc_errors
     def RegisterRun(self, request_iterator: Iterator[pb.RegisterRunRequest], context: grpc.ServicerContext) -> pb.RegisterRunResponse:
@@ -261,6 +265,25 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             from checkpointd import numpy_files  # TensorFlow's protos parse the object graph
 
             numpy_files.check(numpy_state)
+        # Reserved before the lane decides: past a limit the request is refused
+        # like bad input, before anything is allocated or counted.
+        with self._budget.reserve(header.snapshot_bytes, run):
+            yield from self._decide_and_save(
+                header, run, kind, manifest, folder, target, numpy_state, request_iterator, context
+            )
+
+    def _decide_and_save(
+        self,
+        header: pb.SaveHeader,
+        run: str,
+        kind: SaveKind,
+        manifest: Manifest,
+        folder: str,
+        target: Path,
+        numpy_state: NumpyStateSpec | None,
+        request_iterator: Iterator[pb.SaveRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[pb.SaveResponse]:
         spec = SaveSpec(kind, header.export_dir, header.blocking, header.step)
         asked = time.monotonic()
         decision = self._lanes.begin(

@@ -19,7 +19,6 @@ and the real daemon (upstream mocks PolicySaver; here the files are real):
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,11 +38,10 @@ from checkpointd_client import (
     RunClosedError,
     SaveFailedError,
 )
-from checkpointd_client import snapshot as client_snapshot
 from tests.integration import policies
 from tests.integration.daemon import Daemon
+from tests.integration.raw import TIMEOUT, HeldSave
 
-TIMEOUT = 60.0  # every wait is bounded by this; a hang fails the test instead
 TRAIN_STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"
 CHECKPOINT_FILES = {"variables/variables.index", "variables/variables.data-00000-of-00001"}
 
@@ -66,70 +64,6 @@ def saved_step(export_dir: Path) -> int:
     """The train step stored in a save's variables (same key in both layouts)."""
     reader = tf.train.load_checkpoint(str(export_dir / "variables" / "variables"))
     return int(reader.get_tensor(TRAIN_STEP_KEY))
-
-
-class HeldSave:
-    """A raw Save call that holds its run's lane: accepted, then silent until released.
-
-    The header is built exactly as RemotePolicySaver builds it, from the
-    saver's registered bindings, and the snapshot is taken now.
-    """
-
-    def __init__(
-        self,
-        daemon: Daemon,
-        saver: RemotePolicySaver,
-        train_step: tf.Variable,
-        export_dir: str,
-        *,
-        chunk_bytes: int = 64,
-    ) -> None:
-        saver.register()
-        bindings = saver._bindings  # noqa: SLF001 - the manifest the daemon answered
-        assert bindings is not None
-        self._snap = client_snapshot.take_snapshot(bindings, train_step)
-        self._chunk_bytes = chunk_bytes
-        self.path = daemon.root / saver.run / export_dir
-        header = pb.SaveHeader(
-            run=saver.run,
-            kind=pb.SAVED_MODEL,
-            export_dir=export_dir,
-            step=self._snap.step,
-            variables=bindings.protos(),
-            snapshot_bytes=self._snap.nbytes,
-        )
-        self._requests: queue.SimpleQueue[pb.SaveRequest | None] = queue.SimpleQueue()
-        self._requests.put(pb.SaveRequest(header=header))
-        self._channel = grpc.insecure_channel(daemon.address)
-        stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
-        self._responses = stub.Save(iter(self._requests.get, None), timeout=TIMEOUT)
-        first = next(self._responses)
-        assert first.decision.accepted, f"the lane was not idle: {first.decision.reason}"
-
-    def chunks(self) -> list[pb.Chunk]:
-        return list(self._snap.chunks(self._chunk_bytes))
-
-    def release(self) -> pb.SaveResult:
-        """Sends the snapshot and half-closes; returns the daemon's result."""
-        for chunk in self.chunks():
-            self._requests.put(pb.SaveRequest(chunk=chunk))
-        self._requests.put(None)
-        return next(self._responses).result
-
-    def send_half_then_cancel(self) -> None:
-        chunks = self.chunks()
-        assert len(chunks) >= 4, "too few chunks to stop mid-upload"
-        for chunk in chunks[: len(chunks) // 2]:
-            self._requests.put(pb.SaveRequest(chunk=chunk))
-        self.cancel()
-
-    def cancel(self) -> None:
-        self._responses.cancel()
-        self._requests.put(None)
-
-    def close(self) -> None:
-        self.cancel()
-        self._channel.close()
 
 
 class Env:

@@ -245,3 +245,13 @@ def test_format_status_with_no_runs_and_draining() -> None:
 
     assert "(no runs registered)" in text
     assert "draining" in text
+
+
+def test_upload_limits_parse_with_sizes_and_default_to_the_machine() -> None:
+    config, _ = config_from_args(["serve", "--max-concurrent-uploads", "4", "--max-staging-bytes", "2G"])
+    assert config.max_concurrent_uploads == 4 and config.max_staging_bytes == 2 << 30
+    default, _ = config_from_args(["serve"])
+    assert default.max_concurrent_uploads == 32 and default.max_staging_bytes is None
+    with pytest.raises(SystemExit) as exit_info:
+        config_from_args(["serve", "--max-concurrent-uploads", "0"])
+    assert exit_info.value.code == 2

@@ -28,6 +28,10 @@ class ServeConfig:
         max_snapshot_bytes: largest snapshot one save may carry.
         max_template_bytes: largest template a run may register.
         max_workers: gRPC handler threads (each open save or wait holds one).
+        max_concurrent_uploads: saves admitted at once, over all runs
+            (blocking waiters included); past it RESOURCE_EXHAUSTED.
+        max_staging_bytes: snapshot bytes held in memory at once, over all
+            admitted saves; None = half the machine's memory.
         upload_timeout_seconds: an accepted save whose snapshot has not fully
             arrived this long after its accept fails with DEADLINE_EXCEEDED
             and frees its run's lane, so a stalled trainer cannot hold it.
@@ -53,6 +57,8 @@ class ServeConfig:
     max_snapshot_bytes: int = 8 * GiB
     max_template_bytes: int = 16 * GiB
     max_workers: int = 64
+    max_concurrent_uploads: int = 32
+    max_staging_bytes: int | None = None
     fsync: bool = True
     upload_timeout_seconds: float = 300.0
     tls_cert: Path | None = None
@@ -72,13 +78,17 @@ class ServeConfig:
                 raise ValueError(f"{name} must be in 0..65535, got {value}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
-        for name in ("max_snapshot_bytes", "max_template_bytes", "max_workers"):
+        for name in (
+            "max_snapshot_bytes", "max_template_bytes", "max_workers", "max_concurrent_uploads"
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.upload_timeout_seconds < math.inf:  # also refuses NaN
             raise ValueError(
                 f"upload_timeout_seconds must be > 0 and finite, got {self.upload_timeout_seconds}"
             )
+        if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:
+            raise ValueError(f"max_staging_bytes must be positive, got {self.max_staging_bytes}")
         if not self.host:
             raise ValueError("host must not be empty")
 

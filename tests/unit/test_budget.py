@@ -1,0 +1,49 @@
+"""UploadBudget: admission by count and by staged bytes, released on exit."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpointd.budget import UploadBudget, default_staging_bytes
+from checkpointd.core.errors import LimitExceededError
+
+
+def test_uploads_past_the_count_are_refused_until_one_ends() -> None:
+    budget = UploadBudget(max_uploads=2, max_bytes=1000)
+    with budget.reserve(10, "a"), budget.reserve(10, "b"):
+        assert budget.in_use == (2, 20)
+        with pytest.raises(LimitExceededError, match="limit of 2 saves at once"):
+            with budget.reserve(10, "c"):
+                pass
+        assert budget.in_use == (2, 20)  # the refusal reserved nothing
+    with budget.reserve(10, "c"):
+        assert budget.in_use == (1, 10)
+    assert budget.in_use == (0, 0)
+
+
+def test_bytes_past_the_budget_are_refused_and_name_the_flag() -> None:
+    budget = UploadBudget(max_uploads=10, max_bytes=100)
+    with budget.reserve(60, "a"):
+        with pytest.raises(LimitExceededError, match=r"--max-staging-bytes") as info:
+            with budget.reserve(41, "b"):
+                pass
+        assert "'b'" in str(info.value) and "40 of 100" in str(info.value)
+        with budget.reserve(40, "b"):
+            assert budget.in_use == (2, 100)
+
+
+def test_a_failure_inside_the_block_releases_the_reservation() -> None:
+    budget = UploadBudget(max_uploads=1, max_bytes=100)
+    with pytest.raises(RuntimeError):
+        with budget.reserve(100, "a"):
+            raise RuntimeError("the save failed")
+    assert budget.in_use == (0, 0)
+    with budget.reserve(100, "a"):
+        pass
+
+
+def test_default_staging_is_half_the_machine() -> None:
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert default_staging_bytes() == total // 2
