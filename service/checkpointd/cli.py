@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing (throwaway runs only)")
     serve.add_argument("--max-concurrent-uploads", type=int, default=32, metavar="N", help="saves admitted at once over all runs; past it RESOURCE_EXHAUSTED (default: 32)")
     serve.add_argument("--max-staging-bytes", type=_size, metavar="SIZE", help="snapshot bytes held in memory at once over all saves; past it RESOURCE_EXHAUSTED (default: half the machine's memory)")
+    serve.add_argument("--keep-last", type=int, metavar="N", help="retention: keep each run's newest N saves of each kind, delete older ones in the background (default: keep all)")
+    serve.add_argument("--keep-every-steps", type=int, metavar="K", help="retention: also keep older saves at steps that are multiples of K (with --keep-last)")
     serve.add_argument("--upload-timeout", type=float, default=300.0, metavar="SECONDS", help="fail an accepted save whose snapshot has not arrived this long after its accept, freeing the run (default: 300)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     security = serve.add_argument_group(
@@ -160,6 +162,8 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 fsync=not args.no_fsync,
                 upload_timeout_seconds=args.upload_timeout,
                 max_concurrent_uploads=args.max_concurrent_uploads,
+                keep_last=args.keep_last,
+                keep_every_steps=args.keep_every_steps,
                 max_staging_bytes=args.max_staging_bytes,
                 tls_cert=args.tls_cert,
                 tls_key=args.tls_key,

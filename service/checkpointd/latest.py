@@ -88,17 +88,22 @@ def find_latest(
     Returns:
         The save, or None if the run has none (or its folder does not exist).
     """
-    folder_dir = _folder_dir(root, folder)
-    if not folder_dir.is_dir():
-        return None
     best: CommittedSave | None = None
-    for save_dir in verify.find_save_dirs(folder_dir):
-        save = _read(save_dir, folder_dir)
-        if save is None or save.run != run or (kind is not None and save.kind is not kind):
+    for save in committed_saves(root, folder, run):
+        if kind is not None and save.kind is not kind:
             continue
         if best is None or (save.created, save.step) > (best.created, best.step):
             best = save
     return best
+
+
+def committed_saves(root: Path, folder: str, run: str) -> list[CommittedSave]:
+    """Every committed save of `run` under `<root>/<folder>/`, in no order."""
+    folder_dir = _folder_dir(root, folder)
+    if not folder_dir.is_dir():
+        return []
+    saves = (_read(save_dir, folder_dir) for save_dir in verify.find_save_dirs(folder_dir))
+    return [save for save in saves if save is not None and save.run == run]
 
 
 def committed_save(root: Path, folder: str, export_dir: str) -> CommittedSave:

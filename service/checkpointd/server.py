@@ -19,6 +19,7 @@ from checkpointd.core.config import ServeConfig
 from checkpointd.core.errors import DeadlineError
 from checkpointd.core.ports import Writer
 from checkpointd.lanes import Lanes
+from checkpointd.retention import Retention
 from checkpointd.metrics import Metrics, serve_metrics
 from checkpointd.servicer import CheckpointServicer
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -62,6 +63,7 @@ class Server:
         self.lanes = Lanes(sink=self.metrics)
         self.metrics.runs.set_function(self.lanes.count)
         self._writer = writer
+        self.retention: Retention | None = None
         self._health = health.HealthServicer()
         self._grpc: grpc.Server | None = None
         self._http = None
@@ -91,7 +93,11 @@ class Server:
             # Import TensorFlow (~2.5 s) while the port opens, not inside the
             # first registration a trainer is waiting on.
             threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()
-        servicer = CheckpointServicer(config, self.lanes, self._writer, phases=self.metrics)
+        self.retention = Retention(config.root, config.retention)
+        self.retention.start()
+        servicer = CheckpointServicer(
+            config, self.lanes, self._writer, phases=self.metrics, retention=self.retention
+        )
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
             options=[
@@ -154,6 +160,8 @@ class Server:
         _LOGGER.info("drained in %.3fs", time.monotonic() - started)
         if self._grpc is not None:
             self._grpc.stop(grace=1.0).wait()
+        if self.retention is not None:
+            self.retention.stop(timeout=max(grace, 1.0))  # finish queued tidying
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

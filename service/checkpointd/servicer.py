@@ -34,8 +34,10 @@ from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.core.paths import check_export_dir, check_run_name, resolve_export_dir
 from checkpointd.core.ports import Writer
+from checkpointd.core.retention import RetentionPolicy
 from checkpointd.budget import UploadBudget, default_staging_bytes
 from checkpointd.lanes import Lanes
+from checkpointd.retention import Retention
 from checkpointd.restore import latest_response, restore_responses
 from checkpointd.status import grpc_errors
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -169,9 +171,15 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     """Implements checkpointd.v1.CheckpointService."""
 
     def __init__(
-        self, config: ServeConfig, lanes: Lanes, writer: Writer, phases: PhaseSink | None = None
+        self,
+        config: ServeConfig,
+        lanes: Lanes,
+        writer: Writer,
+        phases: PhaseSink | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self._config = config
+        self._retention = retention or Retention(config.root, RetentionPolicy())
         self._lanes = lanes
         self._writer = writer
         self._phases = phases if phases is not None else _NoPhases()
@@ -320,13 +328,15 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 else None
             )
             try:
-                bytes_written = self._writer.write(
-                    run, kind, target, variables, step=header.step, export_dir=header.export_dir,
-                    numpy_state=payload,
-                )
+                with self._retention.publishing(folder):  # no deletions in the folder meanwhile
+                    bytes_written = self._writer.write(
+                        run, kind, target, variables, step=header.step,
+                        export_dir=header.export_dir, numpy_state=payload,
+                    )
             finally:
                 self._phases.observe_phase(kind.value, "write", time.monotonic() - writing)
             outcome = Written(str(target), bytes_written)
+            self._retention.after_save(run, folder)
         except Exception as exc:
             outcome = Failed(str(exc) or type(exc).__name__)
             raise

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpointd.core.retention import RetentionPolicy
+
 DEFAULT_PORT = 7431
 DEFAULT_METRICS_PORT = 9431
 GiB = 1 << 30
@@ -44,6 +46,10 @@ class ServeConfig:
         token_file: bearer tokens, one per line (`#` comments); tokens may
             also come from the environment, which this config never holds.
         insecure: allow a non-loopback host with neither TLS nor tokens.
+        keep_last: retention: keep each run's newest N saves of each kind
+            and delete older committed ones; None keeps everything.
+        keep_every_steps: retention: also keep older saves whose step is a
+            multiple of this (needs keep_last).
     """
 
     root: Path = Path("checkpoints")
@@ -66,6 +72,8 @@ class ServeConfig:
     tls_client_ca: Path | None = None
     token_file: Path | None = None
     insecure: bool = False
+    keep_last: int | None = None
+    keep_every_steps: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -89,8 +97,13 @@ class ServeConfig:
             )
         if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:
             raise ValueError(f"max_staging_bytes must be positive, got {self.max_staging_bytes}")
+        RetentionPolicy(self.keep_last, self.keep_every_steps)  # validates
         if not self.host:
             raise ValueError("host must not be empty")
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(self.keep_last, self.keep_every_steps)
 
     @property
     def state_dir(self) -> Path:

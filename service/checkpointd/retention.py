@@ -1,0 +1,110 @@
+"""Retention off the save path: a background worker deletes old committed saves.
+
+After each successful save the servicer asks for the run's folder to be
+tidied; one worker thread does it later, so no save waits for deletions.
+Only committed saves of the run (dirs holding a manifest that names it) are
+candidates, the newest one is never deleted, and a folder is never tidied
+while a save into it is being published: `publishing(folder)` and the
+worker's deletions hold the same per-folder lock. A victim is first renamed
+to a `.checkpointd-tmp-` name (which startup recovery deletes, should the
+daemon die mid-delete), so a reader sees it whole or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from checkpointd import latest, publish
+from checkpointd.core.lane import SaveKind
+from checkpointd.core.retention import RetentionPolicy
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class Retention:
+    """Deletes a run's saves past its RetentionPolicy, in a thread of its own."""
+
+    def __init__(self, root: Path, policy: RetentionPolicy) -> None:
+        self._root = root
+        self.policy = policy
+        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._locks_guard = threading.Lock()
+        self._tasks: queue.Queue[tuple[str, str] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.deleted = 0  # saves deleted so far, for logs and tests
+
+    def start(self) -> None:
+        if self.policy.enabled and self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="retention", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finishes the queued tidying, then ends the worker."""
+        if self._thread is not None:
+            self._tasks.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def wait_idle(self) -> None:
+        """Blocks until every queued tidying has run (tests, shutdown)."""
+        self._tasks.join()
+
+    @contextmanager
+    def publishing(self, folder: str) -> Iterator[None]:
+        """Held around a save's publication: no deletion runs in its folder."""
+        with self._lock(folder):
+            yield
+
+    def after_save(self, run: str, folder: str) -> None:
+        """Queues the run's folder for tidying (returns at once)."""
+        if self._thread is not None:
+            self._tasks.put((run, folder))
+
+    def tidy(self, run: str, folder: str) -> int:
+        """Deletes the run's saves past the policy now; returns how many."""
+        deleted = 0
+        with self._lock(folder):
+            saves = latest.committed_saves(self._root, folder, run)
+            for kind in SaveKind:
+                for save in self.policy.victims([s for s in saves if s.kind is kind]):
+                    if self._delete(save.path):
+                        deleted += 1
+                        _LOGGER.info(
+                            "retention: deleted run=%s kind=%s export_dir=%s step=%d",
+                            run, kind.value, save.export_dir, save.step,
+                        )
+        self.deleted += deleted
+        return deleted
+
+    def _delete(self, path: Path) -> bool:
+        doomed = path.parent / f"{publish.TMP_PREFIX}retired-{path.name}-{os.urandom(8).hex()}"
+        try:
+            os.rename(path, doomed)
+        except OSError as e:
+            _LOGGER.warning("retention: could not delete %s: %s", path, e)
+            return False
+        publish.remove_quietly(doomed)
+        return True
+
+    def _lock(self, folder: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks[folder]
+
+    def _work(self) -> None:
+        while True:
+            task = self._tasks.get()
+            try:
+                if task is None:
+                    return
+                self.tidy(*task)
+            except Exception:  # noqa: BLE001 - a failed tidy must not end the worker
+                _LOGGER.exception("retention of run %s failed", task[0] if task else "?")
+            finally:
+                self._tasks.task_done()
