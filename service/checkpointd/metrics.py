@@ -123,6 +123,14 @@ class Metrics:
     def in_flight_changed(self, delta: int) -> None:
         self.in_flight.inc(delta)
 
+    def run_closed(self, run: str) -> None:
+        # A closed run stops saving on purpose: dropping its last-success
+        # series keeps "no successful save for 30 min" alerts for live runs.
+        try:
+            self.last_success.remove(run)
+        except KeyError:
+            pass
+
 
 
 def serve_metrics(

@@ -40,6 +40,9 @@ class RecordingSink:
     def in_flight_changed(self, delta: int) -> None:
         self.calls.append(("in_flight", delta))
 
+    def run_closed(self, run: str) -> None:
+        self.calls.append(("closed", run))
+
     def named(self, name: str) -> list[tuple]:
         return [c for c in self.calls if c[0] == name]
 

@@ -358,3 +358,18 @@ def test_last_success_holds_kind_path_step_and_time(lane: Lane, clock: FakeClock
         42,
         1_001.0,
     )
+
+
+def test_the_sink_hears_once_when_a_lane_closes_idle_or_after_its_save() -> None:
+    from tests.unit.conftest import RecordingSink
+
+    clock = iter(range(100)).__next__
+    sink = RecordingSink()
+    idle = Lane("idle", lambda: float(clock()), sink)
+    idle.close()
+    busy = Lane("busy", lambda: float(clock()), sink)
+    ticket = busy.request(SaveSpec(SaveKind.CHECKPOINT, "a"))
+    busy.close()
+    assert sink.named("closed") == [("closed", "idle")]
+    busy.finish(ticket, Written("/a", 1))
+    assert sink.named("closed") == [("closed", "idle"), ("closed", "busy")]

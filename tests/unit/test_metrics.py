@@ -181,3 +181,12 @@ def test_observe_phase_times_one_phase_and_refuses_unknown_ones(
     assert sample(registry, f"{name}_count", kind="checkpoint", phase="queue") == 0
     with pytest.raises(ValueError, match="unknown save phase"):
         metrics.observe_phase("checkpoint", "step_42", 1.0)
+
+
+def test_closing_a_run_drops_its_last_success_series(registry: CollectorRegistry, metrics: Metrics) -> None:
+    metrics.save_written("done", "checkpoint", 10, 0.1, 1_700_000_000.0)
+    metrics.save_written("live", "checkpoint", 10, 0.1, 1_700_000_001.0)
+    metrics.run_closed("done")
+    metrics.run_closed("never-saved")  # no series: nothing to drop, no error
+    assert sample(registry, "checkpointd_last_success_timestamp_seconds", run="done") is None
+    assert sample(registry, "checkpointd_last_success_timestamp_seconds", run="live") == 1_700_000_001.0

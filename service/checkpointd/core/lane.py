@@ -183,7 +183,7 @@ class Lane:
             self._start(nxt)
             return nxt
         if self.state is LaneState.CLOSING:
-            self.state = LaneState.CLOSED
+            self._closed()
         return None
 
     def withdraw(self, ticket: Ticket) -> None:
@@ -192,16 +192,22 @@ class Lane:
             self.waiting.remove(ticket)
             ticket.state = TicketState.WITHDRAWN
             if self.idle and self.state is LaneState.CLOSING:
-                self.state = LaneState.CLOSED
+                self._closed()
 
     def close(self) -> None:
         """Refuses new saves; the lane is CLOSED once queued saves end."""
         if self.state is LaneState.OPEN:
-            self.state = LaneState.CLOSED if self.idle else LaneState.CLOSING
+            self.state = LaneState.CLOSING
+            if self.idle:
+                self._closed()
 
     def reopen(self) -> None:
         """Opens a closed lane again (the run was registered anew)."""
         self.state = LaneState.OPEN
+
+    def _closed(self) -> None:
+        self.state = LaneState.CLOSED
+        self.sink.run_closed(self.run)  # a finished run must not look stalled
 
     def _start(self, ticket: Ticket) -> None:
         ticket.state = TicketState.ACTIVE

@@ -30,6 +30,9 @@ class MetricsSink(Protocol):
 
     def in_flight_changed(self, delta: int) -> None: ...
 
+    def run_closed(self, run: str) -> None:
+        """The run's lane closed: its per-run series can go."""
+
 
 class NullSink:
     """A MetricsSink that records nothing."""
@@ -46,6 +49,9 @@ class NullSink:
         pass
 
     def in_flight_changed(self, delta: int) -> None:
+        pass
+
+    def run_closed(self, run: str) -> None:
         pass
 
 
