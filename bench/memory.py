@@ -45,10 +45,10 @@ def daemon_memory(
 ) -> dict[str, Any]:
     """Blocking saves of `saver`'s policy, and the daemon's peak RSS during each.
 
-    Call it on a daemon that has served nothing yet. The daemon imports
-    TensorFlow at its first registration, so "idle" is measured after one
-    save of the tiny `warmup` policy: a daemon ready to work, holding nothing
-    of this run. The fresh daemon's RSS is reported too.
+    Call it on a daemon that has served nothing yet. "Idle" is measured
+    after one save of the tiny `warmup` policy, so it is a daemon ready to
+    work (TensorFlow loaded, whether at start or at a first registration)
+    holding nothing of this run. The fresh daemon's RSS is reported too.
 
     Args:
         saver: a RemotePolicySaver, not yet registered.
