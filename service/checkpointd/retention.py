@@ -4,8 +4,9 @@ After each successful save the servicer asks for the run's folder to be
 tidied; one worker thread does it later, so no save waits for deletions.
 Only committed saves of the run (dirs holding a manifest that names it) are
 candidates, the newest one is never deleted, and a folder is never tidied
-while a save into it is being published: `publishing(folder)` and the
-worker's deletions hold the same per-folder lock. A victim is first renamed
+while a save is being published into it or restored from it: those hold the
+folder shared (`holding(folder)`, many at once); the worker's deletions hold
+it exclusively. A victim is first renamed
 to a `.checkpointd-tmp-` name (which startup recovery deletes, should the
 daemon die mid-delete), so a reader sees it whole or not at all.
 """
@@ -18,6 +19,7 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
+import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,7 +36,7 @@ class Retention:
     def __init__(self, root: Path, policy: RetentionPolicy) -> None:
         self._root = root
         self.policy = policy
-        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._guards: defaultdict[str, _FolderGuard] = defaultdict(_FolderGuard)
         self._locks_guard = threading.Lock()
         self._tasks: queue.Queue[tuple[str, str] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -56,11 +58,10 @@ class Retention:
         """Blocks until every queued tidying has run (tests, shutdown)."""
         self._tasks.join()
 
-    @contextmanager
-    def publishing(self, folder: str) -> Iterator[None]:
-        """Held around a save's publication: no deletion runs in its folder."""
-        with self._lock(folder):
-            yield
+    def holding(self, folder: str) -> contextlib.AbstractContextManager[None]:
+        """Held around a publication into, or a restore from, the folder:
+        no deletion runs in it meanwhile (other holders may)."""
+        return self._guard(folder).shared()
 
     def after_save(self, run: str, folder: str) -> None:
         """Queues the run's folder for tidying (returns at once)."""
@@ -70,7 +71,7 @@ class Retention:
     def tidy(self, run: str, folder: str) -> int:
         """Deletes the run's saves past the policy now; returns how many."""
         deleted = 0
-        with self._lock(folder):
+        with self._guard(folder).exclusive():
             saves = latest.committed_saves(self._root, folder, run)
             for kind in SaveKind:
                 for save in self.policy.victims([s for s in saves if s.kind is kind]):
@@ -93,9 +94,9 @@ class Retention:
         publish.remove_quietly(doomed)
         return True
 
-    def _lock(self, folder: str) -> threading.Lock:
+    def _guard(self, folder: str) -> _FolderGuard:
         with self._locks_guard:
-            return self._locks[folder]
+            return self._guards[folder]
 
     def _work(self) -> None:
         while True:
@@ -108,3 +109,36 @@ class Retention:
                 _LOGGER.exception("retention of run %s failed", task[0] if task else "?")
             finally:
                 self._tasks.task_done()
+
+
+class _FolderGuard:
+    """A readers-writer lock: many holders, or one tidier, never both."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._holders = 0
+        self._tidying = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._tidying)
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holders -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._tidying and self._holders == 0)
+            self._tidying = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._tidying = False
+                self._cond.notify_all()

@@ -328,7 +328,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 else None
             )
             try:
-                with self._retention.publishing(folder):  # no deletions in the folder meanwhile
+                with self._retention.holding(folder):  # no deletions in the folder meanwhile
                     bytes_written = self._writer.write(
                         run, kind, target, variables, step=header.step,
                         export_dir=header.export_dir, numpy_state=payload,
@@ -445,4 +445,5 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[pb.RestoreResponse]:
         run = check_run_name(request.run)
         manifest, folder = self._lanes.manifest(run), self._lanes.folder(run)
-        yield from restore_responses(self._config.root, folder, run, request.export_dir, manifest)
+        with self._retention.holding(folder):  # retention must not delete it mid-stream
+            yield from restore_responses(self._config.root, folder, run, request.export_dir, manifest)

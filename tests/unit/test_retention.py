@@ -84,7 +84,7 @@ def test_tidy_waits_while_a_save_is_being_published_into_the_folder(folder: Path
         _save(folder, f"ck_{step}", "r", "checkpoint", step, created=step)
     retention = Retention(folder.parent, RetentionPolicy(keep_last=1))
     done = threading.Event()
-    with retention.publishing("r"):
+    with retention.holding("r"):
         worker = threading.Thread(target=lambda: (retention.tidy("r", "r"), done.set()))
         worker.start()
         assert not done.wait(0.3), "tidied while a save was being published"
@@ -100,10 +100,24 @@ def test_the_worker_tidies_after_saves_without_blocking_them(folder: Path) -> No
     retention = Retention(folder.parent, RetentionPolicy(keep_last=1))
     retention.start()
     try:
-        with retention.publishing("r"):
+        with retention.holding("r"):
             retention.after_save("r", "r")  # returns although the folder is locked
         retention.wait_idle()
         assert sorted(p.name for p in folder.iterdir()) == ["ck_3"]
         assert retention.deleted == 2
     finally:
         retention.stop(timeout=30)
+
+
+def test_two_holders_share_a_folder_while_tidying_waits_for_both(folder: Path) -> None:
+    _save(folder, "ck_1", "r", "checkpoint", 1, created=1)
+    _save(folder, "ck_2", "r", "checkpoint", 2, created=2)
+    retention = Retention(folder.parent, RetentionPolicy(keep_last=1))
+    done = threading.Event()
+    with retention.holding("r"), retention.holding("r"):  # a publish and a restore at once
+        worker = threading.Thread(target=lambda: (retention.tidy("r", "r"), done.set()))
+        worker.start()
+        assert not done.wait(0.3)
+    assert done.wait(30)
+    worker.join(30)
+    assert sorted(p.name for p in folder.iterdir()) == ["ck_2"]
