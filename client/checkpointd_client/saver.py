@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,14 @@ from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import restore as restore_lib
 from checkpointd_client import snapshot, template
+from checkpointd_client.facade import PolicySaverFacade
 from checkpointd_client.stream import WIRE_KIND, SaveStream, rpc_error
 from checkpointd_client.ticket import SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
 
 
-class RemotePolicySaver:
+class RemotePolicySaver(PolicySaverFacade):
     """Saves a TF-Agents policy through a checkpointd daemon.
 
     A drop-in for `AsyncPolicySaver(PolicySaver(policy, ...))`: `save()` and
@@ -46,6 +47,7 @@ class RemotePolicySaver:
     with `blocking=True`, once the save is durable). Unlike AsyncPolicySaver,
     every call returns a `SaveTicket` that says whether the save was skipped
     and, later, whether it was written; a failed save never stops the saver.
+    PolicySaver's properties and registrations come from PolicySaverFacade.
 
     Lock discipline: `_lock` guards `_busy`, `_closing` and `_closed` and is
     never held across an RPC or a TF call; `_register_lock` serializes
@@ -147,70 +149,6 @@ class RemotePolicySaver:
         self._close_lock = threading.Lock()
         self._bindings: snapshot.Bindings | None = None
         self._dirty = True  # the template must be (re-)exported before the next save
-
-    # PolicySaver's surface, as AsyncPolicySaver offers it.
-
-    @property
-    def run(self) -> str:
-        return self._run
-
-    @property
-    def folder(self) -> str:
-        """The run's folder under the daemon's root."""
-        return self._folder or self._run
-
-    @property
-    def address(self) -> str:
-        return self._address
-
-    @property
-    def policy(self) -> tf.Module:
-        """The module PolicySaver exports (not the TFPolicy given)."""
-        return self._saver.policy
-
-    @property
-    def action_input_spec(self) -> types.NestedTensorSpec:
-        return self._saver.action_input_spec
-
-    @property
-    def policy_step_spec(self) -> types.NestedTensorSpec:
-        return self._saver.policy_step_spec
-
-    @property
-    def policy_state_spec(self) -> types.NestedTensorSpec:
-        return self._saver.policy_state_spec
-
-    @property
-    def signatures(self) -> dict[str, Callable[..., Any]]:
-        return self._saver.signatures
-
-    def get_train_step(self) -> types.Int:
-        return self._saver.get_train_step()
-
-    def get_metadata(self) -> dict[str, tf.Variable]:
-        return self._saver.get_metadata()
-
-    def register_function(
-        self,
-        name: str,
-        fn: policy_saver.InputFnType,
-        input_spec: types.NestedTensorSpec,
-        outer_dims: Sequence[int | None] = (None,),
-    ) -> None:
-        """As PolicySaver's; the template is exported again before the next save."""
-        self._saver.register_function(name, fn, input_spec, outer_dims)
-        self._dirty = True
-
-    def register_concrete_function(self, name: str, fn: Any, assets: Any | None = None) -> None:
-        """As PolicySaver's; the template is exported again before the next save."""
-        self._saver.register_concrete_function(name, fn, assets)
-        self._dirty = True
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names this class lacks; forward them like AsyncPolicySaver.
-        if name.startswith("__") or "_saver" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self._saver, name)
 
     # Saving.
 
