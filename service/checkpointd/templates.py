@@ -1,0 +1,230 @@
+"""Run templates: an uploaded PolicySaver.save() output, checked and held in memory.
+
+`validate` checks an upload by parsing its files, not by loading the model:
+the SavedModel has one meta graph with the TF-Agents policy signatures,
+`policy_specs.pbtxt` parses, the `variables/` checkpoint holds exactly the
+declared variables (keys, dtypes, shapes), and both object graphs (the
+SavedModel's and PolicySaver.save_checkpoint's) list exactly those
+variables. What passes becomes a `Template`: the graph files to copy into
+every SAVED_MODEL save, the two object graphs and the order in which each
+lists the variables, which is the order `checkpointd.writer` writes them in.
+
+TensorFlow is imported inside functions only, as in `checkpointd.writer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+
+from checkpointd.core.errors import InvalidRequestError
+from checkpointd.core.manifest import Manifest
+
+_LOGGER = logging.getLogger(__name__)
+
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+VARIABLES_PREFIX = os.path.join("variables", "variables")
+_VARIABLE_ATTRIBUTE = "VARIABLE_VALUE"
+_REQUIRED_SIGNATURES = ("action", "get_initial_state", "get_train_step", "get_metadata")
+# Written anew for every SAVED_MODEL save, never copied from the template.
+_NOT_COPIED = ("variables", "fingerprint.pb")
+
+
+@dataclass(frozen=True)
+class Template:
+    """What a write needs of a run's template; never changed once made."""
+
+    manifest: Manifest
+    dirs: tuple[str, ...]  # relative dirs to create, parents first (e.g. "assets")
+    files: tuple[tuple[str, bytes], ...]  # relative path, content
+    saved_model_graph: bytes  # the SavedModel checkpoint's object graph
+    checkpoint_graph: bytes  # PolicySaver.save_checkpoint's object graph
+    saved_model_order: tuple[int, ...]  # manifest indexes in SavedModel key order
+    checkpoint_order: tuple[int, ...]  # manifest indexes in checkpoint key order
+    checksums: dict[str, tuple[int, int]]  # files' (size, CRC32C), for save manifests
+
+
+def describe(e: BaseException) -> str:
+    """A one-line reason for an OS or TensorFlow error."""
+    if isinstance(e, OSError) and e.strerror:
+        where = f" ({e.filename})" if e.filename else ""
+        return f"{e.strerror}{where}"
+    message = getattr(e, "message", None) or str(e) or type(e).__name__
+    return message.strip().splitlines()[0]
+
+
+def _invalid(run: str, what: str) -> InvalidRequestError:
+    return InvalidRequestError(f"template of run {run!r}: {what}")
+
+
+def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: bytes) -> Template:
+    """Checks an uploaded template against the manifest; returns its Template.
+
+    Args:
+        run: The run name, for messages.
+        staged_dir: The uploaded SavedModel; only read.
+        manifest: The variables every snapshot of the run holds, in order.
+        checkpoint_graph: The serialized TrackableObjectGraph that
+            PolicySaver.save_checkpoint writes for the policy.
+
+    Raises:
+        InvalidRequestError: the upload is not a TF-Agents policy SavedModel,
+            or the manifest or the object graph disagree with it.
+    """
+    import tensorflow as tf
+    from google.protobuf import message, text_format
+    from tensorflow.core.protobuf import saved_model_pb2, struct_pb2
+
+    if not staged_dir.is_dir():
+        raise _invalid(run, "is not a directory")
+    dirs, files = _read_tree(run, staged_dir)
+    contents = dict(files)
+
+    if "saved_model.pb" not in contents:
+        raise _invalid(run, "has no saved_model.pb; upload the output of PolicySaver.save()")
+    try:
+        saved_model = saved_model_pb2.SavedModel.FromString(contents["saved_model.pb"])
+    except message.DecodeError as e:
+        raise _invalid(run, f"saved_model.pb is not a SavedModel ({e})") from None
+    if len(saved_model.meta_graphs) != 1:
+        raise _invalid(
+            run, f"saved_model.pb has {len(saved_model.meta_graphs)} meta graphs, expected 1"
+        )
+    signatures = saved_model.meta_graphs[0].signature_def
+    missing = [name for name in _REQUIRED_SIGNATURES if name not in signatures]
+    if missing:
+        raise _invalid(
+            run,
+            f"saved_model.pb lacks the signature(s) {', '.join(map(repr, missing))}; "
+            "is it a TF-Agents policy saved with PolicySaver.save()?",
+        )
+
+    if "policy_specs.pbtxt" not in contents:
+        raise _invalid(run, "has no policy_specs.pbtxt; upload PolicySaver.save()'s output")
+    try:
+        text_format.Parse(
+            contents["policy_specs.pbtxt"].decode("utf-8"), struct_pb2.StructuredValue()
+        )
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        raise _invalid(run, f"policy_specs.pbtxt does not parse ({e})") from None
+
+    try:
+        reader = tf.train.load_checkpoint(str(staged_dir / VARIABLES_PREFIX))
+        shapes = reader.get_variable_to_shape_map()
+        dtypes = reader.get_variable_to_dtype_map()
+        saved_model_graph = (
+            reader.get_tensor(OBJECT_GRAPH_KEY) if OBJECT_GRAPH_KEY in shapes else None
+        )
+    except (tf.errors.OpError, ValueError) as e:
+        _LOGGER.debug("run %s: template checkpoint unreadable: %s", run, describe(e))
+        raise _invalid(
+            run,
+            "variables/variables.index and .data-00000-of-00001 are missing or unreadable; "
+            "upload the whole output of PolicySaver.save()",
+        ) from None
+    if saved_model_graph is None:
+        raise _invalid(run, f"variables/ has no {OBJECT_GRAPH_KEY} tensor")
+
+    want = {v.key for v in manifest.variables}
+    have = set(shapes) - {OBJECT_GRAPH_KEY}
+    if have - want:
+        raise _invalid(
+            run, f"its checkpoint has key {min(have - want)!r}, which no declared variable has"
+        )
+    if want - have:
+        raise _invalid(run, f"variable {min(want - have)!r} is not in its checkpoint")
+    for v in manifest.variables:
+        if dtypes[v.key].name != v.dtype or tuple(shapes[v.key]) != v.shape:
+            raise _invalid(
+                run,
+                f"variable {v.key!r} is declared {v.dtype}{list(v.shape)}; the template has "
+                f"{dtypes[v.key].name}{list(shapes[v.key])}",
+            )
+
+    saved_model_order = _order(
+        run, "the template's object graph", saved_model_graph, manifest, "key"
+    )
+    checkpoint_order = _order(
+        run, "checkpoint_object_graph", checkpoint_graph, manifest, "checkpoint_key"
+    )
+    copied = tuple((p, b) for p, b in files if p.split("/")[0] not in _NOT_COPIED)
+    return Template(
+        manifest=manifest,
+        # tf.saved_model.save always makes assets/, empty or not; uploads
+        # carry files only, so an empty one is made here.
+        dirs=tuple(sorted({d for d in dirs if d.split("/")[0] not in _NOT_COPIED} | {"assets"})),
+        files=copied,
+        saved_model_graph=saved_model_graph,
+        checkpoint_graph=checkpoint_graph,
+        saved_model_order=saved_model_order,
+        checkpoint_order=checkpoint_order,
+        # Only files copied verbatim: fingerprint.pb is rewritten for every save.
+        checksums={p: (len(b), crc32c.crc32c(b)) for p, b in copied},
+    )
+
+
+def _read_tree(run: str, root: Path) -> tuple[list[str], list[tuple[str, bytes]]]:
+    """Returns a tree's relative dirs and (path, content) files, sorted.
+
+    Held in memory so a write never reads a template dir that a new
+    registration may be replacing. Symlinks and special files are refused:
+    they would let an upload copy arbitrary daemon files into exports.
+    """
+    dirs: list[str] = []
+    files: list[tuple[str, bytes]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel_dir = Path(dirpath).relative_to(root)
+        for name in dirnames + sorted(filenames):
+            path = Path(dirpath, name)
+            rel = (rel_dir / name).as_posix()
+            if path.is_symlink() or not (path.is_dir() or path.is_file()):
+                raise _invalid(
+                    run, f"{rel!r} is a symlink or special file; only plain files allowed"
+                )
+            if path.is_dir():
+                dirs.append(rel)
+            elif rel.split("/")[0] != "variables":  # read by tf.train.load_checkpoint
+                files.append((rel, path.read_bytes()))
+    return dirs, files
+
+
+def _order(run: str, what: str, graph: bytes, manifest: Manifest, attr: str) -> tuple[int, ...]:
+    """Manifest indexes in the order `graph` lists its variables' keys.
+
+    Raises:
+        InvalidRequestError: `graph` does not parse, holds non-variable state,
+            or its keys are not exactly the manifest's `attr` values.
+    """
+    from google.protobuf import message
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    try:
+        parsed = trackable_object_graph_pb2.TrackableObjectGraph.FromString(graph)
+    except message.DecodeError as e:
+        raise _invalid(run, f"{what} is not a TrackableObjectGraph ({e})") from None
+    index = {getattr(v, attr): i for i, v in enumerate(manifest.variables)}
+    order: list[int] = []
+    seen: set[str] = set()
+    for node in parsed.nodes:
+        for attribute in node.attributes:
+            if attribute.name != _VARIABLE_ATTRIBUTE:
+                raise _invalid(
+                    run,
+                    f"{what} has {attribute.checkpoint_key!r} of kind {attribute.name!r}: "
+                    "non-variable state is not supported",
+                )
+            key = attribute.checkpoint_key
+            if key not in index:
+                raise _invalid(run, f"{what} has key {key!r}, which no variable names as {attr}")
+            if key not in seen:
+                seen.add(key)
+                order.append(index[key])
+    if len(order) != len(index):
+        absent = min(set(index) - seen)
+        raise _invalid(run, f"variable {attr} {absent!r} is not in {what}")
+    return tuple(order)
