@@ -2,37 +2,29 @@
 
 Requests are checked before any decision (bad input is refused, counted as
 nothing and writes nothing); domain errors become statuses in one place,
-`checkpointd.status.grpc_errors`.
+`checkpointd.status.grpc_errors`. The uploads themselves (template files,
+snapshot chunks, the upload deadline) are read by `checkpointd.upload`.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-import crc32c
 import grpc
 
-from checkpointd import publish
+from checkpointd import publish, upload
 from checkpointd.core.config import ServeConfig
-from checkpointd.core.errors import (
-    ChecksumError,
-    DeadlineError,
-    InvalidRequestError,
-    LimitExceededError,
-    RunNotFoundError,
-)
+from checkpointd.core.errors import InvalidRequestError, LimitExceededError, RunNotFoundError
 from checkpointd.core.lane import Failed, SaveKind, SaveSpec, Skipped, Written
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
-from checkpointd.core.paths import check_export_dir, check_run_name, resolve_export_dir
+from checkpointd.core.paths import check_run_name, resolve_export_dir
 from checkpointd.core.ports import Writer
 from checkpointd.core.retention import RetentionPolicy
 from checkpointd.budget import UploadBudget, default_staging_bytes
@@ -86,87 +78,6 @@ def _check_folder(folder: str) -> str:
         ) from None
 
 
-def _first(requests: Iterator, field: str, rpc: str):  # noqa: ANN202 - a pb message
-    try:
-        first = next(requests)
-    except StopIteration:
-        raise InvalidRequestError(f"{rpc}: the stream ended before its {field}") from None
-    if first.WhichOneof("item") != field:
-        raise InvalidRequestError(f"{rpc}: the first message must be a {field}")
-    return getattr(first, field)
-
-
-def _check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -> None:
-    if chunk.offset != expected_offset:
-        raise InvalidRequestError(
-            f"{what}: chunk at offset {chunk.offset}, expected {expected_offset} (chunks in order)"
-        )
-    if chunk.offset + len(chunk.data) > limit:
-        raise InvalidRequestError(
-            f"{what}: data runs past the announced {limit} bytes "
-            f"(chunk at {chunk.offset} of {len(chunk.data)} bytes)"
-        )
-    if crc32c.crc32c(chunk.data) != chunk.crc32c:
-        raise ChecksumError(f"{what}: CRC32C mismatch in the chunk at offset {chunk.offset}")
-
-
-# Chunks a reader thread may hold ahead of the handler (each <= 1 MiB).
-_READ_AHEAD = 4
-_END = object()
-
-
-def _until(requests: Iterator[pb.SaveRequest], deadline: float, timeout: float) -> Iterator[pb.SaveRequest]:
-    """`requests`, ending in DeadlineError once the monotonic `deadline` passes.
-
-    gRPC's request iterator blocks with no timeout, so a thread reads it into
-    a short queue and this waits on the queue for the time left: a client
-    that stalls, or sends nothing at all, is cut off at the deadline without
-    polling. Once this stops, the reader ends with the call.
-    """
-    ahead: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
-    stop = threading.Event()
-
-    def read() -> None:
-        # After `stop` is set and the queue drained, at most two more puts
-        # happen (one in progress, one final), so the reader never blocks.
-        error: BaseException | None = None
-        try:
-            for request in requests:
-                if stop.is_set():
-                    return
-                ahead.put((request, None))
-        except BaseException as exc:  # noqa: BLE001 - handed to the handler thread
-            error = exc
-        if not stop.is_set():
-            ahead.put((_END, error))
-
-    threading.Thread(target=read, name="upload-reader", daemon=True).start()
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                if remaining <= 0:
-                    raise queue.Empty
-                request, error = ahead.get(timeout=remaining)
-            except queue.Empty:
-                raise DeadlineError(
-                    f"upload did not finish within {timeout:g}s after the save was accepted "
-                    "(--upload-timeout); the save is discarded"
-                ) from None
-            if error is not None:
-                raise error
-            if request is _END:
-                return
-            yield request
-    finally:
-        stop.set()
-        while True:
-            try:
-                ahead.get_nowait()
-            except queue.Empty:
-                break
-
-
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     """Implements checkpointd.v1.CheckpointService."""
 
@@ -190,7 +101,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     @grpc_errors
     def RegisterRun(self, request_iterator: Iterator[pb.RegisterRunRequest], context: grpc.ServicerContext) -> pb.RegisterRunResponse:
-        header = _first(request_iterator, "header", "RegisterRun")
+        header = upload.first(request_iterator, "header", "RegisterRun")
         run = check_run_name(header.run)
         folder = _check_folder(header.folder) if header.folder else run
         variables = [variable_from_pb(v) for v in header.variables]
@@ -203,7 +114,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         # Named like a save temp dir, so startup recovery removes it after a crash.
         staged = self._staging / f"{publish.TMP_PREFIX}template-{uuid.uuid4().hex}"
         try:
-            self._receive_template(request_iterator, staged, header.template_bytes)
+            upload.receive_template(request_iterator, staged, header.template_bytes)
             manifest = self._writer.register(run, staged, variables, header.checkpoint_object_graph)
         finally:
             shutil.rmtree(staged, ignore_errors=True)
@@ -220,40 +131,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             folder=folder,
         )
 
-    def _receive_template(self, requests: Iterator[pb.RegisterRunRequest], staged: Path, total: int) -> None:
-        received = 0
-        current: tuple[str, object] | None = None  # (path, open file)
-        offset = 0
-        staged.mkdir(parents=True)
-        try:
-            for request in requests:
-                if request.WhichOneof("item") != "chunk":
-                    raise InvalidRequestError("RegisterRun: only chunks may follow the header")
-                chunk = request.chunk
-                if current is None or chunk.path != current[0]:
-                    if current is not None:
-                        current[1].close()
-                    relative = check_export_dir(chunk.path)
-                    target = staged / relative
-                    if target.exists():
-                        raise InvalidRequestError(f"RegisterRun: file {chunk.path!r} sent twice")
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    current, offset = (chunk.path, open(target, "wb")), 0
-                _check_chunk(chunk, offset, offset + (total - received), f"template file {chunk.path!r}")
-                current[1].write(chunk.data)
-                offset += len(chunk.data)
-                received += len(chunk.data)
-        finally:
-            if current is not None:
-                current[1].close()
-        if received != total:
-            raise InvalidRequestError(
-                f"RegisterRun: received {received} template bytes; the header announced {total}"
-            )
-
     @grpc_errors
     def Save(self, request_iterator: Iterator[pb.SaveRequest], context: grpc.ServicerContext) -> Iterator[pb.SaveResponse]:
-        header = _first(request_iterator, "header", "Save")
+        header = upload.first(request_iterator, "header", "Save")
         if header.kind not in KIND_FROM_PB:
             raise InvalidRequestError("Save: kind must be SAVED_MODEL or CHECKPOINT")
         kind = KIND_FROM_PB[header.kind]
@@ -311,11 +191,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             yield pb.SaveResponse(decision=pb.SaveDecision(accepted=True))
             # A phase is timed when it ends, failed or not, as save_duration is.
             timeout = self._config.upload_timeout_seconds
-            upload = _until(request_iterator, accepted + timeout, timeout)
+            chunks = upload.until(request_iterator, accepted + timeout, timeout)
             try:
-                snapshot = self._receive_snapshot(upload, header.snapshot_bytes, context)
+                snapshot = upload.receive_snapshot(chunks, header.snapshot_bytes, context)
             finally:
-                upload.close()  # stops its reader now, not when the generator is collected
+                chunks.close()  # stops its reader now, not when the generator is collected
                 self._phases.observe_phase(kind.value, "transfer", time.monotonic() - accepted)
             # Again at write time: a symlink planted during the upload must not
             # redirect the save out of the run's folder.
@@ -362,25 +242,6 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 kind=header.kind,
             )
         )
-
-    def _receive_snapshot(self, requests: Iterator[pb.SaveRequest], total: int, context: grpc.ServicerContext) -> bytearray:
-        buffer = bytearray(total)
-        view = memoryview(buffer)
-        received = 0
-        for request in requests:
-            if request.WhichOneof("item") != "chunk":
-                raise InvalidRequestError("Save: only chunks may follow the header")
-            chunk = request.chunk
-            _check_chunk(chunk, received, total, "snapshot")
-            view[received : received + len(chunk.data)] = chunk.data
-            received += len(chunk.data)
-        if not context.is_active():
-            raise InvalidRequestError("Save: the client went away during the upload")
-        if received != total:
-            raise InvalidRequestError(
-                f"Save: the snapshot ended after {received} of its {total} bytes"
-            )
-        return buffer
 
     @grpc_errors
     def Flush(self, request: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:

@@ -28,7 +28,7 @@ from tf_agents.policies import policy_saver
 
 from checkpointd import publish, verify
 from checkpointd.core.errors import DeadlineError, SaveFailedError
-from checkpointd.servicer import _until
+from checkpointd.upload import until
 from checkpointd.status import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
@@ -60,7 +60,7 @@ def _wait_until(predicate, what: str, timeout: float = DEADLINE) -> None:  # noq
 
 
 def test_until_passes_requests_through_and_ends_with_them() -> None:
-    assert list(_until(iter(range(10)), time.monotonic() + DEADLINE, DEADLINE)) == list(range(10))
+    assert list(until(iter(range(10)), time.monotonic() + DEADLINE, DEADLINE)) == list(range(10))
     _wait_until(lambda: _readers() == 0, "the reader ended")
 
 
@@ -69,7 +69,7 @@ def test_until_cuts_off_a_stalled_source_at_the_deadline_and_its_reader_ends() -
     got = []
     started = time.monotonic()
     with pytest.raises(DeadlineError, match=r"upload did not finish within 0\.3s"):
-        for item in _until(_blocking_source([1, 2], release), started + 0.3, 0.3):
+        for item in until(_blocking_source([1, 2], release), started + 0.3, 0.3):
             got.append(item)
     assert got == [1, 2]
     assert 0.3 <= time.monotonic() - started < 5.0
@@ -83,12 +83,12 @@ def test_until_hands_the_source_error_to_the_caller() -> None:
         raise grpc.RpcError("cancelled")
 
     with pytest.raises(grpc.RpcError):
-        list(_until(failing(), time.monotonic() + DEADLINE, DEADLINE))
+        list(until(failing(), time.monotonic() + DEADLINE, DEADLINE))
 
 
 def test_until_reader_never_blocks_when_the_caller_stops_early() -> None:
     # A fast source fills the read-ahead queue; the caller takes one and leaves.
-    upload = _until(iter(range(1000)), time.monotonic() + DEADLINE, DEADLINE)
+    upload = until(iter(range(1000)), time.monotonic() + DEADLINE, DEADLINE)
     assert next(upload) == 0
     upload.close()
     _wait_until(lambda: _readers() == 0, "the reader ended")

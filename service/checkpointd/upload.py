@@ -1,0 +1,171 @@
+"""Receiving uploads: a RegisterRun's template files and a Save's snapshot chunks.
+
+The servicer's streaming handlers read their request iterators here. Every
+chunk is checked (in order, within the announced size, CRC32C) before it is
+kept. `until` bounds a Save's upload by the daemon's --upload-timeout, since
+gRPC's request iterator would otherwise wait for a stalled client forever.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import crc32c
+import grpc
+
+from checkpointd.core.errors import ChecksumError, DeadlineError, InvalidRequestError
+from checkpointd.core.paths import check_export_dir
+from checkpointd.v1 import checkpointd_pb2 as pb
+
+
+def first(requests: Iterator, field: str, rpc: str):  # noqa: ANN202 - a pb message
+    """The `field` of the stream's first message; InvalidRequestError if it has none."""
+    try:
+        message = next(requests)
+    except StopIteration:
+        raise InvalidRequestError(f"{rpc}: the stream ended before its {field}") from None
+    if message.WhichOneof("item") != field:
+        raise InvalidRequestError(f"{rpc}: the first message must be a {field}")
+    return getattr(message, field)
+
+
+def check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -> None:
+    """Refuses a chunk out of order, past `limit` bytes, or with a wrong CRC32C."""
+    if chunk.offset != expected_offset:
+        raise InvalidRequestError(
+            f"{what}: chunk at offset {chunk.offset}, expected {expected_offset} (chunks in order)"
+        )
+    if chunk.offset + len(chunk.data) > limit:
+        raise InvalidRequestError(
+            f"{what}: data runs past the announced {limit} bytes "
+            f"(chunk at {chunk.offset} of {len(chunk.data)} bytes)"
+        )
+    if crc32c.crc32c(chunk.data) != chunk.crc32c:
+        raise ChecksumError(f"{what}: CRC32C mismatch in the chunk at offset {chunk.offset}")
+
+
+# Chunks a reader thread may hold ahead of the handler (each <= 1 MiB).
+_READ_AHEAD = 4
+_END = object()
+
+
+def until(requests: Iterator[pb.SaveRequest], deadline: float, timeout: float) -> Iterator[pb.SaveRequest]:
+    """`requests`, ending in DeadlineError once the monotonic `deadline` passes.
+
+    gRPC's request iterator blocks with no timeout, so a thread reads it into
+    a short queue and this waits on the queue for the time left: a client
+    that stalls, or sends nothing at all, is cut off at the deadline without
+    polling. Once this stops, the reader ends with the call.
+    """
+    ahead: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
+    stop = threading.Event()
+
+    def read() -> None:
+        # After `stop` is set and the queue drained, at most two more puts
+        # happen (one in progress, one final), so the reader never blocks.
+        error: BaseException | None = None
+        try:
+            for request in requests:
+                if stop.is_set():
+                    return
+                ahead.put((request, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the handler thread
+            error = exc
+        if not stop.is_set():
+            ahead.put((_END, error))
+
+    threading.Thread(target=read, name="upload-reader", daemon=True).start()
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise queue.Empty
+                request, error = ahead.get(timeout=remaining)
+            except queue.Empty:
+                raise DeadlineError(
+                    f"upload did not finish within {timeout:g}s after the save was accepted "
+                    "(--upload-timeout); the save is discarded"
+                ) from None
+            if error is not None:
+                raise error
+            if request is _END:
+                return
+            yield request
+    finally:
+        stop.set()
+        while True:
+            try:
+                ahead.get_nowait()
+            except queue.Empty:
+                break
+
+
+def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, total: int) -> None:
+    """Writes a RegisterRun's chunks (after its header) as files under `staged`, made here.
+
+    Raises:
+        InvalidRequestError: a message is not a chunk, a path is invalid or
+            sent twice, or the bytes differ from the header's `total`.
+        ChecksumError: a chunk's CRC32C does not match its data.
+    """
+    received = 0
+    current: tuple[str, object] | None = None  # (path, open file)
+    offset = 0
+    staged.mkdir(parents=True)
+    try:
+        for request in requests:
+            if request.WhichOneof("item") != "chunk":
+                raise InvalidRequestError("RegisterRun: only chunks may follow the header")
+            chunk = request.chunk
+            if current is None or chunk.path != current[0]:
+                if current is not None:
+                    current[1].close()
+                relative = check_export_dir(chunk.path)
+                target = staged / relative
+                if target.exists():
+                    raise InvalidRequestError(f"RegisterRun: file {chunk.path!r} sent twice")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                current, offset = (chunk.path, open(target, "wb")), 0
+            check_chunk(chunk, offset, offset + (total - received), f"template file {chunk.path!r}")
+            current[1].write(chunk.data)
+            offset += len(chunk.data)
+            received += len(chunk.data)
+    finally:
+        if current is not None:
+            current[1].close()
+    if received != total:
+        raise InvalidRequestError(
+            f"RegisterRun: received {received} template bytes; the header announced {total}"
+        )
+
+
+def receive_snapshot(requests: Iterator[pb.SaveRequest], total: int, context: grpc.ServicerContext) -> bytearray:
+    """A Save's snapshot: the chunks after its header, checked and joined.
+
+    Raises:
+        InvalidRequestError: a message is not a chunk, the chunks are out of
+            order or not `total` bytes, or the client went away.
+        ChecksumError: a chunk's CRC32C does not match its data.
+    """
+    buffer = bytearray(total)
+    view = memoryview(buffer)
+    received = 0
+    for request in requests:
+        if request.WhichOneof("item") != "chunk":
+            raise InvalidRequestError("Save: only chunks may follow the header")
+        chunk = request.chunk
+        check_chunk(chunk, received, total, "snapshot")
+        view[received : received + len(chunk.data)] = chunk.data
+        received += len(chunk.data)
+    if not context.is_active():
+        raise InvalidRequestError("Save: the client went away during the upload")
+    if received != total:
+        raise InvalidRequestError(
+            f"Save: the snapshot ended after {received} of its {total} bytes"
+        )
+    return buffer
