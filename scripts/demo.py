@@ -43,8 +43,8 @@ def _start_daemon(root: Path, work: Path) -> tuple[subprocess.Popen, str, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path("demo/checkpoints"))
-    parser.add_argument("--steps", type=int, default=2000, help="training iterations")
-    parser.add_argument("--save-every", type=int, default=250)
+    parser.add_argument("--steps", type=int, default=10000, help="training iterations")
+    parser.add_argument("--save-every", type=int, default=1000)
     parser.add_argument("--run", default="cartpole-dqn")
     args = parser.parse_args()
 
@@ -56,7 +56,9 @@ def main() -> int:
     from tf_agents.replay_buffers import tf_uniform_replay_buffer
     from tf_agents.utils import common
 
-    from checkpointd_client import RemotePolicySaver
+    from tf_agents.policies import policy_loader
+
+    from checkpointd_client import RemotePolicySavedModelTrigger
 
     root = args.root.resolve()
     daemon, address, metrics_port = _start_daemon(root, root.parent / "daemon")
@@ -81,42 +83,41 @@ def main() -> int:
         for _ in range(200):
             collect()
 
-        # The one-line swap: AsyncPolicySaver(PolicySaver(policy, ...)) ->
-        saver = RemotePolicySaver(agent.policy, address, run=args.run, train_step=train_step)
-        tickets = []
+        # The one-line swap: tf_agents.train.triggers.PolicySavedModelTrigger(
+        #     os.path.join(root_dir, "policies"), agent, train_step, interval=...) ->
+        trigger = RemotePolicySavedModelTrigger(
+            "policies", agent, train_step, interval=args.save_every, address=address, run=args.run
+        )
         started = time.monotonic()
-        with saver:
-            for _ in range(args.steps):
-                collect()
-                loss = train(next(iterator)[0]).loss
-                step = int(train_step.numpy())
-                if step % args.save_every == 0:
-                    ticket = saver.save(f"policy_{step:08d}")
-                    tickets.append(ticket)
-                    print(f"step {step}: loss {float(loss):.3f}, save {'skipped' if ticket.skipped else 'accepted'}")
-            saver.save(f"policy_{int(train_step.numpy()):08d}", blocking=True)
-        # Leaving the `with` flushed and closed the run: every accepted save is durable.
-        elapsed = time.monotonic() - started
-        accepted = [t for t in tickets if not t.skipped]
-        print(f"trained {args.steps} steps in {elapsed:.1f}s; {len(accepted)} of {len(tickets)} periodic saves accepted")
+        for _ in range(args.steps):
+            collect()
+            loss = train(next(iterator)[0]).loss
+            step = int(train_step.numpy())
+            trigger(step)  # every --save-every steps: a non-blocking checkpoint through the daemon
+            if step % args.save_every == 0:
+                ticket = trigger.last_ticket
+                outcome = "skipped" if ticket is not None and ticket.skipped else "accepted"
+                print(f"step {step}: loss {float(loss):.3f}, checkpoint {outcome}")
+        trigger(int(train_step.numpy()), force_trigger=True)  # the final one blocks until durable
+        trigger.close()  # flushes and closes the runs: every accepted save is durable
+        print(f"trained {args.steps} steps in {time.monotonic() - started:.1f}s")
     finally:
         daemon.send_signal(signal.SIGTERM)
         code = daemon.wait(60)
         print(f"checkpointd stopped (exit {code}); log: {root.parent / 'daemon' / 'daemon.log'}")
 
-    newest = max((root / args.run).glob("policy_*"))
-    policy = tf.saved_model.load(str(newest))
-    eval_env = tf_py_environment.TFPyEnvironment(suite_gym.load("CartPole-v0"))
-    time_step, total = eval_env.reset(), 0.0
-    state = policy.get_initial_state(eval_env.batch_size)
-    while not bool(time_step.is_last()[0]):
-        step = policy.action(time_step, state)
-        state = step.state
-        time_step = eval_env.step(step.action)
-        total += float(time_step.reward[0])
-    print(f"newest SavedModel: {newest} (train step {int(policy.get_train_step())})")
-    print(f"it ran one CartPole episode with return {total:.0f}")
-    print(f"all saves: {sorted(p.name for p in (root / args.run).iterdir())}")
+    policies_dir = root / args.run / "policies"
+    newest = max((policies_dir / "checkpoints").glob("policy_checkpoint_*"))
+    # As TF-Agents loads a trained policy: the greedy SavedModel, updated from a checkpoint.
+    policy = policy_loader.load(str(policies_dir / "greedy_policy"), str(newest))
+    py_env = suite_gym.load("CartPole-v0")
+    time_step, total = py_env.reset(), 0.0
+    while not time_step.is_last():
+        time_step = py_env.step(policy.action(time_step).action)
+        total += float(time_step.reward)
+    print(f"newest checkpoint: {newest} (train step {int(policy.get_train_step())})")
+    print(f"greedy policy from {policies_dir / 'greedy_policy'} + that checkpoint: CartPole return {total:.0f}")
+    print(f"saves: {sorted(p.name for p in (policies_dir / 'checkpoints').iterdir())}")
     return 0
 
 
