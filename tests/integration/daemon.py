@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,3 +122,15 @@ def start_daemon(
         proc.wait()
         raise
     return Daemon(proc, root, port, metrics_port, log_path, credentials)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Polls `condition` with a deadline, for what has no event to wait on.
+
+    The daemon's state (a save queued, a lane freed) and threads ending give
+    no signal a test can block on; a hang fails with `what` instead.
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)  # polling a result, with a deadline

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import re
-import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,160 +27,33 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tf_agents.policies import policy_saver
 
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import (
     CheckpointdError,
     InvalidRequestError,
     LimitExceededError,
     RemotePolicySaver,
 )
-from checkpointd_client import snapshot
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon
+# test_fuzz.py imports Template, export_template and listing from this module.
+from tests.integration.disk import listing
+from tests.integration.raw import (
+    RawSave,
+    Run,
+    Stub,
+    Template,
+    counts,
+    export_template,
+    register,
+    register_requests,
+)
 
 RPC_TIMEOUT = 30.0
-Stub = checkpointd_pb2_grpc.CheckpointServiceStub
-CHUNK_BYTES = 128  # several chunks per snapshot, so order and truncation can be broken
-_END = object()
 
 
-# A template exported once by the real PolicySaver, registered raw under many run names.
-
-
-@dataclass(frozen=True)
-class Template:
-    dir: Path
-    bindings: snapshot.Bindings
-    train_step: tf.Variable
-    policy: object
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(np.prod(b.shape)) * b.variable.dtype.size for b in self.bindings.variables)
-
-    @property
-    def size(self) -> int:
-        return snapshot.template_size(str(self.dir))
-
-
-def export_template(policy: object, directory: Path, step: int = 7) -> Template:
-    train_step = tf.Variable(step, dtype=tf.int64)
-    saver = policy_saver.PolicySaver(policy, train_step=train_step)
-    saver.save(str(directory))
-    return Template(directory, snapshot.bind(saver, str(directory)), train_step, policy)
-
-
-def register_requests(
-    run: str,
-    files_dir: Path,
-    variables: Sequence[pb.Variable],
-    graph: bytes,
-    template_bytes: int | None = None,
-) -> Iterator[pb.RegisterRunRequest]:
-    size = snapshot.template_size(str(files_dir)) if template_bytes is None else template_bytes
-    yield pb.RegisterRunRequest(
-        header=pb.RegisterRunHeader(
-            run=run, variables=variables, checkpoint_object_graph=graph, template_bytes=size
-        )
-    )
-    for chunk in snapshot.file_chunks(str(files_dir), 1 << 20):
-        yield pb.RegisterRunRequest(chunk=chunk)
-
-
-@dataclass(frozen=True)
-class Run:
-    """A registered run: its name and what a good save of it sends."""
-
-    name: str
-    template: Template
-
-    def variables(self) -> list[pb.Variable]:
-        return self.template.bindings.protos()
-
-    def header(self, export_dir: str = "good", **fields: object) -> pb.SaveHeader:
-        values: dict[str, object] = dict(
-            run=self.name,
-            kind=pb.SAVED_MODEL,
-            export_dir=export_dir,
-            step=int(self.template.train_step.numpy()),
-            variables=self.variables(),
-            snapshot_bytes=self.template.nbytes,
-        )
-        values.update(fields)
-        return pb.SaveHeader(**values)
-
-    def chunks(self) -> list[pb.Chunk]:
-        snap = snapshot.take_snapshot(self.template.bindings, self.template.train_step)
-        return list(snap.chunks(CHUNK_BYTES))
-
-
-def register(stub: Stub, run: str, template: Template) -> Run:
-    reply = stub.RegisterRun(
-        register_requests(
-            run, template.dir, template.bindings.protos(), template.bindings.object_graph
-        ),
-        timeout=RPC_TIMEOUT,
-    )
-    assert list(reply.variables) == template.bindings.protos()
-    assert reply.snapshot_bytes == template.nbytes
-    return Run(run, template)
-
-
-# A Save call driven message by message.
-
-
-class RawSave:
-    """One Save call whose requests the test sends one at a time.
-
-    Requests go through a queue that gRPC's sending thread reads, so nothing
-    after the first message leaves before the test says so. Leaving the
-    `with` block half-closes and cancels the call, so a failed assert never
-    leaves gRPC's thread waiting on the queue.
-    """
-
-    def __init__(self, stub: Stub, *first: pb.SaveRequest) -> None:
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.send(*first)
-        self._responses = stub.Save(self._requests(), timeout=RPC_TIMEOUT)
-
-    def _requests(self) -> Iterator[pb.SaveRequest]:
-        while (item := self._outbox.get()) is not _END:
-            yield item
-
-    def send(self, *requests: pb.SaveRequest) -> None:
-        for r in requests:
-            self._outbox.put(r)
-
-    def send_chunks(self, chunks: Sequence[pb.Chunk]) -> None:
-        self.send(*(pb.SaveRequest(chunk=c) for c in chunks))
-
-    def half_close(self) -> None:
-        self._outbox.put(_END)
-
-    def next(self) -> pb.SaveResponse:
-        return next(self._responses)
-
-    def decision(self) -> pb.SaveDecision:
-        response = self.next()
-        assert response.WhichOneof("item") == "decision"
-        return response.decision
-
-    def refused(self) -> grpc.StatusCode:
-        """Reads on until the daemon ends the call with an error; returns its code."""
-        with pytest.raises(grpc.RpcError) as caught:
-            while True:
-                self.next()
-        return caught.value.code()
-
-    def __enter__(self) -> RawSave:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.half_close()
-        self._responses.cancel()
+# Raw calls that must be refused, and a good one.
 
 
 def save_header_only(stub: Stub, header: pb.SaveHeader) -> grpc.RpcError:
@@ -196,33 +67,10 @@ def save_header_only(stub: Stub, header: pb.SaveHeader) -> grpc.RpcError:
 def good_save(stub: Stub, run: Run, export_dir: str = "good") -> pb.SaveResult:
     with RawSave(stub, pb.SaveRequest(header=run.header(export_dir))) as call:
         assert call.decision().accepted
-        call.send_chunks(run.chunks())
-        call.half_close()
-        response = call.next()
-    assert response.WhichOneof("item") == "result"
-    return response.result
+        return call.finish(run.chunks())
 
 
 # What the tests check after every refusal.
-
-
-def listing(*roots: Path) -> dict[str, str]:
-    """Every entry under `roots`, symlinks not followed: path -> type (and size for files)."""
-    found = {}
-    for root in roots:
-        for dirpath, dirnames, filenames in os.walk(root):
-            for name in dirnames + filenames:
-                path = Path(dirpath, name)
-                st = path.lstat()
-                size = st.st_size if stat.S_ISREG(st.st_mode) else ""
-                found[str(path)] = f"{stat.filemode(st.st_mode)[0]}{size}"
-    return found
-
-
-def counts(stub: Stub, run: str) -> tuple[int, int, int]:
-    """The run's (ok, skipped, failed) counts from GetStatus."""
-    (status,) = stub.GetStatus(pb.StatusRequest(run=run), timeout=RPC_TIMEOUT).runs
-    return status.saves_ok, status.saves_skipped, status.saves_failed
 
 
 def assert_serving(daemon: Daemon, stub: Stub, run: Run) -> None:

@@ -11,19 +11,16 @@ loop-mounted ext4 image, else skipping with the reason): it needs root.
 from __future__ import annotations
 
 import os
-import queue
 import shutil
 import subprocess
 import threading
 import time
-import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import tensorflow as tf
-from prometheus_client.parser import text_string_to_metric_families
 from tf_agents.policies import policy_saver
 
 from checkpointd import publish, verify
@@ -34,7 +31,9 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemotePolicySaver, snapshot, template
 from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.daemon import Daemon, start_daemon, wait_until
+from tests.integration.raw import RawSave, run_status
+from tests.integration.scrape import Metrics
 
 DEADLINE = 30.0  # any single wait in these tests
 
@@ -51,17 +50,9 @@ def _readers() -> int:
     return sum(t.name == "upload-reader" for t in threading.enumerate())
 
 
-def _wait_until(predicate, what: str, timeout: float = DEADLINE) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.02)  # polling a result, with a deadline
-
-
 def test_until_passes_requests_through_and_ends_with_them() -> None:
     assert list(until(iter(range(10)), time.monotonic() + DEADLINE, DEADLINE)) == list(range(10))
-    _wait_until(lambda: _readers() == 0, "the reader ended")
+    wait_until(lambda: _readers() == 0, "the reader ended", DEADLINE)
 
 
 def test_until_cuts_off_a_stalled_source_at_the_deadline_and_its_reader_ends() -> None:
@@ -74,7 +65,7 @@ def test_until_cuts_off_a_stalled_source_at_the_deadline_and_its_reader_ends() -
     assert got == [1, 2]
     assert 0.3 <= time.monotonic() - started < 5.0
     release.set()  # the call ends: the reader sees the end of the stream
-    _wait_until(lambda: _readers() == 0, "the reader ended")
+    wait_until(lambda: _readers() == 0, "the reader ended", DEADLINE)
 
 
 def test_until_hands_the_source_error_to_the_caller() -> None:
@@ -91,49 +82,10 @@ def test_until_reader_never_blocks_when_the_caller_stops_early() -> None:
     upload = until(iter(range(1000)), time.monotonic() + DEADLINE, DEADLINE)
     assert next(upload) == 0
     upload.close()
-    _wait_until(lambda: _readers() == 0, "the reader ended")
+    wait_until(lambda: _readers() == 0, "the reader ended", DEADLINE)
 
 
 # Helpers for the daemon tier.
-
-
-class RawSave:
-    """A Save call driven by hand: header, decision, chosen chunks, then end or cancel."""
-
-    def __init__(self, stub: pb_grpc.CheckpointServiceStub, header: pb.SaveHeader) -> None:
-        self._requests: queue.SimpleQueue[pb.SaveRequest | None] = queue.SimpleQueue()
-        self._requests.put(pb.SaveRequest(header=header))
-        self.call = stub.Save(self._pull(), timeout=DEADLINE)
-
-    def _pull(self) -> Iterator[pb.SaveRequest]:
-        while (request := self._requests.get()) is not None:
-            yield request
-
-    def decision(self) -> pb.SaveDecision:
-        return next(self.call).decision
-
-    def send(self, chunks: Iterable[pb.Chunk]) -> None:
-        for chunk in chunks:
-            self._requests.put(pb.SaveRequest(chunk=chunk))
-
-    def finish(self) -> pb.SaveResult:
-        """Half-closes (the snapshot is complete) and waits for the result."""
-        self._requests.put(None)
-        return self.verdict()
-
-    def verdict(self) -> pb.SaveResult:
-        """Waits for the daemon's next answer without half-closing."""
-        return next(self.call).result
-
-    def close(self) -> None:
-        self._requests.put(None)
-        self.call.cancel()
-
-    def __enter__(self) -> RawSave:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Trainer:
@@ -155,30 +107,23 @@ class Trainer:
             run=self.run, kind=kind, export_dir=export_dir, step=step,
             variables=self.bindings.protos(), snapshot_bytes=snap.nbytes,
         )  # fmt: skip
-        return RawSave(self.stub, header), list(snap.chunks(64))
+        return RawSave(self.stub, pb.SaveRequest(header=header)), list(snap.chunks(64))
 
     def save_whole(self, export_dir: str, *, step: int) -> pb.SaveResult:
         call, chunks = self.save(export_dir, step=step)
         with call:
             assert call.decision().accepted
-            call.send(chunks)
-            return call.finish()
+            return call.finish(chunks)
 
     def in_flight(self) -> bool:
-        status = self.stub.GetStatus(pb.StatusRequest(run=self.run), timeout=DEADLINE)
-        return status.runs[0].HasField("in_flight")
+        return run_status(self.stub, self.run).HasField("in_flight")
 
     def close(self) -> None:
         self.channel.close()
 
 
 def saves_total(daemon: Daemon, kind: str, outcome: str) -> float:
-    text = urllib.request.urlopen(daemon.metrics_url, timeout=DEADLINE).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "checkpointd_saves_total" and sample.labels == {"kind": kind, "outcome": outcome}:
-                return sample.value
-    raise AssertionError("checkpointd_saves_total not exported")
+    return Metrics(daemon.metrics_url)("checkpointd_saves_total", kind=kind, outcome=outcome)
 
 
 def temp_dirs(root: Path) -> list[str]:
@@ -335,16 +280,15 @@ def test_a_trainer_that_disconnects_mid_upload_frees_the_lane(daemon: Daemon) ->
         assert len(chunks) >= 6
         with call:
             assert call.decision().accepted
-            call.send(chunks[: len(chunks) // 2])
+            call.send_chunks(chunks[: len(chunks) // 2])
         # The call is cancelled; the daemon ends the save as it notices.
-        _wait_until(lambda: not trainer.in_flight(), "the cancelled save left the lane")
+        wait_until(lambda: not trainer.in_flight(), "the cancelled save left the lane", DEADLINE)
         assert saves_total(daemon, "saved_model", "failed") == failed + 1
 
         call, chunks = trainer.save("next", step=2)
         with call:
             assert call.decision().accepted  # not skipped
-            call.send(chunks)
-            assert call.finish().step == 2
+            assert call.finish(chunks).step == 2
         run_dir = daemon.root / "faults-cancel"
         assert sorted(os.listdir(run_dir)) == ["next"]
         assert verify.verify_dir(run_dir / "next").ok
@@ -361,13 +305,13 @@ def test_a_stalled_upload_times_out_and_frees_the_lane(fresh_daemon) -> None:  #
             with call:
                 accepted = time.monotonic()
                 assert call.decision().accepted
-                call.send(chunks[:sent])
+                call.send_chunks(chunks[:sent])
                 # While it stalls it holds the lane: a non-blocking save is skipped.
                 other, _ = trainer.save("skipped", step=99)
                 with other:
                     assert not other.decision().accepted
                 with pytest.raises(grpc.RpcError) as caught:
-                    call.verdict()  # never half-closed: waits for the daemon's verdict
+                    call.result()  # never half-closed: waits for the daemon's verdict
                 took = time.monotonic() - accepted
             code, details = caught.value.code(), caught.value.details()
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED, details

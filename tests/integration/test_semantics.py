@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -39,31 +38,11 @@ from checkpointd_client import (
     SaveFailedError,
 )
 from tests.integration import policies
-from tests.integration.daemon import Daemon
-from tests.integration.raw import TIMEOUT, HeldSave
+from tests.integration.daemon import Daemon, wait_until
+from tests.integration.disk import checkpointd_entries, files_under, saved_step
+from tests.integration.raw import TIMEOUT, HeldSave, run_status
 
-TRAIN_STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"
 CHECKPOINT_FILES = {"variables/variables.index", "variables/variables.data-00000-of-00001"}
-
-
-def files_under(root: Path) -> set[str]:
-    return {os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs}
-
-
-def checkpointd_entries(root: Path) -> list[str]:
-    """Temp and replaced trees the daemon makes (`.checkpointd-*`) anywhere under `root`."""
-    return [
-        os.path.join(d, name)
-        for d, dirs, fs in os.walk(root)
-        for name in dirs + fs
-        if name.startswith(".checkpointd-")
-    ]
-
-
-def saved_step(export_dir: Path) -> int:
-    """The train step stored in a save's variables (same key in both layouts)."""
-    reader = tf.train.load_checkpoint(str(export_dir / "variables" / "variables"))
-    return int(reader.get_tensor(TRAIN_STEP_KEY))
 
 
 class Env:
@@ -94,15 +73,7 @@ class Env:
         return held
 
     def status(self, run: str) -> pb.RunStatus:
-        (status,) = self._stub.GetStatus(pb.StatusRequest(run=run), timeout=TIMEOUT).runs
-        return status
-
-    def wait_until(self, condition: Callable[[], bool], what: str) -> None:
-        """Polls a condition on the daemon with a deadline (it has no event to wait on)."""
-        deadline = time.monotonic() + TIMEOUT
-        while not condition():
-            assert time.monotonic() < deadline, f"timed out waiting until {what}"
-            threading.Event().wait(0.01)
+        return run_status(self._stub, run)
 
     def run_dir(self, run: str) -> Path:
         return self.daemon.root / run
@@ -209,7 +180,7 @@ def test_blocking_save_waits_for_the_save_in_flight_then_returns_durable(env: En
         return ticket, target.is_dir(), held.path.is_dir()
 
     thread, out = _in_thread(blocking_save)
-    env.wait_until(lambda: env.status("sem-blocking").in_flight.waiting == 1, "it is queued")
+    wait_until(lambda: env.status("sem-blocking").in_flight.waiting == 1, "it is queued", TIMEOUT)
     assert thread.is_alive()  # it cannot finish while the lane is held
     assert not target.exists()
     held.release()

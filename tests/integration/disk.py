@@ -1,0 +1,45 @@
+"""What is on disk after saves: files, the daemon's own entries, listings, a save's step."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import tensorflow as tf
+
+TRAIN_STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"  # same key in both layouts
+
+
+def files_under(root: Path) -> set[str]:
+    """Every file under `root`, as paths relative to it."""
+    return {os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs}
+
+
+def checkpointd_entries(root: Path) -> list[str]:
+    """Temp and replaced trees the daemon makes (`.checkpointd-*`) anywhere under `root`."""
+    return [
+        os.path.join(d, name)
+        for d, dirs, fs in os.walk(root)
+        for name in dirs + fs
+        if name.startswith(".checkpointd-")
+    ]
+
+
+def listing(*roots: Path) -> dict[str, str]:
+    """Every entry under `roots`, symlinks not followed: path -> type (and size for files)."""
+    found = {}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in dirnames + filenames:
+                path = Path(dirpath, name)
+                st = path.lstat()
+                size = st.st_size if stat.S_ISREG(st.st_mode) else ""
+                found[str(path)] = f"{stat.filemode(st.st_mode)[0]}{size}"
+    return found
+
+
+def saved_step(export_dir: Path) -> int:
+    """The train step stored in a save's variables (same key in both layouts)."""
+    reader = tf.train.load_checkpoint(str(export_dir / "variables" / "variables"))
+    return int(reader.get_tensor(TRAIN_STEP_KEY))
