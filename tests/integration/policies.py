@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 from tf_agents.networks import actor_distribution_network, q_network, q_rnn_network
@@ -13,6 +15,16 @@ from tf_agents.trajectories import time_step as ts
 OBS_SPEC = tf.TensorSpec([4], tf.float32, name="observation")
 DISCRETE = tensor_spec.BoundedTensorSpec([], tf.int32, 0, 2, name="action")
 CONTINUOUS = tensor_spec.BoundedTensorSpec([2], tf.float32, -1.0, 1.0, name="action")
+# What a loaded policy SavedModel offers: its functions, and the signatures among them.
+FUNCTIONS = (
+    "action",
+    "get_initial_state",
+    "get_train_step",
+    "get_metadata",
+    "distribution",
+    "model_variables",
+)
+SIGNATURES = {"action", "get_initial_state", "get_train_step", "get_metadata"}
 
 
 def time_step_spec() -> ts.TimeStep:
@@ -80,3 +92,10 @@ def restore(policy: TFPolicy, saved: list[np.ndarray]) -> None:
     """Assigns values taken by `values()` back."""
     for v, value in zip(policy.variables(), saved, strict=True):
         v.assign(value)
+
+
+def assert_policy_functions(loaded: Any) -> None:
+    """A `tf.saved_model.load`ed policy has every policy function and signature."""
+    for name in FUNCTIONS:
+        assert hasattr(loaded, name), name
+    assert set(loaded.signatures) >= SIGNATURES

@@ -29,6 +29,7 @@ from checkpointd.verify import MANIFEST_NAME
 from checkpointd_client import RemotePolicySaver, SaveResult
 from tests.integration import policies
 from tests.integration.daemon import Daemon
+from tests.integration.disk import TRAIN_STEP_KEY, checkpointd_entries, files_under
 
 STEP = 4242  # the train step at the save call
 LATER_STEP = 9999  # assigned right after it
@@ -43,7 +44,6 @@ SAVED_MODEL_FILES = {
 }
 CHECKPOINT_FILES = {"variables/variables.index", "variables/variables.data-00000-of-00001"}
 DAEMON_FILES = {MANIFEST_NAME}  # the daemon's own file beside PolicySaver's (checkpointd.verify)
-TRAIN_STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"  # same key in both layouts
 
 KINDS = ("q", "actor", "recurrent")
 ALL = [(kind, nest) for kind in KINDS for nest in (True, False)]
@@ -59,20 +59,6 @@ def make_policy(kind: str) -> TFPolicy:
     if kind == "actor":
         return policies.build(policies.actor())  # stochastic: compared through its distribution
     return policies.build(policies.greedy(policies.recurrent()))
-
-
-def files_under(root: Path) -> set[str]:
-    return {os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs}
-
-
-def checkpointd_entries(root: Path) -> list[str]:
-    """Temp and replaced trees the daemon makes (`.checkpointd-*`) anywhere under `root`."""
-    return [
-        os.path.join(d, name)
-        for d, dirs, fs in os.walk(root)
-        for name in dirs + fs
-        if name.startswith(".checkpointd-")
-    ]
 
 
 def read_checkpoint(export_dir: Path) -> dict[str, np.ndarray]:
@@ -219,21 +205,8 @@ def test_output_loads_with_every_policy_function(
 ) -> None:
     case = cases(kind, nest)
     loaded, ref = case.load("out_sm"), case.load("ref_sm")
-    for name in (
-        "action",
-        "get_initial_state",
-        "get_train_step",
-        "get_metadata",
-        "distribution",
-        "model_variables",
-    ):
-        assert hasattr(loaded, name), name
-    assert set(loaded.signatures) == set(ref.signatures) >= {
-        "action",
-        "get_initial_state",
-        "get_train_step",
-        "get_metadata",
-    }
+    policies.assert_policy_functions(loaded)
+    assert set(loaded.signatures) == set(ref.signatures)
     got = [v.numpy() for v in loaded.model_variables]
     assert len(got) == len(case.expected)
     for value, want in zip(got, case.expected, strict=True):

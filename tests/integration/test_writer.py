@@ -1,7 +1,8 @@
 """TfWriter against real TF-Agents policies and in-process PolicySaver output.
 
-No daemon: the writer is called directly. Module-scoped fixtures build each
-policy, its template and one pair of writes once; the tests then inspect them.
+No daemon: the writer is called directly, with the variables and object graph
+the client's own `snapshot.bind` would register. Module-scoped fixtures build
+each policy, its template and one pair of writes once; the tests then inspect them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.core.protobuf import fingerprint_pb2, trackable_object_graph_pb2
-from tensorflow.python.checkpoint import graph_view, save_util
 from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
-from tensorflow.python.trackable import trackable_utils
 from tf_agents.networks import actor_distribution_network, q_network
 from tf_agents.policies import (
     actor_policy,
@@ -36,36 +35,25 @@ from checkpointd.core.lane import SaveKind
 from checkpointd.core.manifest import VariableSpec
 from checkpointd.verify import MANIFEST_NAME
 from checkpointd.writer import TfWriter
+from checkpointd_client import snapshot as client_snapshot
+from tests.integration import policies
+from tests.integration.disk import files_under
 
 _VARIABLES = ("variables.index", "variables.data-00000-of-00001")
 _OBS_SPEC = tf.TensorSpec([4], tf.float32)
 _SNAPSHOT_STEP = 42
 
 
-def bfs_keys(root: object) -> dict[str, tf.Variable]:
-    """Checkpoint key -> variable, by TF's own breadth-first naming."""
-    objs, paths = graph_view.ObjectGraphView(root).breadth_first_traversal()
-    return {
-        trackable_utils.object_path_to_string(paths[o]) + "/.ATTRIBUTES/VARIABLE_VALUE": o
-        for o in objs
-        if isinstance(o, tf.Variable)
-    }
-
-
 def bind(
-    saver: policy_saver.PolicySaver, train_step: tf.Variable
+    saver: policy_saver.PolicySaver, template_dir: Path
 ) -> tuple[list[tuple[VariableSpec, tf.Variable]], bytes]:
-    """What the client sends at registration: variables paired by identity, and the object graph."""
-    ck_root = tf.train.Checkpoint(
-        policy=saver.policy, model_variables=saver.policy.model_variables, train_step=train_step
-    )
-    by_ref = {v.ref(): k for k, v in bfs_keys(ck_root).items()}
+    """What the client sends at registration: variable specs (with their variables), object graph."""
+    bindings = client_snapshot.bind(saver, str(template_dir))
     bound = [
-        (VariableSpec(key, by_ref[v.ref()], v.dtype.name, tuple(v.shape)), v)
-        for key, v in bfs_keys(saver.policy).items()
+        (VariableSpec(b.key, b.checkpoint_key, b.dtype, b.shape), b.variable)
+        for b in bindings.variables
     ]
-    graph = save_util.serialize_graph_view(graph_view.ObjectGraphView(ck_root))[3]
-    return bound, graph.SerializeToString()
+    return bound, bindings.object_graph
 
 
 def snapshot(bound: list[tuple[VariableSpec, tf.Variable]]) -> bytes:
@@ -77,10 +65,6 @@ def snapshot(bound: list[tuple[VariableSpec, tf.Variable]]) -> bytes:
 def read_checkpoint(prefix: Path) -> dict[str, np.ndarray | bytes]:
     reader = tf.train.load_checkpoint(str(prefix / "variables" / "variables"))
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
-
-
-def files_under(root: Path) -> set[str]:
-    return {os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs}
 
 
 def _observations() -> ts.TimeStep:
@@ -150,7 +134,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     train_step = tf.Variable(0, dtype=tf.int64)
     saver = _make_policy(request.param, train_step)
     saver.save(str(root / "template"))
-    bound, graph = bind(saver, train_step)
+    bound, graph = bind(saver, root / "template")
 
     # State B: snapshotted and saved in-process; then state C, to prove the
     # written files hold the snapshot, not the live variables.
@@ -195,21 +179,7 @@ def test_binding_graph_is_what_save_checkpoint_writes(case: Case) -> None:
 
 def test_saved_model_loads_with_the_policy_functions(case: Case) -> None:
     loaded = tf.saved_model.load(str(case.out_sm))
-    for name in (
-        "action",
-        "get_initial_state",
-        "get_train_step",
-        "get_metadata",
-        "distribution",
-        "model_variables",
-    ):
-        assert hasattr(loaded, name), name
-    assert set(loaded.signatures) >= {
-        "action",
-        "get_initial_state",
-        "get_train_step",
-        "get_metadata",
-    }
+    policies.assert_policy_functions(loaded)
     assert files_under(case.out_sm) == files_under(case.ref_sm) | {MANIFEST_NAME}
 
 
@@ -298,7 +268,7 @@ def q_case(
     train_step = tf.Variable(3, dtype=tf.int64)
     saver = _make_policy("q", train_step)
     saver.save(str(root / "template"))
-    bound, graph = bind(saver, train_step)
+    bound, graph = bind(saver, root / "template")
     return root / "template", [s for s, _ in bound], graph, snapshot(bound)
 
 
