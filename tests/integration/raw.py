@@ -272,13 +272,16 @@ def register(stub: Stub, run: str, template: Template) -> Run:
 # A run's status.
 
 
-def run_status(stub: Stub, run: str) -> pb.RunStatus:
-    """The run's GetStatus row (exactly one)."""
-    (status,) = stub.GetStatus(pb.StatusRequest(run=run), timeout=TIMEOUT).runs
+def run_status(target: Stub | Daemon, run: str) -> pb.RunStatus:
+    """The run's GetStatus row (exactly one), through a stub or a new channel to a daemon."""
+    if isinstance(target, Daemon):
+        with target.channel() as channel:
+            return run_status(Stub(channel), run)
+    (status,) = target.GetStatus(pb.StatusRequest(run=run), timeout=TIMEOUT).runs
     return status
 
 
-def counts(stub: Stub, run: str) -> tuple[int, int, int]:
+def counts(target: Stub | Daemon, run: str) -> tuple[int, int, int]:
     """The run's (ok, skipped, failed) counts from GetStatus."""
-    status = run_status(stub, run)
+    status = run_status(target, run)
     return status.saves_ok, status.saves_skipped, status.saves_failed

@@ -42,10 +42,11 @@ from checkpointd_client import (
     UnavailableError,
     credentials,
 )
-from checkpointd_client import snapshot
 from tests.certs import Certs, make_certs
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.raw import saver_header
+from tests.integration.scrape import Metrics
 
 RPC_TIMEOUT = 30.0
 SERVICE = "checkpointd.v1.CheckpointService"
@@ -135,14 +136,7 @@ def scrape(url: str) -> tuple[int, str]:
 
 def saves_counted(daemon: Daemon) -> float:
     """Every save decision the daemon counted (all kinds and outcomes), plus runs registered."""
-    status, text = scrape(daemon.metrics_url)
-    assert status == 200
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in ("checkpointd_saves_total", "checkpointd_runs"):
-                total += s.value
-    return total
+    return Metrics(daemon.metrics_url).total("checkpointd_saves_total", "checkpointd_runs")
 
 
 def paths_naming(daemon: Daemon, run: str) -> list[str]:
@@ -260,12 +254,8 @@ def test_a_refused_save_of_a_registered_run_writes_and_counts_nothing(tls: Daemo
     run = "registered-then-refused"
     saver = new_saver(tls, run, channel_credentials=credentials(files.certs.ca), token=TOKEN)
     saver.register()
-    bindings = saver._bindings  # noqa: SLF001 - the manifest the daemon answered
-    snap = snapshot.take_snapshot(bindings, saver._saver._train_step)  # noqa: SLF001
-    header = pb.SaveHeader(
-        run=run, kind=pb.SAVED_MODEL, export_dir="refused", step=snap.step,
-        variables=bindings.protos(), snapshot_bytes=snap.nbytes,
-    )  # fmt: skip
+    train_step = saver._saver._train_step  # noqa: SLF001 - the variable new_saver gave it
+    header, snap = saver_header(saver, train_step, "refused")
     requests = [pb.SaveRequest(header=header), *(pb.SaveRequest(chunk=c) for c in snap.chunks(1 << 20))]
     with leaves_nothing(tls, run), tls.channel() as channel:
         stub = checkpointd_pb2_grpc.CheckpointServiceStub(channel)

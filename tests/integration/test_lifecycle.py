@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -30,7 +29,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import (
     CheckpointdError,
     RemotePolicySaver,
@@ -41,12 +39,12 @@ from checkpointd_client import (
 from checkpointd_client import snapshot
 from tests.integration import policies
 from tests.integration.daemon import Daemon
+from tests.integration.raw import HeldSave, Stub, run_status, saver_header
 
 RPC_TIMEOUT = 30.0
 EXIT_TIMEOUT = 30.0
 SERVICE = "checkpointd.v1.CheckpointService"
 CHECKPOINTD = str(Path(sys.executable).with_name("checkpointd"))
-_END = object()
 
 
 # Helpers: savers, held saves, the CLI.
@@ -55,11 +53,12 @@ _END = object()
 class Saver:
     """A RemotePolicySaver on a fresh small policy, its train_step, and the saves it holds."""
 
-    def __init__(self, address: str, run: str) -> None:
+    def __init__(self, daemon: Daemon, run: str) -> None:
+        self.daemon = daemon
         self.train_step = tf.Variable(0, dtype=tf.int64)
         self.remote = RemotePolicySaver(
             policies.build(policies.q()),
-            address,
+            daemon.address,
             run=run,
             train_step=self.train_step,
             timeout=RPC_TIMEOUT,
@@ -68,8 +67,11 @@ class Saver:
         self._held: list[HeldSave] = []
 
     def hold(self, kind: int, export_dir: str) -> HeldSave:
-        self._held.append(HeldSave(self.remote, self.train_step, kind, export_dir))
-        return self._held[-1]
+        held = HeldSave(
+            self.daemon, self.remote, self.train_step, export_dir, kind=kind, chunk_bytes=1 << 20
+        )
+        self._held.append(held)
+        return held
 
     def close(self) -> None:
         for held in self._held:
@@ -78,52 +80,13 @@ class Saver:
             self.remote.close(timeout=5)
 
 
-class HeldSave:
-    """A raw Save call that holds the run's lane: accepted, its chunks not yet sent."""
-
-    def __init__(
-        self, saver: RemotePolicySaver, train_step: tf.Variable, kind: int, export_dir: str
-    ) -> None:
-        self._channel = grpc.insecure_channel(saver.address)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        bindings = saver._bindings  # noqa: SLF001 - the manifest the daemon answered
-        self.snapshot = snapshot.take_snapshot(bindings, train_step)
-        header = pb.SaveHeader(
-            run=saver.run, kind=kind, export_dir=export_dir, step=self.snapshot.step,
-            variables=bindings.protos(), snapshot_bytes=self.snapshot.nbytes,
-        )  # fmt: skip
-        self._outbox.put(pb.SaveRequest(header=header))
-        stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
-        self._responses = stub.Save(self._requests(), timeout=RPC_TIMEOUT)
-        first = next(self._responses)
-        assert first.decision.accepted, first
-
-    def _requests(self) -> Iterator[pb.SaveRequest]:
-        while (item := self._outbox.get()) is not _END:
-            yield item
-
-    def release(self) -> pb.SaveResult:
-        """Sends the snapshot; returns the daemon's result once the save is durable."""
-        for chunk in self.snapshot.chunks(1 << 20):
-            self._outbox.put(pb.SaveRequest(chunk=chunk))
-        self._outbox.put(_END)
-        response = next(self._responses)
-        assert response.WhichOneof("item") == "result", response
-        return response.result
-
-    def close(self) -> None:
-        self._outbox.put(_END)
-        self._responses.cancel()
-        self._channel.close()
-
-
 @pytest.fixture
-def saver() -> Iterator[Callable[[str, str], Saver]]:
+def saver() -> Iterator[Callable[[Daemon, str], Saver]]:
     """Makes Savers; closes them and their held saves at teardown, even after a failed assert."""
     made: list[Saver] = []
 
-    def make(address: str, run: str) -> Saver:
-        made.append(Saver(address, run))
+    def make(daemon: Daemon, run: str) -> Saver:
+        made.append(Saver(daemon, run))
         return made[-1]
 
     yield make
@@ -138,28 +101,11 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def stub_for(daemon: Daemon) -> tuple[grpc.Channel, checkpointd_pb2_grpc.CheckpointServiceStub]:
-    channel = grpc.insecure_channel(daemon.address)
-    return channel, checkpointd_pb2_grpc.CheckpointServiceStub(channel)
-
-
-def run_status(daemon: Daemon, run: str) -> pb.RunStatus:
-    channel, stub = stub_for(daemon)
-    with channel:
-        (status,) = stub.GetStatus(pb.StatusRequest(run=run), timeout=RPC_TIMEOUT).runs
-    return status
-
-
 def raw_save_code(daemon: Daemon, saver: Saver, export_dir: str) -> grpc.StatusCode:
     """Status code of a raw save the daemon must refuse before its decision."""
-    snap = snapshot.take_snapshot(saver.remote._bindings, saver.train_step)  # noqa: SLF001
-    header = pb.SaveHeader(
-        run=saver.remote.run, kind=pb.SAVED_MODEL, export_dir=export_dir, step=snap.step,
-        variables=saver.remote._bindings.protos(), snapshot_bytes=snap.nbytes,  # noqa: SLF001
-    )  # fmt: skip
-    channel, stub = stub_for(daemon)
-    with channel, pytest.raises(grpc.RpcError) as caught:
-        for _ in stub.Save(iter([pb.SaveRequest(header=header)]), timeout=RPC_TIMEOUT):
+    header, _ = saver_header(saver.remote, saver.train_step, export_dir)
+    with daemon.channel() as channel, pytest.raises(grpc.RpcError) as caught:
+        for _ in Stub(channel).Save(iter([pb.SaveRequest(header=header)]), timeout=RPC_TIMEOUT):
             pass
     return caught.value.code()
 
@@ -247,7 +193,7 @@ def test_sigterm_refuses_new_saves_finishes_the_accepted_one_and_exits_zero(
     fresh_daemon, saver
 ) -> None:
     daemon = fresh_daemon()
-    s = saver(daemon.address, "drain")
+    s = saver(daemon, "drain")
     s.train_step.assign(42)
     held = s.hold(pb.SAVED_MODEL, "accepted-before-sigterm")
 
@@ -282,7 +228,7 @@ def test_sigterm_refuses_new_saves_finishes_the_accepted_one_and_exits_zero(
 
 
 def test_cli_status_prints_a_table_and_json_with_the_run(daemon: Daemon, saver) -> None:
-    s = saver(daemon.address, "cli-status")
+    s = saver(daemon, "cli-status")
     s.remote.save("sm", blocking=True)
     s.remote.save_checkpoint("ck", blocking=True)
 
@@ -314,7 +260,7 @@ def test_cli_status_prints_a_table_and_json_with_the_run(daemon: Daemon, saver) 
 
 
 def test_cli_flush_exits_zero_once_every_accepted_save_is_durable(daemon: Daemon, saver) -> None:
-    s = saver(daemon.address, "cli-flush")
+    s = saver(daemon, "cli-flush")
     ticket = s.remote.save("policy")  # non-blocking: returns at the accept
     assert not ticket.skipped
     done = cli("flush", "--address", daemon.address)
@@ -328,7 +274,7 @@ def test_cli_flush_exits_zero_once_every_accepted_save_is_durable(daemon: Daemon
 
 
 def test_cli_flush_with_timeout_fails_clearly_while_a_save_is_held(daemon: Daemon, saver) -> None:
-    s = saver(daemon.address, "cli-held")
+    s = saver(daemon, "cli-held")
     held = s.hold(pb.CHECKPOINT, "held")
     timed_out = cli("flush", "--address", daemon.address, "--timeout", "1")
     assert timed_out.returncode != 0
@@ -339,7 +285,7 @@ def test_cli_flush_with_timeout_fails_clearly_while_a_save_is_held(daemon: Daemo
 
 
 def test_cli_close_ends_the_run_and_later_saves_fail_precondition(daemon: Daemon, saver) -> None:
-    s = saver(daemon.address, "cli-close")
+    s = saver(daemon, "cli-close")
     s.remote.save("before-close", blocking=True)
     closed = cli("close", "--address", daemon.address, "--run", "cli-close")
     assert closed.returncode == 0, closed.stderr
@@ -371,7 +317,7 @@ _OUTCOME = re.compile(
 
 def test_daemon_logs_one_line_per_save_outcome(daemon: Daemon, saver) -> None:
     run = "logged"
-    s = saver(daemon.address, run)
+    s = saver(daemon, run)
     s.train_step.assign(11)
     ok_sm = s.remote.save("sm", blocking=True).result()
     s.train_step.assign(12)
@@ -415,7 +361,7 @@ def test_daemon_logs_one_line_per_save_outcome(daemon: Daemon, saver) -> None:
 
 def test_restart_cleans_temp_dirs_and_restores_a_parked_old_tree(fresh_daemon, saver) -> None:
     first = fresh_daemon()
-    s = saver(first.address, "recover")
+    s = saver(first, "recover")
     s.remote.save("policy", blocking=True)
     s.remote.save("other", blocking=True)
     s.remote.close()

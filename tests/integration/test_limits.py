@@ -14,12 +14,10 @@ import grpc
 import pytest
 import tensorflow as tf
 
-from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import LimitExceededError, RemotePolicySaver
 from tests.integration import policies
 from tests.integration.daemon import Daemon
-from tests.integration.raw import TIMEOUT, HeldSave, code_of
+from tests.integration.raw import TIMEOUT, HeldSave, code_of, counts
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +38,6 @@ def savers(policy: object) -> Iterator[Callable[[Daemon, str], tuple[RemotePolic
     yield make
     for saver in made:
         saver.close(timeout=TIMEOUT)
-
-
-def counts(daemon: Daemon, run: str) -> tuple[int, int, int]:
-    with daemon.channel() as channel:
-        stub = checkpointd_pb2_grpc.CheckpointServiceStub(channel)
-        (status,) = stub.GetStatus(pb.StatusRequest(run=run), timeout=TIMEOUT).runs
-    return status.saves_ok, status.saves_skipped, status.saves_failed
 
 
 def test_saves_past_max_concurrent_uploads_are_refused_until_one_ends(

@@ -12,90 +12,23 @@ check one metric each, parsed with prometheus_client's own parser.
 from __future__ import annotations
 
 import contextlib
-import queue
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import grpc
 import pytest
 import tensorflow as tf
-from prometheus_client.parser import text_string_to_metric_families
 
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import CheckpointdError, RemotePolicySaver, SaveFailedError, SaveResult
-from checkpointd_client import snapshot
 from tests.integration import policies
 from tests.integration.daemon import Daemon
+from tests.integration.raw import HeldSave, run_status
+from tests.integration.scrape import Metrics
 
 RPC_TIMEOUT = 30.0
 RUN = "metrics"
 KINDS = ("saved_model", "checkpoint")
-_END = object()
-
-
-class Metrics:
-    """One scrape: sample values by name and labels, and family types."""
-
-    def __init__(self, url: str) -> None:
-        with urllib.request.urlopen(url, timeout=RPC_TIMEOUT) as reply:
-            assert reply.status == 200
-            text = reply.read().decode("utf-8")
-        self.types: dict[str, str] = {}
-        self.samples: dict[tuple[str, frozenset], float] = {}
-        for family in text_string_to_metric_families(text):
-            self.types[family.name] = family.type
-            for s in family.samples:
-                self.samples[(s.name, frozenset(s.labels.items()))] = s.value
-
-    def __call__(self, name: str, **labels: str) -> float:
-        key = (name, frozenset(labels.items()))
-        assert key in self.samples, f"no sample {name}{labels} in /metrics"
-        return self.samples[key]
-
-
-class HeldSave:
-    """A raw Save call that holds the run's lane: accepted, its chunks not yet sent."""
-
-    def __init__(
-        self,
-        address: str,
-        saver: RemotePolicySaver,
-        train_step: tf.Variable,
-        kind: int,
-        export_dir: str,
-    ) -> None:
-        self._channel = grpc.insecure_channel(address)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        bindings = saver._bindings  # noqa: SLF001 - the manifest the daemon answered
-        self._snapshot = snapshot.take_snapshot(bindings, train_step)
-        header = pb.SaveHeader(
-            run=saver.run, kind=kind, export_dir=export_dir, step=self._snapshot.step,
-            variables=bindings.protos(), snapshot_bytes=self._snapshot.nbytes,
-        )  # fmt: skip
-        self._outbox.put(pb.SaveRequest(header=header))
-        stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
-        self._responses = stub.Save(self._requests(), timeout=RPC_TIMEOUT)
-        first = next(self._responses)
-        assert first.decision.accepted, first
-
-    def _requests(self) -> Iterator[pb.SaveRequest]:
-        while (item := self._outbox.get()) is not _END:
-            yield item
-
-    def release(self) -> pb.SaveResult:
-        """Sends the snapshot; returns the daemon's result once the save is durable."""
-        for chunk in self._snapshot.chunks(1 << 20):
-            self._outbox.put(pb.SaveRequest(chunk=chunk))
-        self._outbox.put(_END)
-        return next(self._responses).result
-
-    def close(self) -> None:
-        self._outbox.put(_END)
-        self._responses.cancel()
-        self._channel.close()
 
 
 @dataclass
@@ -145,7 +78,7 @@ def sequence(daemon: Daemon) -> Iterator[Sequence]:
         count(saver.save_checkpoint("ck-1", blocking=True).result())
 
         train_step.assign(3)
-        lane = HeldSave(daemon.address, saver, train_step, pb.CHECKPOINT, "ck-held")
+        lane = HeldSave(daemon, saver, train_step, "ck-held", kind=pb.CHECKPOINT, chunk_bytes=1 << 20)
         seq.during = Metrics(daemon.metrics_url)
         skips = [
             saver.save("sm-skipped"),
@@ -169,9 +102,7 @@ def sequence(daemon: Daemon) -> Iterator[Sequence]:
         count(ticket.result(timeout=RPC_TIMEOUT))
         seq.finished = time.time()
         seq.end = Metrics(daemon.metrics_url)
-        with grpc.insecure_channel(daemon.address) as channel:
-            stub = checkpointd_pb2_grpc.CheckpointServiceStub(channel)
-            (seq.status,) = stub.GetStatus(pb.StatusRequest(run=RUN), timeout=RPC_TIMEOUT).runs
+        seq.status = run_status(daemon, RUN)
         yield seq
     finally:
         if lane is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import filecmp
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,8 +27,9 @@ from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemotePolicySaver, RunNotFoundError
 from checkpointd_client import numpy_state as client_numpy_state
 from tests.integration import policies
-from tests.integration.daemon import Daemon
-from tests.integration.test_semantics import TIMEOUT, HeldSave, saved_step
+from tests.integration.daemon import Daemon, wait_until
+from tests.integration.disk import saved_step
+from tests.integration.raw import TIMEOUT, HeldSave, run_status
 
 NUMPY_FILES = ("numpy_state.index", "numpy_state.data-00000-of-00001")
 
@@ -113,13 +113,14 @@ def test_arrays_are_copied_at_the_call(daemon: Daemon, savers: Savers) -> None:
     results: list = []
     blocked = threading.Thread(target=lambda: results.append(saver.save("copied", blocking=True)))
     blocked.start()
-    with grpc.insecure_channel(daemon.address) as channel:
-        stub = checkpointd_pb2_grpc.CheckpointServiceStub(channel)
-        deadline = time.monotonic() + TIMEOUT
-        # The daemon has no event for "queued"; poll its status, bounded.
-        while stub.GetStatus(pb.StatusRequest(run="np-copy"), timeout=TIMEOUT).runs[0].in_flight.waiting != 1:
-            assert time.monotonic() < deadline and blocked.is_alive(), "the blocking save never queued"
-            threading.Event().wait(0.01)
+
+    def queued() -> bool:
+        if run_status(daemon, "np-copy").in_flight.waiting == 1:
+            return True
+        assert blocked.is_alive(), "the blocking save never queued"
+        return False
+
+    wait_until(queued, "the blocking save queued", TIMEOUT)  # the daemon has no event for it
 
     state.x[:] = 7.0  # in place, after the call, while its snapshot waits for the lane
     state.y = np.ones(2)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
-import math
-import queue
 import shutil
 import signal
 import socket
@@ -33,19 +31,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-import numpy as np
 import pytest
+import tensorflow as tf
 import yaml
 
-from checkpointd.core.manifest import ITEMSIZE
 from checkpointd.metrics import PHASES
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import CheckpointdError, RemotePolicySaver, SaveFailedError, SaveResult
-from checkpointd_client.snapshot import array_chunks
 from tests.integration import policies
-from tests.integration.daemon import Daemon
+from tests.integration.daemon import Daemon, wait_until
+from tests.integration.raw import HeldSave, run_status
 
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
@@ -199,48 +194,6 @@ def start_prometheus(workdir: Path, metrics_port: int) -> Prometheus:
         time.sleep(POLL)  # polling readiness, with a deadline
 
 
-# Holding a run's lane with a raw Save stream.
-
-
-class HeldSave:
-    """A Save call that was accepted and has not sent its snapshot yet."""
-
-    def __init__(self, address: str, header: pb.SaveHeader) -> None:
-        self._channel = grpc.insecure_channel(address)
-        self._requests: queue.SimpleQueue[pb.SaveRequest | None] = queue.SimpleQueue()
-        self._requests.put(pb.SaveRequest(header=header))
-        stub = pb_grpc.CheckpointServiceStub(self._channel)
-        self._call = stub.Save(iter(self._requests.get, None), timeout=RPC_TIMEOUT)
-        self.decision = next(self._call).decision
-
-    def finish(self, data: bytes) -> pb.SaveResult:
-        for chunk in array_chunks([np.frombuffer(data, np.uint8)], 1 << 20):
-            self._requests.put(pb.SaveRequest(chunk=chunk))
-        self._requests.put(None)
-        return next(self._call).result
-
-    def close(self) -> None:
-        self._requests.put(None)
-        self._call.cancel()  # a no-op once the call ended
-        self._channel.close()
-
-
-def _status(address: str) -> pb.RunStatus:
-    with grpc.insecure_channel(address) as channel:
-        reply = pb_grpc.CheckpointServiceStub(channel).GetStatus(
-            pb.StatusRequest(run=RUN), timeout=RPC_TIMEOUT
-        )
-    (run,) = reply.runs
-    return run
-
-
-def _wait_until_waiting(address: str, count: int) -> None:
-    deadline = time.monotonic() + RPC_TIMEOUT
-    while _status(address).in_flight.waiting != count:
-        assert time.monotonic() < deadline, f"no {count} blocking save(s) queued on {RUN}"
-        time.sleep(POLL)  # polling the daemon's status, with a deadline
-
-
 # The scenario.
 
 
@@ -262,37 +215,37 @@ def scenario(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     saver: RemotePolicySaver | None = None
     try:
         prom.wait_for(f"up{{{JOB}}}", 1)
-        saver = RemotePolicySaver(policies.build(policies.q()), daemon.address, run=RUN)
+        train_step = tf.Variable(0, dtype=tf.int64)
+        saver = RemotePolicySaver(
+            policies.build(policies.q()), daemon.address, run=RUN, train_step=train_step
+        )
         saver.register()
         results: dict[str, SaveResult | pb.SaveResult] = {}
         results["first"] = saver.save("first", blocking=True).result()
         results["ckpt"] = saver.save_checkpoint("ckpt", blocking=True).result()
 
-        variables = saver._bindings.protos()  # noqa: SLF001 - the header a real client sends
-        nbytes = sum(math.prod(v.shape) * ITEMSIZE[v.dtype] for v in variables)
-        header = pb.SaveHeader(
-            run=RUN, kind=pb.SAVED_MODEL, export_dir="held", variables=variables,
-            snapshot_bytes=nbytes,
-        )
-        held = HeldSave(daemon.address, header)
-        assert held.decision.accepted, held.decision
+        held = HeldSave(daemon, saver, train_step, "held", chunk_bytes=1 << 20)
         skipped = saver.save("skipped")
         assert skipped.skipped, "a non-blocking save while the lane was held was not skipped"
         queued = pool.submit(lambda: saver.save("queued", blocking=True).result())
-        _wait_until_waiting(daemon.address, 1)
+        wait_until(
+            lambda: run_status(daemon, RUN).in_flight.waiting == 1,
+            f"1 blocking save(s) queued on {RUN}",
+            RPC_TIMEOUT,
+        )
         waiting_seen = time.monotonic()
         # While the lane is held, Prometheus must see the accepted save in flight.
         prom.wait_for(_series("checkpointd_saves_in_flight"), 1)
         # `queued` has waited, and `held` has been transferring, at least this long.
         held_lower_bound = time.monotonic() - waiting_seen
-        results["held"] = held.finish(bytes(nbytes))
+        results["held"] = held.release()
         results["queued"] = queued.result(RPC_TIMEOUT)
 
         (daemon.root / RUN / "blocker").write_text("a regular file where a save should go")
         with pytest.raises(SaveFailedError):
             saver.save("blocker", blocking=True)
         saver.flush(RPC_TIMEOUT)
-        status = _status(daemon.address)
+        status = run_status(daemon, RUN)
         assert (status.saves_ok, status.saves_skipped, status.saves_failed) == (4, 1, 1)
         yield Scenario(daemon, prom, results, status.last_success.unix_seconds, held_lower_bound)
     finally:

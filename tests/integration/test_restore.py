@@ -23,7 +23,7 @@ from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import InvalidRequestError, RemotePolicySaver, RunNotFoundError
 from tests.integration import policies
 from tests.integration.daemon import Daemon
-from tests.integration.test_semantics import TIMEOUT
+from tests.integration.raw import TIMEOUT
 
 MiB = 1 << 20
 

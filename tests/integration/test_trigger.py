@@ -30,7 +30,7 @@ from checkpointd_client import SaveKind
 from checkpointd_client.trigger import RemotePolicySavedModelTrigger
 from tests.integration import dqn, trainer_proc
 from tests.integration.daemon import Daemon
-from tests.integration.test_semantics import TIMEOUT
+from tests.integration.raw import TIMEOUT
 
 INTERVAL = 2
 ENV_STEP = triggers.ENV_STEP_METADATA_KEY
