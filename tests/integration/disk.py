@@ -9,6 +9,8 @@ from pathlib import Path
 import tensorflow as tf
 
 TRAIN_STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"  # same key in both layouts
+# PolicySaver.save_checkpoint's files, and the variables/ part of PolicySaver.save's.
+CHECKPOINT_FILES = {"variables/variables.index", "variables/variables.data-00000-of-00001"}
 
 
 def files_under(root: Path) -> set[str]:

@@ -29,7 +29,12 @@ from checkpointd.verify import MANIFEST_NAME
 from checkpointd_client import RemotePolicySaver, SaveResult
 from tests.integration import policies
 from tests.integration.daemon import Daemon
-from tests.integration.disk import TRAIN_STEP_KEY, checkpointd_entries, files_under
+from tests.integration.disk import (
+    CHECKPOINT_FILES,
+    TRAIN_STEP_KEY,
+    checkpointd_entries,
+    files_under,
+)
 
 STEP = 4242  # the train step at the save call
 LATER_STEP = 9999  # assigned right after it
@@ -42,7 +47,6 @@ SAVED_MODEL_FILES = {
     "variables/variables.index",
     "variables/variables.data-00000-of-00001",
 }
-CHECKPOINT_FILES = {"variables/variables.index", "variables/variables.data-00000-of-00001"}
 DAEMON_FILES = {MANIFEST_NAME}  # the daemon's own file beside PolicySaver's (checkpointd.verify)
 
 KINDS = ("q", "actor", "recurrent")

@@ -39,11 +39,13 @@ from checkpointd_client import (
 )
 from tests.integration import policies
 from tests.integration.daemon import Daemon, wait_until
-from tests.integration.disk import checkpointd_entries, files_under, saved_step
+from tests.integration.disk import (
+    CHECKPOINT_FILES,
+    checkpointd_entries,
+    files_under,
+    saved_step,
+)
 from tests.integration.raw import TIMEOUT, HeldSave, run_status
-
-CHECKPOINT_FILES = {"variables/variables.index", "variables/variables.data-00000-of-00001"}
-
 
 class Env:
     """Makes savers and held saves for one test; closes them all, bounded, at teardown."""
