@@ -193,7 +193,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             timeout = self._config.upload_timeout_seconds
             chunks = upload.until(request_iterator, accepted + timeout, timeout)
             try:
-                snapshot = upload.receive_snapshot(chunks, header.snapshot_bytes, context)
+                parts = [v.nbytes for v in manifest.variables]
+                parts.append(header.snapshot_bytes - manifest.nbytes)  # the numpy state
+                received = upload.receive_snapshot(chunks, header.snapshot_bytes, context, parts)
             finally:
                 chunks.close()  # stops its reader now, not when the generator is collected
                 self._phases.observe_phase(kind.value, "transfer", time.monotonic() - accepted)
@@ -201,12 +203,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             # redirect the save out of the run's folder.
             target = resolve_export_dir(self._config.root, folder, header.export_dir)
             writing = time.monotonic()
-            variables = memoryview(snapshot)[: manifest.nbytes]
-            payload = (
-                NumpyPayload(numpy_state, memoryview(snapshot)[manifest.nbytes :])
-                if numpy_state is not None
-                else None
-            )
+            variables, tail = received[:-1], received[-1]
+            payload = NumpyPayload(numpy_state, tail) if numpy_state is not None else None
             try:
                 with self._retention.holding(folder):  # no deletions in the folder meanwhile
                     bytes_written = self._writer.write(

@@ -11,11 +11,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import crc32c
 import grpc
+import numpy as np
 
 from checkpointd.core.errors import ChecksumError, DeadlineError, InvalidRequestError
 from checkpointd.core.paths import check_export_dir
@@ -144,28 +145,81 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
         )
 
 
-def receive_snapshot(requests: Iterator[pb.SaveRequest], total: int, context: grpc.ServicerContext) -> bytearray:
-    """A Save's snapshot: the chunks after its header, checked and joined.
+# Where each part of a received snapshot starts in the daemon's buffer. The
+# wire carries the parts back to back; here each starts on a 64-byte
+# boundary, Eigen's alignment, so TensorFlow can wrap a variable's bytes as a
+# tensor without copying them (checkpointd.writer).
+ALIGNMENT = 64
+
+
+def aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Each part's offset in the buffer, and the buffer's size."""
+    offsets, end = [], 0
+    for size in sizes:
+        end = -(-end // ALIGNMENT) * ALIGNMENT
+        offsets.append(end)
+        end += size
+    return offsets, end
+
+
+def receive_snapshot(
+    requests: Iterator[pb.SaveRequest],
+    total: int,
+    context: grpc.ServicerContext,
+    parts: Sequence[int] = (),
+) -> list[memoryview]:
+    """A Save's snapshot: the chunks after its header, checked and laid out in parts.
+
+    Args:
+        requests: the requests after the header.
+        total: the snapshot's size in bytes, as the header announced it.
+        context: the call, to tell a finished upload from a cancelled one.
+        parts: the sizes of the snapshot's parts (each variable, then the
+            numpy state), summing to `total`; () for one part.
+
+    Returns:
+        One writable view per part, each 64-byte aligned, over one buffer
+        that is never zero-filled (every byte is received before use).
 
     Raises:
         InvalidRequestError: a message is not a chunk, the chunks are out of
             order or not `total` bytes, or the client went away.
         ChecksumError: a chunk's CRC32C does not match its data.
     """
-    buffer = bytearray(total)
-    view = memoryview(buffer)
+    sizes = list(parts) if parts else [total]
+    if sum(sizes) != total:
+        raise InvalidRequestError(f"Save: the parts sum to {sum(sizes)}, not the {total} bytes announced")
+    offsets, padded = aligned_offsets(sizes)
+    raw = np.empty(padded + ALIGNMENT, np.uint8)
+    shift = (-raw.ctypes.data) % ALIGNMENT
+    buffer = memoryview(raw[shift : shift + padded])
+    # (wire start, wire end, buffer start) of each non-empty part, in order.
+    spans, start = [], 0
+    for size, offset in zip(sizes, offsets, strict=True):
+        if size:
+            spans.append((start, start + size, offset))
+        start += size
+    part = 0
     received = 0
     for request in requests:
         if request.WhichOneof("item") != "chunk":
             raise InvalidRequestError("Save: only chunks may follow the header")
         chunk = request.chunk
         check_chunk(chunk, received, total, "snapshot")
-        view[received : received + len(chunk.data)] = chunk.data
-        received += len(chunk.data)
+        data = memoryview(chunk.data)
+        while data:  # a chunk may span parts; the client's never do
+            wire_start, wire_end, offset = spans[part]
+            n = min(len(data), wire_end - received)
+            at = offset + received - wire_start
+            buffer[at : at + n] = data[:n]
+            data = data[n:]
+            received += n
+            if received == wire_end:
+                part += 1
     if not context.is_active():
         raise InvalidRequestError("Save: the client went away during the upload")
     if received != total:
         raise InvalidRequestError(
             f"Save: the snapshot ended after {received} of its {total} bytes"
         )
-    return buffer
+    return [buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)]

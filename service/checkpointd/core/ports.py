@@ -81,7 +81,7 @@ class Writer(Protocol):
         run: str,
         kind: SaveKind,
         target: Path,
-        snapshot: bytes | bytearray | memoryview,
+        snapshot: bytes | bytearray | memoryview | Sequence[memoryview],
         *,
         step: int = -1,
         export_dir: str | None = None,

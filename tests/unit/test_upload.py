@@ -1,0 +1,50 @@
+"""checkpointd.upload.receive_snapshot: chunks laid out in aligned parts."""
+
+from __future__ import annotations
+
+import crc32c
+import numpy as np
+import pytest
+
+from checkpointd import upload
+from checkpointd.core.errors import InvalidRequestError
+from checkpointd.v1 import checkpointd_pb2 as pb
+
+
+class _Context:
+    def is_active(self) -> bool:
+        return True
+
+
+def _requests(data: bytes, chunk_bytes: int) -> list[pb.SaveRequest]:
+    return [
+        pb.SaveRequest(
+            chunk=pb.Chunk(
+                offset=i,
+                data=data[i : i + chunk_bytes],
+                crc32c=crc32c.crc32c(data[i : i + chunk_bytes]),
+            )
+        )
+        for i in range(0, len(data), chunk_bytes)
+    ]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3, 7, 64, 1000])
+def test_parts_hold_their_bytes_each_64_byte_aligned(chunk_bytes: int) -> None:
+    parts = [5, 0, 64, 1, 130, 3]  # chunks of 3 or 7 bytes span parts
+    data = bytes(range(256))[: sum(parts)]
+    got = upload.receive_snapshot(iter(_requests(data, chunk_bytes)), len(data), _Context(), parts)
+    assert [len(p) for p in got] == parts
+    assert b"".join(bytes(p) for p in got) == data
+    for p in got:
+        if len(p):
+            assert np.frombuffer(p, np.uint8).ctypes.data % upload.ALIGNMENT == 0
+            assert not p.readonly  # the writer wraps only writable memory without a copy
+    offsets, size = upload.aligned_offsets(parts)
+    assert all(o % upload.ALIGNMENT == 0 for o in offsets)
+    assert size == offsets[-1] + parts[-1]
+
+
+def test_a_short_snapshot_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="ended after 4 of its 8"):
+        upload.receive_snapshot(iter(_requests(b"abcd", 4)), 8, _Context(), [3, 5])
