@@ -2,8 +2,9 @@
 
 The trainer keeps a real `PolicySaver` (same arguments, same errors) and uses
 it once per template: at the first save, and again after `register_function`.
-Each save then costs a host copy of the variables and a stream to the
-daemon, which answers at once whether it accepted or skipped the save.
+Each save asks the daemon, which answers at once whether it accepted or
+skipped the save; an accepted one then costs a host copy of the variables
+(taken before save() returns) and a stream to the daemon.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import tensorflow as tf
 from tf_agents.policies import policy_saver, tf_policy
 from tf_agents.typing import types
@@ -33,6 +35,7 @@ from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import restore as restore_lib
 from checkpointd_client import snapshot, template
 from checkpointd_client.facade import PolicySaverFacade
+from checkpointd_client.numpy_state import NumpySnapshot
 from checkpointd_client.stream import WIRE_KIND, SaveStream, rpc_error
 from checkpointd_client.ticket import SaveTicket
 
@@ -49,7 +52,7 @@ class RemotePolicySaver(PolicySaverFacade):
     and, later, whether it was written; a failed save never stops the saver.
     PolicySaver's properties and registrations come from PolicySaverFacade.
 
-    Lock discipline: `_lock` guards `_busy`, `_closing` and `_closed` and is
+    Lock discipline: `_lock` guards `_busy`, `_closing`, `_closed` and `_spare` and is
     never held across an RPC or a TF call; `_register_lock` serializes
     template exports and registrations; `_close_lock` serializes close().
     """
@@ -149,13 +152,16 @@ class RemotePolicySaver(PolicySaverFacade):
         self._close_lock = threading.Lock()
         self._bindings: snapshot.Bindings | None = None
         self._dirty = True  # the template must be (re-)exported before the next save
+        # (bindings, arrays) of the last uploaded snapshot, reused by the next one.
+        self._spare: tuple[snapshot.Bindings, tuple[np.ndarray, ...]] | None = None
 
     # Saving.
 
     def save(self, export_dir: str, blocking: bool = False) -> SaveTicket:
         """Saves the policy as a SavedModel under `<root>/<run>/<export_dir>` on the daemon.
 
-        The variables are copied when this is called. Without `blocking`, it
+        The variables are copied before this returns (once the daemon has
+        accepted the save, so a skipped save copies nothing). Without `blocking`, it
         returns once the daemon has accepted or skipped the save (skipped if
         another save of this run is in flight); an accepted snapshot is then
         uploaded in the background and `ticket.result()` waits until it is
@@ -197,18 +203,28 @@ class RemotePolicySaver(PolicySaverFacade):
             check_export_dir(export_dir)
             bindings = self._registered()
             train_step = self._saver._train_step  # noqa: SLF001 - PolicySaver exposes no other way
-            snap = snapshot.take_snapshot(bindings, train_step, self._numpy)
-            ticket = SaveTicket(export_dir, kind, snap.step)
-            stream, snap = self._decide(ticket, snap, bindings, blocking)
+            numpy_state = self._numpy.take() if self._numpy is not None else None
+            ticket = SaveTicket(export_dir, kind, int(train_step.numpy()))
+            stream, bindings = self._decide(ticket, numpy_state, bindings, blocking)
             if ticket.skipped:
-                return ticket
+                return ticket  # nothing was copied
+            # The caller is still inside save(), so the variables still hold
+            # the values of the call: copying them now, after the decision,
+            # is as point-in-time as copying before it, and a skip costs no copy.
+            try:
+                snap = snapshot.take_snapshot(
+                    bindings, train_step, numpy_state=numpy_state, into=self._take_spare(bindings)
+                )
+            except BaseException:
+                stream.close()
+                raise
             if blocking:
-                self._upload(stream, snap, ticket)
+                self._upload(stream, snap, ticket, bindings)
                 ticket.result()  # raises the save's error
                 return ticket
             threading.Thread(
                 target=self._upload_then_release,
-                args=(stream, snap, ticket),
+                args=(stream, snap, ticket, bindings),
                 name=f"checkpointd-upload-{self._run}-{snap.step}",
             ).start()
             handed_off = True
@@ -220,10 +236,10 @@ class RemotePolicySaver(PolicySaverFacade):
     def _decide(
         self,
         ticket: SaveTicket,
-        snap: snapshot.Snapshot,
+        numpy_state: NumpySnapshot | None,
         bindings: snapshot.Bindings,
         blocking: bool,
-    ) -> tuple[SaveStream, snapshot.Snapshot]:
+    ) -> tuple[SaveStream, snapshot.Bindings]:
         """Opens the Save call and reads the decision; re-registers once on NOT_FOUND."""
         for attempt in (1, 2):
             header = pb.SaveHeader(
@@ -231,10 +247,11 @@ class RemotePolicySaver(PolicySaverFacade):
                 kind=WIRE_KIND[ticket.kind],
                 export_dir=ticket.export_dir,
                 blocking=blocking,
-                step=snap.step,
+                step=ticket.step,
                 variables=bindings.protos(),
-                snapshot_bytes=snap.nbytes,
-                numpy_state=snap.numpy_state.to_proto() if snap.numpy_state else None,
+                snapshot_bytes=snapshot.nbytes(bindings)
+                + (numpy_state.nbytes if numpy_state is not None else 0),
+                numpy_state=numpy_state.to_proto() if numpy_state is not None else None,
             )
             stream = SaveStream(self._stub, header, self._timeout)
             try:
@@ -245,26 +262,43 @@ class RemotePolicySaver(PolicySaverFacade):
                 if code != grpc.StatusCode.NOT_FOUND or attempt == 2:
                     raise error_for(code, details) from e
                 msg = "run %s: daemon lost the run (%s); registering again, then step %s"
-                _LOGGER.warning(msg, self._run, details, snap.step)
+                _LOGGER.warning(msg, self._run, details, ticket.step)
                 bindings = self._registered(stale=bindings)
-                snap = snap.ordered([b.key for b in bindings.variables])
                 continue
             except BaseException:
                 stream.close()
                 raise
             if not decision.accepted:
                 stream.skip(ticket, decision.reason, self._run)
-            return stream, snap
+            return stream, bindings
         raise AssertionError("unreachable")
 
-    def _upload(self, stream: SaveStream, snap: snapshot.Snapshot, ticket: SaveTicket) -> None:
+    def _take_spare(self, bindings: snapshot.Bindings) -> tuple[np.ndarray, ...] | None:
+        """The arrays of the last uploaded snapshot of `bindings`, if no upload holds them."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is None or spare[0] is not bindings:
+            return None
+        return spare[1]
+
+    def _upload(
+        self, stream: SaveStream, snap: snapshot.Snapshot, ticket: SaveTicket,
+        bindings: snapshot.Bindings,
+    ) -> None:  # fmt: skip
         stream.finish(ticket, snap.chunks(self._chunk_bytes), self._run)
+        if ticket.done() and ticket.exception(0) is None:
+            # Uploaded and answered: gRPC has let go of every chunk, so the
+            # next snapshot may reuse these arrays (a failed call may not
+            # have, and keeps its own).
+            with self._lock:
+                self._spare = (bindings, snap.arrays)
 
     def _upload_then_release(
-        self, stream: SaveStream, snap: snapshot.Snapshot, ticket: SaveTicket
-    ) -> None:
+        self, stream: SaveStream, snap: snapshot.Snapshot, ticket: SaveTicket,
+        bindings: snapshot.Bindings,
+    ) -> None:  # fmt: skip
         try:
-            self._upload(stream, snap, ticket)
+            self._upload(stream, snap, ticket, bindings)
         finally:
             self._release()
 

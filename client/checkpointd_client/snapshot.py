@@ -7,13 +7,14 @@ breadth-first object-graph naming, so the daemon can write either layout
 without TF ever walking the policy on its side.
 
 A *snapshot* is the values of the bound variables at one instant, as host
-NumPy arrays (`tf.Variable.numpy()` returns a copy), in manifest order. It is
+NumPy arrays copied from the variables' memory, in manifest order. It is
 never concatenated: chunks are slices of each array's bytes, with offsets over
 the concatenation, so a save costs one host copy of the model and no more.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -202,21 +203,51 @@ class Snapshot:
 
 
 def take_snapshot(
-    bindings: Bindings, train_step: tf.Variable, numpy_source: NumpySource | None = None
+    bindings: Bindings,
+    train_step: tf.Variable,
+    numpy_source: NumpySource | None = None,
+    *,
+    numpy_state: NumpySnapshot | None = None,
+    into: Sequence[np.ndarray] | None = None,
 ) -> Snapshot:
     """Copies every bound variable (and the numpy state) to host memory now.
 
     The step comes from the same copy.
+
+    Args:
+        bindings: the variables to copy.
+        train_step: the step variable (read on its own if it is not bound).
+        numpy_source: a NumpyState to serialize now.
+        numpy_state: a NumpyState serialized already (instead of numpy_source).
+        into: arrays of a previous snapshot of the same bindings, no longer in
+            use, to copy into: memory already touched copies 3-4x faster
+            than fresh memory (page faults).
     """
-    arrays = tuple(little_endian(b.variable.numpy()) for b in bindings.variables)
+    arrays = tuple(_copy(b, into[i] if into is not None else None) for i, b in enumerate(bindings.variables))
     step = None
     for b, a in zip(bindings.variables, arrays, strict=True):
         if b.variable is train_step:
             step = int(a)
     if step is None:  # PolicySaver always tracks it; read it anyway rather than guess.
         step = int(train_step.numpy())
-    numpy_state = numpy_source.take() if numpy_source is not None else None
+    if numpy_state is None and numpy_source is not None:
+        numpy_state = numpy_source.take()
     return Snapshot(tuple(b.key for b in bindings.variables), arrays, step, numpy_state)
+
+
+def _copy(binding: Binding, into: np.ndarray | None) -> np.ndarray:
+    # The read tensor's own memory, without the copy .numpy() makes; it is
+    # released at once, so the trainer's next update writes in place.
+    value = np.asarray(binding.variable.value())
+    if into is None or into.shape != value.shape or into.dtype != value.dtype:
+        into = np.empty_like(value, order="C")
+    np.copyto(into, value)
+    return little_endian(into)
+
+
+def nbytes(bindings: Bindings) -> int:
+    """The bytes of one snapshot of `bindings`' variables (numpy state aside)."""
+    return sum(ITEMSIZE[b.dtype] * math.prod(b.shape) for b in bindings.variables)
 
 
 def little_endian(array: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ from tf_agents.trajectories import time_step as ts
 from checkpointd.core import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import snapshot as snapshot_lib
 from checkpointd_client import (
     ChecksumError,
     DeadlineError,
@@ -355,3 +356,34 @@ def test_attributes_forward_to_policy_saver(saver) -> None:
     assert saver.policy_state_spec == () and saver.action_input_spec is not None
     assert saver.policy_step_spec is not None and saver.policy is saver._saver.policy
     assert saver._batch_size is None  # any other PolicySaver attribute, via __getattr__
+
+
+def test_a_skipped_save_copies_no_variable(daemon, saver, monkeypatch) -> None:
+    saver.register()
+    copies = []
+    take = snapshot_lib.take_snapshot
+    monkeypatch.setattr(snapshot_lib, "take_snapshot", lambda *a, **k: copies.append(1) or take(*a, **k))
+    daemon.plan.append("skip")
+    assert saver.save_checkpoint("c1").skipped
+    assert copies == []
+    saver.save_checkpoint("c2").result(timeout=WAIT)
+    assert copies == [1]
+
+
+def test_saves_reusing_the_last_snapshots_arrays_send_their_own_values(daemon, saver) -> None:
+    saver.save("p1").result(timeout=WAIT)
+    first = saver._spare  # noqa: SLF001 - what the next snapshot copies into
+    assert first is not None
+    for v in saver.policy.model_variables:
+        v.assign_add(tf.ones_like(v))
+    saver._saver._train_step.assign(8)  # noqa: SLF001
+    ticket = saver.save("p2")
+    header = daemon.saves[1]["header"]
+    at_call = _values(saver, header)
+    for v in saver.policy.model_variables:  # training goes on before the upload
+        v.assign_add(tf.ones_like(v))
+    ticket.result(timeout=WAIT)
+    assert _reassemble(daemon.saves[1]["chunks"]) == at_call
+    assert _reassemble(daemon.saves[0]["chunks"]) != at_call
+    assert header.step == ticket.step == 8
+    assert saver._spare[1][0] is first[1][0]  # noqa: SLF001 - the arrays were reused
