@@ -36,7 +36,7 @@ from checkpointd_client import restore as restore_lib
 from checkpointd_client import snapshot, template
 from checkpointd_client.facade import PolicySaverFacade
 from checkpointd_client.numpy_state import NumpySnapshot
-from checkpointd_client.stream import WIRE_KIND, SaveStream, rpc_error
+from checkpointd_client.stream import WIRE_KIND, SaveStream, SaveStub, rpc_error
 from checkpointd_client.ticket import SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
@@ -143,6 +143,7 @@ class RemotePolicySaver(PolicySaverFacade):
         self._timeout = timeout
         self._channel = auth.open_channel(address, channel_credentials, token)
         self._stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
+        self._save_stub = SaveStub(self._channel)  # sends chunks serialized once, by us
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._busy = 0  # save calls running plus background uploads
@@ -253,7 +254,7 @@ class RemotePolicySaver(PolicySaverFacade):
                 + (numpy_state.nbytes if numpy_state is not None else 0),
                 numpy_state=numpy_state.to_proto() if numpy_state is not None else None,
             )
-            stream = SaveStream(self._stub, header, self._timeout)
+            stream = SaveStream(self._save_stub, header, self._timeout)
             try:
                 decision = stream.decision()
             except grpc.RpcError as e:
@@ -285,7 +286,7 @@ class RemotePolicySaver(PolicySaverFacade):
         self, stream: SaveStream, snap: snapshot.Snapshot, ticket: SaveTicket,
         bindings: snapshot.Bindings,
     ) -> None:  # fmt: skip
-        stream.finish(ticket, snap.chunks(self._chunk_bytes), self._run)
+        stream.finish(ticket, snap.encoded_chunks(self._chunk_bytes), self._run)
         if ticket.done() and ticket.exception(0) is None:
             # Uploaded and answered: gRPC has let go of every chunk, so the
             # next snapshot may reuse these arrays (a failed call may not

@@ -41,17 +41,17 @@ class SaveStream:
 
     def __init__(
         self,
-        stub: checkpointd_pb2_grpc.CheckpointServiceStub,
+        stub: checkpointd_pb2_grpc.CheckpointServiceStub | SaveStub,
         header: checkpointd_pb2.SaveHeader,
         timeout: float | None,
     ) -> None:
-        self._queue: queue.SimpleQueue[Iterable[checkpointd_pb2.SaveRequest] | None] = (
+        self._queue: queue.SimpleQueue[Iterable[checkpointd_pb2.SaveRequest | bytes] | None] = (
             queue.SimpleQueue()
         )
         self._queue.put([checkpointd_pb2.SaveRequest(header=header)])
         self._responses = stub.Save(self._requests(), timeout=timeout)
 
-    def _requests(self) -> Iterator[checkpointd_pb2.SaveRequest]:
+    def _requests(self) -> Iterator[checkpointd_pb2.SaveRequest | bytes]:
         while True:
             item = self._queue.get()
             if item is _END:
@@ -67,13 +67,16 @@ class SaveStream:
         """
         return self._next("decision").decision
 
-    def upload(self, chunks: Iterable[checkpointd_pb2.Chunk]) -> None:
+    def upload(self, chunks: Iterable[checkpointd_pb2.Chunk | bytes]) -> None:
         """Queues the snapshot's chunks, then the half-close.
 
         Chunks are built lazily as gRPC sends them, so at most a few are in
-        memory at once.
+        memory at once. A chunk given as bytes is a serialized SaveRequest,
+        sent as it is (the stub must come from `save_stub`).
         """
-        self._queue.put(checkpointd_pb2.SaveRequest(chunk=c) for c in chunks)
+        self._queue.put(
+            c if isinstance(c, bytes) else checkpointd_pb2.SaveRequest(chunk=c) for c in chunks
+        )
         self._queue.put(_END)
 
     def result(self) -> checkpointd_pb2.SaveResult:
@@ -99,7 +102,9 @@ class SaveStream:
         except grpc.RpcError:
             pass  # the skip is already known; how the call ends adds nothing
 
-    def finish(self, ticket: SaveTicket, chunks: Iterable[checkpointd_pb2.Chunk], run: str) -> None:
+    def finish(
+        self, ticket: SaveTicket, chunks: Iterable[checkpointd_pb2.Chunk | bytes], run: str
+    ) -> None:
         """Uploads an accepted snapshot and completes `ticket` with the daemon's answer.
 
         The save's own failure is not raised: it is stored on the ticket (so
@@ -158,6 +163,22 @@ class SaveStream:
                 f"the daemon sent a {response.WhichOneof('item')} where a {item} was due"
             )
         return response
+
+
+class SaveStub:
+    """CheckpointService.Save alone, taking requests as messages or serialized bytes."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        service = checkpointd_pb2.DESCRIPTOR.services_by_name["CheckpointService"]
+        self.Save = channel.stream_stream(  # noqa: N815 - the generated stub's name
+            f"/{service.full_name}/Save",
+            request_serializer=_serialize,
+            response_deserializer=checkpointd_pb2.SaveResponse.FromString,
+        )
+
+
+def _serialize(request: checkpointd_pb2.SaveRequest | bytes) -> bytes:
+    return request if isinstance(request, bytes) else request.SerializeToString()
 
 
 def rpc_error(error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

@@ -14,6 +14,7 @@ from tf_agents.policies import policy_saver, q_policy
 from tf_agents.specs import tensor_spec
 from tf_agents.trajectories import time_step as ts
 
+from checkpointd.v1 import checkpointd_pb2
 import checkpointd_client.saver as saver_module
 from checkpointd_client import RemotePolicySaver, snapshot
 
@@ -213,3 +214,13 @@ def test_constructor_raises_what_policy_saver_raises(
         RemotePolicySaver(policy, "127.0.0.1:1", run="r", **kwargs)
     assert str(got.value) == str(expected.value)
     assert channels == []
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])
+def test_encoded_chunks_are_the_serialized_save_requests_byte_for_byte(chunk_bytes: int) -> None:
+    arrays = [*ARRAYS, np.zeros(300, np.uint8), np.arange(200, dtype=np.float64)]  # zero CRCs, offset 0
+    want = [
+        checkpointd_pb2.SaveRequest(chunk=c).SerializeToString()
+        for c in snapshot.array_chunks(arrays, chunk_bytes)
+    ]
+    assert list(snapshot.encoded_chunks(arrays, chunk_bytes)) == want
