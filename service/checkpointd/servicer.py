@@ -9,6 +9,8 @@ snapshot chunks, the upload deadline) are read by `checkpointd.upload`.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import shutil
 import time
 import uuid
@@ -76,6 +78,20 @@ def _check_folder(folder: str) -> str:
             f"folder {folder!r} is invalid: like a run name, use 1-128 characters of "
             "A-Z a-z 0-9 . _ -, starting with a letter or digit"
         ) from None
+
+
+def _wait_seconds(value: float, rpc: str) -> float | None:
+    """A request's timeout_seconds as a wait: None is no deadline.
+
+    0 means no deadline, and so does anything past what a thread can wait
+    (threading.TIMEOUT_MAX, about 292 years), rather than an OverflowError. A
+    negative timeout has already passed: a busy run answers DEADLINE_EXCEEDED.
+    """
+    if math.isnan(value):
+        raise InvalidRequestError(f"{rpc}: timeout_seconds is NaN; give seconds, or 0 for no deadline")
+    if value == 0 or value >= threading.TIMEOUT_MAX:
+        return None
+    return max(value, 0.0) or 1e-9  # already passed: check once, do not wait
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
@@ -243,12 +259,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     @grpc_errors
     def Flush(self, request: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
-        runs = self._lanes.flush(request.run or None, request.timeout_seconds or None)
+        runs = self._lanes.flush(request.run or None, _wait_seconds(request.timeout_seconds, "Flush"))
         return pb.FlushResponse(runs=runs)
 
     @grpc_errors
     def CloseRun(self, request: pb.CloseRunRequest, context: grpc.ServicerContext) -> pb.CloseRunResponse:
-        self._lanes.close(check_run_name(request.run), request.timeout_seconds or None)
+        self._lanes.close(check_run_name(request.run), _wait_seconds(request.timeout_seconds, "CloseRun"))
         _LOGGER.info("closed run=%s", request.run)
         return pb.CloseRunResponse(run=request.run)
 

@@ -119,7 +119,8 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
         saved_model_graph = (
             reader.get_tensor(OBJECT_GRAPH_KEY) if OBJECT_GRAPH_KEY in shapes else None
         )
-    except (tf.errors.OpError, ValueError) as e:
+    except (tf.errors.OpError, ValueError, IndexError) as e:
+        # IndexError: TF's reader on a data file shorter than its index says.
         _LOGGER.debug("run %s: template checkpoint unreadable: %s", run, describe(e))
         raise _invalid(
             run,

@@ -130,8 +130,15 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
                 target = staged / relative
                 if target.exists():
                     raise InvalidRequestError(f"RegisterRun: file {chunk.path!r} sent twice")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                current, offset = (chunk.path, open(target, "wb")), 0
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    handle = open(target, "wb")
+                except (FileExistsError, NotADirectoryError, IsADirectoryError):
+                    raise InvalidRequestError(
+                        f"RegisterRun: file {chunk.path!r} conflicts with another file of the "
+                        "template (a file where a directory must be, or the reverse)"
+                    ) from None
+                current, offset = (chunk.path, handle), 0
             check_chunk(chunk, offset, offset + (total - received), f"template file {chunk.path!r}")
             current[1].write(chunk.data)
             offset += len(chunk.data)

@@ -83,11 +83,9 @@ DTYPES = (
 DIMS = (-1, -(2**63), 0, 1, 2, 3, 4, 16, 2**31, 2**40, 2**62, 2**63 - 1)
 SIZES = (0, 1, 7, 2**20, 2**20 + 1, 2**31, 2**40, 2**60, 2**62, 2**63, 2**64 - 1)
 TIMEOUTS = (0.0, -1.0, 1e-9, 5e-324, 0.001, 0.5, 3.0, -math.inf, math.nan)
-# Known bug, kept out of the fuzz's domain until fixed: a Flush/CloseRun timeout
-# past ~9.2e9 s (or inf) while a save is in flight answers INTERNAL (OverflowError
-# in Condition.wait_for); see test_flush_or_close_with_a_huge_timeout_waits_for_the_save_in_flight.
-# The fuzz sends them only while nothing is in flight (unary scenarios), where
-# Flush and CloseRun return at once.
+# Huge Flush/CloseRun timeouts (past threading.TIMEOUT_MAX) mean "no deadline";
+# they once answered INTERNAL while a save was in flight (an OverflowError):
+# test_flush_or_close_with_a_huge_timeout_waits_for_the_save_in_flight.
 HUGE_TIMEOUTS = (math.inf, 1e10)
 
 
