@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from checkpointd.core.errors import LimitExceededError
@@ -42,8 +42,9 @@ class UploadBudget:
             return self._uploads, self._bytes
 
     @contextmanager
-    def reserve(self, nbytes: int, run: str) -> Iterator[None]:
-        """Holds one upload slot and `nbytes` for the duration of the block.
+    def reserve(self, nbytes: int, run: str) -> Iterator[Callable[[], None]]:
+        """Holds one upload slot and `nbytes` until the block ends or the
+        yielded `release()` is called (idempotent), whichever comes first.
 
         Raises:
             LimitExceededError: too many uploads at once, or not enough
@@ -63,9 +64,16 @@ class UploadBudget:
                 )
             self._uploads += 1
             self._bytes += nbytes
-        try:
-            yield
-        finally:
+        held = [True]
+
+        def release() -> None:
             with self._lock:
-                self._uploads -= 1
-                self._bytes -= nbytes
+                if held[0]:
+                    held[0] = False
+                    self._uploads -= 1
+                    self._bytes -= nbytes
+
+        try:
+            yield release
+        finally:
+            release()

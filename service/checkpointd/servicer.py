@@ -14,7 +14,7 @@ import threading
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -171,9 +171,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             numpy_files.check(numpy_state)
         # Reserved before the lane decides: past a limit the request is refused
         # like bad input, before anything is allocated or counted.
-        with self._budget.reserve(header.snapshot_bytes, run):
+        with self._budget.reserve(header.snapshot_bytes, run) as release:
             yield from self._decide_and_save(
-                header, run, kind, manifest, folder, target, numpy_state, request_iterator, context
+                header, run, kind, manifest, folder, target, numpy_state, request_iterator, context,
+                release,
             )
 
     def _decide_and_save(
@@ -187,6 +188,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         numpy_state: NumpyStateSpec | None,
         request_iterator: Iterator[pb.SaveRequest],
         context: grpc.ServicerContext,
+        release: Callable[[], None],
     ) -> Iterator[pb.SaveResponse]:
         spec = SaveSpec(kind, header.export_dir, header.blocking, header.step)
         asked = time.monotonic()
@@ -235,6 +237,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             outcome = Failed(str(exc) or type(exc).__name__)
             raise
         finally:
+            release()  # before the caller hears the result, so its next save fits
             self._lanes.finish(run, decision, outcome)
             seconds = time.time() - (decision.accepted_at or time.time())
             if isinstance(outcome, Written):

@@ -47,3 +47,14 @@ def test_default_staging_is_half_the_machine() -> None:
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert default_staging_bytes() == total // 2
+
+
+def test_release_inside_the_block_frees_the_slot_once() -> None:
+    budget = UploadBudget(max_uploads=1, max_bytes=100)
+    with budget.reserve(50, "a") as release:
+        release()
+        assert budget.in_use == (0, 0)
+        with budget.reserve(100, "b"):  # fits already: the caller heard its result
+            assert budget.in_use == (1, 100)
+        release()  # idempotent
+    assert budget.in_use == (0, 0)
