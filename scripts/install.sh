@@ -10,5 +10,6 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade "pip>=23.2"
-.venv/bin/python -m pip install --quiet -e ".[daemon,client,test]"
+# PYTHONWARNINGS: silence setuptools' editable-install banner, not errors.
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install --quiet -e ".[daemon,client,test]"
 echo "installed into $(pwd)/.venv"
