@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import tensorflow as tf
 
 from checkpointd import verify
 from checkpointd_client import RemotePolicySaver
 from tests.integration import policies
-from tests.integration.daemon import Daemon
+from tests.integration.daemon import Daemon, wait_until
 
 TIMEOUT = 60.0
-
-
-def wait_for_listing(folder: Path, expected: set[str]) -> set[str]:
-    """Polls the folder (retention runs in the background) until it matches or time is up."""
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        names = {p.name for p in folder.iterdir()}
-        if names == expected or time.monotonic() > deadline:
-            return names
-        time.sleep(0.05)
 
 
 def test_retention_keeps_the_newest_and_every_kth_per_kind(fresh_daemon: Callable[..., Daemon]) -> None:
@@ -42,7 +30,7 @@ def test_retention_keeps_the_newest_and_every_kth_per_kind(fresh_daemon: Callabl
     folder = daemon.root / "kept"
     (folder / "notes").mkdir()  # not a save: never touched
     expected = {"ck_4", "ck_7", "ck_8", "sm_10", "sm_11", "notes"}
-    assert wait_for_listing(folder, expected) == expected
+    wait_until(lambda: {p.name for p in folder.iterdir()} == expected, f"the folder holds {sorted(expected)}")
     # Survivors are whole, and nothing half-deleted is left behind.
     reports = verify.verify_paths([folder])
     assert len(reports) == 5 and all(r.ok for r in reports), reports
