@@ -23,6 +23,7 @@ without it, so registering a new template never disturbs a write in progress.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import importlib.metadata
 import logging
@@ -70,6 +71,8 @@ class TfWriter:
         self._lock = threading.Lock()
         self._register_lock = threading.Lock()
         self._templates: dict[str, Template] = {}
+        # fsyncs a save's files while its manifest is computed (see write()).
+        self._syncer = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="fsync")
 
     def register(
         self,
@@ -193,16 +196,24 @@ class TfWriter:
                         "keys": [e.checkpoint_key for e in numpy_state.spec.entries],
                     }
                 }
-            written += verify.write_manifest(
-                tmp,
-                run=run,
-                kind=kind.value,
-                step=step,
-                export_dir=target.name if export_dir is None else export_dir,
-                versions=_versions(),
-                known=template.checksums if kind is SaveKind.SAVED_MODEL else None,
-                extra=extra,
-            )
+            # The disk flushes the files while the manifest's CRCs read them
+            # back from the page cache (both release the GIL); publishing
+            # then fsyncs only what is still dirty: the manifest and the dirs.
+            syncing = self._syncer.submit(publish.fsync_tree, tmp) if self._fsync else None
+            try:
+                written += verify.write_manifest(
+                    tmp,
+                    run=run,
+                    kind=kind.value,
+                    step=step,
+                    export_dir=target.name if export_dir is None else export_dir,
+                    versions=_versions(),
+                    known=template.checksums if kind is SaveKind.SAVED_MODEL else None,
+                    extra=extra,
+                )
+            finally:
+                if syncing is not None:
+                    syncing.result()  # raises its OSError; the tree is not published
             publish.publish_dir(tmp, target, fsync=self._fsync)
         except Exception as e:
             if tmp is not None:
