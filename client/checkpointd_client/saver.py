@@ -9,6 +9,7 @@ skipped the save; an accepted one then costs a host copy of the variables
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -33,7 +34,7 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import restore as restore_lib
-from checkpointd_client import snapshot, template
+from checkpointd_client import shm, snapshot, template
 from checkpointd_client.facade import PolicySaverFacade
 from checkpointd_client.numpy_state import NumpySnapshot
 from checkpointd_client.stream import WIRE_KIND, SaveStream, SaveStub, rpc_error
@@ -76,6 +77,7 @@ class RemotePolicySaver(PolicySaverFacade):
         timeout: float | None = None,
         token: str | None = None,
         token_file: str | os.PathLike[str] | None = None,
+        shared_memory: bool = True,
     ) -> None:
         """Builds the PolicySaver and a channel to the daemon; no network I/O yet.
 
@@ -104,6 +106,10 @@ class RemotePolicySaver(PolicySaverFacade):
                 over TLS, as an `authorization` header over plaintext).
             token_file: a file holding that token instead (one line; `#`
                 comments allowed); read once, here.
+            shared_memory: on the daemon's host, copy snapshots into the
+                shared-memory segment the daemon offers instead of streaming
+                them over gRPC (see checkpointd_client.shm); it turns itself
+                off, for this saver, if the segment cannot be opened here.
 
         Raises:
             TypeError: if `policy` is not a TFPolicy or `metadata` is not a
@@ -155,6 +161,13 @@ class RemotePolicySaver(PolicySaverFacade):
         self._dirty = True  # the template must be (re-)exported before the next save
         # (bindings, arrays) of the last uploaded snapshot, reused by the next one.
         self._spare: tuple[snapshot.Bindings, tuple[np.ndarray, ...]] | None = None
+        self._use_shm = shared_memory
+        # Uploads run here, after save() returns; idle threads are reused
+        # (starting one per save cost more than a small save's copy).
+        self._uploads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix=f"checkpointd-upload-{self._run}"
+        )
+        self._segment: shm.SegmentMap | None = None  # the daemon's segment, mapped here
 
     # Saving.
 
@@ -206,28 +219,22 @@ class RemotePolicySaver(PolicySaverFacade):
             train_step = self._saver._train_step  # noqa: SLF001 - PolicySaver exposes no other way
             numpy_state = self._numpy.take() if self._numpy is not None else None
             ticket = SaveTicket(export_dir, kind, int(train_step.numpy()))
-            stream, bindings = self._decide(ticket, numpy_state, bindings, blocking)
+            stream, bindings, offer = self._decide(ticket, numpy_state, bindings, blocking)
             if ticket.skipped:
                 return ticket  # nothing was copied
             # The caller is still inside save(), so the variables still hold
             # the values of the call: copying them now, after the decision,
             # is as point-in-time as copying before it, and a skip costs no copy.
             try:
-                snap = snapshot.take_snapshot(
-                    bindings, train_step, numpy_state=numpy_state, into=self._take_spare(bindings)
-                )
+                snap, chunks = self._snapshot(bindings, train_step, numpy_state, offer)
             except BaseException:
                 stream.close()
                 raise
             if blocking:
-                self._upload(stream, snap, ticket, bindings)
+                self._upload(stream, snap, chunks, ticket, bindings)
                 ticket.result()  # raises the save's error
                 return ticket
-            threading.Thread(
-                target=self._upload_then_release,
-                args=(stream, snap, ticket, bindings),
-                name=f"checkpointd-upload-{self._run}-{snap.step}",
-            ).start()
+            self._uploads.submit(self._upload_then_release, stream, snap, chunks, ticket, bindings)
             handed_off = True
             return ticket
         finally:
@@ -240,8 +247,12 @@ class RemotePolicySaver(PolicySaverFacade):
         numpy_state: NumpySnapshot | None,
         bindings: snapshot.Bindings,
         blocking: bool,
-    ) -> tuple[SaveStream, snapshot.Bindings]:
-        """Opens the Save call and reads the decision; re-registers once on NOT_FOUND."""
+    ) -> tuple[SaveStream, snapshot.Bindings, pb.SharedMemory | None]:
+        """Opens the Save call and reads the decision; re-registers once on NOT_FOUND.
+
+        Returns the call, the bindings (new ones after a re-registration) and
+        the shared memory the accept offered, if any.
+        """
         for attempt in (1, 2):
             header = pb.SaveHeader(
                 run=self._run,
@@ -249,10 +260,11 @@ class RemotePolicySaver(PolicySaverFacade):
                 export_dir=ticket.export_dir,
                 blocking=blocking,
                 step=ticket.step,
-                variables=bindings.protos(),
+                variables=bindings.header_protos,
                 snapshot_bytes=snapshot.nbytes(bindings)
                 + (numpy_state.nbytes if numpy_state is not None else 0),
                 numpy_state=numpy_state.to_proto() if numpy_state is not None else None,
+                shared_memory=self._use_shm,
             )
             stream = SaveStream(self._save_stub, header, self._timeout)
             try:
@@ -271,8 +283,31 @@ class RemotePolicySaver(PolicySaverFacade):
                 raise
             if not decision.accepted:
                 stream.skip(ticket, decision.reason, self._run)
-            return stream, bindings
+            offer = decision.shared_memory if decision.HasField("shared_memory") else None
+            return stream, bindings, offer
         raise AssertionError("unreachable")
+
+    def _snapshot(
+        self,
+        bindings: snapshot.Bindings,
+        train_step: tf.Variable,
+        numpy_state: NumpySnapshot | None,
+        offer: pb.SharedMemory | None,
+    ) -> tuple[snapshot.Snapshot, list[bytes] | None]:
+        """Copies the variables now: into the offered segment, else into spare arrays.
+
+        Returns the snapshot and, for a snapshot in shared memory, the one
+        message that completes the call (None: send the snapshot's chunks).
+        """
+        if offer is not None and self._use_shm:
+            segment = shm.open_offer(offer, self._segment, self._run)
+            if segment is not None:
+                self._segment = segment
+                return segment.snapshot(bindings, train_step, numpy_state), [shm.WRITTEN]
+            self._use_shm = False  # the daemon is not on this host (or not this user's)
+            self._segment = None
+        spare = self._take_spare(bindings)
+        return snapshot.take_snapshot(bindings, train_step, numpy_state=numpy_state, into=spare), None
 
     def _take_spare(self, bindings: snapshot.Bindings) -> tuple[np.ndarray, ...] | None:
         """The arrays of the last uploaded snapshot of `bindings`, if no upload holds them."""
@@ -283,9 +318,12 @@ class RemotePolicySaver(PolicySaverFacade):
         return spare[1]
 
     def _upload(
-        self, stream: SaveStream, snap: snapshot.Snapshot, ticket: SaveTicket,
-        bindings: snapshot.Bindings,
+        self, stream: SaveStream, snap: snapshot.Snapshot, chunks: list[bytes] | None,
+        ticket: SaveTicket, bindings: snapshot.Bindings,
     ) -> None:  # fmt: skip
+        if chunks is not None:  # in shared memory: the daemon's segment, not ours to reuse
+            stream.finish(ticket, chunks, self._run)
+            return
         stream.finish(ticket, snap.encoded_chunks(self._chunk_bytes), self._run)
         if ticket.done() and ticket.exception(0) is None:
             # Uploaded and answered: gRPC has let go of every chunk, so the
@@ -295,11 +333,11 @@ class RemotePolicySaver(PolicySaverFacade):
                 self._spare = (bindings, snap.arrays)
 
     def _upload_then_release(
-        self, stream: SaveStream, snap: snapshot.Snapshot, ticket: SaveTicket,
-        bindings: snapshot.Bindings,
+        self, stream: SaveStream, snap: snapshot.Snapshot, chunks: list[bytes] | None,
+        ticket: SaveTicket, bindings: snapshot.Bindings,
     ) -> None:  # fmt: skip
         try:
-            self._upload(stream, snap, ticket, bindings)
+            self._upload(stream, snap, chunks, ticket, bindings)
         finally:
             self._release()
 
@@ -446,6 +484,7 @@ class RemotePolicySaver(PolicySaverFacade):
                 self._call_run(self._stub.CloseRun, pb.CloseRunRequest, deadline)
             with self._lock:
                 self._closed = True
+            self._uploads.shutdown(wait=False)  # flush() saw every upload end
             self._channel.close()
             _LOGGER.info("run %s: closed at step %s", self._run, self._saver.get_train_step())
 

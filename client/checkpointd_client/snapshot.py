@@ -14,6 +14,7 @@ the concatenation, so a save costs one host copy of the model and no more.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -61,7 +62,13 @@ class Bindings:
     object_graph: bytes
 
     def protos(self) -> list[checkpointd_pb2.Variable]:
+        """New messages of the variables, the caller's to change."""
         return [b.to_proto() for b in self.variables]
+
+    @functools.cached_property
+    def header_protos(self) -> tuple[checkpointd_pb2.Variable, ...]:
+        """The same messages, built once and shared: every save's header copies them. Do not change them."""
+        return tuple(b.to_proto() for b in self.variables)
 
     def ordered(self, manifest: Sequence[checkpointd_pb2.Variable]) -> Bindings:
         """These bindings in the order of the daemon's manifest.

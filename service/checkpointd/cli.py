@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd import __version__
-from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServeConfig
+from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServeConfig, default_shm_root
 
 _LOGGER = logging.getLogger("checkpointd")
 
@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--keep-last", type=int, metavar="N", help="retention: keep each run's newest N saves of each kind, delete older ones in the background (default: keep all)")
     serve.add_argument("--keep-every-steps", type=int, metavar="K", help="retention: also keep older saves at steps that are multiples of K (with --keep-last)")
     serve.add_argument("--upload-timeout", type=float, default=300.0, metavar="SECONDS", help="fail an accepted save whose snapshot has not arrived this long after its accept, freeing the run (default: 300)")
+    serve.add_argument("--shm-dir", type=Path, metavar="DIR", help="tmpfs where same-host trainers get a shared-memory segment per run instead of streaming snapshots over gRPC (default: /dev/shm where it exists)")
+    serve.add_argument("--no-shm", action="store_true", help="no shared memory: every snapshot comes over gRPC")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     security = serve.add_argument_group(
         "security",
@@ -170,6 +172,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 tls_client_ca=args.tls_client_ca,
                 token_file=args.token_file,
                 insecure=args.insecure,
+                shm_root=None if args.no_shm else (args.shm_dir or default_shm_root()),
             )
         except ValueError as exc:
             parser.error(str(exc))

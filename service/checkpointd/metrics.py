@@ -27,6 +27,7 @@ OUTCOMES = ("ok", "skipped", "failed")
 # Where an accepted save's time goes: the blocking wait before the accept, the
 # snapshot upload (accept -> last chunk), and writer.write.
 PHASES = ("queue", "transfer", "write")
+TRANSPORTS = ("grpc", "shm")
 # From a 5k-parameter checkpoint (a few ms) to a multi-GB SavedModel (minutes).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -80,6 +81,13 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self.snapshots = Counter(
+            "checkpointd_snapshots_received",
+            "Snapshots of accepted saves received in full, by kind and transport: grpc "
+            "(chunks over the connection) or shm (a same-host trainer's shared-memory segment).",
+            ["kind", "transport"],
+            registry=registry,
+        )
         self.runs = Gauge(
             "checkpointd_runs",
             "Runs registered on this daemon.",
@@ -93,6 +101,8 @@ class Metrics:
                 self.saves.labels(kind, outcome)
             for phase in PHASES:
                 self.phase_duration.labels(kind, phase)
+            for transport in TRANSPORTS:
+                self.snapshots.labels(kind, transport)
 
     def save_skipped(self, run: str, kind: str) -> None:
         self.saves.labels(kind, "skipped").inc()
@@ -119,6 +129,16 @@ class Metrics:
         if phase not in PHASES:
             raise ValueError(f"unknown save phase {phase!r}; expected one of {PHASES}")
         self.phase_duration.labels(kind, phase).observe(seconds)
+
+    def snapshot_received(self, kind: str, transport: str) -> None:
+        """Counts one snapshot received in full over `transport` (one of TRANSPORTS).
+
+        Raises:
+            ValueError: an unknown transport (labels stay bounded).
+        """
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
+        self.snapshots.labels(kind, transport).inc()
 
     def in_flight_changed(self, delta: int) -> None:
         self.in_flight.inc(delta)

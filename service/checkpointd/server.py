@@ -20,6 +20,7 @@ from checkpointd.core.errors import DeadlineError
 from checkpointd.core.ports import Writer
 from checkpointd.lanes import Lanes
 from checkpointd.retention import Retention
+from checkpointd.shm import SharedMemory
 from checkpointd.metrics import Metrics, serve_metrics
 from checkpointd.servicer import CheckpointServicer
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -64,6 +65,7 @@ class Server:
         self.metrics.runs.set_function(self.lanes.count)
         self._writer = writer
         self.retention: Retention | None = None
+        self.shared_memory: SharedMemory | None = None
         self._health = health.HealthServicer()
         self._grpc: grpc.Server | None = None
         self._http = None
@@ -95,8 +97,10 @@ class Server:
             threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()
         self.retention = Retention(config.root, config.retention)
         self.retention.start()
+        self.shared_memory = _shared_memory(config.shm_root)
         servicer = CheckpointServicer(
-            config, self.lanes, self._writer, phases=self.metrics, retention=self.retention
+            config, self.lanes, self._writer, phases=self.metrics, retention=self.retention,
+            shared_memory=self.shared_memory,
         )
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
@@ -127,10 +131,11 @@ class Server:
             self._http, _ = serve_metrics(self.registry, config.metrics_host, config.metrics_port)
             self.metrics_port = self._http.server_port
         _LOGGER.info(
-            "listening on port %d (root %s, metrics %s, auth %s)",
+            "listening on port %d (root %s, metrics %s, auth %s, shared memory %s)",
             self.port, config.root.resolve(),
             f"http://{config.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
             auth.describe(),
+            self.shared_memory.folder if self.shared_memory is not None else "off",
         )
         _write_port(config.port_file, self.port)
         if self.metrics_port is not None:
@@ -162,6 +167,8 @@ class Server:
             self._grpc.stop(grace=1.0).wait()
         if self.retention is not None:
             self.retention.stop(timeout=max(grace, 1.0))  # finish queued tidying
+        if self.shared_memory is not None:
+            self.shared_memory.close()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
@@ -171,6 +178,17 @@ class Server:
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until stop() has finished."""
         return self._stopped.wait(timeout)
+
+
+def _shared_memory(root: Path | None) -> SharedMemory | None:
+    """The same-host snapshot transport, or None if it is off or cannot start (logged)."""
+    if root is None:
+        return None
+    try:
+        return SharedMemory(root)
+    except OSError as e:
+        _LOGGER.warning("shared memory is off: cannot make a folder in %s (%s)", root, e.strerror or e)
+        return None
 
 
 def _preload_tensorflow() -> None:

@@ -32,6 +32,7 @@ from checkpointd.core.retention import RetentionPolicy
 from checkpointd.budget import UploadBudget, default_staging_bytes
 from checkpointd.lanes import Lanes
 from checkpointd.retention import Retention
+from checkpointd.shm import Segment, SharedMemory
 from checkpointd.restore import latest_response, restore_responses
 from checkpointd.status import grpc_errors
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -44,13 +45,18 @@ KIND_TO_PB = {v: k for k, v in KIND_FROM_PB.items()}
 
 
 class PhaseSink(Protocol):
-    """Times the phases of accepted saves; `checkpointd.metrics.Metrics` implements it."""
+    """Times the phases of accepted saves and counts their transports (`checkpointd.metrics.Metrics`)."""
 
     def observe_phase(self, kind: str, phase: str, seconds: float) -> None: ...
+
+    def snapshot_received(self, kind: str, transport: str) -> None: ...
 
 
 class _NoPhases:
     def observe_phase(self, kind: str, phase: str, seconds: float) -> None:
+        pass
+
+    def snapshot_received(self, kind: str, transport: str) -> None:
         pass
 
 
@@ -80,6 +86,12 @@ def _check_folder(folder: str) -> str:
         ) from None
 
 
+def _segment_to_pb(segment: Segment | None) -> pb.SharedMemory | None:
+    if segment is None:
+        return None
+    return pb.SharedMemory(path=str(segment.path), size=segment.size, offsets=segment.offsets)
+
+
 def _wait_seconds(value: float, rpc: str) -> float | None:
     """A request's timeout_seconds as a wait: None is no deadline.
 
@@ -104,12 +116,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         writer: Writer,
         phases: PhaseSink | None = None,
         retention: Retention | None = None,
+        shared_memory: SharedMemory | None = None,
     ) -> None:
         self._config = config
         self._retention = retention or Retention(config.root, RetentionPolicy())
         self._lanes = lanes
         self._writer = writer
         self._phases = phases if phases is not None else _NoPhases()
+        self._shm = shared_memory
         self._staging = config.state_dir / "staging"
         self._budget = UploadBudget(
             config.max_concurrent_uploads, config.max_staging_bytes or default_staging_bytes()
@@ -205,15 +219,24 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         accepted = time.monotonic()
         self._phases.observe_phase(kind.value, "queue", accepted - asked)
         outcome: Written | Failed = Failed("the client went away during the save")
+        transport = "none"  # until the snapshot has arrived
         try:
-            yield pb.SaveResponse(decision=pb.SaveDecision(accepted=True))
+            parts = [v.nbytes for v in manifest.variables]
+            parts.append(header.snapshot_bytes - manifest.nbytes)  # the numpy state
+            segment = None
+            if header.shared_memory and self._shm is not None:
+                segment = self._shm.segment(run, parts)  # safe: this save holds the lane
+            yield pb.SaveResponse(
+                decision=pb.SaveDecision(accepted=True, shared_memory=_segment_to_pb(segment))
+            )
             # A phase is timed when it ends, failed or not, as save_duration is.
             timeout = self._config.upload_timeout_seconds
             chunks = upload.until(request_iterator, accepted + timeout, timeout)
             try:
-                parts = [v.nbytes for v in manifest.variables]
-                parts.append(header.snapshot_bytes - manifest.nbytes)  # the numpy state
-                received = upload.receive_snapshot(chunks, header.snapshot_bytes, context, parts)
+                received, transport = upload.receive_snapshot(
+                    chunks, header.snapshot_bytes, context, parts, segment
+                )
+                self._phases.snapshot_received(kind.value, transport)
             finally:
                 chunks.close()  # stops its reader now, not when the generator is collected
                 self._phases.observe_phase(kind.value, "transfer", time.monotonic() - accepted)
@@ -242,8 +265,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             seconds = time.time() - (decision.accepted_at or time.time())
             if isinstance(outcome, Written):
                 _LOGGER.info(
-                    "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs",
+                    "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs transport=%s",
                     run, kind.value, header.export_dir, header.step, outcome.bytes_written, seconds,
+                    transport,
                 )
             else:
                 _LOGGER.warning(
@@ -268,6 +292,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @grpc_errors
     def CloseRun(self, request: pb.CloseRunRequest, context: grpc.ServicerContext) -> pb.CloseRunResponse:
         self._lanes.close(check_run_name(request.run), _wait_seconds(request.timeout_seconds, "CloseRun"))
+        if self._shm is not None:
+            self._shm.drop(request.run)
         _LOGGER.info("closed run=%s", request.run)
         return pb.CloseRunResponse(run=request.run)
 

@@ -8,11 +8,13 @@ gRPC's request iterator would otherwise wait for a stalled client forever.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import crc32c
 import grpc
@@ -152,6 +154,12 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
         )
 
 
+class SharedSegment(Protocol):
+    """A shared-memory segment holding a snapshot (`checkpointd.shm.Segment`)."""
+
+    def views(self) -> list[memoryview]: ...
+
+
 # Where each part of a received snapshot starts in the daemon's buffer. The
 # wire carries the parts back to back; here each starts on a 64-byte
 # boundary, Eigen's alignment, so TensorFlow can wrap a variable's bytes as a
@@ -174,8 +182,12 @@ def receive_snapshot(
     total: int,
     context: grpc.ServicerContext,
     parts: Sequence[int] = (),
-) -> list[memoryview]:
+    segment: SharedSegment | None = None,
+) -> tuple[list[memoryview], str]:
     """A Save's snapshot: the chunks after its header, checked and laid out in parts.
+
+    When the accept offered `segment`, the client may instead send one
+    `shared_memory_written` (the snapshot is in the segment) and half-close.
 
     Args:
         requests: the requests after the header.
@@ -183,16 +195,36 @@ def receive_snapshot(
         context: the call, to tell a finished upload from a cancelled one.
         parts: the sizes of the snapshot's parts (each variable, then the
             numpy state), summing to `total`; () for one part.
+        segment: the shared-memory segment offered for these parts, if any.
 
     Returns:
         One writable view per part, each 64-byte aligned, over one buffer
-        that is never zero-filled (every byte is received before use).
+        that is never zero-filled (every byte is received before use) or
+        over the segment; and how the snapshot came: "grpc" or "shm".
 
     Raises:
         InvalidRequestError: a message is not a chunk, the chunks are out of
-            order or not `total` bytes, or the client went away.
+            order or not `total` bytes, shared memory is claimed where none
+            was offered, or the client went away.
         ChecksumError: a chunk's CRC32C does not match its data.
     """
+    requests = iter(requests)
+    try:
+        request = next(requests)
+    except StopIteration:
+        request = None
+    if request is not None and request.WhichOneof("item") == "shared_memory_written":
+        if segment is None:
+            raise InvalidRequestError(
+                "Save: shared_memory_written, but this save's accept offered no shared memory"
+            )
+        for _ in requests:
+            raise InvalidRequestError("Save: nothing may follow shared_memory_written")
+        if not context.is_active():
+            raise InvalidRequestError("Save: the client went away during the upload")
+        return segment.views(), "shm"
+    if request is not None:
+        requests = itertools.chain((request,), requests)
     sizes = list(parts) if parts else [total]
     if sum(sizes) != total:
         raise InvalidRequestError(f"Save: the parts sum to {sum(sizes)}, not the {total} bytes announced")
@@ -210,7 +242,9 @@ def receive_snapshot(
     received = 0
     for request in requests:
         if request.WhichOneof("item") != "chunk":
-            raise InvalidRequestError("Save: only chunks may follow the header")
+            raise InvalidRequestError(
+                "Save: only chunks (or one shared_memory_written) may follow the header"
+            )
         chunk = request.chunk
         check_chunk(chunk, received, total, "snapshot")
         data = memoryview(chunk.data)
@@ -229,4 +263,4 @@ def receive_snapshot(
         raise InvalidRequestError(
             f"Save: the snapshot ended after {received} of its {total} bytes"
         )
-    return [buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+    return [buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)], "grpc"

@@ -10,6 +10,8 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from checkpointd import shm  # noqa: E402
+from checkpointd.core.config import default_shm_root  # noqa: E402
 from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
 
 
@@ -41,3 +43,12 @@ def fresh_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
             if d.proc.poll() is None:
                 d.proc.kill()
                 d.proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _free_killed_daemons_shared_memory() -> Iterator[None]:
+    """Removes the /dev/shm folders of daemons the tests killed, as a next daemon would."""
+    yield
+    root = default_shm_root()
+    if root is not None:
+        shm.remove_dead_folders(root)

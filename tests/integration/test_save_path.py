@@ -130,9 +130,13 @@ def _build_case(daemon: Daemon, tmp: Path, kind: str, nest: bool) -> Case:
     args = dict(
         batch_size=None, use_nest_path_signatures=nest, seed=SEED, train_step=step, metadata=meta
     )
+    # The daemon shares its host with this test, so saves go through shared
+    # memory; the spec-names cases turn it off and stream 256-byte chunks,
+    # so every policy kind is checked byte for byte on both transports.
     saver = RemotePolicySaver(
-        policy, daemon.address, run=run, chunk_bytes=256, timeout=TIMEOUT, **args
-    )
+        policy, daemon.address, run=run, chunk_bytes=256, timeout=TIMEOUT,
+        shared_memory=nest, **args,
+    )  # fmt: skip
     reference = policy_saver.PolicySaver(policy, **args)
     saver.register()
     assert saver.save("initial", blocking=True).result() is not None
@@ -219,6 +223,15 @@ def test_output_loads_with_every_policy_function(
         policies.time_steps(2), loaded.get_initial_state(batch_size=2)
     )
     assert distribution.action.batch_shape == [2]
+
+
+@pytest.mark.parametrize("kind, nest", ALL, ids=_ids(ALL))
+def test_each_case_used_its_transport(daemon: Daemon, cases: Callable[[str, bool], Case], kind: str, nest: bool) -> None:
+    case = cases(kind, nest)
+    saved = [line for line in daemon.log().splitlines() if f"saved run={case.run} " in line]
+    assert len(saved) == 3, saved  # initial, the checkpoint, the SavedModel
+    want = "transport=shm" if nest else "transport=grpc"
+    assert all(line.endswith(want) for line in saved), saved
 
 
 @pytest.mark.parametrize("kind, nest", ALL, ids=_ids(ALL))

@@ -111,7 +111,27 @@ def test_labels_are_bounded(registry: CollectorRegistry, metrics: Metrics) -> No
 
     for family in registry.collect():
         for s in family.samples:
-            assert set(s.labels) <= {"kind", "outcome", "run", "phase", "le"}, (s.name, s.labels)
+            assert set(s.labels) <= {"kind", "outcome", "run", "phase", "transport", "le"}, (
+                s.name, s.labels,
+            )  # fmt: skip
+
+
+def test_snapshots_are_counted_by_transport_and_unknown_transports_refused(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.snapshot_received("saved_model", "shm")
+    metrics.snapshot_received("saved_model", "shm")
+    metrics.snapshot_received("checkpoint", "grpc")
+
+    def count(kind: str, transport: str) -> float | None:
+        return registry.get_sample_value(
+            "checkpointd_snapshots_received_total", {"kind": kind, "transport": transport}
+        )
+
+    assert (count("saved_model", "shm"), count("saved_model", "grpc")) == (2, 0)
+    assert (count("checkpoint", "shm"), count("checkpoint", "grpc")) == (0, 1)
+    with pytest.raises(ValueError, match="unknown transport"):
+        metrics.snapshot_received("saved_model", "carrier-pigeon")
 
 
 @pytest.fixture

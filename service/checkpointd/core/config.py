@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkpointd.core.retention import RetentionPolicy
@@ -11,6 +11,12 @@ from checkpointd.core.retention import RetentionPolicy
 DEFAULT_PORT = 7431
 DEFAULT_METRICS_PORT = 9431
 GiB = 1 << 30
+
+
+def default_shm_root() -> Path | None:
+    """/dev/shm where it exists (Linux), else None: no shared memory."""
+    root = Path("/dev/shm")
+    return root if root.is_dir() else None
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class ServeConfig:
             and delete older committed ones; None keeps everything.
         keep_every_steps: retention: also keep older saves whose step is a
             multiple of this (needs keep_last).
+        shm_root: a tmpfs where the daemon offers same-host trainers a
+            shared-memory segment per run (see checkpointd.shm); default
+            /dev/shm where it exists; None: every snapshot comes over gRPC.
     """
 
     root: Path = Path("checkpoints")
@@ -74,6 +83,7 @@ class ServeConfig:
     insecure: bool = False
     keep_last: int | None = None
     keep_every_steps: int | None = None
+    shm_root: Path | None = field(default_factory=default_shm_root)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -90,7 +90,7 @@ class NumpyState(_message.Message):
     def __init__(self, object_graph: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[NumpyStateEntry, _Mapping]]] = ...) -> None: ...
 
 class SaveHeader(_message.Message):
-    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state")
+    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state", "shared_memory")
     RUN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class SaveHeader(_message.Message):
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUMPY_STATE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     run: str
     kind: SaveKind
     export_dir: str
@@ -107,23 +108,42 @@ class SaveHeader(_message.Message):
     variables: _containers.RepeatedCompositeFieldContainer[Variable]
     snapshot_bytes: int
     numpy_state: NumpyState
-    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., shared_memory: bool = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "shared_memory_written")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     header: SaveHeader
     chunk: Chunk
-    def __init__(self, header: _Optional[_Union[SaveHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    shared_memory_written: SharedMemoryWritten
+    def __init__(self, header: _Optional[_Union[SaveHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., shared_memory_written: _Optional[_Union[SharedMemoryWritten, _Mapping]] = ...) -> None: ...
+
+class SharedMemory(_message.Message):
+    __slots__ = ("path", "size", "offsets")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SharedMemoryWritten(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SaveDecision(_message.Message):
-    __slots__ = ("accepted", "reason")
+    __slots__ = ("accepted", "reason", "shared_memory")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
-    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ...) -> None: ...
+    shared_memory: SharedMemory
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
 
 class SaveResult(_message.Message):
     __slots__ = ("path", "bytes_written", "duration_seconds", "step", "kind")

@@ -1,0 +1,189 @@
+"""Shared-memory segments: the same-host transport for snapshots.
+
+A trainer on the daemon's host need not stream its snapshot through gRPC:
+on an accept, the daemon offers the run's segment, a file on a tmpfs
+(`/dev/shm` by default) that both processes map. The trainer copies the
+variables straight into it (the copy it makes anyway for a point-in-time
+snapshot) and says so; the daemon hands views of the segment to SaveV2
+without another copy. No chunking, CRC or socket is involved, which is
+what made the wire path slow for large policies.
+
+Safety:
+- The daemon's folder `<shm root>/checkpointd-<pid>-<random>` is mode 0700
+  and each segment 0600, so only the daemon's user can map them; a trainer
+  that cannot (another host, container or user) sends chunks instead.
+- Segments are reserved with posix_fallocate: a tmpfs too small to hold one
+  (Docker's 64 MB /dev/shm) refuses it here, as ENOSPC, rather than killing
+  the trainer with SIGBUS on a write into a hole. The daemon then offers no
+  segment and the save goes over the wire.
+- A run's segment is used by one save at a time: the lane admits one save
+  per run, and the trainer writes only after the accept and stops before
+  the result.
+- The folder goes when the daemon stops; a folder left by a daemon that was
+  killed is removed by the next daemon that starts with the same shm root
+  (its pid no longer runs).
+
+Each segment stays mapped while its run lives, so a run's segment memory
+(its snapshot size) is held between saves; it is freed when the run is
+closed, re-registered with another layout, or the daemon stops.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+import shutil
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpointd.upload import aligned_offsets
+
+_LOGGER = logging.getLogger(__name__)
+# MAP_POPULATE (Linux) maps every page at once instead of faulting one by one.
+_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+_FOLDER = re.compile(r"checkpointd-(\d+)-[0-9a-f]{16}")
+
+
+@dataclass
+class Segment:
+    """One run's mapped segment, laid out for one snapshot's part sizes."""
+
+    path: Path
+    sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    size: int
+    _map: mmap.mmap
+
+    def views(self) -> list[memoryview]:
+        """One writable view per part, each 64-byte aligned (the map is page aligned)."""
+        whole = memoryview(self._map)
+        return [whole[o : o + n] for o, n in zip(self.offsets, self.sizes, strict=True)]
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive; the map goes with it
+        self.path.unlink(missing_ok=True)
+
+
+class SharedMemory:
+    """The daemon's segments, one per run. Thread-safe."""
+
+    def __init__(self, root: Path) -> None:
+        """Makes this daemon's private folder under `root`, clearing dead daemons' ones.
+
+        Raises:
+            OSError: the folder cannot be made.
+        """
+        self._root = Path(root)
+        remove_dead_folders(self._root)
+        self._dir = self._root / f"checkpointd-{os.getpid()}-{secrets.token_hex(8)}"
+        self._dir.mkdir(mode=0o700)
+        self._lock = threading.Lock()
+        self._segments: dict[str, Segment] = {}
+        self._serial = 0
+
+    @property
+    def folder(self) -> Path:
+        return self._dir
+
+    def segment(self, run: str, sizes: Sequence[int]) -> Segment | None:
+        """The run's segment for parts of `sizes`, made or remade as needed.
+
+        Call it only while holding the run's lane (one save at a time).
+        Returns None when the segment cannot be made, e.g. the tmpfs has
+        no room (logged): the save then goes over the wire.
+        """
+        sizes = tuple(sizes)
+        with self._lock:
+            old = self._segments.get(run)
+            if old is not None and old.sizes == sizes:
+                return old
+            self._serial += 1
+            serial = self._serial
+            if old is not None:
+                del self._segments[run]
+        if old is not None:
+            old.close()
+        offsets, size = aligned_offsets(sizes)
+        if size == 0:
+            return None  # nothing to share
+        path = self._dir / f"{run}-{serial}"
+        try:
+            segment = _make(path, tuple(sizes), tuple(offsets), size)
+        except OSError as e:
+            why = "no room for" if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG) else "cannot make"
+            _LOGGER.warning(
+                "run %s: %s a %d-byte shared-memory segment in %s (%s); this save goes over gRPC",
+                run, why, size, self._dir, e.strerror or e,
+            )
+            return None
+        with self._lock:
+            self._segments[run] = segment
+        return segment
+
+    def drop(self, run: str) -> None:
+        """Frees the run's segment, if it has one."""
+        with self._lock:
+            segment = self._segments.pop(run, None)
+        if segment is not None:
+            segment.close()
+
+    def close(self) -> None:
+        """Frees every segment and removes the folder."""
+        with self._lock:
+            segments, self._segments = list(self._segments.values()), {}
+        for segment in segments:
+            segment.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _make(path: Path, sizes: tuple[int, ...], offsets: tuple[int, ...], size: int) -> Segment:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mapped = mmap.mmap(fd, size, flags=_FLAGS)  # faulted in once, here
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)  # the map keeps the memory
+    return Segment(path, sizes, offsets, size, mapped)
+
+
+def remove_dead_folders(root: Path) -> None:
+    """Removes segment folders of this user's daemons that no longer run."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        match = _FOLDER.fullmatch(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if not _running(int(match.group(1))):
+            _LOGGER.info("removing the shared-memory folder %s of a daemon that stopped", entry.path)
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
