@@ -177,7 +177,7 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
         progress(f"{s}: sections 1, 2, 3, 6 in a worker process")
         per_size[s] = run_size(config, s)
     results["sizes"] = {s: per_size[s]["size"] for s in config.sizes}
-    for section in ("inprocess", "async", "remote", "training", "memory"):
+    for section in ("inprocess", "async", "remote", "remote_wire", "training", "memory"):
         results[section] = {s: per_size[s][section] for s in config.sizes}
 
     progress(f"5. fan-in: starting {config.fanin_procs} trainer processes")

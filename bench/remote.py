@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointd_client import RemotePolicySaver
-from bench.scrape import phase_means, phase_totals
+from bench.scrape import phase_means, phase_totals, transport_totals
 from bench.stats import summarize
 
 
@@ -34,13 +34,15 @@ def checkpointd_times(
     Each call waits for the previous one to be durable, so none is skipped.
     `run_root` is `<daemon root>/<run>`; published saves are deleted there.
     The daemon's phase histograms (from `metrics_url`) split its time into
-    transfer (accept to last chunk) and write (files, fsync, rename).
+    transfer (accept to last chunk, or to the trainer's word that the
+    snapshot is in shared memory) and write (files, fsync, rename).
 
     Raises:
         RuntimeError: if a save is skipped or fails.
     """
     result: dict[str, Any] = {}
     phases_before = phase_totals(metrics_url)
+    transports_before = transport_totals(metrics_url)
     for kind in ("save", "save_checkpoint"):
         stall, latency, daemon, throughput = [], [], [], []
         for i in range(reps):
@@ -63,4 +65,8 @@ def checkpointd_times(
         result[f"{kind}_throughput"] = summarize(throughput)
         result[f"{kind}_bytes_written"] = done.bytes_written
     result["daemon_phase_mean_seconds"] = phase_means(phases_before, phase_totals(metrics_url))
+    # How the snapshots travelled: shared memory or gRPC chunks (the daemon's count).
+    result["transports"] = {
+        k: v - transports_before.get(k, 0.0) for k, v in transport_totals(metrics_url).items()
+    }
     return result

@@ -215,18 +215,10 @@ def table(r: dict[str, Any]) -> str:
     per_size("TF async Checkpoint.write: caller blocked", lambda s: fmt_time(tfa(s)["write_blocked"]))
     per_size("TF async Checkpoint.write: until sync()", lambda s: fmt_time(tfa(s)["write_done"]))
 
-    head("3. checkpointd (daemon in another process, same machine)")
-    per_size("save(): trainer stall", lambda s: fmt_time(rem[s]["save_stall"]))
-    per_size("save(): call -> durable", lambda s: fmt_time(rem[s]["save_latency"]))
-    per_size("save(): daemon, accept -> durable", lambda s: fmt_time(rem[s]["save_daemon"]))
-    phase = lambda s, k: rem[s]["daemon_phase_mean_seconds"][k]  # noqa: E731
-    per_size("  of which transfer / write (mean)", lambda s: (
-        f"{fmt_time(phase(s, 'saved_model/transfer'))} / {fmt_time(phase(s, 'saved_model/write'))}"
-    ))
-    per_size("save_checkpoint(): trainer stall", lambda s: fmt_time(rem[s]["save_checkpoint_stall"]))
-    per_size("save_checkpoint(): call -> durable", lambda s: fmt_time(rem[s]["save_checkpoint_latency"]))
-    per_size("save(): bytes written / (call -> durable)", lambda s: fmt_rate(rem[s]["save_throughput"]))
-    per_size("1st save(): export, register, save", lambda s: fmt_time(rem[s]["first_save_seconds"]))
+    head("3. checkpointd (daemon in another process, same machine: shared memory)")
+    _remote_rows(per_size, rem)
+    head("3b. checkpointd over gRPC (shared memory off: a trainer on another host)")
+    _remote_rows(per_size, r["remote_wire"])
 
     tr = r["training"]
     head("2+3. DQN agent.train steps/s (batch 32x2), same cadence for every saver")
@@ -288,6 +280,24 @@ def table(r: dict[str, Any]) -> str:
         where = f" [{t['size']}]" if t["size"] else ""
         lines.append(f"  {'met   ' if t['met'] else 'MISSED'}  {t['target']}{where}: {t['detail']}")
     return "\n".join(lines) + "\n"
+
+
+def _remote_rows(per_size: Callable[[str, Callable[[str], str]], None], rem: dict[str, Any]) -> None:
+    """Section 3's rows for one way of sending snapshots."""
+    per_size("save(): trainer stall", lambda s: fmt_time(rem[s]["save_stall"]))
+    per_size("save(): call -> durable", lambda s: fmt_time(rem[s]["save_latency"]))
+    per_size("save(): daemon, accept -> durable", lambda s: fmt_time(rem[s]["save_daemon"]))
+    phase = lambda s, k: rem[s]["daemon_phase_mean_seconds"][k]  # noqa: E731
+    per_size("  of which transfer / write (mean)", lambda s: (
+        f"{fmt_time(phase(s, 'saved_model/transfer'))} / {fmt_time(phase(s, 'saved_model/write'))}"
+    ))
+    per_size("save_checkpoint(): trainer stall", lambda s: fmt_time(rem[s]["save_checkpoint_stall"]))
+    per_size("save_checkpoint(): call -> durable", lambda s: fmt_time(rem[s]["save_checkpoint_latency"]))
+    per_size("save(): bytes written / (call -> durable)", lambda s: fmt_rate(rem[s]["save_throughput"]))
+    per_size("1st save(): export, register, save", lambda s: fmt_time(rem[s]["first_save_seconds"]))
+    per_size("snapshots received: shm / grpc", lambda s: (
+        f"{rem[s]['transports'].get('shm', 0):g} / {rem[s]['transports'].get('grpc', 0):g}"
+    ))
 
 
 def _counts(c: dict[str, int]) -> str:

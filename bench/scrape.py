@@ -24,13 +24,18 @@ def scrape(url: str) -> list[Sample]:
     return samples
 
 
-def saves_by_outcome(url: str) -> dict[str, float]:
-    """checkpointd_saves_total by outcome (ok, skipped, failed), summed over kinds."""
+def totals_by(url: str, metric: str, label: str) -> dict[str, float]:
+    """The samples of `metric` summed by the value of `label` (over every other label)."""
     counts: dict[str, float] = {}
     for name, labels, value in scrape(url):
-        if name == "checkpointd_saves_total":
-            counts[labels["outcome"]] = counts.get(labels["outcome"], 0.0) + value
+        if name == metric:
+            counts[labels[label]] = counts.get(labels[label], 0.0) + value
     return counts
+
+
+def saves_by_outcome(url: str) -> dict[str, float]:
+    """checkpointd_saves_total by outcome (ok, skipped, failed), summed over kinds."""
+    return totals_by(url, "checkpointd_saves_total", "outcome")
 
 
 def phase_totals(url: str) -> dict[str, tuple[float, float]]:
@@ -55,3 +60,8 @@ def phase_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[f
         if count > count0:
             means[key] = (total - total0) / (count - count0)
     return means
+
+
+def transport_totals(url: str) -> dict[str, float]:
+    """checkpointd_snapshots_received_total by transport (grpc, shm), summed over kinds."""
+    return totals_by(url, "checkpointd_snapshots_received_total", "transport")

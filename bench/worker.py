@@ -104,6 +104,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
 
+            say("3. checkpointd over gRPC (shared memory off, as for a trainer on another host)")
+            with RemotePolicySaver(
+                policy, daemon.address, run="trainer-wire", train_step=counter,
+                timeout=SAVE_TIMEOUT, shared_memory=False,
+            ) as wire_saver:  # fmt: skip
+                result["remote_wire"] = {"first_save_seconds": remote.first_save(wire_saver)}
+                result["remote_wire"].update(
+                    remote.checkpointd_times(
+                        wire_saver, daemon.root / "trainer-wire", daemon.metrics_url, args.reps,
+                        SAVE_TIMEOUT,
+                    )
+                )
+
             cadence = max(MIN_CADENCE, result["inprocess"]["save"]["median"])
             say(f"2+3. DQN training windows, a save requested every {cadence:.3f} s")
             trainer = agents.Trainer(agent)

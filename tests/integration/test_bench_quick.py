@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("inprocess", "async", "remote", "training", "limits", "fanin", "memory")
+SECTIONS = ("inprocess", "async", "remote", "remote_wire", "training", "limits", "fanin", "memory")
 TIMEOUT = 300  # quick mode takes ~45 s on 2 idle cores; leave room for a busy CI box
 
 
@@ -54,7 +54,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_every_section_is_measured(result: dict[str, Any]) -> None:
     for section in SECTIONS:
         assert result.get(section), f"section {section} is missing or empty"
-    for section in ("inprocess", "async", "remote", "training", "memory"):
+    for section in ("inprocess", "async", "remote", "remote_wire", "training", "memory"):
         assert list(result[section]) == ["small"]
     found = dict(_stats({s: result[s] for s in SECTIONS}))
     for section in SECTIONS:
@@ -70,6 +70,10 @@ def test_key_measurements_are_positive(result: dict[str, Any]) -> None:
     assert result["remote"][small]["save_latency"]["median"] > 0
     assert result["remote"][small]["save_checkpoint_latency"]["median"] > 0
     assert result["inprocess"][small]["save"]["median"] > 0
+    # Same host: every snapshot of section 3 went through shared memory; 3b's over gRPC.
+    reps = result["config"]["reps"][small]
+    assert result["remote"][small]["transports"] == {"shm": 2 * reps, "grpc": 0}
+    assert result["remote_wire"][small]["transports"] == {"shm": 0, "grpc": 2 * reps}
     assert result["async"][small]["tf_async_checkpoint"]["write_blocked"]["median"] > 0
     for saver in ("baseline", "async_policy_saver", "tf_async_checkpoint", "checkpointd"):
         assert result["training"][small]["steps_per_second"][saver]["median"] > 0
