@@ -80,7 +80,9 @@ class SegmentMap:
         arrays = self._arrays[1]
         snap = take_snapshot(bindings, train_step, numpy_state=numpy_state, into=arrays)
         for copied, target in zip(snap.arrays, arrays, strict=True):
-            if copied.ctypes.data != target.ctypes.data:  # byte-swapped (big-endian host)
+            # little_endian() hands back the array itself, or a 1-d view of a
+            # scalar; anything else is a byte-swapped copy (a big-endian host).
+            if copied is not target and not np.may_share_memory(copied, target):
                 target.view(np.uint8).reshape(-1)[:] = copied.view(np.uint8).reshape(-1)
         if numpy_state is not None:
             at = self.offsets[-1]

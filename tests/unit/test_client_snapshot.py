@@ -224,3 +224,17 @@ def test_encoded_chunks_are_the_serialized_save_requests_byte_for_byte(chunk_byt
         for c in snapshot.array_chunks(arrays, chunk_bytes)
     ]
     assert list(snapshot.encoded_chunks(arrays, chunk_bytes)) == want
+
+
+def test_copy_all_copies_large_arrays_in_pieces_and_small_ones_whole() -> None:
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((1025, 1031)).astype(np.float32)  # > 4 MiB: split
+    small = rng.integers(0, 1 << 40, size=17, dtype=np.int64)
+    scalar = np.array(7, np.int64)
+    strided = rng.standard_normal((2048, 1024)).astype(np.float32)[:, ::2]  # not contiguous
+    pairs = [(np.zeros_like(a, order="C"), a) for a in (big, small, scalar, strided)]
+
+    snapshot.copy_all(pairs)
+
+    for dst, src in pairs:
+        assert dst.tobytes() == np.ascontiguousarray(src).tobytes()
