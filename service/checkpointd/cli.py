@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-snapshot-bytes", type=_size, default=8 << 30, help="largest snapshot one save may carry (default: 8G)")
     serve.add_argument("--max-template-bytes", type=_size, default=16 << 30, help="largest template a run may register (default: 16G)")
     serve.add_argument("--max-workers", type=int, default=64, help="gRPC handler threads; each open save holds one (default: 64)")
+    serve.add_argument("--write-nice", type=int, default=10, metavar="N", help="nice value (0-19) of the threads that write saves, so training on this machine gets the CPU first; 0 = normal priority (default: 10)")
     serve.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing (throwaway runs only)")
     serve.add_argument("--max-concurrent-uploads", type=int, default=32, metavar="N", help="saves admitted at once over all runs; past it RESOURCE_EXHAUSTED (default: 32)")
     serve.add_argument("--max-staging-bytes", type=_size, metavar="SIZE", help="snapshot bytes held in memory at once over all saves; past it RESOURCE_EXHAUSTED (default: half the machine's memory)")
@@ -172,6 +173,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 tls_client_ca=args.tls_client_ca,
                 token_file=args.token_file,
                 insecure=args.insecure,
+                write_nice=args.write_nice,
                 shm_root=None if args.no_shm else (args.shm_dir or default_shm_root()),
             )
         except ValueError as exc:

@@ -91,7 +91,7 @@ class Server:
         if self._writer is None:
             from checkpointd.writer import TfWriter  # TensorFlow loads here, not at import
 
-            self._writer = TfWriter(config.state_dir, fsync=config.fsync)
+            self._writer = TfWriter(config.state_dir, fsync=config.fsync, nice=config.write_nice)
             # Import TensorFlow (~2.5 s) while the port opens, not inside the
             # first registration a trainer is waiting on.
             threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()

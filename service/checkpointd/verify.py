@@ -14,6 +14,7 @@ TensorFlow to import, and must work on a host without it.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 import time
@@ -63,8 +64,26 @@ class Report:
     bytes: int = 0
 
 
-def file_checksum(path: Path, progress: Progress | None = None) -> tuple[int, int]:
-    """Returns (size, CRC32C) of a file, read in 4 MiB blocks."""
+def file_checksum(path: Path, progress: Progress | None = None, *, mapped: bool = False) -> tuple[int, int]:
+    """Returns (size, CRC32C) of a file, read in 4 MiB blocks.
+
+    `mapped` checksums a file of 4 MiB or more through a read-only map of the
+    page cache instead of copying it out (half the time); only for files
+    nobody truncates meanwhile (a save's own temp dir), as a read past a
+    truncation is a SIGBUS, not an error.
+    """
+    if mapped:
+        with open(path, "rb") as f:
+            length = os.fstat(f.fileno()).st_size
+            if length >= _READ_BYTES:
+                with mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ) as whole:
+                    with memoryview(whole) as view:
+                        value = 0
+                        for at in range(0, length, _READ_BYTES):
+                            value = crc32c.crc32c(view[at : at + _READ_BYTES], value)
+                            if progress is not None:
+                                progress(min(_READ_BYTES, length - at))
+                return length, value
     size, value = 0, 0
     buffer = bytearray(_READ_BYTES)
     view = memoryview(buffer)
@@ -135,7 +154,7 @@ def write_manifest(
             raise OSError(f"{path} is not a regular file; a save holds only regular files")
         size, value = known.get(rel, (-1, 0))
         if size != path.stat().st_size:
-            size, value = file_checksum(path)
+            size, value = file_checksum(path, mapped=True)  # the save's own files
         entries.append(FileEntry(rel, size, _hex(value)))
     document = {
         "format": FORMAT,

@@ -58,21 +58,31 @@ class TfWriter:
     Implements `checkpointd.core.ports.Writer`. Thread-safe.
     """
 
-    def __init__(self, state_dir: Path, *, fsync: bool = True) -> None:
+    def __init__(self, state_dir: Path, *, fsync: bool = True, nice: int = 0) -> None:
         """Creates a writer.
 
         Args:
             state_dir: The daemon's own folder; templates live in
                 `state_dir/templates/<run>/`.
             fsync: Whether to fsync written trees before publishing them.
+            nice: The nice value of the threads that write saves (Linux sets
+                it per thread): above 0, training on the same machine gets
+                the CPU first and saves use what is left. 0 leaves them be.
         """
         self._templates_dir = Path(state_dir) / "templates"
         self._fsync = fsync
         self._lock = threading.Lock()
         self._register_lock = threading.Lock()
         self._templates: dict[str, Template] = {}
+        # Saves are written on these threads, at `nice`; the gRPC threads that
+        # answer decisions keep their priority, so a trainer's stall does not grow.
+        self._workers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=16, thread_name_prefix="write", initializer=_lower_priority, initargs=(nice,)
+        )
         # fsyncs a save's files while its manifest is computed (see write()).
-        self._syncer = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="fsync")
+        self._syncer = concurrent.futures.ThreadPoolExecutor(
+            thread_name_prefix="fsync", initializer=_lower_priority, initargs=(nice,)
+        )
 
     def register(
         self,
@@ -166,6 +176,21 @@ class TfWriter:
             SaveFailedError: the save could not be written; nothing new is
                 left on disk.
         """
+        return self._workers.submit(
+            self._write, run, kind, target, snapshot, step, export_dir, numpy_state
+        ).result()
+
+    def _write(
+        self,
+        run: str,
+        kind: SaveKind,
+        target: Path,
+        snapshot: Snapshot,
+        step: int,
+        export_dir: str | None,
+        numpy_state: NumpyPayload | None,
+    ) -> int:
+        """write(), on a writer thread."""
         with self._lock:
             template = self._templates.get(run)
         if template is None:
@@ -225,6 +250,18 @@ class TfWriter:
             raise SaveFailedError(f"run {run!r}: {reason}") from e
         _LOGGER.debug("run %s: wrote %s to %s (%d bytes)", run, kind.value, target, written)
         return written
+
+
+def _lower_priority(nice: int) -> None:
+    """Raises this thread's nice value to `nice` (Linux: per thread); never lowers it."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError as e:
+        _LOGGER.warning("could not set the writer threads' nice value to %d: %s", nice, e)
 
 
 @functools.cache

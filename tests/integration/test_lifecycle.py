@@ -400,3 +400,33 @@ def test_restart_cleans_temp_dirs_and_restores_a_parked_old_tree(fresh_daemon, s
     assert re.search(r"recovered 5 interrupted save dirs", second.log())
     loaded = tf.saved_model.load(str(run_dir / "policy"))
     assert int(loaded.get_train_step().numpy()) == 0
+
+
+# Writing at a lower priority than training.
+
+
+def _thread_nice_values(pid: int) -> dict[int, int]:
+    """tid -> nice of every thread of `pid` (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    values = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:
+            continue  # the thread ended while we looked
+        values[int(task.name)] = int(stat.rsplit(")", 1)[1].split()[16])
+    return values
+
+
+@pytest.mark.parametrize("nice", [10, 0])
+def test_saves_are_written_by_threads_at_write_nice(
+    fresh_daemon: Callable[..., Daemon], nice: int
+) -> None:
+    daemon = fresh_daemon("--write-nice", str(nice))
+    policy = policies.build(policies.q())
+    with RemotePolicySaver(policy, daemon.address, run="nice", timeout=60) as saver:
+        assert saver.save("s", blocking=True).result(60) is not None
+        values = _thread_nice_values(daemon.proc.pid)
+
+    assert values[daemon.proc.pid] == 0  # the main thread, and the gRPC threads, keep theirs
+    # The writer and fsync threads that ran the save (and only they) are at `nice`.
+    assert set(values.values()) == ({0, nice} if nice else {0}), values

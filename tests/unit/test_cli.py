@@ -32,6 +32,7 @@ def test_serve_defaults() -> None:
     assert config.metrics_port == 9431
     assert config.host == "127.0.0.1"
     assert config.fsync is True
+    assert config.write_nice == 10
     assert level == "INFO"
 
 
@@ -98,6 +99,8 @@ def test_sizes_take_units(text: str, size: int) -> None:
         ["--grace-seconds", "-1"],
         ["--max-workers", "0"],
         ["--log-level", "LOUD"],
+        ["--write-nice", "20"],
+        ["--write-nice", "-1"],
         ["--unknown"],
     ],
     ids=" ".join,

@@ -278,3 +278,15 @@ def test_a_bad_upload_timeout_is_a_usage_error(capsys: pytest.CaptureFixture[str
         config_from_args(["serve", "--upload-timeout", "0"])
     assert exc.value.code == 2
     assert "upload_timeout_seconds must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", [0, 1, (4 << 20) - 1, 4 << 20, (9 << 20) + 3])
+def test_a_mapped_checksum_equals_a_read_one(tmp_path: Path, size: int) -> None:
+    path = tmp_path / "f"
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    path.write_bytes(data)
+    seen: list[int] = []
+
+    assert verify.file_checksum(path, seen.append, mapped=True) == (size, crc32c.crc32c(data))
+    assert verify.file_checksum(path) == (size, crc32c.crc32c(data))
+    assert sum(seen) == size

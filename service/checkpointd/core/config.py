@@ -59,6 +59,8 @@ class ServeConfig:
         shm_root: a tmpfs where the daemon offers same-host trainers a
             shared-memory segment per run (see checkpointd.shm); default
             /dev/shm where it exists; None: every snapshot comes over gRPC.
+        write_nice: nice value (0-19) of the threads that write saves, so
+            training on the same machine comes first; 0: normal priority.
     """
 
     root: Path = Path("checkpoints")
@@ -84,6 +86,7 @@ class ServeConfig:
     keep_last: int | None = None
     keep_every_steps: int | None = None
     shm_root: Path | None = field(default_factory=default_shm_root)
+    write_nice: int = 10
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -110,6 +113,8 @@ class ServeConfig:
         RetentionPolicy(self.keep_last, self.keep_every_steps)  # validates
         if not self.host:
             raise ValueError("host must not be empty")
+        if not 0 <= self.write_nice <= 19:
+            raise ValueError(f"write_nice must be in 0..19, got {self.write_nice}")
 
     @property
     def retention(self) -> RetentionPolicy:
