@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from checkpointd import publish
 from checkpointd.auth import ServerAuth, load_server_auth
+from checkpointd.budget import default_staging_bytes
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.errors import DeadlineError
 from checkpointd.core.ports import Writer
@@ -97,7 +98,9 @@ class Server:
             threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()
         self.retention = Retention(config.root, config.retention)
         self.retention.start()
-        self.shared_memory = _shared_memory(config.shm_root)
+        self.shared_memory = _shared_memory(
+            config.shm_root, config.max_staging_bytes or default_staging_bytes()
+        )
         servicer = CheckpointServicer(
             config, self.lanes, self._writer, phases=self.metrics, retention=self.retention,
             shared_memory=self.shared_memory,
@@ -180,12 +183,12 @@ class Server:
         return self._stopped.wait(timeout)
 
 
-def _shared_memory(root: Path | None) -> SharedMemory | None:
+def _shared_memory(root: Path | None, max_bytes: int) -> SharedMemory | None:
     """The same-host snapshot transport, or None if it is off or cannot start (logged)."""
     if root is None:
         return None
     try:
-        return SharedMemory(root)
+        return SharedMemory(root, max_bytes)
     except OSError as e:
         _LOGGER.warning("shared memory is off: cannot make a folder in %s (%s)", root, e.strerror or e)
         return None

@@ -220,10 +220,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self._phases.observe_phase(kind.value, "queue", accepted - asked)
         outcome: Written | Failed = Failed("the client went away during the save")
         transport = "none"  # until the snapshot has arrived
+        segment = None
         try:
             parts = [v.nbytes for v in manifest.variables]
             parts.append(header.snapshot_bytes - manifest.nbytes)  # the numpy state
-            segment = None
             if header.shared_memory and self._shm is not None:
                 segment = self._shm.segment(run, parts)  # safe: this save holds the lane
             yield pb.SaveResponse(
@@ -260,6 +260,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             outcome = Failed(str(exc) or type(exc).__name__)
             raise
         finally:
+            if segment is not None:
+                self._shm.release(run)  # idle again: may give way to another run's
             release()  # before the caller hears the result, so its next save fits
             self._lanes.finish(run, decision, outcome)
             seconds = time.time() - (decision.accepted_at or time.time())

@@ -25,7 +25,9 @@ Safety:
 
 Each segment stays mapped while its run lives, so a run's segment memory
 (its snapshot size) is held between saves; it is freed when the run is
-closed, re-registered with another layout, or the daemon stops.
+closed, re-registered with another layout, or the daemon stops, and idle
+segments give way (least recently used first) when all of them together
+would pass the daemon's cap (--max-staging-bytes).
 """
 
 from __future__ import annotations
@@ -75,21 +77,38 @@ class Segment:
 
 
 class SharedMemory:
-    """The daemon's segments, one per run. Thread-safe."""
+    """The daemon's segments, one per run, at most `max_bytes` in all. Thread-safe.
 
-    def __init__(self, root: Path) -> None:
+    A segment is busy from `segment()` until `release()` (its save); when a
+    new one would pass `max_bytes`, the least recently used idle segments
+    of other runs are freed first (a run that stopped saving without closing
+    does not keep its memory forever), and if that is not enough the save
+    goes over gRPC.
+    """
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
         """Makes this daemon's private folder under `root`, clearing dead daemons' ones.
 
         Raises:
             OSError: the folder cannot be made.
         """
         self._root = Path(root)
+        self._max_bytes = max_bytes
         remove_dead_folders(self._root)
         self._dir = self._root / f"checkpointd-{os.getpid()}-{secrets.token_hex(8)}"
         self._dir.mkdir(mode=0o700)
         self._lock = threading.Lock()
+        # Least recently used first: a segment moves to the end when it is used.
         self._segments: dict[str, Segment] = {}
+        self._busy: set[str] = set()
+        self._warned: set[str] = set()
         self._serial = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every segment held now."""
+        with self._lock:
+            return sum(s.size for s in self._segments.values())
 
     @property
     def folder(self) -> Path:
@@ -103,23 +122,48 @@ class SharedMemory:
         no room (logged): the save then goes over the wire.
         """
         sizes = tuple(sizes)
-        with self._lock:
-            old = self._segments.get(run)
-            if old is not None and old.sizes == sizes:
-                return old
-            self._serial += 1
-            serial = self._serial
-            if old is not None:
-                del self._segments[run]
-        if old is not None:
-            old.close()
         offsets, size = aligned_offsets(sizes)
-        if size == 0:
-            return None  # nothing to share
+        with self._lock:
+            old = self._segments.pop(run, None)
+            if old is not None and old.sizes == sizes:
+                self._segments[run] = old  # now the most recently used
+                self._busy.add(run)
+                return old
+            freed = [old] if old is not None else []
+            held = sum(s.size for s in self._segments.values())
+            idle = [r for r in self._segments if r not in self._busy]
+            if held - sum(self._segments[r].size for r in idle) + size > self._max_bytes:
+                idle = []  # it cannot fit even then: free nothing for it
+            for other in idle:
+                if held + size <= self._max_bytes:
+                    break
+                evicted = self._segments.pop(other)
+                held -= evicted.size
+                freed.append(evicted)
+            fits = 0 < size and held + size <= self._max_bytes
+            if fits:
+                self._serial += 1
+                serial = self._serial
+                self._busy.add(run)
+            warn = not fits and size > 0 and run not in self._warned
+            if warn:
+                self._warned.add(run)
+        for segment in freed:
+            segment.close()
+        if not fits:
+            if warn:
+                _LOGGER.warning(
+                    "run %s: a %d-byte shared-memory segment would pass the %d bytes that "
+                    "segments may hold (--max-staging-bytes) with %d held by saves in flight; "
+                    "its saves go over gRPC until there is room", run, size, self._max_bytes, held,
+                )
+            return None
         path = self._dir / f"{run}-{serial}"
         try:
             segment = _make(path, tuple(sizes), tuple(offsets), size)
         except OSError as e:
+            with self._lock:
+                self._busy.discard(run)
             why = "no room for" if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG) else "cannot make"
             _LOGGER.warning(
                 "run %s: %s a %d-byte shared-memory segment in %s (%s); this save goes over gRPC",
@@ -130,10 +174,16 @@ class SharedMemory:
             self._segments[run] = segment
         return segment
 
+    def release(self, run: str) -> None:
+        """Ends the run's save that `segment()` gave a segment to."""
+        with self._lock:
+            self._busy.discard(run)
+
     def drop(self, run: str) -> None:
         """Frees the run's segment, if it has one."""
         with self._lock:
             segment = self._segments.pop(run, None)
+            self._busy.discard(run)
         if segment is not None:
             segment.close()
 

@@ -26,7 +26,7 @@ class _Context:
 
 @pytest.fixture
 def memory(tmp_path: Path):
-    shared = shm.SharedMemory(tmp_path)
+    shared = shm.SharedMemory(tmp_path, 1 << 30)
     yield shared
     shared.close()
 
@@ -97,6 +97,36 @@ def test_no_room_means_no_segment_and_nothing_left(
     assert "no room for" in caplog.text and "over gRPC" in caplog.text
 
 
+def test_idle_segments_give_way_least_recently_used_first_busy_ones_never(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    page = [4096]
+    shared = shm.SharedMemory(tmp_path, 3 * 4096)
+    try:
+        a, b, c = (shared.segment(run, page) for run in ("a", "b", "c"))
+        for run in ("a", "b"):
+            shared.release(run)  # "c" is still saving
+        assert shared.segment("a", page) is a  # "a" is now used more recently than "b"
+        shared.release("a")
+
+        d = shared.segment("d", page)  # full: the least recently used idle one goes
+
+        assert d is not None and not b.path.exists()
+        assert a.path.exists() and c.path.exists()
+        assert shared.nbytes == 3 * 4096
+        e = shared.segment("e", page)  # frees "a", the last idle one
+        assert e is not None and not a.path.exists()
+        # Every segment is busy (c, d, e): no room, and the save goes over gRPC.
+        assert shared.segment("f", page) is None
+        assert "its saves go over gRPC" in caplog.text
+        assert all(x.path.exists() for x in (c, d, e))
+        shared.release("d")
+        assert shared.segment("g", [5 * 4096]) is None  # larger than the cap itself
+        assert d.path.exists()  # nothing is freed for a segment that could never fit
+    finally:
+        shared.close()
+
+
 def test_an_empty_snapshot_gets_no_segment(memory: shm.SharedMemory) -> None:
     assert memory.segment("run-a", [0, 0]) is None
 
@@ -111,7 +141,7 @@ def test_folders_of_dead_daemons_are_removed_live_and_foreign_ones_kept(tmp_path
         d.mkdir()
         (d / "seg").write_bytes(b"x")
 
-    shared = shm.SharedMemory(tmp_path)
+    shared = shm.SharedMemory(tmp_path, 1 << 30)
     try:
         assert not dead.exists()
         assert live.exists() and unrelated.exists()
