@@ -51,7 +51,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-from checkpointd import publish, verify  # noqa: E402
+from checkpointd import publish, shm, verify  # noqa: E402
+from checkpointd.core.config import default_shm_root  # noqa: E402
 from checkpointd.core.errors import CheckpointdError  # noqa: E402
 from checkpointd_client import RemotePolicySaver  # noqa: E402
 from tests.integration import policies  # noqa: E402
@@ -337,6 +338,9 @@ def run_trials(
             if daemon.proc.poll() is None:
                 daemon.proc.kill()
                 daemon.proc.wait()
+            shm_root = default_shm_root()
+            if shm_root is not None:  # what the next daemon would clear of the killed ones
+                shm.remove_dead_folders(shm_root)
     figures.seconds = time.monotonic() - started
     return figures
 
