@@ -114,7 +114,7 @@ class ServeConfig:
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.write_nice <= 19:
-            raise ValueError(f"write_nice must be in 0..19, got {self.write_nice}")
+            raise ValueError(f"write_nice (--write-nice) must be in 0..19, got {self.write_nice}")
 
     @property
     def retention(self) -> RetentionPolicy:
