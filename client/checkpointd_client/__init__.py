@@ -1,8 +1,8 @@
 """checkpointd_client: save TF-Agents policies through a checkpointd daemon."""
 
-from checkpointd.auth import credentials
-from checkpointd.core import SaveKind
-from checkpointd.core.errors import (
+from checkpointd.protocol.credentials import credentials
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.errors import (
     CheckpointdError,
     ChecksumError,
     DeadlineError,

@@ -20,10 +20,10 @@ import grpc
 import numpy as np
 import tensorflow as tf
 
-from checkpointd.core import SaveKind
-from checkpointd.core.errors import ChecksumError, RunNotFoundError, SaveFailedError
-from checkpointd.core.paths import check_export_dir
-from checkpointd.status import error_for
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.errors import ChecksumError, RunNotFoundError, SaveFailedError
+from checkpointd.protocol.names import check_export_dir
+from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import numpy_state as numpy_state_lib

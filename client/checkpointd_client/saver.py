@@ -25,11 +25,11 @@ from tf_agents.policies import policy_saver, tf_policy
 from tf_agents.typing import types
 from tf_agents.utils import numpy_storage
 
-from checkpointd import auth
-from checkpointd.core import SaveKind
-from checkpointd.core.errors import CheckpointdError, DeadlineError, RunClosedError
-from checkpointd.core.paths import check_export_dir, check_run_name
-from checkpointd.status import error_for
+from checkpointd.protocol.credentials import open_channel, read_token
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.errors import CheckpointdError, DeadlineError, RunClosedError
+from checkpointd.protocol.names import check_export_dir, check_run_name
+from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import numpy_state as numpy_state_lib
@@ -138,7 +138,7 @@ class RemotePolicySaver(PolicySaverFacade):
         if token is not None and token_file is not None:
             raise ValueError("give token or token_file, not both")
         if token_file is not None:
-            token = auth.read_token(Path(token_file))
+            token = read_token(Path(token_file))
         try:
             self._folder = check_run_name(folder) if folder is not None else None
         except CheckpointdError as e:
@@ -147,7 +147,7 @@ class RemotePolicySaver(PolicySaverFacade):
         self._address = address
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
-        self._channel = auth.open_channel(address, channel_credentials, token)
+        self._channel = open_channel(address, channel_credentials, token)
         self._stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
         self._save_stub = SaveStub(self._channel)  # sends chunks serialized once, by us
         self._lock = threading.Lock()

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
-from checkpointd.core import SaveKind
-from checkpointd.core.errors import SaveFailedError
-from checkpointd.status import error_for
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.errors import SaveFailedError
+from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2, checkpointd_pb2_grpc
 from checkpointd_client.ticket import SaveResult, SaveTicket
 
@@ -36,7 +36,7 @@ class SaveStream:
     """A Save call whose requests are fed through a queue.
 
     Methods raise `grpc.RpcError` for a status the daemon (or the channel)
-    sent; the caller maps it with `checkpointd.status.error_for`.
+    sent; the caller maps it with `checkpointd.protocol.codes.error_for`.
     """
 
     def __init__(

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import grpc
 from tf_agents.policies import policy_saver
 
-from checkpointd.status import error_for
+from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import snapshot

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from checkpointd.core import SaveKind
+from checkpointd.protocol.kinds import SaveKind
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,9 @@ from tf_agents.policies import greedy_policy, policy_saver
 from tf_agents.train import interval_trigger, learner
 from tf_agents.utils import numpy_storage
 
-from checkpointd.core import SaveKind
-from checkpointd.core.errors import CheckpointdError
-from checkpointd.core.paths import check_export_dir, check_run_name
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.errors import CheckpointdError
+from checkpointd.protocol.names import check_export_dir, check_run_name
 from checkpointd_client.restore import LatestSave
 from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.ticket import SaveTicket

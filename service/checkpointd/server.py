@@ -13,17 +13,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from checkpointd import publish
-from checkpointd.auth import ServerAuth, load_server_auth
-from checkpointd.budget import default_staging_bytes
+from checkpointd.storage import local
+from checkpointd.rpc.auth import ServerAuth, load_server_auth
+from checkpointd.saves.budget import default_staging_bytes
 from checkpointd.core.config import ServeConfig
-from checkpointd.core.errors import DeadlineError
+from checkpointd.protocol.errors import DeadlineError
 from checkpointd.core.ports import Writer
-from checkpointd.lanes import Lanes
-from checkpointd.retention import Retention
-from checkpointd.shm import SharedMemory
+from checkpointd.saves.runs import Lanes
+from checkpointd.saves.retention import Retention
+from checkpointd.saves.shm import SharedMemory
 from checkpointd.metrics import Metrics, serve_metrics
-from checkpointd.servicer import CheckpointServicer
+from checkpointd.rpc.servicer import CheckpointServicer
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
@@ -56,7 +56,7 @@ class Server:
             registry: the metrics registry; a fresh one by default.
             writer: the save writer; TfWriter by default (TensorFlow loads in start()).
             auth: TLS credentials and tokens; by default loaded in start() from
-                the config and CHECKPOINTD_TOKENS (see checkpointd.auth).
+                the config and CHECKPOINTD_TOKENS (see checkpointd.rpc.auth).
         """
         self.config = config
         self._auth = auth
@@ -86,11 +86,11 @@ class Server:
         # First: an exposed bind without auth must not touch the root or load TF.
         auth = self._auth if self._auth is not None else load_server_auth(config)
         config.root.mkdir(parents=True, exist_ok=True)
-        fixed = publish.recover(config.root)
+        fixed = local.recover(config.root)
         if fixed:
             _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, config.root)
         if self._writer is None:
-            from checkpointd.writer import TfWriter  # TensorFlow loads here, not at import
+            from checkpointd.formats.policy import TfWriter  # TensorFlow loads here, not at import
 
             self._writer = TfWriter(config.state_dir, fsync=config.fsync, nice=config.write_nice)
             # Import TensorFlow (~2.5 s) while the port opens, not inside the

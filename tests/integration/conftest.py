@@ -10,8 +10,8 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from checkpointd import shm  # noqa: E402
-from checkpointd.core.config import default_shm_root  # noqa: E402
+from checkpointd.saves import shm  # noqa: E402
+from checkpointd.saves.shm import default_shm_root  # noqa: E402
 from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
 
 

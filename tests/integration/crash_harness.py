@@ -5,7 +5,7 @@ registers a run through `RemotePolicySaver`, saves back to back into a small
 pool of export dirs (SavedModels and checkpoints, blocking and not, so most
 saves replace an earlier one) and kills the daemon with SIGKILL at a random
 moment while saves run. The next trial's restart must leave the root
-consistent; after it (its `publish.recover` has run once the port file exists):
+consistent; after it (its `local.recover` has run once the port file exists):
 
 - no `.checkpointd-tmp-*` or `.checkpointd-old-*` dir is left anywhere, and
   no registration staging dir;
@@ -51,9 +51,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-from checkpointd import publish, shm, verify  # noqa: E402
-from checkpointd.core.config import default_shm_root  # noqa: E402
-from checkpointd.core.errors import CheckpointdError  # noqa: E402
+from checkpointd.storage import local
+from checkpointd.saves import shm
+from checkpointd.storage import save_manifest  # noqa: E402
+from checkpointd.cli import verify
+from checkpointd.saves.shm import default_shm_root  # noqa: E402
+from checkpointd.protocol.errors import CheckpointdError  # noqa: E402
 from checkpointd_client import RemotePolicySaver  # noqa: E402
 from tests.integration import policies  # noqa: E402
 from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
@@ -188,7 +191,7 @@ def _plant(root: Path, run: str) -> dict[Path, str]:
         root / run / "my-tmp-dir" / "keep.txt": "user dir",
         root / run / ".checkpointd-old-notours-zz" / "keep.txt": "not our hex suffix",
         root / run / ".checkpointd-tmp" / "keep.txt": "no dash: not our prefix",
-        outside / f"{publish.TMP_PREFIX}x-0123456789abcdef" / "keep.txt": "behind a symlink",
+        outside / f"{local.TMP_PREFIX}x-0123456789abcdef" / "keep.txt": "behind a symlink",
     }
     for path, text in planted.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +207,7 @@ def _leftovers(root: Path) -> list[Path]:
     found = []
     for dirpath, dirnames, _ in os.walk(root):
         for name in dirnames:
-            if name.startswith(publish.TMP_PREFIX) or publish._split_old(name) is not None:  # noqa: SLF001
+            if name.startswith(local.TMP_PREFIX) or local._split_old(name) is not None:  # noqa: SLF001
                 found.append(Path(dirpath, name))
     staging = root / ".checkpointd" / "staging"
     if staging.is_dir():
@@ -246,8 +249,8 @@ def _check_dirs(root: Path, runs: Sequence[_Run], figures: Figures) -> list[str]
                     problems.append(f"{path}: lost (it held step {run.floor[export_dir]})")
                 continue
             try:
-                manifest = verify.read_manifest(path)
-            except verify.ManifestError as exc:
+                manifest = save_manifest.read_manifest(path)
+            except save_manifest.ManifestError as exc:
                 problems.append(f"{path}: {exc}")
                 continue
             step, created = manifest["step"], manifest["created_unix_seconds"]
@@ -268,7 +271,7 @@ def _check_dirs(root: Path, runs: Sequence[_Run], figures: Figures) -> list[str]
 def _classify(root: Path, run: _Run, pending: tuple[str, int] | None) -> str:
     """Which moment of a save the kill hit, from the frozen disk state."""
     parked = _leftovers(root / run.name)
-    if any(p.name.startswith(publish.TMP_PREFIX) for p in parked):
+    if any(p.name.startswith(local.TMP_PREFIX) for p in parked):
         return "write"
     if parked:
         return "replace"
@@ -276,9 +279,9 @@ def _classify(root: Path, run: _Run, pending: tuple[str, int] | None) -> str:
         return "idle"
     export_dir, step = pending
     try:
-        if verify.read_manifest(root / run.name / export_dir)["step"] == step:
+        if save_manifest.read_manifest(root / run.name / export_dir)["step"] == step:
             return "published"
-    except verify.ManifestError:
+    except save_manifest.ManifestError:
         pass
     return "upload"
 

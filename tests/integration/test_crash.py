@@ -24,7 +24,7 @@ from tf_agents.policies import policy_loader, py_tf_eager_policy
 from tf_agents.trajectories import time_step as ts
 
 import checkpointd
-from checkpointd import verify
+from checkpointd.storage import save_manifest
 from checkpointd_client import RemotePolicySaver
 from tests.integration import crash_harness, policies
 from tests.integration.daemon import Daemon
@@ -63,11 +63,11 @@ def test_each_save_lists_its_files_in_a_manifest(
     saves, which: int, kind: str, step: int, export_dir: str  # noqa: ANN001
 ) -> None:
     save_dir, started = saves[which], saves[2]
-    manifest = json.loads((save_dir / verify.MANIFEST_NAME).read_text())
+    manifest = json.loads((save_dir / save_manifest.MANIFEST_NAME).read_text())
     files = _files(save_dir)
-    del files[verify.MANIFEST_NAME]
+    del files[save_manifest.MANIFEST_NAME]
 
-    assert (manifest["format"], manifest["format_version"]) == (verify.FORMAT, 1)
+    assert (manifest["format"], manifest["format_version"]) == (save_manifest.FORMAT, 1)
     assert (manifest["run"], manifest["kind"], manifest["step"]) == (RUN, kind, step)
     assert manifest["export_dir"] == export_dir
     assert started <= manifest["created_unix_seconds"] <= time.time()
@@ -80,7 +80,7 @@ def test_each_save_lists_its_files_in_a_manifest(
         {"path": rel, "size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"}
         for rel, data in sorted(files.items())
     ]
-    assert verify.verify_dir(save_dir).ok
+    assert save_manifest.verify_dir(save_dir).ok
 
 
 def test_the_manifest_does_not_disturb_tf_agents_loaders(saves) -> None:  # noqa: ANN001

@@ -23,10 +23,12 @@ import pytest
 import tensorflow as tf
 from tf_agents.policies import policy_saver
 
-from checkpointd import publish, verify
-from checkpointd.core.errors import DeadlineError, SaveFailedError
-from checkpointd.upload import until
-from checkpointd.status import error_for
+from checkpointd.storage import local
+from checkpointd.storage import save_manifest
+from checkpointd.cli import verify
+from checkpointd.protocol.errors import DeadlineError, SaveFailedError
+from checkpointd.rpc.upload import until
+from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemotePolicySaver, snapshot, template
@@ -128,7 +130,7 @@ def saves_total(daemon: Daemon, kind: str, outcome: str) -> float:
 
 def temp_dirs(root: Path) -> list[str]:
     return [
-        os.path.join(d, n) for d, names, _ in os.walk(root) for n in names if n.startswith(publish.TMP_PREFIX)
+        os.path.join(d, n) for d, names, _ in os.walk(root) for n in names if n.startswith(local.TMP_PREFIX)
     ]
 
 
@@ -259,7 +261,7 @@ def test_a_full_disk_fails_the_save_cleanly_and_the_lane_serves_on(full_disk_dae
         assert saves_total(daemon, "saved_model", "ok") == 1
         assert not (run_dir / "big").exists()
         assert temp_dirs(daemon.root) == []
-        assert verify.verify_dir(run_dir / "good").ok
+        assert save_manifest.verify_dir(run_dir / "good").ok
         filler.unlink()
         after = saver.save("after")
         assert not after.skipped
@@ -291,7 +293,7 @@ def test_a_trainer_that_disconnects_mid_upload_frees_the_lane(daemon: Daemon) ->
             assert call.finish(chunks).step == 2
         run_dir = daemon.root / "faults-cancel"
         assert sorted(os.listdir(run_dir)) == ["next"]
-        assert verify.verify_dir(run_dir / "next").ok
+        assert save_manifest.verify_dir(run_dir / "next").ok
     finally:
         trainer.close()
 
@@ -325,6 +327,6 @@ def test_a_stalled_upload_times_out_and_frees_the_lane(fresh_daemon) -> None:  #
         assert saves_total(daemon, "saved_model", "skipped") == 2
         run_dir = daemon.root / "faults-stall"
         assert sorted(os.listdir(run_dir)) == ["next"]
-        assert verify.verify_dir(run_dir / "next").ok
+        assert save_manifest.verify_dir(run_dir / "next").ok
     finally:
         trainer.close()

@@ -51,7 +51,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, settings
 
-from checkpointd import verify
+from checkpointd.storage import save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import snapshot
@@ -88,7 +88,7 @@ UPLOAD_TIMEOUT = 5  # --upload-timeout: a stalled upload frees its lane after th
 CHUNK_BYTES = 128  # several snapshot chunks, so order and truncation can be broken
 SERVICE = "checkpointd.v1.CheckpointService"
 
-# The errors table (checkpointd.status.CODES) minus what fuzzing cannot reach
+# The errors table (checkpointd.protocol.codes.CODES) minus what fuzzing cannot reach
 # legitimately: UNAVAILABLE (draining), UNAUTHENTICATED (no tokens here),
 # INTERNAL (allowed per scenario only, with a reason).
 TABLE = frozenset(
@@ -392,7 +392,7 @@ class Fuzzer:
         for path, step in self.accepted_ok.items():
             if any(Path(other).is_relative_to(path) and other != path for other in self.accepted_ok):
                 continue  # a later save inside it replaced one of its dirs
-            report = verify.verify_dir(Path(path))
+            report = save_manifest.verify_dir(Path(path))
             assert report.ok and report.step == step, report
         assert_serving(self.daemon, self.stub, self.world)
 
@@ -444,7 +444,7 @@ def assert_serving(daemon: Daemon, stub: Stub, world: World) -> None:
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     result = good_save(stub, world, "after-fuzz", run=MAIN_FOLDERED)
     assert result.path == str(world.root / MAIN_FOLDER / "after-fuzz")
-    assert verify.verify_dir(Path(result.path)).ok
+    assert save_manifest.verify_dir(Path(result.path)).ok
 
 
 # --- Fixtures ---
@@ -592,7 +592,7 @@ def test_stalled_uploads_are_cut_off_by_the_upload_timeout_and_free_their_lanes(
         # The lanes are free: the next save of each run is accepted and written.
         for run in CLOSABLE:
             result = good_save(stub, world, "after-stall", run=run)
-            assert verify.verify_dir(Path(result.path)).ok
+            assert save_manifest.verify_dir(Path(result.path)).ok
 
 
 def _template_requests(world: World, run: str, files: dict[str, bytes]) -> list[pb.RegisterRunRequest]:

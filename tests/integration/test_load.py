@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from checkpointd.core import SaveKind
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import CheckpointdError, RemotePolicySaver, SaveTicket

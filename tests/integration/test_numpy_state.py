@@ -21,7 +21,8 @@ import tensorflow as tf
 from tf_agents.policies import policy_loader, py_tf_eager_policy
 from tf_agents.utils import numpy_storage
 
-from checkpointd import verify
+from checkpointd.storage import save_manifest
+from checkpointd.cli import verify
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemotePolicySaver, RunNotFoundError
@@ -145,7 +146,7 @@ def test_the_arrays_may_change_between_saves_and_restore_brings_them_back(savers
     second = Path(saver.save_checkpoint("second", blocking=True).result().path)
 
     def keys(save_dir: Path) -> list[str]:
-        return json.loads((save_dir / verify.MANIFEST_NAME).read_text())["numpy_state"]["keys"]
+        return json.loads((save_dir / save_manifest.MANIFEST_NAME).read_text())["numpy_state"]["keys"]
 
     assert keys(first) == ["numpy_arrays/x/.ATTRIBUTES/py_state"]
     assert keys(second) == ["numpy_arrays/x/.ATTRIBUTES/py_state", "numpy_arrays/y/.ATTRIBUTES/py_state"]
@@ -175,7 +176,7 @@ def test_the_loaders_and_verify_do_not_notice_the_numpy_state(savers: Savers) ->
     assert policy_loader.load(str(model), str(ck)).get_train_step() == 42
     reports = verify.verify_paths([model, ck])
     assert [r.ok for r in reports] == [True, True], [r.reason for r in reports]
-    listed = {e.path for e in verify.read_manifest(ck)["files"]}
+    listed = {e.path for e in save_manifest.read_manifest(ck)["files"]}
     assert {f"numpy_state/{name}" for name in NUMPY_FILES} <= listed
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from checkpointd import verify
+from checkpointd.cli import verify
 from checkpointd_client import RemotePolicySaver
 from tests.integration import policies
 from tests.integration.daemon import Daemon, wait_until

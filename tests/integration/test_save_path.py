@@ -24,8 +24,8 @@ from tf_agents.networks import q_network
 from tf_agents.policies import policy_loader, policy_saver, py_tf_eager_policy, q_policy
 from tf_agents.policies.tf_policy import TFPolicy
 
-from checkpointd.core import SaveKind
-from checkpointd.verify import MANIFEST_NAME
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.storage.save_manifest import MANIFEST_NAME
 from checkpointd_client import RemotePolicySaver, SaveResult
 from tests.integration import policies
 from tests.integration.daemon import Daemon
@@ -47,7 +47,7 @@ SAVED_MODEL_FILES = {
     "variables/variables.index",
     "variables/variables.data-00000-of-00001",
 }
-DAEMON_FILES = {MANIFEST_NAME}  # the daemon's own file beside PolicySaver's (checkpointd.verify)
+DAEMON_FILES = {MANIFEST_NAME}  # the daemon's own file beside PolicySaver's (checkpointd.storage.save_manifest)
 
 KINDS = ("q", "actor", "recurrent")
 ALL = [(kind, nest) for kind in KINDS for nest in (True, False)]

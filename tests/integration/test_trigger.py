@@ -25,7 +25,7 @@ from tf_agents.train import triggers
 from tf_agents.trajectories import time_step as ts
 from tf_agents.utils import numpy_storage
 
-from checkpointd import verify
+from checkpointd.storage import save_manifest
 from checkpointd_client import SaveKind
 from checkpointd_client.trigger import RemotePolicySavedModelTrigger
 from tests.integration import dqn, trainer_proc
@@ -44,7 +44,7 @@ def tree(root: Path) -> set[str]:
         os.path.relpath(os.path.join(d, f), root)
         for d, _, files in os.walk(root)
         for f in files
-        if f != verify.MANIFEST_NAME
+        if f != save_manifest.MANIFEST_NAME
     }
 
 
@@ -95,7 +95,7 @@ def test_the_trigger_writes_what_upstream_writes_in_a_learner_loop(
         for name in ("variables.index", "variables.data-00000-of-00001"):
             ours_file, upstream_file = (d / save / "variables" / name for d in (run_dir, upstream_dir))
             assert filecmp.cmp(ours_file, upstream_file, shallow=False), (save, name)
-    manifests = {p.parent.relative_to(run_dir).as_posix() for p in run_dir.rglob(verify.MANIFEST_NAME)}
+    manifests = {p.parent.relative_to(run_dir).as_posix() for p in run_dir.rglob(save_manifest.MANIFEST_NAME)}
     assert manifests == expected
 
     # TF-Agents' loaders: any saved policy updates from the raw policy's checkpoints.
@@ -152,7 +152,7 @@ def test_a_killed_trainer_resumes_from_the_daemons_newest_checkpoint(
         proc.stdin.close(), proc.stdout.close(), proc.stderr.close()
     last = rounds * INTERVAL
     run_dir = daemon.root / "resume"
-    created = {p: verify.read_manifest(run_dir / "policies" / p)["created_unix_seconds"]
+    created = {p: save_manifest.read_manifest(run_dir / "policies" / p)["created_unix_seconds"]
                for p in ("policy", "collect_policy", "greedy_policy")}  # fmt: skip
 
     trainer = dqn.build(seed=2)  # other initial weights than the killed trainer's
@@ -163,7 +163,7 @@ def test_a_killed_trainer_resumes_from_the_daemons_newest_checkpoint(
     )  # fmt: skip
     try:
         for p, when in created.items():  # as upstream, existing SavedModels are not rewritten
-            assert verify.read_manifest(run_dir / "policies" / p)["created_unix_seconds"] == when
+            assert save_manifest.read_manifest(run_dir / "policies" / p)["created_unix_seconds"] == when
         newest = trigger.latest()
         assert (newest.export_dir, newest.step, newest.kind) == (checkpoint(last), last, SaveKind.CHECKPOINT)
         reader = tf.train.load_checkpoint(str(run_dir / checkpoint(last) / "variables" / "variables"))

@@ -30,11 +30,11 @@ from tf_agents.policies import (
 from tf_agents.specs import tensor_spec
 from tf_agents.trajectories import time_step as ts
 
-from checkpointd.core.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
-from checkpointd.core.lane import SaveKind
+from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import VariableSpec
-from checkpointd.verify import MANIFEST_NAME
-from checkpointd.writer import TfWriter
+from checkpointd.storage.save_manifest import MANIFEST_NAME
+from checkpointd.formats.policy import TfWriter
 from checkpointd_client import snapshot as client_snapshot
 from tests.integration import policies
 from tests.integration.disk import files_under
@@ -168,7 +168,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def test_importing_the_writer_does_not_import_tensorflow() -> None:
-    code = "import sys, checkpointd.writer; sys.exit('tensorflow' in sys.modules)"
+    code = "import sys, checkpointd.formats.policy; sys.exit('tensorflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

@@ -18,9 +18,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from checkpointd import auth, ops
+from checkpointd.rpc import auth
+from checkpointd.cli import ops
 from checkpointd.cli import OpsCommand, config_from_args
 from checkpointd.core.config import ServeConfig
+from checkpointd.saves.shm import default_shm_root
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from tests.certs import Certs, make_certs
@@ -68,11 +70,11 @@ def test_a_token_file_others_can_read_is_warned_about(tmp_path: Path, caplog: py
     path = tmp_path / "tokens"
     path.write_text(TOKEN)
     path.chmod(0o600)
-    with caplog.at_level(logging.WARNING, logger="checkpointd.auth"):
+    with caplog.at_level(logging.WARNING, logger="checkpointd.rpc.auth"):
         auth.read_tokens(path)
     assert caplog.records == []
     path.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="checkpointd.auth"):
+    with caplog.at_level(logging.WARNING, logger="checkpointd.rpc.auth"):
         auth.read_tokens(path)
     assert "readable by other users" in caplog.text
     assert TOKEN not in caplog.text
@@ -98,7 +100,7 @@ def test_an_exposed_host_without_auth_is_refused() -> None:
 
 
 def test_insecure_allows_it_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="checkpointd.auth"):
+    with caplog.at_level(logging.WARNING, logger="checkpointd.rpc.auth"):
         got = auth.load_server_auth(ServeConfig(host="0.0.0.0", insecure=True), environ={})
     assert got.credentials is None and got.tokens == () and got.interceptors() == []
     assert [r.levelname for r in caplog.records] == ["WARNING"]
@@ -106,14 +108,14 @@ def test_insecure_allows_it_with_a_warning(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_loopback_needs_nothing_and_warns_nothing(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="checkpointd.auth"):
+    with caplog.at_level(logging.WARNING, logger="checkpointd.rpc.auth"):
         got = auth.load_server_auth(ServeConfig(), environ={})
     assert got.describe() == "none"
     assert caplog.records == []
 
 
 def test_env_tokens_protect_an_exposed_host_but_warn_about_cleartext(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="checkpointd.auth"):
+    with caplog.at_level(logging.WARNING, logger="checkpointd.rpc.auth"):
         got = auth.load_server_auth(ServeConfig(host="::"), environ={auth.TOKENS_ENV: f"{TOKEN},{OTHER}"})
     assert got.tokens == (TOKEN, OTHER)
     assert got.describe() == "bearer tokens (2)"
@@ -163,6 +165,7 @@ def test_serve_security_flags() -> None:
          "--tls-client-ca", "ca.crt", "--token-file", "tokens", "--insecure"]
     )  # fmt: skip
     assert config == ServeConfig(
+        shm_root=default_shm_root(),
         host="0.0.0.0", tls_cert=Path("s.crt"), tls_key=Path("s.key"), tls_client_ca=Path("ca.crt"),
         token_file=Path("tokens"), insecure=True,
     )  # fmt: skip
@@ -359,7 +362,7 @@ def test_every_checkpoint_method_passes_with_any_accepted_token(plain: InProcess
 def test_refusals_name_the_problem_without_echoing_the_token(plain: InProcess, caplog: pytest.LogCaptureFixture) -> None:
     stub_of = pb_grpc.CheckpointServiceStub
     details = {}
-    with grpc.insecure_channel(plain.address) as channel, caplog.at_level(logging.WARNING, logger="checkpointd.auth"):
+    with grpc.insecure_channel(plain.address) as channel, caplog.at_level(logging.WARNING, logger="checkpointd.rpc.auth"):
         for name, metadata in (("missing", None), ("wrong", [("authorization", f"Bearer {WRONG}")])):
             with pytest.raises(grpc.RpcError) as raised:
                 stub_of(channel).GetStatus(pb.StatusRequest(), timeout=RPC_TIMEOUT, metadata=metadata)

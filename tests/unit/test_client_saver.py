@@ -22,7 +22,7 @@ from tf_agents.policies import q_policy
 from tf_agents.specs import tensor_spec
 from tf_agents.trajectories import time_step as ts
 
-from checkpointd.core import SaveKind
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import snapshot as snapshot_lib

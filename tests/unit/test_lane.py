@@ -7,18 +7,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from checkpointd.core.errors import UnavailableError, RunClosedError
-from checkpointd.core.lane import (
-    Failed,
-    Lane,
-    LaneState,
-    SaveKind,
-    SaveSpec,
-    Skipped,
-    Ticket,
-    TicketState,
-    Written,
-)
+from checkpointd.protocol.errors import UnavailableError, RunClosedError
+from checkpointd.core.lane import Failed, Lane, LaneState, SaveSpec, Skipped, Ticket, TicketState, Written
+from checkpointd.protocol.kinds import SaveKind
 
 if TYPE_CHECKING:
     from conftest import FakeClock, RecordingSink

@@ -13,18 +13,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from checkpointd.core.errors import DeadlineError, UnavailableError, RunClosedError, RunNotFoundError
-from checkpointd.core.lane import (
-    LaneState,
-    SaveKind,
-    SaveSpec,
-    Skipped,
-    Ticket,
-    TicketState,
-    Written,
-)
+from checkpointd.protocol.errors import DeadlineError, UnavailableError, RunClosedError, RunNotFoundError
+from checkpointd.core.lane import LaneState, SaveSpec, Skipped, Ticket, TicketState, Written
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import Manifest, VariableSpec
-from checkpointd.lanes import Lanes
+from checkpointd.saves.runs import Lanes
 
 # Upper bound on any wait in this file; reached only when a test fails.
 LIMIT = 5.0

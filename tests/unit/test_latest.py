@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd import verify
-from checkpointd.core.errors import InvalidRequestError, LimitExceededError, RunNotFoundError
-from checkpointd.core.lane import SaveKind
+from checkpointd.storage import save_manifest
+from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError, RunNotFoundError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
-from checkpointd.latest import committed_save, find_latest
-from checkpointd.lanes import Lanes
+from checkpointd.saves.catalog import committed_save, find_latest
+from checkpointd.saves.runs import Lanes
 
 FILES = {"variables/variables.index": b"index", "variables/variables.data-00000-of-00001": b"d" * 64}
 
@@ -31,7 +31,7 @@ def save(
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         (path / rel).write_bytes(data)
     if manifest:
-        verify.write_manifest(
+        save_manifest.write_manifest(
             path, run=run, kind=kind, step=step, export_dir=export_dir,
             versions={"checkpointd": "test"}, created=created,
         )  # fmt: skip
@@ -68,7 +68,7 @@ def test_uncommitted_dirs_are_not_saves(tmp_path: Path) -> None:
     save(tmp_path, "r", "ckpt/torn", run="r", step=99, created=99.0, manifest=False)
     save(tmp_path, "r", ".checkpointd-tmp-ckpt-00", run="r", step=98, created=98.0)
     (tmp_path / "r" / "ckpt" / "junk").mkdir()
-    (tmp_path / "r" / "ckpt" / "junk" / verify.MANIFEST_NAME).write_text("{not json")
+    (tmp_path / "r" / "ckpt" / "junk" / save_manifest.MANIFEST_NAME).write_text("{not json")
 
     assert find_latest(tmp_path, "r", "r").export_dir == "ckpt/1"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointd.core.errors import InvalidRequestError, LimitExceededError
+from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError
 from checkpointd.core.manifest import ITEMSIZE, Manifest, VariableSpec
 
 

@@ -7,8 +7,9 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from checkpointd.core.errors import InvalidRequestError
-from checkpointd.core.paths import check_export_dir, check_run_name, resolve_export_dir
+from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.protocol.names import check_export_dir, check_run_name
+from checkpointd.storage.local import resolve_export_dir
 
 
 @pytest.mark.parametrize("run", ["a", "run-1", "A.b_c-9", "7", "x" * 128])

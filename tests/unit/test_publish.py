@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd import publish
-from checkpointd.core.errors import SaveFailedError
+from checkpointd.storage import local
+from checkpointd.protocol.errors import SaveFailedError
 
 _HEX = "0123456789abcdef"
 
@@ -34,7 +34,7 @@ def make(root: Path, files: dict[str, str]) -> Path:
 
 def test_publish_imports_only_the_stdlib_and_the_core() -> None:
     code = (
-        "import sys, checkpointd.publish; "
+        "import sys, checkpointd.storage.local; "
         "sys.exit(any(m.split('.')[0] in ('tensorflow', 'numpy', 'grpc') for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
@@ -42,7 +42,7 @@ def test_publish_imports_only_the_stdlib_and_the_core() -> None:
 
 def test_temp_sibling_is_a_fresh_dir_next_to_the_target(tmp_path: Path) -> None:
     target = tmp_path / "a" / "b" / "export"
-    first, second = publish.make_temp_sibling(target), publish.make_temp_sibling(target)
+    first, second = local.make_temp_sibling(target), local.make_temp_sibling(target)
     assert first.is_dir() and second.is_dir() and first != second
     assert first.parent == target.parent
     assert re.fullmatch(r"\.checkpointd-tmp-export-[0-9a-f]+", first.name)
@@ -52,21 +52,21 @@ def test_temp_sibling_is_a_fresh_dir_next_to_the_target(tmp_path: Path) -> None:
 def test_temp_sibling_under_a_file_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "blocker").write_text("x")
     with pytest.raises(NotADirectoryError, match="blocker"):
-        publish.make_temp_sibling(tmp_path / "blocker" / "export")
+        local.make_temp_sibling(tmp_path / "blocker" / "export")
 
 
 def test_publish_to_an_absent_target_renames_the_tree(tmp_path: Path) -> None:
     target = tmp_path / "export"
-    tmp = make(publish.make_temp_sibling(target), {"a.txt": "new", "sub/b.txt": "new b"})
-    publish.publish_dir(tmp, target)
+    tmp = make(local.make_temp_sibling(target), {"a.txt": "new", "sub/b.txt": "new b"})
+    local.publish_dir(tmp, target)
     assert tree(target) == {"a.txt": "new", "sub/b.txt": "new b"}
     assert os.listdir(tmp_path) == ["export"]
 
 
 def test_publish_over_a_directory_replaces_it_completely(tmp_path: Path) -> None:
     target = make(tmp_path / "export", {"stale.txt": "old", "a.txt": "old a", "old/c.txt": "c"})
-    tmp = make(publish.make_temp_sibling(target), {"a.txt": "new a"})
-    publish.publish_dir(tmp, target, fsync=False)
+    tmp = make(local.make_temp_sibling(target), {"a.txt": "new a"})
+    local.publish_dir(tmp, target, fsync=False)
     assert tree(target) == {"a.txt": "new a"}
     assert os.listdir(tmp_path) == ["export"]
 
@@ -79,9 +79,9 @@ def test_publish_over_a_non_directory_fails_and_touches_nothing(tmp_path: Path, 
         target.write_text("keep me")
     else:
         target.symlink_to(tmp_path / ("real.txt" if kind == "symlink_to_file" else "real_dir"))
-    tmp = make(publish.make_temp_sibling(target), {"a.txt": "new"})
+    tmp = make(local.make_temp_sibling(target), {"a.txt": "new"})
     with pytest.raises(SaveFailedError, match="not a directory"):
-        publish.publish_dir(tmp, target)
+        local.publish_dir(tmp, target)
     assert tree(tmp) == {"a.txt": "new"}  # left for the caller to remove
     if kind == "file":
         assert target.read_text() == "keep me"
@@ -94,7 +94,7 @@ def test_a_failed_second_rename_puts_the_old_tree_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target = make(tmp_path / "export", {"a.txt": "old"})
-    tmp = make(publish.make_temp_sibling(target), {"a.txt": "new"})
+    tmp = make(local.make_temp_sibling(target), {"a.txt": "new"})
     real_rename = os.rename
 
     def rename(src: os.PathLike[str], dst: os.PathLike[str]) -> None:
@@ -102,9 +102,9 @@ def test_a_failed_second_rename_puts_the_old_tree_back(
             raise OSError(28, "No space left on device", str(src))
         real_rename(src, dst)
 
-    monkeypatch.setattr(publish.os, "rename", rename)
+    monkeypatch.setattr(local.os, "rename", rename)
     with pytest.raises(OSError, match="No space"):
-        publish.publish_dir(tmp, target, fsync=False)
+        local.publish_dir(tmp, target, fsync=False)
     assert tree(target) == {"a.txt": "old"}
     assert sorted(os.listdir(tmp_path)) == sorted(["export", tmp.name])
 
@@ -112,15 +112,15 @@ def test_a_failed_second_rename_puts_the_old_tree_back(
 def test_fsync_tree_syncs_a_tree_and_a_single_file(tmp_path: Path) -> None:
     root = make(tmp_path / "t", {"a.txt": "a", "d/e/b.txt": "b"})
     (root / "d" / "link").symlink_to(tmp_path / "missing")  # dangling: must not be opened
-    publish.fsync_tree(root)
-    publish.fsync_tree(root / "a.txt")
+    local.fsync_tree(root)
+    local.fsync_tree(root / "a.txt")
 
 
 def test_remove_quietly_removes_trees_files_and_ignores_the_absent(tmp_path: Path) -> None:
     make(tmp_path, {"d/x.txt": "x", "f.txt": "f"})
-    publish.remove_quietly(tmp_path / "d")
-    publish.remove_quietly(tmp_path / "f.txt")
-    publish.remove_quietly(tmp_path / "absent")
+    local.remove_quietly(tmp_path / "d")
+    local.remove_quietly(tmp_path / "f.txt")
+    local.remove_quietly(tmp_path / "absent")
     assert os.listdir(tmp_path) == []
 
 
@@ -148,7 +148,7 @@ def test_recover_repairs_interrupted_publications_and_nothing_else(tmp_path: Pat
     outside = make(tmp_path / "outside", {".checkpointd-tmp-y-00/a": "via symlink"})
     (root / "run2" / "link").symlink_to(outside)
 
-    assert publish.recover(root) == 4
+    assert local.recover(root) == 4
     assert tree(root) == {
         "run1/export/saved_model.pb": "old export",
         "run1/kept/a.txt": "current",
@@ -158,9 +158,9 @@ def test_recover_repairs_interrupted_publications_and_nothing_else(tmp_path: Pat
         "run2/.checkpointd-tmp-a-file-not-a-dir": "a file",
     }
     assert tree(outside) == {".checkpointd-tmp-y-00/a": "via symlink"}
-    assert publish.recover(root) == 0
+    assert local.recover(root) == 0
 
 
 def test_recover_of_an_empty_or_absent_root_fixes_nothing(tmp_path: Path) -> None:
-    assert publish.recover(tmp_path) == 0
-    assert publish.recover(tmp_path / "absent") == 0
+    assert local.recover(tmp_path) == 0
+    assert local.recover(tmp_path / "absent") == 0

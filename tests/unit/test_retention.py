@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd import verify
+from checkpointd.storage import save_manifest
 from checkpointd.core.retention import RetentionPolicy
-from checkpointd.retention import Retention
+from checkpointd.saves.retention import Retention
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,14 @@ def _save(folder: Path, name: str, run: str, kind: str, step: int, created: floa
         "format": 1, "run": run, "kind": kind, "step": step, "export_dir": name,
         "created_unix_seconds": created, "files": [],
     }
-    (path / verify.MANIFEST_NAME).write_text(json.dumps(document))
+    (path / save_manifest.MANIFEST_NAME).write_text(json.dumps(document))
     return path
 
 
 @pytest.fixture
 def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # Manifests here are minimal; retention reads only run, kind, step, created.
-    monkeypatch.setattr(verify, "read_manifest", lambda d: json.loads((d / verify.MANIFEST_NAME).read_text()))
+    monkeypatch.setattr(save_manifest, "read_manifest", lambda d: json.loads((d / save_manifest.MANIFEST_NAME).read_text()))
     (tmp_path / "r").mkdir()
     return tmp_path / "r"
 

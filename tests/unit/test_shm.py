@@ -1,4 +1,4 @@
-"""checkpointd.shm: per-run shared-memory segments, and receiving a snapshot through one."""
+"""checkpointd.saves.shm: per-run shared-memory segments, and receiving a snapshot through one."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from checkpointd import shm, upload
-from checkpointd.core.errors import InvalidRequestError
+from checkpointd.saves import shm
+from checkpointd.protocol import wire
+from checkpointd.rpc import upload
+from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 PARTS = [40, 0, 4096, 8, 3]
@@ -42,12 +44,12 @@ def test_a_segment_is_private_aligned_and_sized_for_its_parts(memory: shm.Shared
     assert segment.path.parent == memory.folder
     assert _mode(memory.folder) == 0o700
     assert _mode(segment.path) == 0o600
-    offsets, size = upload.aligned_offsets(PARTS)
+    offsets, size = wire.aligned_offsets(PARTS)
     assert segment.offsets == tuple(offsets) and segment.size == size
     assert segment.path.stat().st_size == size
     views = segment.views()
     assert [len(v) for v in views] == PARTS
-    assert all(o % upload.ALIGNMENT == 0 for o in segment.offsets)
+    assert all(o % wire.ALIGNMENT == 0 for o in segment.offsets)
     assert not any(v.readonly for v in views)  # SaveV2 wraps writable memory without a copy
 
 

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from checkpointd.core import errors
-from checkpointd.status import CODES, code_for, error_for, grpc_errors
+from checkpointd.protocol import errors
+from checkpointd.protocol.codes import CODES, code_for, error_for
+from checkpointd.rpc.errors import grpc_errors
 
 
 def domain_errors() -> list[type[errors.CheckpointdError]]:
@@ -171,7 +172,7 @@ def test_unexpected_error_is_internal_without_its_text(
 ) -> None:
     context = FakeContext()
 
-    with caplog.at_level(logging.ERROR, logger="checkpointd.status"), pytest.raises(Aborted):
+    with caplog.at_level(logging.ERROR, logger="checkpointd.rpc.errors"), pytest.raises(Aborted):
         call(context)
 
     assert len(context.aborts) == 1
@@ -181,7 +182,7 @@ def test_unexpected_error_is_internal_without_its_text(
     assert "Traceback" not in details and ".py" not in details
     assert len(details) < 200
     # The full story goes to the log, once.
-    records = [r for r in caplog.records if r.name == "checkpointd.status"]
+    records = [r for r in caplog.records if r.name == "checkpointd.rpc.errors"]
     assert len(records) == 1
     assert records[0].exc_info is not None
     assert type(records[0].exc_info[1]).__name__ == exc_name

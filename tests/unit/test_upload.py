@@ -1,4 +1,4 @@
-"""checkpointd.upload.receive_snapshot: chunks laid out in aligned parts."""
+"""checkpointd.rpc.upload.receive_snapshot: chunks laid out in aligned parts."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import crc32c
 import numpy as np
 import pytest
 
-from checkpointd import upload
-from checkpointd.core.errors import InvalidRequestError
+from checkpointd.protocol import wire
+from checkpointd.rpc import upload
+from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 
@@ -41,10 +42,10 @@ def test_parts_hold_their_bytes_each_64_byte_aligned(chunk_bytes: int) -> None:
     assert b"".join(bytes(p) for p in got) == data
     for p in got:
         if len(p):
-            assert np.frombuffer(p, np.uint8).ctypes.data % upload.ALIGNMENT == 0
+            assert np.frombuffer(p, np.uint8).ctypes.data % wire.ALIGNMENT == 0
             assert not p.readonly  # the writer wraps only writable memory without a copy
-    offsets, size = upload.aligned_offsets(parts)
-    assert all(o % upload.ALIGNMENT == 0 for o in offsets)
+    offsets, size = wire.aligned_offsets(parts)
+    assert all(o % wire.ALIGNMENT == 0 for o in offsets)
     assert size == offsets[-1] + parts[-1]
 
 

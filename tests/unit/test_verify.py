@@ -16,11 +16,12 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from checkpointd import verify
+from checkpointd.storage import save_manifest
+from checkpointd.cli import verify
 from checkpointd.cli import VerifyCommand, config_from_args, main
 from checkpointd.core.config import ServeConfig
 
-MANIFEST = verify.MANIFEST_NAME
+MANIFEST = save_manifest.MANIFEST_NAME
 SUBPROCESS_LIMIT = 30.0
 
 # A SavedModel's shape; contents are arbitrary bytes, verify never parses them.
@@ -41,7 +42,7 @@ def make_save(
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         (path / rel).write_bytes(data)
     (path / "assets").mkdir(exist_ok=True)  # an empty dir, as tf.saved_model.save makes
-    verify.write_manifest(
+    save_manifest.write_manifest(
         path,
         run="run1",
         kind="saved_model",
@@ -58,8 +59,8 @@ def test_manifest_lists_every_other_file_with_size_and_crc32c(tmp_path: Path) ->
     save = make_save(tmp_path / "policy_7")
     document = json.loads((save / MANIFEST).read_text())
 
-    assert document["format"] == verify.FORMAT
-    assert document["format_version"] == verify.FORMAT_VERSION == 1
+    assert document["format"] == save_manifest.FORMAT
+    assert document["format_version"] == save_manifest.FORMAT_VERSION == 1
     assert (document["run"], document["kind"], document["step"], document["export_dir"]) == (
         "run1", "saved_model", 7, "policy_7",
     )  # fmt: skip
@@ -92,7 +93,7 @@ def test_known_checksums_are_used_only_when_the_size_agrees(tmp_path: Path) -> N
 
 
 def test_a_complete_save_verifies(tmp_path: Path) -> None:
-    report = verify.verify_dir(make_save(tmp_path / "s"))
+    report = save_manifest.verify_dir(make_save(tmp_path / "s"))
     assert report.ok, report.reason
     assert (report.run, report.kind, report.step) == ("run1", "saved_model", 7)
     assert report.files == len(SAVED_MODEL)
@@ -125,7 +126,7 @@ def _flip_a_byte(save: Path) -> None:
 def test_damage_is_reported_with_its_reason(tmp_path: Path, damage, reason: str) -> None:  # noqa: ANN001
     save = make_save(tmp_path / "s")
     damage(save)
-    report = verify.verify_dir(save)
+    report = save_manifest.verify_dir(save)
     assert not report.ok
     assert reason in report.reason
 
@@ -134,18 +135,18 @@ def test_a_newer_format_or_an_escaping_path_is_refused(tmp_path: Path) -> None:
     save = make_save(tmp_path / "s")
     document = json.loads((save / MANIFEST).read_text())
     (save / MANIFEST).write_text(json.dumps({**document, "format_version": 2}))
-    assert "format_version 2" in verify.verify_dir(save).reason
+    assert "format_version 2" in save_manifest.verify_dir(save).reason
 
     document["files"][0]["path"] = "../outside"
     (save / MANIFEST).write_text(json.dumps(document))
-    assert "invalid or repeated path '../outside'" in verify.verify_dir(save).reason
+    assert "invalid or repeated path '../outside'" in save_manifest.verify_dir(save).reason
 
 
 def test_many_problems_are_summarized(tmp_path: Path) -> None:
     save = make_save(tmp_path / "s")
     for rel in SAVED_MODEL:
         (save / rel).unlink()
-    reason = verify.verify_dir(save).reason
+    reason = save_manifest.verify_dir(save).reason
     assert reason.count("is missing") == 3
     assert reason.endswith("(and 2 more)")
 
@@ -166,15 +167,15 @@ def root(tmp_path: Path) -> Path:
 
 
 def test_save_dirs_are_found_recursively_skipping_daemon_dirs(root: Path) -> None:
-    found = verify.find_save_dirs(root)
+    found = save_manifest.find_save_dirs(root)
     assert [p.relative_to(root).as_posix() for p in found] == [
         "runA/nested/policy_2",
         "runA/policy_1",
         "runB/foreign",
         "runB/policy_3",
     ]
-    assert verify.find_save_dirs(root / "runA" / "policy_1") == [root / "runA" / "policy_1"]
-    assert verify.find_save_dirs(root / "runA" / "policy_1" / MANIFEST) == [root / "runA" / "policy_1"]
+    assert save_manifest.find_save_dirs(root / "runA" / "policy_1") == [root / "runA" / "policy_1"]
+    assert save_manifest.find_save_dirs(root / "runA" / "policy_1" / MANIFEST) == [root / "runA" / "policy_1"]
 
 
 def test_cli_prints_ok_and_failed_per_dir_and_exits_1(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -284,12 +285,12 @@ def test_a_bad_upload_timeout_is_a_usage_error(capsys: pytest.CaptureFixture[str
 def test_a_mapped_checksum_equals_a_read_one(
     tmp_path: Path, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(verify, "_MAP_BYTES", 4 << 20)  # several windows for the larger sizes
+    monkeypatch.setattr(save_manifest, "_MAP_BYTES", 4 << 20)  # several windows for the larger sizes
     path = tmp_path / "f"
     data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
     path.write_bytes(data)
     seen: list[int] = []
 
-    assert verify.file_checksum(path, seen.append, mapped=True) == (size, crc32c.crc32c(data))
-    assert verify.file_checksum(path) == (size, crc32c.crc32c(data))
+    assert save_manifest.file_checksum(path, seen.append, mapped=True) == (size, crc32c.crc32c(data))
+    assert save_manifest.file_checksum(path) == (size, crc32c.crc32c(data))
     assert sum(seen) == size

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd.core.retention import RetentionPolicy
@@ -11,12 +11,6 @@ from checkpointd.core.retention import RetentionPolicy
 DEFAULT_PORT = 7431
 DEFAULT_METRICS_PORT = 9431
 GiB = 1 << 30
-
-
-def default_shm_root() -> Path | None:
-    """/dev/shm where it exists (Linux), else None: no shared memory."""
-    root = Path("/dev/shm")
-    return root if root.is_dir() else None
 
 
 @dataclass(frozen=True)
@@ -57,7 +51,7 @@ class ServeConfig:
         keep_every_steps: retention: also keep older saves whose step is a
             multiple of this (needs keep_last).
         shm_root: a tmpfs where the daemon offers same-host trainers a
-            shared-memory segment per run (see checkpointd.shm); default
+            shared-memory segment per run (see checkpointd.saves.shm); default
             /dev/shm where it exists; None: every snapshot comes over gRPC.
         write_nice: nice value (0-19) of the threads that write saves, so
             training on the same machine comes first; 0: normal priority.
@@ -85,7 +79,7 @@ class ServeConfig:
     insecure: bool = False
     keep_last: int | None = None
     keep_every_steps: int | None = None
-    shm_root: Path | None = field(default_factory=default_shm_root)
+    shm_root: Path | None = None  # the CLI defaults it to /dev/shm (checkpointd.saves.shm)
     write_nice: int = 10
 
     def __post_init__(self) -> None:

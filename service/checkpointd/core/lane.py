@@ -19,13 +19,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from checkpointd.core.errors import UnavailableError, RunClosedError
+from checkpointd.protocol.errors import UnavailableError, RunClosedError
 from checkpointd.core.ports import Clock, MetricsSink
-
-
-class SaveKind(enum.Enum):
-    SAVED_MODEL = "saved_model"
-    CHECKPOINT = "checkpoint"
+from checkpointd.protocol.kinds import SaveKind
 
 
 class LaneState(enum.Enum):

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from checkpointd.core.errors import InvalidRequestError, LimitExceededError
+from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError
 
 # Item sizes of the dtypes a snapshot may carry (NumPy names). Strings and
 # resources have no fixed size and are refused at registration.

@@ -7,7 +7,7 @@ in its header, and their bytes follow the variables' in the snapshot. The
 daemon writes them as the checkpoint `tf.train.Checkpoint(numpy_arrays=state)`
 would write, at `<export_dir>/numpy_state/numpy_state`.
 
-Pure: the object graph is only carried here; `checkpointd.numpy_files` parses
+Pure: the object graph is only carried here; `checkpointd.formats.numpy_files` parses
 it with TensorFlow's protos.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from checkpointd.core.errors import InvalidRequestError, LimitExceededError
+from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError
 from checkpointd.core.manifest import Manifest, VariableSpec
 
 # Relative to the export dir; mirrors SavedModel's variables/variables.

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from checkpointd.core.lane import SaveKind
+    from checkpointd.protocol.kinds import SaveKind
     from checkpointd.core.manifest import Manifest, VariableSpec
     from checkpointd.core.numpy_state import NumpyPayload
 
@@ -56,7 +56,7 @@ class NullSink:
 
 
 class Writer(Protocol):
-    """Turns templates and snapshots into files; `checkpointd.writer` implements it.
+    """Turns templates and snapshots into files; `checkpointd.formats.policy` implements it.
 
     Both methods leave nothing behind on failure.
     """

@@ -55,34 +55,74 @@ class CheckpointServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def RegisterRun(self, request_iterator, context):
-        """Uploads a run's template SavedModel (PolicySaver.save output) and returns
-        the variable manifest that every later save of the run must match.
-        Registering a run again (a restarted trainer) replaces its template and
-        reopens a closed run; it waits for the run's in-flight save first.
+        """Uploads a run's template, the output of PolicySaver.save, and returns the
+        manifest every later save of the run must match: see RegisterRunRequest.
+        The template is checked (INVALID_ARGUMENT otherwise): saved_model.pb with
+        one meta graph and the signatures action, get_initial_state,
+        get_train_step and get_metadata; policy_specs.pbtxt parses;
+        variables/variables.{index,data-00000-of-00001} hold exactly the header's
+        variable keys, with their dtypes and shapes; both object graphs (the
+        template's and checkpoint_object_graph) list exactly the variables and
+        nothing but variables. Registering a run again (a restarted trainer)
+        replaces its manifest, template and folder and reopens it if closing or
+        closed; its counters stay. It does not wait for the run's in-flight save,
+        which is written with the template current at write time (INTERNAL if
+        its layout no longer fits). A failed registration changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Save(self, request_iterator, context):
-        """One save. The client sends a SaveHeader and waits for a SaveDecision.
-        If accepted, it sends the snapshot as Chunks and half-closes; the daemon
-        answers with a SaveResult once the save is durable, or an error status.
-        If skipped, the daemon ends the call after the decision.
+        """One save. The client sends a SaveHeader, then waits for the
+        SaveDecision, sending nothing else before it: the daemon reads nothing
+        past the header until it has decided (early chunks would wait in gRPC
+        flow control, and are discarded on a skip).
+        - Skipped (accepted false): the daemon ends the call OK after the
+        decision; nothing is written; counted in saves_skipped.
+        - Accepted: the client sends the snapshot (Chunks, or one
+        shared_memory_written) and half-closes. The daemon answers one
+        SaveResult once the save is durable (fsynced and renamed into place)
+        and ends the call OK, or ends it with an error status. Either way the
+        save is counted (saves_ok or saves_failed) and the lane is free.
+        Errors before the decision (no decision sent; nothing written or
+        counted): INVALID_ARGUMENT (first message not a header; kind unset; bad
+        run name or export_dir; variables, snapshot_bytes or numpy_state not
+        matching the manifest), NOT_FOUND (run not registered),
+        FAILED_PRECONDITION (run closing or closed), RESOURCE_EXHAUSTED
+        (snapshot_bytes over --max-snapshot-bytes; daemon at
+        --max-concurrent-uploads or --max-staging-bytes), UNAVAILABLE (draining),
+        DEADLINE_EXCEEDED (a blocking save's wait), UNAUTHENTICATED.
+        Errors after an accept: the save counts as failed (saves_failed,
+        last_error, checkpointd_saves_total{outcome="failed"}); nothing is
+        written and an existing export dir is untouched: DATA_LOSS (a chunk's
+        CRC32C), INVALID_ARGUMENT (a message other than a chunk; a chunk out of
+        order or past snapshot_bytes; a stream ending short of snapshot_bytes;
+        shared_memory_written not offered or not the last message; export_dir
+        now resolving outside the folder through a symlink), DEADLINE_EXCEEDED
+        (snapshot not in full within --upload-timeout, default 300 s, of the
+        accept; or the call's deadline), INTERNAL (the write failed),
+        RESOURCE_EXHAUSTED (a message over 4 MiB), CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Flush(self, request, context):
-        """Waits until no save is in flight, for one run or (run empty) all runs.
+        """Waits until no save is in flight or queued, for one run or (run empty)
+        every registered run. NOT_FOUND for an unknown run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CloseRun(self, request, context):
-        """Flushes one run and ends its lane: later saves fail FAILED_PRECONDITION.
+        """Ends a run's lane: new saves are refused at once (state "closing",
+        FAILED_PRECONDITION); once its in-flight and queued saves end it is
+        "closed" and its shared-memory segment is freed. DEADLINE_EXCEEDED past
+        timeout_seconds: the run stays "closing" and closes when its saves end.
+        A closed run answers at once. RegisterRun reopens it. NOT_FOUND for an
+        unknown run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +130,7 @@ class CheckpointServiceServicer(object):
 
     def GetStatus(self, request, context):
         """Runs, their in-flight saves, counts by outcome and last success.
+        NOT_FOUND for an unknown run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,7 +139,10 @@ class CheckpointServiceServicer(object):
     def GetLatest(self, request, context):
         """The newest committed save of a run: found by reading the save manifests
         (checkpointd.manifest.json) under the run's folder, so saves made before
-        a daemon restart count. The run need not be registered.
+        a daemon restart count. The run need not be registered. Newest: the
+        latest manifest creation time; equal times, the higher SaveHeader.step.
+        Only saves whose manifest names the run count; dirs starting
+        ".checkpointd", symlinks and dirs inside another save are not searched.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,8 +152,11 @@ class CheckpointServiceServicer(object):
         """Streams a committed save's values back, for a restarted trainer: a
         RestoreHeader, then the values as Chunks in the header's order. The run
         must be registered (its manifest says which keys to read): NOT_FOUND for
-        an unknown run or a missing save; INVALID_ARGUMENT naming the first key
-        where the save disagrees with the run's manifest.
+        an unknown run or a missing save; INVALID_ARGUMENT for a bad export_dir,
+        or naming the first key where the save disagrees with the run's
+        manifest. A corrupt (DATA_LOSS) or unreadable (INTERNAL) value may end
+        the call after the header and some chunks: discard a payload that did
+        not reach snapshot_bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -16,12 +16,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
-import crc32c
 import grpc
 import numpy as np
 
-from checkpointd.core.errors import ChecksumError, DeadlineError, InvalidRequestError
-from checkpointd.core.paths import check_export_dir
+from checkpointd.protocol.errors import DeadlineError, InvalidRequestError
+from checkpointd.protocol.names import check_export_dir
+from checkpointd.protocol.wire import ALIGNMENT, aligned_offsets, check_chunk
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 
@@ -34,21 +34,6 @@ def first(requests: Iterator, field: str, rpc: str):  # noqa: ANN202 - a pb mess
     if message.WhichOneof("item") != field:
         raise InvalidRequestError(f"{rpc}: the first message must be a {field}")
     return getattr(message, field)
-
-
-def check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -> None:
-    """Refuses a chunk out of order, past `limit` bytes, or with a wrong CRC32C."""
-    if chunk.offset != expected_offset:
-        raise InvalidRequestError(
-            f"{what}: chunk at offset {chunk.offset}, expected {expected_offset} (chunks in order)"
-        )
-    if chunk.offset + len(chunk.data) > limit:
-        raise InvalidRequestError(
-            f"{what}: data runs past the announced {limit} bytes "
-            f"(chunk at {chunk.offset} of {len(chunk.data)} bytes)"
-        )
-    if crc32c.crc32c(chunk.data) != chunk.crc32c:
-        raise ChecksumError(f"{what}: CRC32C mismatch in the chunk at offset {chunk.offset}")
 
 
 # Chunks a reader thread may hold ahead of the handler (each <= 1 MiB).
@@ -155,26 +140,9 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
 
 
 class SharedSegment(Protocol):
-    """A shared-memory segment holding a snapshot (`checkpointd.shm.Segment`)."""
+    """A shared-memory segment holding a snapshot (`checkpointd.saves.shm.Segment`)."""
 
     def views(self) -> list[memoryview]: ...
-
-
-# Where each part of a received snapshot starts in the daemon's buffer. The
-# wire carries the parts back to back; here each starts on a 64-byte
-# boundary, Eigen's alignment, so TensorFlow can wrap a variable's bytes as a
-# tensor without copying them (checkpointd.writer).
-ALIGNMENT = 64
-
-
-def aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Each part's offset in the buffer, and the buffer's size."""
-    offsets, end = [], 0
-    for size in sizes:
-        end = -(-end // ALIGNMENT) * ALIGNMENT
-        offsets.append(end)
-        end += size
-    return offsets, end
 
 
 def receive_snapshot(

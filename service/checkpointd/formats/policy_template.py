@@ -7,9 +7,9 @@ declared variables (keys, dtypes, shapes), and both object graphs (the
 SavedModel's and PolicySaver.save_checkpoint's) list exactly those
 variables. What passes becomes a `Template`: the graph files to copy into
 every SAVED_MODEL save, the two object graphs and the order in which each
-lists the variables, which is the order `checkpointd.writer` writes them in.
+lists the variables, which is the order `checkpointd.formats.policy` writes them in.
 
-TensorFlow is imported inside functions only, as in `checkpointd.writer`.
+TensorFlow is imported inside functions only, as in `checkpointd.formats.policy`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import crc32c
 
-from checkpointd.core.errors import InvalidRequestError
+from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.core.manifest import Manifest
 
 _LOGGER = logging.getLogger(__name__)

@@ -1,20 +1,16 @@
-"""`checkpointd serve|flush|status|close|verify`: parsing is pure, running is not."""
+"""The command line, parsed: pure, with no side effects (running lives in `main`)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import signal
-import sys
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd import __version__
-from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServeConfig, default_shm_root
+from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServeConfig
+from checkpointd.saves.shm import default_shm_root
 
 _LOGGER = logging.getLogger("checkpointd")
 
@@ -191,49 +187,3 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
         token_file=args.token_file,
     )  # fmt: skip
     return command, "WARNING"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The `checkpointd` entry point."""
-    command, level = config_from_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if isinstance(command, ServeConfig):
-        return _serve(command)
-    if isinstance(command, VerifyCommand):
-        from checkpointd import verify  # stdlib and crc32c only
-
-        return verify.run(command.paths, as_json=command.as_json, progress=command.progress)
-    from checkpointd import ops  # grpc stubs only; no TensorFlow
-
-    return ops.run(command)
-
-
-def _serve(config: ServeConfig) -> int:
-    from checkpointd.auth import load_server_auth  # grpc only: refuse before TensorFlow loads
-
-    try:
-        auth = load_server_auth(config)
-    except ValueError as exc:
-        _LOGGER.error("cannot start: %s", exc)
-        return 2
-    from checkpointd.server import Server
-
-    server = Server(config, auth=auth)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    try:
-        server.start()
-    except OSError as exc:
-        _LOGGER.error("cannot start: %s", exc)
-        return 2
-    stop.wait()
-    _LOGGER.info("shutting down: draining accepted saves (grace %.0fs)", config.grace_seconds)
-    started = time.monotonic()
-    clean = server.stop()
-    _LOGGER.info("stopped after %.3fs", time.monotonic() - started)
-    return 0 if clean else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,9 +12,9 @@ from typing import Any, TextIO
 import grpc
 from google.protobuf import json_format
 
-from checkpointd import auth
-from checkpointd.cli import OpsCommand
-from checkpointd.status import error_for
+from checkpointd.protocol import credentials
+from checkpointd.cli.parse import OpsCommand
+from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
@@ -72,19 +72,19 @@ def run(
 
 
 def _channel(command: OpsCommand, environ: Mapping[str, str]) -> grpc.Channel:
-    token = environ.get(auth.TOKEN_ENV, "").strip() or None
+    token = environ.get(credentials.TOKEN_ENV, "").strip() or None
     if command.token_file is not None:
         try:
-            token = auth.read_token(command.token_file)
+            token = credentials.read_token(command.token_file)
         except OSError as exc:
             raise OSError(f"cannot read --token-file {command.token_file}: {exc.strerror or exc}") from None
-    credentials = None
+    channel_credentials = None
     if command.uses_tls:
         try:
-            credentials = auth.credentials(command.tls_ca, command.tls_cert, command.tls_key)
+            channel_credentials = credentials.credentials(command.tls_ca, command.tls_cert, command.tls_key)
         except OSError as exc:
             raise OSError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
-    return auth.open_channel(command.address, credentials, token)
+    return credentials.open_channel(command.address, channel_credentials, token)
 
 
 def status_dict(reply: pb.StatusResponse) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The TensorFlow writer: a run's template graph plus a snapshot's values.
 
-Like `checkpointd.templates`, which checks the uploaded templates, it imports
+Like `checkpointd.formats.policy_template`, which checks the uploaded templates, it imports
 tensorflow only inside functions, so importing it (and `checkpointd --help`)
 stays fast.
 
@@ -11,7 +11,7 @@ A CHECKPOINT save writes the `variables/` checkpoint alone, under the keys and
 object graph of `PolicySaver.save_checkpoint`. Tensors are written in the order
 of the object graph's nodes, which is the order TensorFlow's own saver uses, so
 the variable files are byte-identical to PolicySaver's for the same values.
-Last, `checkpointd.manifest.json` (see `checkpointd.verify`) lists every file
+Last, `checkpointd.manifest.json` (see `checkpointd.storage.save_manifest`) lists every file
 with its size and CRC32C, so a crash or a bad disk can be told from a
 complete save without TensorFlow.
 
@@ -34,22 +34,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from checkpointd import __version__, numpy_files, publish, templates, verify
-from checkpointd.core.errors import CheckpointdError, RunNotFoundError, SaveFailedError
-from checkpointd.core.lane import SaveKind
+from checkpointd import __version__
+from checkpointd.formats import numpy_files
+from checkpointd.storage import local
+from checkpointd.formats import policy_template
+from checkpointd.storage import save_manifest
+from checkpointd.protocol.errors import CheckpointdError, RunNotFoundError, SaveFailedError
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.wire import ALIGNMENT  # Eigen's: TF wraps memory aligned to it without a copy
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload
-from checkpointd.core.paths import check_run_name
-from checkpointd.templates import OBJECT_GRAPH_KEY, VARIABLES_PREFIX, Template, describe
+from checkpointd.protocol.names import check_run_name
+from checkpointd.formats.policy_template import OBJECT_GRAPH_KEY, VARIABLES_PREFIX, Template, describe
 
 _LOGGER = logging.getLogger(__name__)
 
 # A snapshot: every variable's bytes concatenated, or one buffer per variable.
 Snapshot = bytes | bytearray | memoryview | Sequence[memoryview]
-# Eigen's alignment: TF wraps memory aligned to it without a copy
-# (checkpointd.upload.ALIGNMENT lays received snapshots out on it).
-_ALIGNMENT = 64
 
 
 class TfWriter:
@@ -115,23 +117,23 @@ class TfWriter:
         staged_dir = Path(staged_dir)
         try:
             check_run_name(run)
-            template = templates.validate(
+            template = policy_template.validate(
                 run, staged_dir, Manifest(tuple(variables)), checkpoint_object_graph
             )
             with self._register_lock:
                 target = self._templates_dir / run
-                tmp = publish.make_temp_sibling(target)
+                tmp = local.make_temp_sibling(target)
                 tmp.rmdir()
                 shutil.move(staged_dir, tmp)
                 try:
-                    publish.publish_dir(tmp, target, fsync=self._fsync)
+                    local.publish_dir(tmp, target, fsync=self._fsync)
                 except BaseException:
-                    publish.remove_quietly(tmp)
+                    local.remove_quietly(tmp)
                     raise
                 with self._lock:
                     self._templates[run] = template
         except BaseException:
-            publish.remove_quietly(staged_dir)
+            local.remove_quietly(staged_dir)
             raise
         _LOGGER.debug(
             "run %s: registered a template of %d variables (%d bytes a snapshot)",
@@ -166,7 +168,7 @@ class TfWriter:
             export_dir: The export dir as the trainer named it, for the
                 save manifest; default `target.name`.
             numpy_state: A NumpyState to write beside the variables, as
-                `<target>/numpy_state/numpy_state` (see checkpointd.numpy_files).
+                `<target>/numpy_state/numpy_state` (see checkpointd.formats.numpy_files).
 
         Returns:
             The total size of the files written, in bytes.
@@ -210,7 +212,7 @@ class TfWriter:
             )
         tmp: Path | None = None
         try:
-            tmp = publish.make_temp_sibling(target)
+            tmp = local.make_temp_sibling(target)
             written = _write_tree(template, kind, tmp, snapshot)
             extra = None
             if numpy_state is not None:
@@ -224,9 +226,9 @@ class TfWriter:
             # The disk flushes the files while the manifest's CRCs read them
             # back from the page cache (both release the GIL); publishing
             # then fsyncs only what is still dirty: the manifest and the dirs.
-            syncing = self._syncer.submit(publish.fsync_tree, tmp) if self._fsync else None
+            syncing = self._syncer.submit(local.fsync_tree, tmp) if self._fsync else None
             try:
-                written += verify.write_manifest(
+                written += save_manifest.write_manifest(
                     tmp,
                     run=run,
                     kind=kind.value,
@@ -239,10 +241,10 @@ class TfWriter:
             finally:
                 if syncing is not None:
                     syncing.result()  # raises its OSError; the tree is not published
-            publish.publish_dir(tmp, target, fsync=self._fsync)
+            local.publish_dir(tmp, target, fsync=self._fsync)
         except Exception as e:
             if tmp is not None:
-                publish.remove_quietly(tmp)
+                local.remove_quietly(tmp)
             if isinstance(e, CheckpointdError):
                 raise
             reason = f"could not write {kind.value} to {target}: {describe(e)}"
@@ -281,7 +283,7 @@ def _arrays(manifest: Manifest, snapshot: Snapshot) -> list[Any]:
     """Each variable's value, as a tensor over the snapshot's bytes where TF allows it.
 
     `snapshot` is the concatenation of the variables' bytes, or one buffer per
-    variable (as `checkpointd.upload.receive_snapshot` lays them out).
+    variable (as `checkpointd.rpc.upload.receive_snapshot` lays them out).
     """
     import numpy as np
     import tensorflow as tf
@@ -321,7 +323,7 @@ def _tensor(array: Any) -> Any:
         array.dtype.name in _DLPACK_DTYPES
         and array.flags.writeable
         and array.flags.c_contiguous
-        and array.ctypes.data % _ALIGNMENT == 0
+        and array.ctypes.data % ALIGNMENT == 0
     ):
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     return array

@@ -6,9 +6,9 @@ keys (a CHECKPOINT save); the run's manifest names both. The reader checks that
 the checkpoint holds exactly the manifest's variables, with their dtypes and
 shapes, before anything is sent, then yields each value's raw little-endian
 C-order bytes in manifest order, one tensor in memory at a time, followed by
-the numpy state's entries (see `checkpointd.numpy_files`).
+the numpy state's entries (see `checkpointd.formats.numpy_files`).
 
-TensorFlow is imported inside functions only, as in `checkpointd.writer`.
+TensorFlow is imported inside functions only, as in `checkpointd.formats.policy`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpointd import numpy_files
-from checkpointd.core.errors import ChecksumError, InvalidRequestError, SaveFailedError
-from checkpointd.core.lane import SaveKind
+from checkpointd.formats import numpy_files
+from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.numpy_state import NumpyStateSpec
 

@@ -23,8 +23,9 @@ import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
-from checkpointd import latest, publish
-from checkpointd.core.lane import SaveKind
+from checkpointd.saves import catalog
+from checkpointd.storage import local
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.retention import RetentionPolicy
 
 _LOGGER = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Retention:
         """Deletes the run's saves past the policy now; returns how many."""
         deleted = 0
         with self._guard(folder).exclusive():
-            saves = latest.committed_saves(self._root, folder, run)
+            saves = catalog.committed_saves(self._root, folder, run)
             for kind in SaveKind:
                 for save in self.policy.victims([s for s in saves if s.kind is kind]):
                     if self._delete(save.path):
@@ -85,13 +86,13 @@ class Retention:
         return deleted
 
     def _delete(self, path: Path) -> bool:
-        doomed = path.parent / f"{publish.TMP_PREFIX}retired-{path.name}-{os.urandom(8).hex()}"
+        doomed = path.parent / f"{local.TMP_PREFIX}retired-{path.name}-{os.urandom(8).hex()}"
         try:
             os.rename(path, doomed)
         except OSError as e:
             _LOGGER.warning("retention: could not delete %s: %s", path, e)
             return False
-        publish.remove_quietly(doomed)
+        local.remove_quietly(doomed)
         return True
 
     def _guard(self, folder: str) -> _FolderGuard:

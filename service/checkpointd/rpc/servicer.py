@@ -2,8 +2,8 @@
 
 Requests are checked before any decision (bad input is refused, counted as
 nothing and writes nothing); domain errors become statuses in one place,
-`checkpointd.status.grpc_errors`. The uploads themselves (template files,
-snapshot chunks, the upload deadline) are read by `checkpointd.upload`.
+`checkpointd.protocol.codes.grpc_errors`. The uploads themselves (template files,
+snapshot chunks, the upload deadline) are read by `checkpointd.rpc.upload`.
 """
 
 from __future__ import annotations
@@ -20,21 +20,24 @@ from typing import Protocol
 
 import grpc
 
-from checkpointd import publish, upload
+from checkpointd.storage import local
+from checkpointd.rpc import upload
 from checkpointd.core.config import ServeConfig
-from checkpointd.core.errors import InvalidRequestError, LimitExceededError, RunNotFoundError
-from checkpointd.core.lane import Failed, SaveKind, SaveSpec, Skipped, Written
+from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError, RunNotFoundError
+from checkpointd.core.lane import Failed, SaveSpec, Skipped, Written
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
-from checkpointd.core.paths import check_run_name, resolve_export_dir
+from checkpointd.protocol.names import check_run_name
+from checkpointd.storage.local import resolve_export_dir
 from checkpointd.core.ports import Writer
 from checkpointd.core.retention import RetentionPolicy
-from checkpointd.budget import UploadBudget, default_staging_bytes
-from checkpointd.lanes import Lanes
-from checkpointd.retention import Retention
-from checkpointd.shm import Segment, SharedMemory
-from checkpointd.restore import latest_response, restore_responses
-from checkpointd.status import grpc_errors
+from checkpointd.saves.budget import UploadBudget, default_staging_bytes
+from checkpointd.saves.runs import Lanes
+from checkpointd.saves.retention import Retention
+from checkpointd.saves.shm import Segment, SharedMemory
+from checkpointd.saves.restore import latest_response, restore_responses
+from checkpointd.rpc.errors import grpc_errors
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
@@ -142,7 +145,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             )
         started = time.monotonic()
         # Named like a save temp dir, so startup recovery removes it after a crash.
-        staged = self._staging / f"{publish.TMP_PREFIX}template-{uuid.uuid4().hex}"
+        staged = self._staging / f"{local.TMP_PREFIX}template-{uuid.uuid4().hex}"
         try:
             upload.receive_template(request_iterator, staged, header.template_bytes)
             manifest = self._writer.register(run, staged, variables, header.checkpoint_object_graph)
@@ -180,7 +183,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self._config.max_snapshot_bytes,
         )
         if numpy_state is not None:
-            from checkpointd import numpy_files  # TensorFlow's protos parse the object graph
+            from checkpointd.formats import numpy_files  # TensorFlow's protos parse the object graph
 
             numpy_files.check(numpy_state)
         # Reserved before the lane decides: past a limit the request is refused

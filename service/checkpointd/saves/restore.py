@@ -2,7 +2,7 @@
 
 The servicer's two handlers delegate here. `latest_response` needs no
 TensorFlow (manifests only); `restore_responses` opens the save with
-`checkpointd.reader` and streams it the way a Save's snapshot arrives: a header
+`checkpointd.formats.reader` and streams it the way a Save's snapshot arrives: a header
 naming the variables (the run's manifest order) and the numpy state, then the
 payload as Chunks of at most `chunk_bytes`, each with its CRC32C, at offsets
 over the whole payload.
@@ -17,9 +17,10 @@ from pathlib import Path
 
 import crc32c
 
-from checkpointd import latest, reader
-from checkpointd.core.errors import RunNotFoundError
-from checkpointd.core.lane import SaveKind
+from checkpointd.saves import catalog
+from checkpointd.formats import reader
+from checkpointd.protocol.errors import RunNotFoundError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.numpy_state import NumpyStateSpec
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -39,7 +40,7 @@ def numpy_state_to_pb(spec: NumpyStateSpec) -> pb.NumpyState:
 
 def latest_response(root: Path, folder: str, run: str, kind: SaveKind | None) -> pb.LatestResponse:
     """GetLatest's answer: the run's newest committed save under `<root>/<folder>`."""
-    save = latest.find_latest(root, folder, run, kind)
+    save = catalog.find_latest(root, folder, run, kind)
     if save is None:
         return pb.LatestResponse(found=False)
     return pb.LatestResponse(
@@ -82,9 +83,9 @@ def restore_responses(
     """
     started = time.monotonic()
     if export_dir:
-        save = latest.committed_save(root, folder, export_dir)
+        save = catalog.committed_save(root, folder, export_dir)
     else:
-        found = latest.find_latest(root, folder, run)
+        found = catalog.find_latest(root, folder, run)
         if found is None:
             raise RunNotFoundError(
                 f"run {run!r} has no committed save in {Path(root) / folder} to restore"

@@ -44,13 +44,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpointd.upload import aligned_offsets
+from checkpointd.protocol.wire import aligned_offsets
 
 _LOGGER = logging.getLogger(__name__)
 # MAP_POPULATE (Linux) maps every page at once instead of faulting one by one.
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 _FOLDER = re.compile(r"checkpointd-(\d+)-[0-9a-f]{16}")
+
+
+def default_shm_root() -> Path | None:
+    """/dev/shm where it exists (Linux), else None: no shared memory."""
+    root = Path("/dev/shm")
+    return root if root.is_dir() else None
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from checkpointd.core.errors import DeadlineError, RunNotFoundError
+from checkpointd.protocol.errors import DeadlineError, RunNotFoundError
 from checkpointd.core.lane import (
     Failed,
     Lane,

@@ -1,4 +1,4 @@
-"""Save manifests: what a committed save holds, and `checkpointd verify` against it.
+"""Save manifests: what a committed save holds, and the check of a save against it.
 
 Every save the daemon publishes carries `checkpointd.manifest.json`, written
 last into its temp dir before the fsync and rename: the save's run, kind,
@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import Any
 
 import crc32c
 
@@ -305,96 +304,3 @@ def find_save_dirs(path: Path) -> list[Path]:
                 keep.append(name)
         dirnames[:] = keep
     return sorted(found)
-
-
-def verify_paths(paths: Iterable[Path], progress: Progress | None = None) -> list[Report]:
-    """Verifies every save dir at or under each path, in order."""
-    reports = []
-    for path in paths:
-        path = Path(path)
-        if not path.exists():
-            reports.append(Report(str(path), False, "does not exist"))
-            continue
-        dirs = find_save_dirs(path)
-        if not dirs:
-            reports.append(Report(str(path), False, f"no save dirs ({MANIFEST_NAME}) found here"))
-        reports.extend(verify_dir(d, progress) for d in dirs)
-    return reports
-
-
-class _ProgressLine:
-    """Bytes checked so far, on one rewritten stderr line, at most 5 times a second."""
-
-    def __init__(self, stream: IO[str], total: int) -> None:
-        self._stream, self._total = stream, total
-        self._done, self._shown = 0, 0.0
-
-    def __call__(self, n: int) -> None:
-        self._done += n
-        now = time.monotonic()
-        if now - self._shown >= 0.2:
-            self._shown = now
-            self._stream.write(
-                f"\rchecked {self._done / (1 << 20):,.1f} of {self._total / (1 << 20):,.1f} MiB"
-            )
-            self._stream.flush()
-
-    def end(self) -> None:
-        if self._shown:
-            self._stream.write(f"\rchecked {self._done / (1 << 20):,.1f} MiB\n")
-            self._stream.flush()
-
-
-def _listed_bytes(dirs: Iterable[Path]) -> int:
-    total = 0
-    for d in dirs:
-        try:
-            total += sum(e.size for e in read_manifest(d)["files"])
-        except ManifestError:
-            pass
-    return total
-
-
-def run(
-    paths: Sequence[Path],
-    *,
-    as_json: bool = False,
-    progress: bool | None = None,
-    out: IO[str] | None = None,
-    err: IO[str] | None = None,
-) -> int:
-    """`checkpointd verify`: prints OK/FAILED per save dir.
-
-    Args:
-        paths: save dirs, or dirs (a run, the root) to search for them.
-        as_json: print one JSON document instead of lines.
-        progress: show bytes checked on stderr; None = only if stderr is a TTY.
-        out, err: streams (default stdout, stderr).
-
-    Returns:
-        0 if every save dir is OK, 1 otherwise.
-    """
-    out = out or sys.stdout
-    err = err or sys.stderr
-    if progress is None:
-        progress = err.isatty()
-    line = None
-    if progress:
-        dirs = [d for p in paths if Path(p).exists() for d in find_save_dirs(Path(p))]
-        line = _ProgressLine(err, _listed_bytes(dirs))
-    reports = verify_paths(paths, line)
-    if line is not None:
-        line.end()
-    ok = all(r.ok for r in reports)
-    if as_json:
-        json.dump({"ok": ok, "dirs": [asdict(r) for r in reports]}, out, indent=1)
-        out.write("\n")
-    else:
-        for r in reports:
-            if r.ok:
-                out.write(f"OK      {r.path} ({r.kind}, step {r.step}, {r.files} files, {r.bytes} bytes)\n")
-            else:
-                out.write(f"FAILED  {r.path}: {r.reason}\n")
-        failed = sum(not r.ok for r in reports)
-        out.write(f"{len(reports) - failed} OK, {failed} FAILED\n")
-    return 0 if ok else 1

@@ -15,7 +15,8 @@ import secrets
 import shutil
 from pathlib import Path
 
-from checkpointd.core.errors import SaveFailedError
+from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
+from checkpointd.protocol.names import check_export_dir, check_run_name
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -195,3 +196,24 @@ def recover(root: Path) -> int:
             fixed += 1
         dirnames[:] = keep
     return fixed
+
+
+def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
+    """Returns the absolute target of a save: `<root>/<run>/<export_dir>`.
+
+    Symlinks on the way are followed and must stay inside `<root>/<run>`.
+
+    Raises:
+        InvalidRequestError: if the run name or export dir is invalid, or the
+            path resolves outside the run's folder.
+    """
+    check_run_name(run)
+    relative = check_export_dir(export_dir)
+    run_dir = Path(os.path.realpath(root / run))
+    target = run_dir / relative
+    real = Path(os.path.realpath(target))
+    if real != target and run_dir not in real.parents:
+        raise InvalidRequestError(
+            f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)"
+        )
+    return target

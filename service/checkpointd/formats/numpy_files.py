@@ -8,7 +8,7 @@ Each array is a scalar string tensor holding NumPy's `.npy` serialization (what
 order of the object graph's attributes (TensorFlow's saver order), then the
 object graph itself. The daemon never parses the arrays.
 
-TensorFlow is imported inside functions only, as in `checkpointd.writer`.
+TensorFlow is imported inside functions only, as in `checkpointd.formats.policy`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpointd.core.errors import InvalidRequestError
+from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.core.numpy_state import PREFIX, NumpyEntry, NumpyPayload, NumpyStateSpec
 
 _OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"

@@ -1,4 +1,4 @@
-"""Domain errors. The gRPC status each maps to lives in `checkpointd.status`."""
+"""Domain errors. The gRPC status each maps to lives in `checkpointd.protocol.codes`."""
 
 
 class CheckpointdError(Exception):

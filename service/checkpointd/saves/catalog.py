@@ -18,10 +18,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpointd import verify
-from checkpointd.core.errors import RunNotFoundError
-from checkpointd.core.lane import SaveKind
-from checkpointd.core.paths import check_run_name, resolve_export_dir
+from checkpointd.storage import save_manifest
+from checkpointd.protocol.errors import RunNotFoundError
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.names import check_run_name
+from checkpointd.storage.local import resolve_export_dir
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def _folder_dir(root: Path, folder: str) -> Path:
 def _read(save_dir: Path, folder_dir: Path) -> CommittedSave | None:
     """The save at `save_dir`, or None if it has no valid manifest."""
     try:
-        document = verify.read_manifest(save_dir)
+        document = save_manifest.read_manifest(save_dir)
         kind = _KINDS[document["kind"]]
         return CommittedSave(
             path=save_dir,
@@ -67,7 +68,7 @@ def _read(save_dir: Path, folder_dir: Path) -> CommittedSave | None:
             step=int(document["step"]),
             created=float(document["created_unix_seconds"]),
         )
-    except (verify.ManifestError, KeyError, TypeError, ValueError) as e:
+    except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
         _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)
         return None
 
@@ -102,7 +103,7 @@ def committed_saves(root: Path, folder: str, run: str) -> list[CommittedSave]:
     folder_dir = _folder_dir(root, folder)
     if not folder_dir.is_dir():
         return []
-    saves = (_read(save_dir, folder_dir) for save_dir in verify.find_save_dirs(folder_dir))
+    saves = (_read(save_dir, folder_dir) for save_dir in save_manifest.find_save_dirs(folder_dir))
     return [save for save in saves if save is not None and save.run == run]
 
 
@@ -119,6 +120,6 @@ def committed_save(root: Path, folder: str, export_dir: str) -> CommittedSave:
     if save is None:
         raise RunNotFoundError(
             f"no committed save at {export_dir!r} in folder {folder!r} (no such dir, or it has "
-            f"no valid {verify.MANIFEST_NAME})"
+            f"no valid {save_manifest.MANIFEST_NAME})"
         )
     return save

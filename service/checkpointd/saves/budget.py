@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from checkpointd.core.errors import LimitExceededError
+from checkpointd.protocol.errors import LimitExceededError
 
 
 def default_staging_bytes() -> int:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
 import unicodedata
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
-from checkpointd.core.errors import InvalidRequestError
+from checkpointd.protocol.errors import InvalidRequestError
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # Temp and backup dirs the daemon makes start with this; clients may not.
@@ -66,24 +65,3 @@ def check_export_dir(export_dir: str) -> PurePosixPath:
         if len(part.encode("utf-8")) > _MAX_COMPONENT:
             raise InvalidRequestError(f"export_dir component {part[:32]!r}... is too long")
     return PurePosixPath(*parts)
-
-
-def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
-    """Returns the absolute target of a save: `<root>/<run>/<export_dir>`.
-
-    Symlinks on the way are followed and must stay inside `<root>/<run>`.
-
-    Raises:
-        InvalidRequestError: if the run name or export dir is invalid, or the
-            path resolves outside the run's folder.
-    """
-    check_run_name(run)
-    relative = check_export_dir(export_dir)
-    run_dir = Path(os.path.realpath(root / run))
-    target = run_dir / relative
-    real = Path(os.path.realpath(target))
-    if real != target and run_dir not in real.parents:
-        raise InvalidRequestError(
-            f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)"
-        )
-    return target

@@ -1,0 +1,45 @@
+"""The kinds of save, and their one label and wire map.
+
+A kind's `value` is its label everywhere text names it: metrics labels, save
+manifests, logs and `checkpointd status`. `to_wire`/`from_wire` map it to the
+proto's `SaveKind` enum. Stdlib only until a wire function is called.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class SaveKind(enum.Enum):
+    SAVED_MODEL = "saved_model"  # PolicySaver.save: a SavedModel
+    CHECKPOINT = "checkpoint"  # PolicySaver.save_checkpoint: variables/ only
+
+    @property
+    def label(self) -> str:
+        """The kind's name in metrics, manifests and logs."""
+        return self.value
+
+    @classmethod
+    def from_label(cls, label: str) -> SaveKind:
+        """The kind a label names; ValueError for another text."""
+        return cls(label)
+
+
+LABELS: tuple[str, ...] = tuple(k.value for k in SaveKind)
+
+
+def to_wire(kind: SaveKind) -> int:
+    """The proto `SaveKind` value of a kind (same member names)."""
+    from checkpointd.v1 import checkpointd_pb2 as pb
+
+    return int(pb.SaveKind.Value(kind.name))
+
+
+def from_wire(value: int) -> SaveKind | None:
+    """The kind a proto `SaveKind` value names; None for UNSPECIFIED or an unknown value."""
+    from checkpointd.v1 import checkpointd_pb2 as pb
+
+    try:
+        return SaveKind[pb.SaveKind.Name(value)]
+    except (KeyError, ValueError):
+        return None

@@ -1,0 +1,1 @@
+"""The gRPC adapter: translates requests and statuses; the work is in `checkpointd.saves`."""
