@@ -94,8 +94,8 @@ class CheckpointServiceServicer(object):
         --max-concurrent-uploads or --max-staging-bytes), UNAVAILABLE (draining),
         DEADLINE_EXCEEDED (a blocking save's wait), UNAUTHENTICATED.
         Errors after an accept: the save counts as failed (saves_failed,
-        last_error, checkpointd_saves_total{outcome="failed"}); nothing is
-        written and an existing export dir is untouched: DATA_LOSS (a chunk's
+        last_error, checkpointd_saves_total{outcome="failed"}); no save is
+        published and an existing export dir is untouched: DATA_LOSS (a chunk's
         CRC32C), INVALID_ARGUMENT (a message other than a chunk; a chunk out of
         order or past snapshot_bytes; a stream ending short of snapshot_bytes;
         shared_memory_written not offered or not the last message; export_dir
