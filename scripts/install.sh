@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (Python 3.11) and installs checkpointd with the daemon, the
-# client and the test tools. Safe to run again: pip skips what is there.
+# client and the test tools; then .venv-tools with the pinned lint and type-check
+# tools (scripts/tools-requirements.txt says why they live apart). Safe to run
+# again: pip skips what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
@@ -12,4 +14,7 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade "pip>=23.2"
 # PYTHONWARNINGS: silence setuptools' editable-install banner, not errors.
 PYTHONWARNINGS=ignore .venv/bin/python -m pip install --quiet -e ".[daemon,client,test]"
-echo "installed into $(pwd)/.venv"
+[ -x .venv-tools/bin/python ] || "$PY" -m venv .venv-tools
+.venv-tools/bin/python -m pip install --quiet --upgrade "pip>=23.2"
+.venv-tools/bin/python -m pip install --quiet -r scripts/tools-requirements.txt
+echo "installed into $(pwd)/.venv and $(pwd)/.venv-tools"

@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
-# Installs everything and runs the whole test suite (what CI runs).
+# Installs everything, runs the lint and type checks, then the whole test suite
+# (what CI runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
+
+# Lint, format and types: all three run, so one pass shows every complaint;
+# any of them failing fails the script before pytest. The tools are the pinned
+# ones in .venv-tools; mypy reads .venv's packages (scripts/tools-requirements.txt).
+checks=0
+check() { echo "+ $*"; "$@" || checks=1; }
+check .venv-tools/bin/ruff check
+check .venv-tools/bin/ruff format --check
+check .venv-tools/bin/mypy --python-executable .venv/bin/python
+if [ "$checks" -ne 0 ]; then
+  echo "lint or type check failed (above); the tests did not run" >&2
+  exit 1
+fi
 
 # tests/integration/test_prometheus.py runs promtool and a real Prometheus.
 # Debian's package ships both; its maintainer script would start a service, so
