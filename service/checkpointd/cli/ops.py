@@ -125,7 +125,7 @@ def format_status(reply: pb.StatusResponse, now: float | None = None) -> str:
             last = "never"
         rows.append((r.run, r.state, flight, str(r.saves_ok), str(r.saves_skipped), str(r.saves_failed), last))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows]
     if not reply.runs:
         lines.append("(no runs registered)")
     if reply.draining:

@@ -90,7 +90,8 @@ class Manifest:
             InvalidRequestError: naming the first variable that differs.
             LimitExceededError: if the snapshot is larger than `max_bytes`.
         """
-        for i, (want, got) in enumerate(zip(self.variables, declared)):
+        # Pairs up what both have; a length mismatch is reported below, after these.
+        for i, (want, got) in enumerate(zip(self.variables, declared, strict=False)):
             if got.key != want.key:
                 raise InvalidRequestError(
                     f"snapshot variable #{i} is {got.key!r}; the run's manifest has {want.key!r}"

@@ -34,7 +34,7 @@ def code_for(exc: errors.CheckpointdError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def error_for(code: grpc.StatusCode, details: str) -> errors.CheckpointdError:
+def error_for(code: grpc.StatusCode, details: str | None) -> errors.CheckpointdError:
     """The domain error for a status the daemon sent (client side).
 
     CANCELLED and codes outside the table (a daemon that is down answers

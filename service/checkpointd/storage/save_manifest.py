@@ -18,7 +18,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -108,7 +108,7 @@ def _hex(value: int) -> str:
 
 def _files(save_dir: Path) -> list[str]:
     """Every entry but dirs and the manifest under `save_dir`, '/'-separated, sorted."""
-    found = []
+    found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(save_dir):
         rel = Path(dirpath).relative_to(save_dir)
         # A symlinked dir is listed as an entry, not followed.
@@ -213,11 +213,11 @@ def read_manifest(save_dir: Path) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{MANIFEST_NAME} has a malformed file list ({e!r})") from None
     seen: set[str] = set()
-    for e in entries:
-        pure = PurePosixPath(e.path)
-        if pure.is_absolute() or ".." in pure.parts or e.path in seen or e.path == MANIFEST_NAME:
-            raise ManifestError(f"{MANIFEST_NAME} lists an invalid or repeated path {e.path!r}")
-        seen.add(e.path)
+    for entry in entries:
+        pure = PurePosixPath(entry.path)
+        if pure.is_absolute() or ".." in pure.parts or entry.path in seen or entry.path == MANIFEST_NAME:
+            raise ManifestError(f"{MANIFEST_NAME} lists an invalid or repeated path {entry.path!r}")
+        seen.add(entry.path)
     document["files"] = entries
     return document
 
@@ -237,40 +237,42 @@ def verify_dir(save_dir: Path, progress: Progress | None = None) -> Report:
     except ManifestError as e:
         return Report(where, False, str(e))
     entries: list[FileEntry] = manifest["files"]
-    about = {
-        "run": str(manifest.get("run", "")),
-        "kind": str(manifest.get("kind", "")),
-        "step": int(manifest.get("step", -1)),
-        "files": len(entries),
-        "bytes": sum(e.size for e in entries),
-    }
+    passed = Report(
+        where,
+        True,
+        run=str(manifest.get("run", "")),
+        kind=str(manifest.get("kind", "")),
+        step=int(manifest.get("step", -1)),
+        files=len(entries),
+        bytes=sum(entry.size for entry in entries),
+    )
     problems = []
-    for e in entries:
-        path = save_dir / e.path
+    for entry in entries:
+        path = save_dir / entry.path
         if path.is_symlink() or not path.exists():
-            problems.append(f"{e.path} is missing")
+            problems.append(f"{entry.path} is missing")
             continue
         if not path.is_file():
-            problems.append(f"{e.path} is not a regular file")
+            problems.append(f"{entry.path} is not a regular file")
             continue
         size = path.stat().st_size
-        if size != e.size:
-            problems.append(f"{e.path} has {size} bytes, the manifest says {e.size}")
+        if size != entry.size:
+            problems.append(f"{entry.path} has {size} bytes, the manifest says {entry.size}")
             continue
         try:
             _, value = file_checksum(path, progress)
         except OSError as err:
-            problems.append(f"{e.path} is unreadable ({err.strerror or err})")
+            problems.append(f"{entry.path} is unreadable ({err.strerror or err})")
             continue
-        if _hex(value) != e.crc32c.lower():
-            problems.append(f"{e.path} has CRC32C {_hex(value)}, the manifest says {e.crc32c}")
-    listed = {e.path for e in entries}
+        if _hex(value) != entry.crc32c.lower():
+            problems.append(f"{entry.path} has CRC32C {_hex(value)}, the manifest says {entry.crc32c}")
+    listed = {entry.path for entry in entries}
     problems.extend(f"{rel} is not in the manifest" for rel in _files(save_dir) if rel not in listed)
     if problems:
         more = len(problems) - _MAX_REASONS
         reason = "; ".join(problems[:_MAX_REASONS]) + (f" (and {more} more)" if more > 0 else "")
-        return Report(where, False, reason, **about)
-    return Report(where, True, **about)
+        return replace(passed, ok=False, reason=reason)
+    return passed
 
 
 def _looks_like_a_save(path: Path) -> bool:
@@ -290,7 +292,7 @@ def find_save_dirs(path: Path) -> list[Path]:
         return [path.parent]
     if (path / MANIFEST_NAME).exists() or _looks_like_a_save(path):
         return [path]
-    found = []
+    found: list[Path] = []
     for dirpath, dirnames, _ in os.walk(path):
         dirnames.sort()
         keep = []
