@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -149,7 +149,7 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
 
     results: dict[str, Any] = {
         "meta": {
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": shlex.join(["python", "-m", "bench", *argv]),
             **machine(),
         },

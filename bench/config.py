@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ class Size:
     def params(self) -> int:
         """Float32 parameters of the QNetwork (weights and biases of every layer)."""
         widths = (OBS_DIM, *self.hidden, NUM_ACTIONS)
-        return sum(a * b + b for a, b in zip(widths, widths[1:]))
+        return sum(a * b + b for a, b in itertools.pairwise(widths))
 
     @property
     def weight_bytes(self) -> int:
