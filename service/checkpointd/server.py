@@ -1,4 +1,11 @@
-"""The daemon's lifecycle: start serving, report ports, drain on shutdown."""
+"""The composition root and the daemon's lifecycle: start serving, report ports, drain.
+
+`Server.start` picks the implementations behind the seams: the Store for
+--root (local disk), the SaveFormats (policy SavedModels and checkpoints),
+the writer pool, retention and shared memory, and hands them to the save
+pipeline the gRPC servicer translates onto. A new storage backend or save
+kind is one module and one line here.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import logging
 import threading
 import time
 from concurrent import futures
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -13,17 +21,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from checkpointd.storage import local
-from checkpointd.rpc.auth import ServerAuth, load_server_auth
-from checkpointd.saves.budget import default_staging_bytes
 from checkpointd.core.config import ServeConfig
-from checkpointd.protocol.errors import DeadlineError
-from checkpointd.core.ports import Writer
-from checkpointd.saves.runs import Lanes
-from checkpointd.saves.retention import Retention
-from checkpointd.saves.shm import SharedMemory
+from checkpointd.core.ports import SaveFormat, Store
+from checkpointd.formats.pool import WriterPool
 from checkpointd.metrics import Metrics, serve_metrics
+from checkpointd.protocol.errors import DeadlineError
+from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.servicer import CheckpointServicer
+from checkpointd.saves.budget import UploadBudget, default_staging_bytes
+from checkpointd.saves.pipeline import Formats, SavePipeline
+from checkpointd.saves.retention import Retention
+from checkpointd.saves.runs import Lanes
+from checkpointd.saves.shm import SharedMemory
+from checkpointd.storage.local import LocalStore
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
@@ -46,7 +56,8 @@ class Server:
         config: ServeConfig,
         *,
         registry: CollectorRegistry | None = None,
-        writer: Writer | None = None,
+        store: Store | None = None,
+        formats: Sequence[SaveFormat] | None = None,
         auth: ServerAuth | None = None,
     ) -> None:
         """Builds the daemon; nothing binds and TensorFlow does not load until start().
@@ -54,7 +65,10 @@ class Server:
         Args:
             config: what to serve and where.
             registry: the metrics registry; a fresh one by default.
-            writer: the save writer; TfWriter by default (TensorFlow loads in start()).
+            store: where saves are committed; by default the local store on
+                config.root, made in start().
+            formats: the save formats; by default the policy format
+                (TensorFlow loads in start()).
             auth: TLS credentials and tokens; by default loaded in start() from
                 the config and CHECKPOINTD_TOKENS (see checkpointd.rpc.auth).
         """
@@ -64,7 +78,9 @@ class Server:
         self.metrics = Metrics(self.registry)
         self.lanes = Lanes(sink=self.metrics)
         self.metrics.runs.set_function(self.lanes.count)
-        self._writer = writer
+        self._store = store
+        self._formats = formats
+        self._pool: WriterPool | None = None
         self.retention: Retention | None = None
         self.shared_memory: SharedMemory | None = None
         self._health = health.HealthServicer()
@@ -86,25 +102,35 @@ class Server:
         # First: an exposed bind without auth must not touch the root or load TF.
         auth = self._auth if self._auth is not None else load_server_auth(config)
         config.root.mkdir(parents=True, exist_ok=True)
-        fixed = local.recover(config.root)
+        self._pool = WriterPool(config.write_nice)
+        if self._store is None:
+            self._store = LocalStore(config.root, fsync=config.fsync, thread_initializer=self._pool.initializer)
+        fixed = self._store.recover()
         if fixed:
-            _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, config.root)
-        if self._writer is None:
-            from checkpointd.formats.policy import TfWriter  # TensorFlow loads here, not at import
+            _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, self._store.describe())
+        if self._formats is None:
+            from checkpointd.formats.policy import PolicyFormat  # TensorFlow loads in its writes
 
-            self._writer = TfWriter(config.state_dir, fsync=config.fsync, nice=config.write_nice)
+            self._formats = [PolicyFormat(config.state_dir, fsync=config.fsync)]
             # Import TensorFlow (~2.5 s) while the port opens, not inside the
             # first registration a trainer is waiting on.
             threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()
-        self.retention = Retention(config.root, config.retention)
+        self.retention = Retention(self._store, config.retention)
         self.retention.start()
-        self.shared_memory = _shared_memory(
-            config.shm_root, config.max_staging_bytes or default_staging_bytes()
-        )
-        servicer = CheckpointServicer(
-            config, self.lanes, self._writer, phases=self.metrics, retention=self.retention,
+        staging_bytes = config.max_staging_bytes or default_staging_bytes()
+        self.shared_memory = _shared_memory(config.shm_root, staging_bytes)
+        pipeline = SavePipeline(
+            config,
+            self.lanes,
+            self._store,
+            Formats(*self._formats),
+            self._pool,
+            budget=UploadBudget(config.max_concurrent_uploads, staging_bytes),
+            retention=self.retention,
             shared_memory=self.shared_memory,
+            phases=self.metrics,
         )
+        servicer = CheckpointServicer(pipeline, config.state_dir / "staging")
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
             options=[
@@ -135,7 +161,7 @@ class Server:
             self.metrics_port = self._http.server_port
         _LOGGER.info(
             "listening on port %d (root %s, metrics %s, auth %s, shared memory %s)",
-            self.port, config.root.resolve(),
+            self.port, self._store.describe(),
             f"http://{config.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
             auth.describe(),
             self.shared_memory.folder if self.shared_memory is not None else "off",
@@ -172,6 +198,8 @@ class Server:
             self.retention.stop(timeout=max(grace, 1.0))  # finish queued tidying
         if self.shared_memory is not None:
             self.shared_memory.close()
+        if self._pool is not None:
+            self._pool.close()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

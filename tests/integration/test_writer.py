@@ -1,4 +1,5 @@
-"""TfWriter against real TF-Agents policies and in-process PolicySaver output.
+"""The policy format and the local store, composed as the save pipeline composes
+them, against real TF-Agents policies and in-process PolicySaver output.
 
 No daemon: the writer is called directly, with the variables and object graph
 the client's own `snapshot.bind` would register. Module-scoped fixtures build
@@ -34,10 +35,34 @@ from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, S
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import VariableSpec
 from checkpointd.storage.save_manifest import MANIFEST_NAME
-from checkpointd.formats.policy import TfWriter
+from checkpointd.core.ports import SaveMeta
+from checkpointd.formats.policy import PolicyFormat
+from checkpointd.saves.pipeline import write_save
+from checkpointd.storage.local import LocalStore
 from checkpointd_client import snapshot as client_snapshot
 from tests.integration import policies
 from tests.integration.disk import files_under
+
+
+class TfWriter:
+    """PolicyFormat + LocalStore with the save pipeline's `write_save`: one save at a time."""
+
+    def __init__(self, state_dir: Path, *, fsync: bool = True) -> None:
+        self.format = PolicyFormat(state_dir, fsync=fsync)
+        self._fsync = fsync
+        self._manifests: dict = {}
+
+    def register(self, run, staged_dir, variables, checkpoint_object_graph):  # noqa: ANN001, ANN201
+        manifest = self.format.register(run, staged_dir, variables, checkpoint_object_graph)
+        self._manifests[run] = manifest
+        return manifest
+
+    def write(self, run, kind, target, snapshot, *, step=-1, export_dir=None, numpy_state=None):  # noqa: ANN001, ANN201
+        target = Path(target)
+        store = LocalStore(target.parent, fsync=self._fsync)
+        manifest = self._manifests.get(run)  # None: the format says the run is not found
+        meta = SaveMeta(run, kind, step, target.name if export_dir is None else export_dir)
+        return write_save(store, self.format, meta, manifest, target, snapshot, numpy_state)
 
 _VARIABLES = ("variables.index", "variables.data-00000-of-00001")
 _OBS_SPEC = tf.TensorSpec([4], tf.float32)

@@ -176,8 +176,9 @@ def test_waiter_whose_caller_went_away_gives_up(lanes: Lanes, pool: ThreadPoolEx
     )
     assert queued.wait(LIMIT)
     gone.set()
+    lanes.wake()  # what the RPC's termination callback does
 
-    # Well before its own timeout (LIMIT): the waiter polls its caller.
+    # Well before its own timeout (LIMIT): the wake makes the waiter ask its caller.
     started = time.monotonic()
     with pytest.raises(DeadlineError):
         waiter.result(timeout=LIMIT)

@@ -16,7 +16,8 @@ from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError,
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
-from checkpointd.saves.catalog import committed_save, find_latest
+from checkpointd.saves.catalog import find_latest
+from checkpointd.storage.local import LocalStore
 from checkpointd.saves.runs import Lanes
 
 FILES = {"variables/variables.index": b"index", "variables/variables.data-00000-of-00001": b"d" * 64}
@@ -43,7 +44,7 @@ def test_the_newest_save_is_the_latest_created_then_the_highest_step(tmp_path: P
     save(tmp_path, "r", "ckpt/b", run="r", step=3, created=200.0)
     newest = save(tmp_path, "r", "ckpt/c", run="r", step=4, created=200.0)
 
-    found = find_latest(tmp_path, "r", "r")
+    found = find_latest(LocalStore(tmp_path), "r", "r")
 
     assert found is not None
     assert (found.path, found.export_dir, found.step, found.created) == (
@@ -57,10 +58,10 @@ def test_kind_filters_and_other_runs_in_the_folder_do_not_count(tmp_path: Path) 
     save(tmp_path, "r", "ckpt/1", run="r", step=1, created=20.0)
     save(tmp_path, "r", "greedy", run="r.greedy", kind="saved_model", step=9, created=30.0)
 
-    assert find_latest(tmp_path, "r", "r").export_dir == "ckpt/1"
-    assert find_latest(tmp_path, "r", "r", SaveKind.SAVED_MODEL).export_dir == "policy"
-    assert find_latest(tmp_path, "r", "r.greedy").export_dir == "greedy"
-    assert find_latest(tmp_path, "r", "r.greedy", SaveKind.CHECKPOINT) is None
+    assert find_latest(LocalStore(tmp_path), "r", "r").export_dir == "ckpt/1"
+    assert find_latest(LocalStore(tmp_path), "r", "r", SaveKind.SAVED_MODEL).export_dir == "policy"
+    assert find_latest(LocalStore(tmp_path), "r", "r.greedy").export_dir == "greedy"
+    assert find_latest(LocalStore(tmp_path), "r", "r.greedy", SaveKind.CHECKPOINT) is None
 
 
 def test_uncommitted_dirs_are_not_saves(tmp_path: Path) -> None:
@@ -70,26 +71,26 @@ def test_uncommitted_dirs_are_not_saves(tmp_path: Path) -> None:
     (tmp_path / "r" / "ckpt" / "junk").mkdir()
     (tmp_path / "r" / "ckpt" / "junk" / save_manifest.MANIFEST_NAME).write_text("{not json")
 
-    assert find_latest(tmp_path, "r", "r").export_dir == "ckpt/1"
+    assert find_latest(LocalStore(tmp_path), "r", "r").export_dir == "ckpt/1"
 
 
 def test_no_folder_or_no_save_is_none(tmp_path: Path) -> None:
-    assert find_latest(tmp_path, "absent", "absent") is None
+    assert find_latest(LocalStore(tmp_path), "absent", "absent") is None
     (tmp_path / "empty").mkdir()
-    assert find_latest(tmp_path, "empty", "empty") is None
+    assert find_latest(LocalStore(tmp_path), "empty", "empty") is None
 
 
 def test_committed_save_reads_one_export_dir_or_says_not_found(tmp_path: Path) -> None:
     save(tmp_path, "r", "ckpt/1", run="r", step=7)
     save(tmp_path, "r", "ckpt/torn", run="r", manifest=False)
 
-    assert committed_save(tmp_path, "r", "./ckpt/1").step == 7
+    assert LocalStore(tmp_path).committed_at("r", "./ckpt/1").step == 7
     with pytest.raises(RunNotFoundError):
-        committed_save(tmp_path, "r", "ckpt/torn")
+        LocalStore(tmp_path).committed_at("r", "ckpt/torn")
     with pytest.raises(RunNotFoundError):
-        committed_save(tmp_path, "r", "ckpt/2")
+        LocalStore(tmp_path).committed_at("r", "ckpt/2")
     with pytest.raises(InvalidRequestError):
-        committed_save(tmp_path, "r", "../other/ckpt")
+        LocalStore(tmp_path).committed_at("r", "../other/ckpt")
 
 
 def test_lanes_remember_each_runs_folder(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from checkpointd.storage import save_manifest
 from checkpointd.core.retention import RetentionPolicy
 from checkpointd.saves.retention import Retention
+from checkpointd.storage.local import LocalStore
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def test_tidy_deletes_only_the_runs_committed_saves_past_the_policy(folder: Path
     _save(folder, "sm_1", "r", "saved_model", 1, created=1)
     _save(folder, "other_run", "other", "checkpoint", 0, created=0)
     (folder / "users_dir").mkdir()
-    retention = Retention(folder.parent, RetentionPolicy(keep_last=2))
+    retention = Retention(LocalStore(folder.parent), RetentionPolicy(keep_last=2))
     assert retention.tidy("r", "r") == 2
     assert sorted(p.name for p in folder.iterdir()) == ["ck_3", "ck_4", "other_run", "sm_1", "users_dir"]
 
@@ -82,7 +83,7 @@ def test_tidy_deletes_only_the_runs_committed_saves_past_the_policy(folder: Path
 def test_tidy_waits_while_a_save_is_being_published_into_the_folder(folder: Path) -> None:
     for step in range(1, 4):
         _save(folder, f"ck_{step}", "r", "checkpoint", step, created=step)
-    retention = Retention(folder.parent, RetentionPolicy(keep_last=1))
+    retention = Retention(LocalStore(folder.parent), RetentionPolicy(keep_last=1))
     done = threading.Event()
     with retention.holding("r"):
         worker = threading.Thread(target=lambda: (retention.tidy("r", "r"), done.set()))
@@ -97,7 +98,7 @@ def test_tidy_waits_while_a_save_is_being_published_into_the_folder(folder: Path
 def test_the_worker_tidies_after_saves_without_blocking_them(folder: Path) -> None:
     for step in range(1, 4):
         _save(folder, f"ck_{step}", "r", "checkpoint", step, created=step)
-    retention = Retention(folder.parent, RetentionPolicy(keep_last=1))
+    retention = Retention(LocalStore(folder.parent), RetentionPolicy(keep_last=1))
     retention.start()
     try:
         with retention.holding("r"):
@@ -112,7 +113,7 @@ def test_the_worker_tidies_after_saves_without_blocking_them(folder: Path) -> No
 def test_two_holders_share_a_folder_while_tidying_waits_for_both(folder: Path) -> None:
     _save(folder, "ck_1", "r", "checkpoint", 1, created=1)
     _save(folder, "ck_2", "r", "checkpoint", 2, created=2)
-    retention = Retention(folder.parent, RetentionPolicy(keep_last=1))
+    retention = Retention(LocalStore(folder.parent), RetentionPolicy(keep_last=1))
     done = threading.Event()
     with retention.holding("r"), retention.holding("r"):  # a publish and a restore at once
         worker = threading.Thread(target=lambda: (retention.tidy("r", "r"), done.set()))

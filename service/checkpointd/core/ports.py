@@ -1,15 +1,29 @@
-"""What the core needs from the outside world, as Protocols."""
+"""What the core and the save pipeline need from the outside world, as Protocols.
+
+The two seams a new backend or save kind plugs into:
+- `Store`: where committed saves live (`checkpointd.storage.local` on disk).
+  A save is staged in a private local dir, then committed with its save
+  manifest written last: a save exists only once its manifest does.
+- `SaveFormat`: how one kind of save is checked, written into staging and
+  read back (`checkpointd.formats.policy` for policy SavedModels and
+  checkpoints).
+`checkpointd.server` picks the implementations.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from checkpointd.protocol.kinds import SaveKind
     from checkpointd.core.manifest import Manifest, VariableSpec
-    from checkpointd.core.numpy_state import NumpyPayload
+    from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
+    from checkpointd.protocol.kinds import SaveKind
+
+# A snapshot: every variable's bytes concatenated, or one buffer per variable.
+Snapshot = bytes | bytearray | memoryview | Sequence[memoryview]
 
 
 class Clock(Protocol):
@@ -55,11 +69,154 @@ class NullSink:
         pass
 
 
-class Writer(Protocol):
-    """Turns templates and snapshots into files; `checkpointd.formats.policy` implements it.
+class PhaseSink(Protocol):
+    """Times the phases of accepted saves and counts their transports (`checkpointd.metrics`)."""
 
-    Both methods leave nothing behind on failure.
+    def observe_phase(self, kind: str, phase: str, seconds: float) -> None: ...
+
+    def snapshot_received(self, kind: str, transport: str) -> None: ...
+
+
+class NullPhases:
+    """A PhaseSink that records nothing."""
+
+    def observe_phase(self, kind: str, phase: str, seconds: float) -> None:
+        pass
+
+    def snapshot_received(self, kind: str, transport: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class SaveMeta:
+    """What a save's manifest records besides its files."""
+
+    run: str
+    kind: SaveKind
+    step: int
+    export_dir: str  # as the trainer named it
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A save's files, written by a SaveFormat into a Store's staging dir.
+
+    Attributes:
+        path: the local staging dir holding the files.
+        bytes_written: their total size.
+        versions: software versions for the save manifest (e.g. tensorflow's).
+        known: (size, CRC32C) of files whose content the format already
+            checksummed (template files written from memory), by
+            '/'-separated path, so the store need not read them back.
+        extra: format-specific fields for the save manifest.
     """
+
+    path: Path
+    bytes_written: int
+    versions: Mapping[str, str]
+    known: Mapping[str, tuple[int, int]] | None = None
+    extra: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CommittedSave:
+    """One committed save, as its manifest describes it.
+
+    Attributes:
+        path: where it lives (a dir on the daemon's host for the local store).
+        export_dir: the save relative to its folder, '/'-separated.
+        run: the run that wrote it.
+        kind: its kind.
+        step: the train step in its snapshot.
+        created: Unix time the daemon committed it.
+    """
+
+    path: Path
+    export_dir: str
+    run: str
+    kind: SaveKind
+    step: int
+    created: float
+
+
+class SaveValues(Protocol):
+    """A committed save opened for Restore, checked against the run's manifest."""
+
+    numpy_state: NumpyStateSpec | None
+    nbytes: int
+
+    def pieces(self) -> Iterator[memoryview]:
+        """Each variable's raw bytes in manifest order, then each numpy entry's."""
+        ...
+
+
+class Store(Protocol):
+    """Where committed saves live. Every method is thread-safe.
+
+    Readers trust manifests only: a save without one (cut short) never counts.
+    """
+
+    def describe(self) -> str:
+        """Where the saves go, for logs (e.g. the root's absolute path)."""
+        ...
+
+    def recover(self) -> int:
+        """Cleans up what interrupted saves left behind (at start); returns how many."""
+        ...
+
+    def target(self, folder: str, export_dir: str) -> Path:
+        """Where a save to `export_dir` in `folder` is committed.
+
+        Raises:
+            InvalidRequestError: the export dir is invalid or leads out of the folder.
+        """
+        ...
+
+    def stage(self, target: Path) -> Path:
+        """An empty private local dir to write a save for `target` into.
+
+        Raises:
+            OSError: it cannot be made.
+        """
+        ...
+
+    def commit(self, staged: Staged, target: Path, meta: SaveMeta) -> int:
+        """Makes a staged save durable at `target`, its manifest last; returns its bytes.
+
+        A save already at `target` is replaced. On failure nothing new is
+        committed and the staging dir is left for `discard`.
+
+        Raises:
+            SaveFailedError, OSError: the save could not be committed.
+        """
+        ...
+
+    def discard(self, staged: Path) -> None:
+        """Deletes a staging dir; never raises."""
+        ...
+
+    def committed(self, folder: str, run: str) -> list[CommittedSave]:
+        """Every committed save of `run` in `folder`, in no order."""
+        ...
+
+    def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
+        """The committed save at `export_dir` in `folder`.
+
+        Raises:
+            InvalidRequestError: `export_dir` is invalid.
+            RunNotFoundError: no committed save is there.
+        """
+        ...
+
+    def delete(self, save: CommittedSave) -> bool:
+        """Deletes a committed save (its manifest first); False if it could not."""
+        ...
+
+
+class SaveFormat(Protocol):
+    """One family of save kinds: how a run registers, and how its saves are written and read."""
+
+    kinds: tuple[SaveKind, ...]
 
     def register(
         self,
@@ -70,9 +227,25 @@ class Writer(Protocol):
     ) -> Manifest:
         """Validates an uploaded template and makes it the run's template.
 
+        `staged_dir` is consumed (kept or deleted).
+
         Raises:
-            InvalidRequestError: the template is not a TF-Agents policy
-                SavedModel, or `variables` disagree with it.
+            InvalidRequestError: the template or `variables` are not valid for this format.
+        """
+        ...
+
+    def check(
+        self,
+        manifest: Manifest,
+        variables: Sequence[VariableSpec],
+        snapshot_bytes: int,
+        numpy_state: NumpyStateSpec | None,
+        max_snapshot_bytes: int,
+    ) -> None:
+        """Refuses a save header that does not fit the run's manifest, before the decision.
+
+        Raises:
+            InvalidRequestError, LimitExceededError: naming what is wrong.
         """
         ...
 
@@ -80,20 +253,29 @@ class Writer(Protocol):
         self,
         run: str,
         kind: SaveKind,
-        target: Path,
-        snapshot: bytes | bytearray | memoryview | Sequence[memoryview],
-        *,
-        step: int = -1,
-        export_dir: str | None = None,
-        numpy_state: NumpyPayload | None = None,
-    ) -> int:
-        """Writes one save atomically to `target`; returns the bytes written.
+        manifest: Manifest,
+        staging: Path,
+        snapshot: Snapshot,
+        numpy_state: NumpyPayload | None,
+    ) -> Staged:
+        """Writes one save's files into the empty dir `staging`.
 
-        `step` and `export_dir` (as the trainer named it) are recorded in the
-        save's manifest; `numpy_state`, if given, is written beside the
-        variables and listed in it.
+        `manifest` is the one the snapshot was checked against: a run
+        registered anew meanwhile fails the save rather than mislabel it.
 
         Raises:
-            SaveFailedError: the save could not be written.
+            RunNotFoundError: the run has no template here.
+            SaveFailedError: the snapshot does not fit the run's template.
+            Exception: the files could not be written (the pipeline reports
+                it as SaveFailedError with the reason).
+        """
+        ...
+
+    def read(self, save: CommittedSave, manifest: Manifest) -> SaveValues:
+        """Opens a committed save of this format for Restore.
+
+        Raises:
+            InvalidRequestError: the save does not fit the run's manifest.
+            ChecksumError, SaveFailedError: its files are corrupt or unreadable.
         """
         ...

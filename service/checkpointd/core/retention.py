@@ -20,6 +20,11 @@ class Save(Protocol):
 S = TypeVar("S", bound=Save)
 
 
+def age(save: Save) -> tuple[float, int]:
+    """Orders saves oldest to newest: by creation time, then by step (GetLatest's rule too)."""
+    return (save.created, save.step)
+
+
 @dataclass(frozen=True)
 class RetentionPolicy:
     """Keep a run's newest `keep_last` saves of each kind, plus every save at a
@@ -50,7 +55,7 @@ class RetentionPolicy:
         """
         if self.keep_last is None:
             return []
-        newest_first = sorted(saves, key=lambda s: (s.created, s.step), reverse=True)
+        newest_first = sorted(saves, key=age, reverse=True)
         older = newest_first[max(1, self.keep_last) :]
         every = self.keep_every_steps
         return [s for s in older if not (every and s.step >= 0 and s.step % every == 0)]

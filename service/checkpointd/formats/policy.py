@@ -1,8 +1,9 @@
-"""The TensorFlow writer: a run's template graph plus a snapshot's values.
+"""The policy format: a run's template graph plus a snapshot's values.
 
-Like `checkpointd.formats.policy_template`, which checks the uploaded templates, it imports
-tensorflow only inside functions, so importing it (and `checkpointd --help`)
-stays fast.
+`PolicyFormat` implements `checkpointd.core.ports.SaveFormat` for the two kinds
+`PolicySaver` writes. Like `checkpointd.formats.policy_template`, which checks
+the uploaded templates, it imports tensorflow only inside functions, so
+importing it (and `checkpointd --help`) stays fast.
 
 A SAVED_MODEL save copies the template's graph files and writes a new
 `variables/` checkpoint holding the snapshot, under the SavedModel's own
@@ -11,19 +12,20 @@ A CHECKPOINT save writes the `variables/` checkpoint alone, under the keys and
 object graph of `PolicySaver.save_checkpoint`. Tensors are written in the order
 of the object graph's nodes, which is the order TensorFlow's own saver uses, so
 the variable files are byte-identical to PolicySaver's for the same values.
-Last, `checkpointd.manifest.json` (see `checkpointd.storage.save_manifest`) lists every file
-with its size and CRC32C, so a crash or a bad disk can be told from a
-complete save without TensorFlow.
+The Store then commits the staged files with `checkpointd.manifest.json`
+listing each with its size and CRC32C (template files' sums are known here),
+so a crash or a bad disk can be told from a complete save without TensorFlow.
 
 Lock discipline: `_lock` guards `_templates` only. A write takes the run's
 `Template` (immutable, its files held in memory) under the lock and then works
-without it, so registering a new template never disturbs a write in progress.
+without it, so registering a new template never disturbs a write in progress;
+a write whose snapshot was checked against an older registration fails
+instead of writing its values under the new template's keys.
 `_register_lock` serializes the on-disk swap of template directories.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import importlib.metadata
 import logging
@@ -35,56 +37,42 @@ from pathlib import Path
 from typing import Any
 
 from checkpointd import __version__
-from checkpointd.formats import numpy_files
+from checkpointd.formats import numpy_files, reader
 from checkpointd.storage import local
 from checkpointd.formats import policy_template
-from checkpointd.storage import save_manifest
-from checkpointd.protocol.errors import CheckpointdError, RunNotFoundError, SaveFailedError
+from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.wire import ALIGNMENT  # Eigen's: TF wraps memory aligned to it without a copy
 from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.ports import CommittedSave, SaveValues, Snapshot, Staged
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
-from checkpointd.core.numpy_state import NumpyPayload
+from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.protocol.names import check_run_name
-from checkpointd.formats.policy_template import OBJECT_GRAPH_KEY, VARIABLES_PREFIX, Template, describe
+from checkpointd.formats.policy_template import OBJECT_GRAPH_KEY, VARIABLES_PREFIX, Template
 
 _LOGGER = logging.getLogger(__name__)
 
-# A snapshot: every variable's bytes concatenated, or one buffer per variable.
-Snapshot = bytes | bytearray | memoryview | Sequence[memoryview]
+class PolicyFormat:
+    """SavedModels and checkpoints from run templates and snapshots.
 
-
-class TfWriter:
-    """Writes SavedModels and checkpoints from run templates and snapshots.
-
-    Implements `checkpointd.core.ports.Writer`. Thread-safe.
+    Implements `checkpointd.core.ports.SaveFormat`. Thread-safe.
     """
 
-    def __init__(self, state_dir: Path, *, fsync: bool = True, nice: int = 0) -> None:
-        """Creates a writer.
+    kinds = (SaveKind.SAVED_MODEL, SaveKind.CHECKPOINT)
+
+    def __init__(self, state_dir: Path, *, fsync: bool = True) -> None:
+        """Creates the format.
 
         Args:
             state_dir: The daemon's own folder; templates live in
                 `state_dir/templates/<run>/`.
-            fsync: Whether to fsync written trees before publishing them.
-            nice: The nice value of the threads that write saves (Linux sets
-                it per thread): above 0, training on the same machine gets
-                the CPU first and saves use what is left. 0 leaves them be.
+            fsync: Whether to fsync templates before publishing them.
         """
         self._templates_dir = Path(state_dir) / "templates"
         self._fsync = fsync
         self._lock = threading.Lock()
         self._register_lock = threading.Lock()
         self._templates: dict[str, Template] = {}
-        # Saves are written on these threads, at `nice`; the gRPC threads that
-        # answer decisions keep their priority, so a trainer's stall does not grow.
-        self._workers = concurrent.futures.ThreadPoolExecutor(
-            max_workers=16, thread_name_prefix="write", initializer=_lower_priority, initargs=(nice,)
-        )
-        # fsyncs a save's files while its manifest is computed (see write()).
-        self._syncer = concurrent.futures.ThreadPoolExecutor(
-            thread_name_prefix="fsync", initializer=_lower_priority, initargs=(nice,)
-        )
 
     def register(
         self,
@@ -147,123 +135,85 @@ class TfWriter:
         self,
         run: str,
         kind: SaveKind,
-        target: Path,
+        manifest: Manifest,
+        staging: Path,
         snapshot: Snapshot,
-        *,
-        step: int = -1,
-        export_dir: str | None = None,
-        numpy_state: NumpyPayload | None = None,
-    ) -> int:
-        """Writes one save atomically to `target`, its save manifest last.
+        numpy_state: NumpyPayload | None,
+    ) -> Staged:
+        """Writes one save's files into the empty dir `staging`.
 
         Args:
             run: A registered run.
             kind: SAVED_MODEL (PolicySaver.save) or CHECKPOINT
                 (PolicySaver.save_checkpoint).
-            target: The export dir; an existing directory there is replaced.
+            manifest: The run's manifest the snapshot was checked against.
+            staging: The empty dir to write into.
             snapshot: Every variable's raw little-endian C-order bytes,
                 concatenated in manifest order, or one buffer per variable
                 (64-byte aligned and writable ones are written without a copy).
-            step: The trainer's step, recorded in the save manifest.
-            export_dir: The export dir as the trainer named it, for the
-                save manifest; default `target.name`.
             numpy_state: A NumpyState to write beside the variables, as
-                `<target>/numpy_state/numpy_state` (see checkpointd.formats.numpy_files).
-
-        Returns:
-            The total size of the files written, in bytes.
+                `numpy_state/numpy_state` (see checkpointd.formats.numpy_files).
 
         Raises:
             RunNotFoundError: the run has no template.
-            SaveFailedError: the save could not be written; nothing new is
-                left on disk.
+            SaveFailedError: the snapshot does not fit the template.
+            OSError, tf.errors.OpError: the files could not be written (the
+                pipeline reports them as SaveFailedError with the reason).
         """
-        return self._workers.submit(
-            self._write, run, kind, target, snapshot, step, export_dir, numpy_state
-        ).result()
-
-    def _write(
-        self,
-        run: str,
-        kind: SaveKind,
-        target: Path,
-        snapshot: Snapshot,
-        step: int,
-        export_dir: str | None,
-        numpy_state: NumpyPayload | None,
-    ) -> int:
-        """write(), on a writer thread."""
         with self._lock:
             template = self._templates.get(run)
         if template is None:
             raise RunNotFoundError(f"run {run!r} has no template on this daemon; register it first")
-        target = Path(target)
+        if template.manifest is not manifest and template.manifest != manifest:
+            raise SaveFailedError(
+                f"run {run!r} was registered again with other variables while this save was "
+                "in flight; save again"
+            )
         if isinstance(snapshot, (bytes, bytearray, memoryview)):
             size = memoryview(snapshot).nbytes
         else:
             sizes = [memoryview(p).nbytes for p in snapshot]
-            if sizes != [v.nbytes for v in template.manifest.variables]:
+            if sizes != [v.nbytes for v in manifest.variables]:
                 raise SaveFailedError(f"run {run!r}: snapshot parts do not match the manifest")
             size = sum(sizes)
-        if size != template.manifest.nbytes:
+        if size != manifest.nbytes:
             raise SaveFailedError(
-                f"run {run!r}: snapshot has {size} bytes; the manifest needs "
-                f"{template.manifest.nbytes}"
+                f"run {run!r}: snapshot has {size} bytes; the manifest needs {manifest.nbytes}"
             )
-        tmp: Path | None = None
-        try:
-            tmp = local.make_temp_sibling(target)
-            written = _write_tree(template, kind, tmp, snapshot)
-            extra = None
-            if numpy_state is not None:
-                written += numpy_files.write(tmp, numpy_state)
-                extra = {
-                    "numpy_state": {
-                        "prefix": NUMPY_STATE_PREFIX,
-                        "keys": [e.checkpoint_key for e in numpy_state.spec.entries],
-                    }
+        written = _write_tree(template, kind, staging, snapshot)
+        extra = None
+        if numpy_state is not None:
+            written += numpy_files.write(staging, numpy_state)
+            extra = {
+                "numpy_state": {
+                    "prefix": NUMPY_STATE_PREFIX,
+                    "keys": [e.checkpoint_key for e in numpy_state.spec.entries],
                 }
-            # The disk flushes the files while the manifest's CRCs read them
-            # back from the page cache (both release the GIL); publishing
-            # then fsyncs only what is still dirty: the manifest and the dirs.
-            syncing = self._syncer.submit(local.fsync_tree, tmp) if self._fsync else None
-            try:
-                written += save_manifest.write_manifest(
-                    tmp,
-                    run=run,
-                    kind=kind.value,
-                    step=step,
-                    export_dir=target.name if export_dir is None else export_dir,
-                    versions=_versions(),
-                    known=template.checksums if kind is SaveKind.SAVED_MODEL else None,
-                    extra=extra,
-                )
-            finally:
-                if syncing is not None:
-                    syncing.result()  # raises its OSError; the tree is not published
-            local.publish_dir(tmp, target, fsync=self._fsync)
-        except Exception as e:
-            if tmp is not None:
-                local.remove_quietly(tmp)
-            if isinstance(e, CheckpointdError):
-                raise
-            reason = f"could not write {kind.value} to {target}: {describe(e)}"
-            _LOGGER.warning("run %s: %s", run, reason)
-            raise SaveFailedError(f"run {run!r}: {reason}") from e
-        _LOGGER.debug("run %s: wrote %s to %s (%d bytes)", run, kind.value, target, written)
-        return written
+            }
+        return Staged(
+            path=staging,
+            bytes_written=written,
+            versions=_versions(),
+            known=template.checksums if kind is SaveKind.SAVED_MODEL else None,
+            extra=extra,
+        )
 
+    def check(
+        self,
+        manifest: Manifest,
+        variables: Sequence[VariableSpec],
+        snapshot_bytes: int,
+        numpy_state: NumpyStateSpec | None,
+        max_snapshot_bytes: int,
+    ) -> None:
+        """Refuses a save header that does not fit the run's manifest (see `check_payload`)."""
+        check_payload(manifest, variables, snapshot_bytes, numpy_state, max_snapshot_bytes)
+        if numpy_state is not None:
+            numpy_files.check(numpy_state)  # TensorFlow's protos parse the object graph
 
-def _lower_priority(nice: int) -> None:
-    """Raises this thread's nice value to `nice` (Linux: per thread); never lowers it."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    tid = threading.get_native_id()
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError as e:
-        _LOGGER.warning("could not set the writer threads' nice value to %d: %s", nice, e)
+    def read(self, save: CommittedSave, manifest: Manifest) -> SaveValues:
+        """Opens a committed policy save for Restore (see `checkpointd.formats.reader`)."""
+        return reader.open_save(save.path, save.kind, manifest, repr(save.export_dir))
 
 
 @functools.cache

@@ -39,3 +39,12 @@ class SaveFailedError(CheckpointdError):
 
 class UnauthenticatedError(CheckpointdError):
     """The caller's credentials are missing or wrong."""
+
+
+def describe(e: BaseException) -> str:
+    """A one-line reason for an OS or TensorFlow error, for messages a person reads."""
+    if isinstance(e, OSError) and e.strerror:
+        where = f" ({e.filename})" if e.filename else ""
+        return f"{e.strerror}{where}"
+    message = getattr(e, "message", None) or str(e) or type(e).__name__
+    return message.strip().splitlines()[0]

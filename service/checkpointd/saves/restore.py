@@ -1,79 +1,51 @@
-"""GetLatest and Restore: a run's committed saves, found on disk and streamed back.
+"""Restore: a run's committed save, found in the Store and opened by its format.
 
-The servicer's two handlers delegate here. `latest_response` needs no
-TensorFlow (manifests only); `restore_responses` opens the save with
-`checkpointd.formats.reader` and streams it the way a Save's snapshot arrives: a header
-naming the variables (the run's manifest order) and the numpy state, then the
-payload as Chunks of at most `chunk_bytes`, each with its CRC32C, at offsets
-over the whole payload.
+Everything is checked before the caller streams anything: the save exists,
+and its keys, dtypes and shapes fit the run's manifest. A tensor found
+corrupt while it is read is raised from `SaveValues.pieces()`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import crc32c
-
-from checkpointd.saves import catalog
-from checkpointd.formats import reader
+from checkpointd.core.manifest import Manifest
+from checkpointd.core.ports import CommittedSave, SaveFormat, SaveValues, Store
 from checkpointd.protocol.errors import RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.core.manifest import Manifest
-from checkpointd.core.numpy_state import NumpyStateSpec
-from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.saves import catalog
 
 _LOGGER = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20
-_KIND_TO_PB = {SaveKind.SAVED_MODEL: pb.SAVED_MODEL, SaveKind.CHECKPOINT: pb.CHECKPOINT}
+
+@dataclass(frozen=True)
+class Opened:
+    """A committed save, opened for reading."""
+
+    save: CommittedSave
+    values: SaveValues
 
 
-def numpy_state_to_pb(spec: NumpyStateSpec) -> pb.NumpyState:
-    return pb.NumpyState(
-        object_graph=spec.object_graph,
-        entries=[pb.NumpyStateEntry(checkpoint_key=e.checkpoint_key, nbytes=e.nbytes) for e in spec.entries],
-    )
-
-
-def latest_response(root: Path, folder: str, run: str, kind: SaveKind | None) -> pb.LatestResponse:
-    """GetLatest's answer: the run's newest committed save under `<root>/<folder>`."""
-    save = catalog.find_latest(root, folder, run, kind)
-    if save is None:
-        return pb.LatestResponse(found=False)
-    return pb.LatestResponse(
-        found=True,
-        path=str(save.path),
-        export_dir=save.export_dir,
-        step=save.step,
-        kind=_KIND_TO_PB[save.kind],
-        unix_seconds=save.created,
-    )
-
-
-def restore_responses(
-    root: Path,
+def open_committed(
+    store: Store,
+    format_for: Callable[[SaveKind], SaveFormat],
     folder: str,
     run: str,
     export_dir: str,
     manifest: Manifest,
-    chunk_bytes: int = CHUNK_BYTES,
-) -> Iterator[pb.RestoreResponse]:
-    """Restore's answer: a header, then the save's values as chunks.
-
-    Everything is checked before the header is yielded, so an error ends the
-    call with a status and no partial answer.
+) -> Opened:
+    """Opens the save at `export_dir` in `folder`, or the run's newest one.
 
     Args:
-        root: the daemon's root.
+        store: where the saves live.
+        format_for: the SaveFormat of a kind.
         folder: the run's folder.
         run: the run (registered; `manifest` is its manifest).
         export_dir: the save to read, relative to the folder; empty for the
             run's newest committed save.
         manifest: the run's manifest: which keys to read, in payload order.
-        chunk_bytes: the largest payload of one chunk.
 
     Raises:
         RunNotFoundError: the run has no committed save (at `export_dir`).
@@ -81,39 +53,22 @@ def restore_responses(
             not match the manifest (the message names the first one).
         ChecksumError, SaveFailedError: the save is corrupt or unreadable.
     """
-    started = time.monotonic()
     if export_dir:
-        save = catalog.committed_save(root, folder, export_dir)
+        save = store.committed_at(folder, export_dir)
     else:
-        found = catalog.find_latest(root, folder, run)
+        found = catalog.find_latest(store, folder, run)
         if found is None:
             raise RunNotFoundError(
-                f"run {run!r} has no committed save in {Path(root) / folder} to restore"
+                f"run {run!r} has no committed save in folder {folder!r} of {store.describe()} to restore"
             )
         save = found
-    values = reader.open_save(save.path, save.kind, manifest, repr(save.export_dir))
-    header = pb.RestoreHeader(
-        export_dir=save.export_dir,
-        step=save.step,
-        kind=_KIND_TO_PB[save.kind],
-        variables=[
-            pb.Variable(key=v.key, checkpoint_key=v.checkpoint_key, dtype=v.dtype, shape=v.shape)
-            for v in manifest.variables
-        ],
-        snapshot_bytes=values.nbytes,
-        path=str(save.path),
-        unix_seconds=save.created,
-    )
-    if values.numpy_state is not None:
-        header.numpy_state.CopyFrom(numpy_state_to_pb(values.numpy_state))
-    yield pb.RestoreResponse(header=header)
-    offset = 0
-    for piece in values.pieces():
-        for start in range(0, len(piece), chunk_bytes):
-            data = bytes(piece[start : start + chunk_bytes])
-            yield pb.RestoreResponse(chunk=pb.Chunk(offset=offset, data=data, crc32c=crc32c.crc32c(data)))
-            offset += len(data)
+    return Opened(save, format_for(save.kind).read(save, manifest))
+
+
+def log_restored(run: str, opened: Opened, seconds: float) -> None:
+    """Logs a restore streamed in full."""
+    save = opened.save
     _LOGGER.info(
         "restored run=%s kind=%s export_dir=%s step=%d bytes=%d in %.3fs",
-        run, save.kind.value, save.export_dir, save.step, offset, time.monotonic() - started,
-    )
+        run, save.kind.value, save.export_dir, save.step, opened.values.nbytes, seconds,
+    )  # fmt: skip

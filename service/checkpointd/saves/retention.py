@@ -1,30 +1,26 @@
 """Retention off the save path: a background worker deletes old committed saves.
 
-After each successful save the servicer asks for the run's folder to be
+After each successful save the pipeline asks for the run's folder to be
 tidied; one worker thread does it later, so no save waits for deletions.
-Only committed saves of the run (dirs holding a manifest that names it) are
-candidates, the newest one is never deleted, and a folder is never tidied
-while a save is being published into it or restored from it: those hold the
-folder shared (`holding(folder)`, many at once); the worker's deletions hold
-it exclusively. A victim is first renamed
-to a `.checkpointd-tmp-` name (which startup recovery deletes, should the
-daemon die mid-delete), so a reader sees it whole or not at all.
+Only committed saves of the run (the Store lists those whose manifest names
+it) are candidates, the newest one is never deleted, and a folder is never
+tidied while a save is being committed into it or restored from it: those
+hold the folder shared (`holding(folder)`, many at once); the worker's
+deletions hold it exclusively. The Store deletes a save so that a reader
+sees it whole or not at all.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
 import contextlib
 from contextlib import contextmanager
-from pathlib import Path
 
-from checkpointd.saves import catalog
-from checkpointd.storage import local
+from checkpointd.core.ports import Store
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.retention import RetentionPolicy
 
@@ -34,8 +30,8 @@ _LOGGER = logging.getLogger(__name__)
 class Retention:
     """Deletes a run's saves past its RetentionPolicy, in a thread of its own."""
 
-    def __init__(self, root: Path, policy: RetentionPolicy) -> None:
-        self._root = root
+    def __init__(self, store: Store, policy: RetentionPolicy) -> None:
+        self._store = store
         self.policy = policy
         self._guards: defaultdict[str, _FolderGuard] = defaultdict(_FolderGuard)
         self._locks_guard = threading.Lock()
@@ -73,10 +69,10 @@ class Retention:
         """Deletes the run's saves past the policy now; returns how many."""
         deleted = 0
         with self._guard(folder).exclusive():
-            saves = catalog.committed_saves(self._root, folder, run)
+            saves = self._store.committed(folder, run)
             for kind in SaveKind:
                 for save in self.policy.victims([s for s in saves if s.kind is kind]):
-                    if self._delete(save.path):
+                    if self._store.delete(save):
                         deleted += 1
                         _LOGGER.info(
                             "retention: deleted run=%s kind=%s export_dir=%s step=%d",
@@ -84,16 +80,6 @@ class Retention:
                         )
         self.deleted += deleted
         return deleted
-
-    def _delete(self, path: Path) -> bool:
-        doomed = path.parent / f"{local.TMP_PREFIX}retired-{path.name}-{os.urandom(8).hex()}"
-        try:
-            os.rename(path, doomed)
-        except OSError as e:
-            _LOGGER.warning("retention: could not delete %s: %s", path, e)
-            return False
-        local.remove_quietly(doomed)
-        return True
 
     def _guard(self, folder: str) -> _FolderGuard:
         with self._locks_guard:

@@ -33,10 +33,6 @@ from checkpointd.core.ports import Clock, MetricsSink, NullSink
 
 _LOGGER = logging.getLogger(__name__)
 
-# How often a waiting blocking save checks that its caller is still there.
-_POLL_SECONDS = 0.5
-
-
 @dataclass(frozen=True)
 class RunView:
     """A copy of one run's state, safe to read without the lock."""
@@ -122,7 +118,8 @@ class Lanes:
             run: the run.
             spec: the save.
             timeout: seconds a blocking save may wait for the in-flight one.
-            is_active: False once the caller has gone away.
+            is_active: False once the caller has gone away; the caller's
+                RPC calls `wake` when it does, so the wait need not poll.
 
         Returns:
             An ACTIVE ticket (the caller must `finish` it) or Skipped.
@@ -146,8 +143,13 @@ class Lanes:
                         f"blocking save of run {run!r} to {spec.export_dir!r} gave up waiting "
                         "for the save in flight"
                     )
-                self._cond.wait(_POLL_SECONDS if remaining is None else min(remaining, _POLL_SECONDS))
+                self._cond.wait(remaining)  # `wake` when a caller goes away
             return decision
+
+    def wake(self) -> None:
+        """Wakes waiting blocking saves to check their callers (one went away)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def finish(self, run: str, ticket: Ticket, outcome: Written | Failed) -> None:
         """Ends an accepted save; the next queued blocking save starts."""

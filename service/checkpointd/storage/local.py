@@ -1,22 +1,30 @@
-"""Atomic publication of a directory: write a temp sibling, then rename it in.
+"""The local-disk Store: saves under `--root`, published by rename.
 
-At every instant the target is the complete old tree, the complete new tree,
+A save is written into a temp sibling of its target, its save manifest is
+written last (`checkpointd.storage.save_manifest`), the tree is fsynced and
+renamed into place. At every instant the target is the complete old tree, the complete new tree,
 or (only between the two renames of a replacement) absent with the old tree
 parked beside it as `.checkpointd-old-<name>-<hex>`. `recover` repairs that
-window and clears leftover temp dirs when the daemon starts. Stdlib only.
+window and clears leftover temp dirs when the daemon starts. Stdlib only
+(and crc32c, for the manifest).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import logging
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
+from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
+from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_export_dir, check_run_name
+from checkpointd.storage import save_manifest
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -217,3 +225,124 @@ def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
             f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)"
         )
     return target
+
+
+class LocalStore:
+    """Committed saves in a directory tree: `<root>/<folder>/<export_dir>/`.
+
+    Implements `checkpointd.core.ports.Store`. Thread-safe: every save has a
+    temp dir of its own, and a replacement is two renames.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        fsync: bool = True,
+        thread_initializer: Callable[[], None] | None = None,
+    ) -> None:
+        """Creates the store; the root is made if missing.
+
+        Args:
+            root: the daemon's --root.
+            fsync: whether to fsync saves before publishing them (off only in tests).
+            thread_initializer: run in the threads that fsync (e.g. to lower
+                their priority as the writer threads' is).
+        """
+        self.root = Path(root)
+        self._fsync = fsync
+        # fsyncs a save's files while its manifest's CRCs read them back.
+        self._syncer = concurrent.futures.ThreadPoolExecutor(
+            thread_name_prefix="fsync", initializer=thread_initializer
+        )
+
+    def describe(self) -> str:
+        return str(self.root.resolve())
+
+    def recover(self) -> int:
+        return recover(self.root)
+
+    def target(self, folder: str, export_dir: str) -> Path:
+        return resolve_export_dir(self.root, folder, export_dir)
+
+    def stage(self, target: Path) -> Path:
+        return make_temp_sibling(target)
+
+    def commit(self, staged: Staged, target: Path, meta: SaveMeta) -> int:
+        # The disk flushes the files while the manifest's CRCs read them
+        # back from the page cache (both release the GIL); publishing then
+        # fsyncs only what is still dirty: the manifest and the dirs.
+        syncing = self._syncer.submit(fsync_tree, staged.path) if self._fsync else None
+        try:
+            manifest_bytes = save_manifest.write_manifest(
+                staged.path,
+                run=meta.run,
+                kind=meta.kind.value,
+                step=meta.step,
+                export_dir=meta.export_dir,
+                versions=staged.versions,
+                known=staged.known,
+                extra=staged.extra,
+            )
+        finally:
+            if syncing is not None:
+                syncing.result()  # raises its OSError; the tree is not published
+        publish_dir(staged.path, target, fsync=self._fsync)
+        return staged.bytes_written + manifest_bytes
+
+    def discard(self, staged: Path) -> None:
+        remove_quietly(staged)
+
+    def committed(self, folder: str, run: str) -> list[CommittedSave]:
+        folder_dir = self._folder_dir(folder)
+        if not folder_dir.is_dir():
+            return []
+        saves = (_read(d, folder_dir) for d in save_manifest.find_save_dirs(folder_dir))
+        return [save for save in saves if save is not None and save.run == run]
+
+    def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
+        target = resolve_export_dir(self.root, folder, export_dir)
+        save = _read(target, self._folder_dir(folder)) if target.is_dir() else None
+        if save is None:
+            raise RunNotFoundError(
+                f"no committed save at {export_dir!r} in folder {folder!r} (no such dir, or it has "
+                f"no valid {save_manifest.MANIFEST_NAME})"
+            )
+        return save
+
+    def delete(self, save: CommittedSave) -> bool:
+        # Renamed away first (one step, so the save stops counting at once),
+        # then deleted; a crash in between leaves a temp dir `recover` removes.
+        path = save.path
+        doomed = path.parent / f"{TMP_PREFIX}retired-{path.name}-{_suffix()}"
+        try:
+            os.rename(path, doomed)
+        except OSError as e:
+            _LOGGER.warning("could not delete %s: %s", path, e)
+            return False
+        remove_quietly(doomed)
+        return True
+
+    def close(self) -> None:
+        self._syncer.shutdown(wait=True)
+
+    def _folder_dir(self, folder: str) -> Path:
+        # Absolute and real, as resolve_export_dir makes save paths.
+        return Path(os.path.realpath(self.root / check_run_name(folder)))
+
+
+def _read(save_dir: Path, folder_dir: Path) -> CommittedSave | None:
+    """The save at `save_dir`, or None if it has no valid manifest."""
+    try:
+        document = save_manifest.read_manifest(save_dir)
+        return CommittedSave(
+            path=save_dir,
+            export_dir=save_dir.relative_to(folder_dir).as_posix(),
+            run=str(document["run"]),
+            kind=SaveKind(document["kind"]),
+            step=int(document["step"]),
+            created=float(document["created_unix_seconds"]),
+        )
+    except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
+        _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)
+        return None

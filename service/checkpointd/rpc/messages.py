@@ -1,0 +1,180 @@
+"""Proto messages to domain values and back: the servicer's translations.
+
+The one place the daemon builds or reads `checkpointd.v1` messages besides
+the request-stream readers in `checkpointd.rpc.upload`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import crc32c
+
+from checkpointd.core.lane import LaneStats
+from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.numpy_state import NumpyEntry, NumpyStateSpec
+from checkpointd.core.ports import CommittedSave
+from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
+from checkpointd.saves.pipeline import Decision, Result, SaveRequest
+from checkpointd.saves.restore import Opened
+from checkpointd.saves.runs import RunView
+from checkpointd.saves.shm import Segment
+from checkpointd.v1 import checkpointd_pb2 as pb
+
+# The largest payload of one Restore chunk (the client's upload chunks are the same).
+CHUNK_BYTES = 1 << 20
+
+
+def variable_from_pb(v: pb.Variable) -> VariableSpec:
+    return VariableSpec(v.key, v.checkpoint_key, v.dtype, tuple(v.shape))
+
+
+def variable_to_pb(v: VariableSpec) -> pb.Variable:
+    return pb.Variable(key=v.key, checkpoint_key=v.checkpoint_key, dtype=v.dtype, shape=v.shape)
+
+
+def numpy_state_from_pb(state: pb.NumpyState) -> NumpyStateSpec:
+    entries = tuple(NumpyEntry(e.checkpoint_key, e.nbytes) for e in state.entries)
+    return NumpyStateSpec(state.object_graph, entries)
+
+
+def numpy_state_to_pb(spec: NumpyStateSpec) -> pb.NumpyState:
+    return pb.NumpyState(
+        object_graph=spec.object_graph,
+        entries=[pb.NumpyStateEntry(checkpoint_key=e.checkpoint_key, nbytes=e.nbytes) for e in spec.entries],
+    )
+
+
+def kind_from_pb(value: int, rpc: str, *, optional: bool = False) -> SaveKind | None:
+    """A request's kind; InvalidRequestError for an unknown one (or UNSPECIFIED unless optional)."""
+    if optional and value == pb.SAVE_KIND_UNSPECIFIED:
+        return None
+    kind = from_wire(value)
+    if kind is None:
+        names = ", ".join(k.name for k in SaveKind)
+        raise InvalidRequestError(
+            f"{rpc}: kind must be {'unspecified, ' if optional else ''}one of {names}"
+        )
+    return kind
+
+
+def save_request(header: pb.SaveHeader) -> SaveRequest:
+    kind = kind_from_pb(header.kind, "Save")
+    assert kind is not None
+    return SaveRequest(
+        run=header.run,
+        kind=kind,
+        export_dir=header.export_dir,
+        blocking=header.blocking,
+        step=header.step,
+        variables=tuple(variable_from_pb(v) for v in header.variables),
+        snapshot_bytes=header.snapshot_bytes,
+        numpy_state=numpy_state_from_pb(header.numpy_state) if header.HasField("numpy_state") else None,
+        shared_memory=header.shared_memory,
+    )
+
+
+def _segment_to_pb(segment: Segment | None) -> pb.SharedMemory | None:
+    if segment is None:
+        return None
+    return pb.SharedMemory(path=str(segment.path), size=segment.size, offsets=segment.offsets)
+
+
+def save_response(event: Decision | Result) -> pb.SaveResponse:
+    if isinstance(event, Decision):
+        return pb.SaveResponse(
+            decision=pb.SaveDecision(
+                accepted=event.accepted, reason=event.reason, shared_memory=_segment_to_pb(event.segment)
+            )
+        )
+    return pb.SaveResponse(
+        result=pb.SaveResult(
+            path=event.path,
+            bytes_written=event.bytes_written,
+            duration_seconds=event.duration_seconds,
+            step=event.step,
+            kind=to_wire(event.kind),
+        )
+    )
+
+
+def register_response(run: str, folder: str, manifest: Manifest) -> pb.RegisterRunResponse:
+    return pb.RegisterRunResponse(
+        run=run,
+        variables=[variable_to_pb(v) for v in manifest.variables],
+        snapshot_bytes=manifest.nbytes,
+        folder=folder,
+    )
+
+
+def run_status(view: RunView) -> pb.RunStatus:
+    stats: LaneStats = view.stats
+    status = pb.RunStatus(
+        run=view.run,
+        state=view.state.value,
+        saves_ok=stats.ok,
+        saves_skipped=stats.skipped,
+        saves_failed=stats.failed,
+        last_error=stats.last_error,
+    )
+    if view.in_flight is not None:
+        spec = view.in_flight.spec
+        status.in_flight.CopyFrom(
+            pb.InFlightSave(
+                kind=to_wire(spec.kind),
+                export_dir=spec.export_dir,
+                step=spec.step,
+                started_unix_seconds=view.in_flight.accepted_at or 0.0,
+                waiting=view.waiting,
+            )
+        )
+    if stats.last_success is not None:
+        last = stats.last_success
+        status.last_success.CopyFrom(
+            pb.LastSuccess(kind=to_wire(last.kind), path=last.path, step=last.step, unix_seconds=last.at)
+        )
+    return status
+
+
+def latest_response(save: CommittedSave | None) -> pb.LatestResponse:
+    if save is None:
+        return pb.LatestResponse(found=False)
+    return pb.LatestResponse(
+        found=True,
+        path=str(save.path),
+        export_dir=save.export_dir,
+        step=save.step,
+        kind=to_wire(save.kind),
+        unix_seconds=save.created,
+    )
+
+
+def restore_responses(
+    opened: Opened, manifest: Manifest, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[pb.RestoreResponse]:
+    """Restore's answer, streamed the way a Save's snapshot arrives.
+
+    A header naming the variables (the run's manifest order) and the numpy
+    state, then the payload as Chunks of at most `chunk_bytes`, each with its
+    CRC32C, at offsets over the whole payload.
+    """
+    save, values = opened.save, opened.values
+    header = pb.RestoreHeader(
+        export_dir=save.export_dir,
+        step=save.step,
+        kind=to_wire(save.kind),
+        variables=[variable_to_pb(v) for v in manifest.variables],
+        snapshot_bytes=values.nbytes,
+        path=str(save.path),
+        unix_seconds=save.created,
+    )
+    if values.numpy_state is not None:
+        header.numpy_state.CopyFrom(numpy_state_to_pb(values.numpy_state))
+    yield pb.RestoreResponse(header=header)
+    offset = 0
+    for piece in values.pieces():
+        for start in range(0, len(piece), chunk_bytes):
+            data = bytes(piece[start : start + chunk_bytes])
+            yield pb.RestoreResponse(chunk=pb.Chunk(offset=offset, data=data, crc32c=crc32c.crc32c(data)))
+            offset += len(data)

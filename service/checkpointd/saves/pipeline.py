@@ -1,0 +1,404 @@
+"""The save pipeline: admit → decide → receive → write → commit → retain, without gRPC.
+
+`SavePipeline.save` is the whole life of one save request. It checks the
+request against the run's manifest (bad input is refused before a decision,
+counted as nothing and writes nothing), reserves its bytes in the upload
+budget, asks the run's lane (accept, queue or skip), and for an accepted save
+receives the snapshot through the caller's `Receiver`, writes it with the
+kind's `SaveFormat` into the `Store`'s staging on a writer thread, commits
+it (manifest last) and queues retention. Every accepted save ends in the lane
+as written or failed, and its error reaches the caller.
+
+The RPC layer (`checkpointd.rpc.servicer`) only translates: it decodes the
+header into a `SaveRequest`, hands over a `Receiver` that reads the request
+stream, and encodes the `Decision` and `Result` this yields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from checkpointd.core.config import ServeConfig
+from checkpointd.core.lane import Failed, SaveSpec, Skipped, Ticket, Written
+from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
+from checkpointd.core.ports import NullPhases, PhaseSink, SaveFormat, SaveMeta, Snapshot, Store
+from checkpointd.formats.pool import WriterPool
+from checkpointd.protocol.errors import (
+    CheckpointdError,
+    InvalidRequestError,
+    LimitExceededError,
+    RunNotFoundError,
+    SaveFailedError,
+    describe,
+)
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.names import check_run_name
+from checkpointd.saves.budget import UploadBudget
+from checkpointd.saves.runs import Lanes
+from checkpointd.saves.shm import Segment, SharedMemory
+
+_LOGGER = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """A Save call's header, decoded."""
+
+    run: str
+    kind: SaveKind
+    export_dir: str
+    blocking: bool
+    step: int
+    variables: tuple[VariableSpec, ...]
+    snapshot_bytes: int
+    numpy_state: NumpyStateSpec | None = None
+    shared_memory: bool = False  # the trainer can map a segment on this host
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The lane's answer: accepted (with a shared-memory segment, if offered) or skipped."""
+
+    accepted: bool
+    reason: str = ""
+    segment: Segment | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    """An accepted save, committed."""
+
+    path: str
+    bytes_written: int
+    duration_seconds: float
+    step: int
+    kind: SaveKind
+
+
+class Receiver(Protocol):
+    """Reads an accepted save's snapshot (the RPC layer's request stream).
+
+    Returns one buffer per part (the variables, then the numpy state's bytes)
+    and the transport it came by ("grpc" or "shm"). Raises a domain error for
+    a bad upload: out of order, bad CRC, late past `deadline` (monotonic).
+    """
+
+    def __call__(
+        self, parts: Sequence[int], segment: Segment | None, deadline: float
+    ) -> tuple[list[memoryview], str]: ...
+
+
+class Formats:
+    """The SaveFormat of each kind; `checkpointd.server` registers them."""
+
+    def __init__(self, *formats: SaveFormat) -> None:
+        self._by_kind: dict[SaveKind, SaveFormat] = {}
+        for fmt in formats:
+            for kind in fmt.kinds:
+                if kind in self._by_kind:
+                    raise ValueError(f"two formats for {kind.value}")
+                self._by_kind[kind] = fmt
+
+    def __call__(self, kind: SaveKind) -> SaveFormat:
+        try:
+            return self._by_kind[kind]
+        except KeyError:
+            raise InvalidRequestError(f"this daemon has no format for {kind.value} saves") from None
+
+
+class SavePipeline:
+    """Registers runs and carries their saves from request to commit. Thread-safe."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        runs: Lanes,
+        store: Store,
+        formats: Formats,
+        pool: WriterPool,
+        *,
+        budget: UploadBudget,
+        retention: Retainer,
+        shared_memory: SharedMemory | None = None,
+        phases: PhaseSink | None = None,
+    ) -> None:
+        self._config = config
+        self.runs = runs
+        self.store = store
+        self.formats = formats
+        self._pool = pool
+        self._budget = budget
+        self.retention = retention
+        self._shm = shared_memory
+        self._phases = phases if phases is not None else NullPhases()
+
+    @property
+    def upload_timeout(self) -> float:
+        """Seconds an accepted save's upload may take (--upload-timeout)."""
+        return self._config.upload_timeout_seconds
+
+    # Registration.
+
+    def register(
+        self,
+        run: str,
+        folder: str,
+        variables: Sequence[VariableSpec],
+        checkpoint_object_graph: bytes,
+        template_bytes: int,
+        receive_template: Callable[[], Path],
+    ) -> Manifest:
+        """Registers (or re-registers) a run from its uploaded policy template.
+
+        Args:
+            run: the run's name (checked).
+            folder: where its saves land under the root; "" for the run's name.
+            variables: every snapshot's variables, in snapshot order.
+            checkpoint_object_graph: `PolicySaver.save_checkpoint`'s object graph.
+            template_bytes: the template's announced size.
+            receive_template: reads the uploaded files into a staging dir it
+                returns (deleted afterwards).
+
+        Raises:
+            InvalidRequestError, LimitExceededError: the request is refused;
+                nothing is registered.
+        """
+        run = check_run_name(run)
+        folder = check_folder(folder) if folder else run
+        if template_bytes > self._config.max_template_bytes:
+            raise LimitExceededError(
+                f"template of {template_bytes} bytes exceeds the daemon's limit of "
+                f"{self._config.max_template_bytes} (--max-template-bytes)"
+            )
+        started = time.monotonic()
+        # RegisterRun carries a policy template: the format of policy saves takes it.
+        manifest = self.formats(SaveKind.SAVED_MODEL).register(
+            run, receive_template(), variables, checkpoint_object_graph
+        )
+        self.runs.register(run, manifest, folder)
+        _LOGGER.info(
+            "registered run=%s folder=%s variables=%d snapshot_bytes=%d template_bytes=%d in %.3fs",
+            run, folder, len(manifest.variables), manifest.nbytes, template_bytes,
+            time.monotonic() - started,
+        )  # fmt: skip
+        return manifest
+
+    def folder(self, run: str, asked: str = "") -> str:
+        """The folder to search: the one asked for, else the registered one, else the run's name."""
+        if asked:
+            return check_folder(asked)
+        try:
+            return self.runs.folder(run)
+        except RunNotFoundError:
+            return run  # not registered (yet, or since a restart): its default folder
+
+    # Saving.
+
+    def save(
+        self,
+        request: SaveRequest,
+        receive: Receiver,
+        *,
+        timeout: float | None = None,
+        is_active: Callable[[], bool] = lambda: True,
+    ) -> Iterator[Decision | Result]:
+        """One save: yields its Decision, then (if accepted) its Result.
+
+        Args:
+            request: the decoded header.
+            receive: reads the snapshot once the save is accepted.
+            timeout: seconds a blocking save may wait for the in-flight one
+                (the call's remaining deadline).
+            is_active: False once the caller has gone away.
+
+        Raises:
+            Before the decision (nothing counted or written): InvalidRequestError,
+            RunNotFoundError, RunClosedError, UnavailableError, LimitExceededError,
+            DeadlineError. After an accept (the save counts as failed): the
+            Receiver's errors, SaveFailedError.
+        """
+        run = check_run_name(request.run)
+        manifest = self.runs.manifest(run)
+        folder = self.runs.folder(run)
+        self.store.target(folder, request.export_dir)  # refuses a bad export dir now
+        self.formats(request.kind).check(
+            manifest, request.variables, request.snapshot_bytes, request.numpy_state,
+            self._config.max_snapshot_bytes,
+        )  # fmt: skip
+        # Reserved before the lane decides: past a limit the request is refused
+        # like bad input, before anything is allocated or counted.
+        with self._budget.reserve(request.snapshot_bytes, run) as release:
+            spec = SaveSpec(request.kind, request.export_dir, request.blocking, request.step)
+            asked = time.monotonic()
+            decision = self.runs.begin(run, spec, timeout=timeout, is_active=is_active)
+            if isinstance(decision, Skipped):
+                _LOGGER.warning(
+                    "skipped run=%s kind=%s export_dir=%s step=%d: %s",
+                    run, request.kind.value, request.export_dir, request.step, decision.reason,
+                )  # fmt: skip
+                yield Decision(accepted=False, reason=decision.reason)
+                return
+            self._phases.observe_phase(request.kind.value, "queue", time.monotonic() - asked)
+            yield from self._accepted(request, run, folder, manifest, decision, receive, release)
+
+    def _accepted(
+        self,
+        request: SaveRequest,
+        run: str,
+        folder: str,
+        manifest: Manifest,
+        ticket: Ticket,
+        receive: Receiver,
+        release: Callable[[], None],
+    ) -> Iterator[Decision | Result]:
+        kind = request.kind.value
+        accepted = time.monotonic()
+        outcome: Written | Failed = Failed("the client went away during the save")
+        transport = "none"  # until the snapshot has arrived
+        segment = None
+        try:
+            parts = [v.nbytes for v in manifest.variables]
+            parts.append(request.snapshot_bytes - manifest.nbytes)  # the numpy state
+            if request.shared_memory and self._shm is not None:
+                segment = self._shm.segment(run, parts)  # safe: this save holds the lane
+            yield Decision(accepted=True, segment=segment)
+            # A phase is timed when it ends, failed or not, as save_duration is.
+            try:
+                received, transport = receive(
+                    parts, segment, accepted + self.upload_timeout
+                )
+                self._phases.snapshot_received(kind, transport)
+            finally:
+                self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted)
+            writing = time.monotonic()
+            try:
+                with self.retention.holding(folder):  # no deletions in the folder meanwhile
+                    path, bytes_written = self._pool.run(
+                        lambda: self._write(request, run, folder, manifest, received)
+                    )
+            finally:
+                self._phases.observe_phase(kind, "write", time.monotonic() - writing)
+            outcome = Written(path, bytes_written)
+            self.retention.after_save(run, folder)
+        except Exception as exc:
+            outcome = Failed(str(exc) or type(exc).__name__)
+            raise
+        finally:
+            if segment is not None and self._shm is not None:
+                self._shm.release(run)  # idle again: may give way to another run's
+            release()  # before the caller hears the result, so its next save fits
+            self.runs.finish(run, ticket, outcome)
+            seconds = time.time() - (ticket.accepted_at or time.time())
+            _log_outcome(request, run, outcome, seconds, transport)
+        assert isinstance(outcome, Written)
+        yield Result(outcome.path, outcome.bytes_written, seconds, request.step, request.kind)
+
+    def _write(
+        self,
+        request: SaveRequest,
+        run: str,
+        folder: str,
+        manifest: Manifest,
+        received: list[memoryview],
+    ) -> tuple[str, int]:
+        """Writes and commits one save, on a writer thread; returns (path, bytes)."""
+        # Again at write time: a symlink planted during the upload must not
+        # redirect the save out of the run's folder.
+        target = self.store.target(folder, request.export_dir)
+        variables, tail = received[:-1], received[-1]
+        numpy_state = NumpyPayload(request.numpy_state, tail) if request.numpy_state is not None else None
+        meta = SaveMeta(run, request.kind, request.step, request.export_dir)
+        written = write_save(
+            self.store, self.formats(request.kind), meta, manifest, target, variables, numpy_state
+        )
+        return str(target), written
+
+    # Closing.
+
+    def close_run(self, run: str, timeout: float | None) -> None:
+        """Refuses new saves on the run, waits for its lane to end, frees its segment."""
+        run = check_run_name(run)
+        self.runs.close(run, timeout)
+        if self._shm is not None:
+            self._shm.drop(run)
+        _LOGGER.info("closed run=%s", run)
+
+
+class Retainer(Protocol):
+    """Retention as the pipeline uses it (`checkpointd.saves.retention.Retention`)."""
+
+    def holding(self, folder: str) -> contextlib.AbstractContextManager[None]: ...
+
+    def after_save(self, run: str, folder: str) -> None: ...
+
+
+def write_save(
+    store: Store,
+    fmt: SaveFormat,
+    meta: SaveMeta,
+    manifest: Manifest,
+    target: Path,
+    snapshot: Snapshot,
+    numpy_state: NumpyPayload | None = None,
+) -> int:
+    """Stages, writes and commits one save at `target`; returns the bytes committed.
+
+    Nothing new is left behind on failure: the staging dir is discarded, and
+    the Store commits the manifest last.
+
+    Raises:
+        RunNotFoundError: the run has no template in the format.
+        SaveFailedError: the save could not be written, with the reason.
+    """
+    try:
+        staging = store.stage(target)
+    except OSError as e:
+        raise _write_failed(meta, target, e) from e
+    try:
+        staged = fmt.write(meta.run, meta.kind, manifest, staging, snapshot, numpy_state)
+        return store.commit(staged, target, meta)
+    except BaseException as e:
+        store.discard(staging)
+        if isinstance(e, CheckpointdError) or not isinstance(e, Exception):
+            raise
+        raise _write_failed(meta, target, e) from e
+
+
+def _write_failed(meta: SaveMeta, target: Path, e: Exception) -> SaveFailedError:
+    reason = f"could not write {meta.kind.value} to {target}: {describe(e)}"
+    _LOGGER.warning("run %s: %s", meta.run, reason)
+    return SaveFailedError(f"run {meta.run!r}: {reason}")
+
+
+def check_folder(folder: str) -> str:
+    """A run folder's name: the rules of run names, said for folders."""
+    try:
+        return check_run_name(folder)
+    except InvalidRequestError:
+        raise InvalidRequestError(
+            f"folder {folder!r} is invalid: like a run name, use 1-128 characters of "
+            "A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        ) from None
+
+
+def _log_outcome(
+    request: SaveRequest, run: str, outcome: Written | Failed, seconds: float, transport: str
+) -> None:
+    if isinstance(outcome, Written):
+        _LOGGER.info(
+            "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs transport=%s",
+            run, request.kind.value, request.export_dir, request.step, outcome.bytes_written,
+            seconds, transport,
+        )  # fmt: skip
+    else:
+        _LOGGER.warning(
+            "failed run=%s kind=%s export_dir=%s step=%d duration=%.3fs: %s",
+            run, request.kind.value, request.export_dir, request.step, seconds, outcome.error,
+        )  # fmt: skip
