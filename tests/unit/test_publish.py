@@ -109,11 +109,30 @@ def test_a_failed_second_rename_puts_the_old_tree_back(
     assert sorted(os.listdir(tmp_path)) == sorted(["export", tmp.name])
 
 
-def test_fsync_tree_syncs_a_tree_and_a_single_file(tmp_path: Path) -> None:
+def test_fsync_tree_syncs_a_tree_and_a_single_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = make(tmp_path / "t", {"a.txt": "a", "d/e/b.txt": "b"})
     (root / "d" / "link").symlink_to(tmp_path / "missing")  # dangling: must not be opened
+    opened: dict[int, str] = {}
+    synced: list[str] = []
+    real_open = os.open
+
+    def recording_open(path: str | os.PathLike[str], flags: int, *args: int) -> int:
+        fd = real_open(path, flags, *args)
+        opened[fd] = os.path.relpath(path, root)
+        return fd
+
+    monkeypatch.setattr(os, "open", recording_open)
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(opened[fd]))
+
     local.fsync_tree(root)
+
+    # Every file and dir once, contents before their dir, the link never opened.
+    assert sorted(synced) == sorted([".", "a.txt", "d", os.path.join("d", "e"), os.path.join("d", "e", "b.txt")])
+    for inner, outer in [(os.path.join("d", "e", "b.txt"), os.path.join("d", "e")), (os.path.join("d", "e"), "d"), ("d", "."), ("a.txt", ".")]:
+        assert synced.index(inner) < synced.index(outer)
+    synced.clear()
     local.fsync_tree(root / "a.txt")
+    assert synced == ["a.txt"]
 
 
 def test_remove_quietly_removes_trees_files_and_ignores_the_absent(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """One lane per run: the AsyncPolicySaver rules as an explicit state machine.
 
-The lane decides; it never waits. Callers (the servicer) hold one lock around
-every call and wait on their own condition variable for `Ticket.state` to
-change. Rules:
+The lane decides; it never waits. Its caller (`checkpointd.saves.runs.Lanes`)
+holds one lock around every call and waits on its own condition variable for
+`Ticket.state` to change. Rules:
 - one save in flight per run ("in flight" = receiving the snapshot + writing);
 - a non-blocking save while another is in flight (or queued) is skipped, and
   the skip is returned and counted, never just logged;
