@@ -27,4 +27,6 @@ def find_latest(
         The save, or None if the run has none (or its folder does not exist).
     """
     saves = [s for s in store.committed(folder, run) if kind is None or s.kind is kind]
-    return max(saves, key=age, default=None)
+    # Not max(..., default=None): mypy infers the key's argument from the
+    # Optional return type and rejects age.
+    return max(saves, key=age) if saves else None
