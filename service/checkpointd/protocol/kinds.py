@@ -8,6 +8,10 @@ proto's `SaveKind` enum. Stdlib only until a wire function is called.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from checkpointd.v1 import checkpointd_pb2 as pb
 
 
 class SaveKind(enum.Enum):
@@ -28,11 +32,13 @@ class SaveKind(enum.Enum):
 LABELS: tuple[str, ...] = tuple(k.value for k in SaveKind)
 
 
-def to_wire(kind: SaveKind) -> int:
+def to_wire(kind: SaveKind) -> pb.SaveKind:
     """The proto `SaveKind` value of a kind (same member names)."""
     from checkpointd.v1 import checkpointd_pb2 as pb
 
-    return int(pb.SaveKind.Value(kind.name))
+    # An int at run time; protobuf's stubs type Value() as int, the messages'
+    # kind fields as the enum.
+    return cast("pb.SaveKind", pb.SaveKind.Value(kind.name))
 
 
 def from_wire(value: int) -> SaveKind | None:
