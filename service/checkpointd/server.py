@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
+from wsgiref.simple_server import WSGIServer
 
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.ports import SaveFormat, Store
@@ -85,7 +86,7 @@ class Server:
         self.shared_memory: SharedMemory | None = None
         self._health = health.HealthServicer()
         self._grpc: grpc.Server | None = None
-        self._http = None
+        self._http: WSGIServer | None = None
         self._stopped = threading.Event()
         self.port = 0
         self.metrics_port: int | None = None

@@ -216,7 +216,10 @@ class Store(Protocol):
 class SaveFormat(Protocol):
     """One family of save kinds: how a run registers, and how its saves are written and read."""
 
-    kinds: tuple[SaveKind, ...]
+    @property
+    def kinds(self) -> tuple[SaveKind, ...]:
+        """The kinds this format writes."""
+        ...
 
     def register(
         self,

@@ -12,9 +12,9 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import grpc
 import numpy as np
@@ -41,7 +41,9 @@ _READ_AHEAD = 4
 _END = object()
 
 
-def until(requests: Iterator[pb.SaveRequest], deadline: float, timeout: float) -> Iterator[pb.SaveRequest]:
+def until(
+    requests: Iterator[pb.SaveRequest], deadline: float, timeout: float
+) -> Generator[pb.SaveRequest, None, None]:
     """`requests`, ending in DeadlineError once the monotonic `deadline` passes.
 
     gRPC's request iterator blocks with no timeout, so a thread reads it into
@@ -102,7 +104,7 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
         ChecksumError: a chunk's CRC32C does not match its data.
     """
     received = 0
-    current: tuple[str, object] | None = None  # (path, open file)
+    current: tuple[str, BinaryIO] | None = None  # (path, open file)
     offset = 0
     staged.mkdir(parents=True)
     try:
@@ -199,7 +201,7 @@ def receive_snapshot(
     offsets, padded = aligned_offsets(sizes)
     raw = np.empty(padded + ALIGNMENT, np.uint8)
     shift = (-raw.ctypes.data) % ALIGNMENT
-    buffer = memoryview(raw[shift : shift + padded])
+    buffer = memoryview(raw[shift : shift + padded].data)
     # (wire start, wire end, buffer start) of each non-empty part, in order.
     spans, start = [], 0
     for size, offset in zip(sizes, offsets, strict=True):
