@@ -44,6 +44,18 @@ class VerifyCommand:
     progress: bool | None = None  # None: only when stderr is a terminal
 
 
+# The defaults, written once: ServeConfig's (the help text quotes them).
+_D = ServeConfig()
+
+
+def _human(nbytes: int) -> str:
+    """A size as the --max-*-bytes flags take it: 8G, 512M, or bytes."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if nbytes and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
+
+
 def _size(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     text = text.strip().lower().removesuffix("b").removesuffix("i")
@@ -73,24 +85,24 @@ def _parser() -> argparse.ArgumentParser:
 
     # allow_abbrev=False: a mistyped `--token SECRET` must be an error, not `--token-file SECRET`.
     serve = sub.add_parser("serve", help="run the daemon", description="Run the daemon until SIGTERM/SIGINT, then drain.", allow_abbrev=False)
-    serve.add_argument("--root", type=Path, default=Path("checkpoints"), help="where runs are written (default: ./checkpoints)")
-    serve.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1; 0.0.0.0 or [::] for remote trainers)")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port, 0 = any free port (default: {DEFAULT_PORT})")
+    serve.add_argument("--root", type=Path, default=_D.root, help=f"where runs are written (default: ./{_D.root})")
+    serve.add_argument("--host", default=_D.host, help=f"gRPC bind address (default: {_D.host}; 0.0.0.0 or [::] for remote trainers)")
+    serve.add_argument("--port", type=int, default=_D.port, help=f"gRPC port, 0 = any free port (default: {_D.port})")
     serve.add_argument("--port-file", type=Path, help="write the bound gRPC port here once serving")
-    serve.add_argument("--metrics-host", default="127.0.0.1", help="/metrics bind address (default: 127.0.0.1)")
+    serve.add_argument("--metrics-host", default=_D.metrics_host, help=f"/metrics bind address (default: {_D.metrics_host})")
     serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help=f"/metrics port, 0 = any free port, -1 = off (default: {DEFAULT_METRICS_PORT})")
     serve.add_argument("--metrics-port-file", type=Path, help="write the bound metrics port here once serving")
-    serve.add_argument("--grace-seconds", type=float, default=60.0, help="on SIGTERM, time accepted saves get to finish (default: 60)")
-    serve.add_argument("--max-snapshot-bytes", type=_size, default=8 << 30, help="largest snapshot one save may carry (default: 8G)")
-    serve.add_argument("--max-template-bytes", type=_size, default=16 << 30, help="largest template a run may register (default: 16G)")
-    serve.add_argument("--max-workers", type=int, default=64, help="gRPC handler threads; each open save holds one (default: 64)")
-    serve.add_argument("--write-nice", type=int, default=10, metavar="N", help="nice value (0-19) of the threads that write saves, so training on this machine gets the CPU first; 0 = normal priority (default: 10)")
+    serve.add_argument("--grace-seconds", type=float, default=_D.grace_seconds, help=f"on SIGTERM, time accepted saves get to finish (default: {_D.grace_seconds:g})")
+    serve.add_argument("--max-snapshot-bytes", type=_size, default=_D.max_snapshot_bytes, help=f"largest snapshot one save may carry (default: {_human(_D.max_snapshot_bytes)})")
+    serve.add_argument("--max-template-bytes", type=_size, default=_D.max_template_bytes, help=f"largest template a run may register (default: {_human(_D.max_template_bytes)})")
+    serve.add_argument("--max-workers", type=int, default=_D.max_workers, help=f"gRPC handler threads; each open save holds one (default: {_D.max_workers})")
+    serve.add_argument("--write-nice", type=int, default=_D.write_nice, metavar="N", help=f"nice value (0-19) of the threads that write saves, so training on this machine gets the CPU first; 0 = normal priority (default: {_D.write_nice})")
     serve.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing (throwaway runs only)")
-    serve.add_argument("--max-concurrent-uploads", type=int, default=32, metavar="N", help="saves admitted at once over all runs; past it RESOURCE_EXHAUSTED (default: 32)")
+    serve.add_argument("--max-concurrent-uploads", type=int, default=_D.max_concurrent_uploads, metavar="N", help=f"saves admitted at once over all runs; past it RESOURCE_EXHAUSTED (default: {_D.max_concurrent_uploads})")
     serve.add_argument("--max-staging-bytes", type=_size, metavar="SIZE", help="snapshot bytes held in memory at once over all saves; past it RESOURCE_EXHAUSTED (default: half the machine's memory)")
     serve.add_argument("--keep-last", type=int, metavar="N", help="retention: keep each run's newest N saves of each kind, delete older ones in the background (default: keep all)")
     serve.add_argument("--keep-every-steps", type=int, metavar="K", help="retention: also keep older saves at steps that are multiples of K (with --keep-last)")
-    serve.add_argument("--upload-timeout", type=float, default=300.0, metavar="SECONDS", help="fail an accepted save whose snapshot has not arrived this long after its accept, freeing the run (default: 300)")
+    serve.add_argument("--upload-timeout", type=float, default=_D.upload_timeout_seconds, metavar="SECONDS", help=f"fail an accepted save whose snapshot has not arrived this long after its accept, freeing the run (default: {_D.upload_timeout_seconds:g})")
     serve.add_argument("--shm-dir", type=Path, metavar="DIR", help="tmpfs where same-host trainers get a shared-memory segment per run instead of streaming snapshots over gRPC (default: /dev/shm where it exists)")
     serve.add_argument("--no-shm", action="store_true", help="no shared memory: every snapshot comes over gRPC")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
