@@ -8,8 +8,6 @@ Nothing is registered at import time: build `Metrics(registry)`.
 from __future__ import annotations
 
 import logging
-import threading
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     REGISTRY,
@@ -17,7 +15,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
 )
 
 _LOGGER = logging.getLogger(__name__)
@@ -150,16 +147,3 @@ class Metrics:
             self.last_success.remove(run)
         except KeyError:
             pass
-
-
-
-def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int
-) -> tuple[WSGIServer, threading.Thread]:
-    """Starts the /metrics HTTP endpoint; port 0 picks a free port.
-
-    Returns:
-        The server (its `server_port` is the bound port) and its thread.
-    """
-    server, thread = start_http_server(port, addr=host, registry=registry)
-    return server, thread

@@ -19,13 +19,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, start_http_server
 from wsgiref.simple_server import WSGIServer
 
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.ports import SaveFormat, Store
 from checkpointd.formats.pool import WriterPool
-from checkpointd.metrics import Metrics, serve_metrics
+from checkpointd.metrics import Metrics
 from checkpointd.protocol.errors import DeadlineError
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.servicer import CheckpointServicer
@@ -158,7 +158,7 @@ class Server:
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port is not None:
-            self._http, _ = serve_metrics(self.registry, config.metrics_host, config.metrics_port)
+            self._http, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.registry)
             self.metrics_port = self._http.server_port
         _LOGGER.info(
             "listening on port %d (root %s, metrics %s, auth %s, shared memory %s)",

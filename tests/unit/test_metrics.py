@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import start_http_server
 from prometheus_client import CollectorRegistry
 
-from checkpointd.metrics import KINDS, OUTCOMES, PHASES, Metrics, serve_metrics
+from checkpointd.metrics import KINDS, OUTCOMES, PHASES, Metrics
 
 # Upper bound on an HTTP round trip to the local endpoint; reached only on failure.
 LIMIT = 5.0
@@ -136,7 +137,7 @@ def test_snapshots_are_counted_by_transport_and_unknown_transports_refused(
 
 @pytest.fixture
 def endpoint(registry: CollectorRegistry, metrics: Metrics) -> Iterator[str]:
-    server, thread = serve_metrics(registry, "127.0.0.1", 0)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)  # as server.py does
     try:
         yield f"http://127.0.0.1:{server.server_port}/metrics"
     finally:
