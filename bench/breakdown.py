@@ -52,6 +52,7 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
     from bench import agents, scrape
     from bench.config import SIZES
     from bench.inprocess import fsync_tree
+    from checkpointd.protocol import wire
     from checkpointd.v1 import checkpointd_pb2 as pb
     from checkpointd_client import RemotePolicySaver
     from checkpointd_client import snapshot as snapshots
@@ -95,7 +96,7 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
             reps, steps,
         )
         chunks = _time(
-            "array_chunks: bytes copies + CRC32C + Chunk", lambda: list(snap.chunks(mib)), reps, steps  # noqa: F821
+            "wire.chunks: bytes copies + CRC32C + Chunk", lambda: list(wire.chunks(snap.parts(), mib)), reps, steps  # noqa: F821
         )
         _time(
             "SaveRequest(chunk).SerializeToString(), all chunks",

@@ -1,19 +1,19 @@
 """checkpointd_client: save TF-Agents policies through a checkpointd daemon."""
 
 from checkpointd.protocol.credentials import credentials
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.errors import (
     CheckpointdError,
     ChecksumError,
     DeadlineError,
-    UnavailableError,
     InvalidRequestError,
     LimitExceededError,
     RunClosedError,
     RunNotFoundError,
     SaveFailedError,
     UnauthenticatedError,
+    UnavailableError,
 )
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client.restore import LatestSave
 from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.ticket import SaveResult, SaveTicket

@@ -16,7 +16,7 @@ missing ones); attributes that are not in the save are left alone, as there.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +25,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.python.checkpoint import graph_view, save_util
 from tf_agents.utils import numpy_storage
 
+from checkpointd.protocol import wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 # The attribute of the tf.train.Checkpoint that holds the state.
@@ -44,17 +45,7 @@ class NumpySnapshot:
         return sum(len(v) for v in self.values)
 
     def to_proto(self) -> pb.NumpyState:
-        return pb.NumpyState(
-            object_graph=self.object_graph,
-            entries=[
-                pb.NumpyStateEntry(checkpoint_key=k, nbytes=len(v))
-                for k, v in zip(self.keys, self.values, strict=True)
-            ],
-        )
-
-    def arrays(self) -> Iterator[np.ndarray]:
-        """The values as uint8 arrays (zero-copy), for `snapshot.array_chunks`."""
-        return (np.frombuffer(v, np.uint8) for v in self.values)
+        return wire.numpy_state_to_pb(self.object_graph, zip(self.keys, map(len, self.values), strict=True))
 
 
 class NumpySource:

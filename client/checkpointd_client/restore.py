@@ -15,24 +15,23 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import crc32c
 import grpc
 import numpy as np
 import tensorflow as tf
 
-from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.errors import ChecksumError, RunNotFoundError, SaveFailedError
-from checkpointd.protocol.names import check_export_dir
+from checkpointd.protocol import wire
 from checkpointd.protocol.codes import error_for
+from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
+from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
+from checkpointd.protocol.names import check_export_dir
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import snapshot
-from checkpointd_client.stream import WIRE_KIND, rpc_error
+from checkpointd_client.stream import rpc_error
 
 _LOGGER = logging.getLogger(__name__)
 
-_KIND = {v: k for k, v in WIRE_KIND.items()}
 Registered = Callable[..., snapshot.Bindings]  # RemotePolicySaver._registered(stale=None)
 
 
@@ -66,7 +65,7 @@ def latest(
     timeout: float | None,
 ) -> LatestSave | None:
     """The run's newest committed save, or None (see RemotePolicySaver.latest)."""
-    request = pb.LatestRequest(run=run, kind=WIRE_KIND[kind] if kind else 0, folder=folder or "")
+    request = pb.LatestRequest(run=run, kind=to_wire(kind) if kind is not None else pb.SAVE_KIND_UNSPECIFIED, folder=folder or "")
     try:
         response = stub.GetLatest(request, timeout=timeout)
     except grpc.RpcError as e:
@@ -74,7 +73,7 @@ def latest(
     if not response.found:
         return None
     return LatestSave(
-        response.path, response.export_dir, response.step, _KIND[response.kind], response.unix_seconds
+        response.path, response.export_dir, response.step, _kind(response.kind), response.unix_seconds
     )
 
 
@@ -120,12 +119,19 @@ def restore(
         numpy_state_lib.assign(numpy_source.state, arrays)
     _LOGGER.info(
         "run %s: restored %s %r of step %s (%s bytes, %.2f s)",
-        run, _KIND[header.kind].value, header.export_dir, header.step, len(payload),
+        run, _kind(header.kind).value, header.export_dir, header.step, len(payload),
         time.monotonic() - started,
     )
     return LatestSave(
-        header.path, header.export_dir, header.step, _KIND[header.kind], header.unix_seconds, arrays
+        header.path, header.export_dir, header.step, _kind(header.kind), header.unix_seconds, arrays
     )
+
+
+def _kind(value: int) -> SaveKind:
+    kind = from_wire(value)
+    if kind is None:
+        raise SaveFailedError(f"the daemon answered a save of unknown kind {value}")
+    return kind
 
 
 def _known(stub: checkpointd_pb2_grpc.CheckpointServiceStub, run: str, timeout: float | None) -> bool:
@@ -159,13 +165,13 @@ def _fetch(
         buffer = bytearray(header.snapshot_bytes)
         received = 0
         for response in responses:
-            chunk = response.chunk
-            if response.WhichOneof("item") != "chunk" or chunk.offset != received:
+            if response.WhichOneof("item") != "chunk":
                 raise SaveFailedError(f"Restore: expected a chunk at offset {received}")
-            if received + len(chunk.data) > len(buffer):
-                raise SaveFailedError(f"Restore: data past the announced {len(buffer)} bytes")
-            if crc32c.crc32c(chunk.data) != chunk.crc32c:
-                raise ChecksumError(f"Restore: CRC32C mismatch in the chunk at offset {chunk.offset}")
+            chunk = response.chunk
+            try:
+                wire.check_chunk(chunk, received, len(buffer), "Restore")
+            except InvalidRequestError as e:  # the daemon's answer is bad, not our request
+                raise SaveFailedError(str(e)) from None
             buffer[received : received + len(chunk.data)] = chunk.data
             received += len(chunk.data)
         if received != len(buffer):

@@ -25,11 +25,12 @@ from tf_agents.policies import policy_saver, tf_policy
 from tf_agents.typing import types
 from tf_agents.utils import numpy_storage
 
-from checkpointd.protocol.credentials import open_channel, read_token
-from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.errors import CheckpointdError, DeadlineError, RunClosedError
-from checkpointd.protocol.names import check_export_dir, check_run_name
+from checkpointd.protocol import wire
 from checkpointd.protocol.codes import error_for
+from checkpointd.protocol.credentials import open_channel, read_token
+from checkpointd.protocol.errors import CheckpointdError, DeadlineError, RunClosedError
+from checkpointd.protocol.kinds import SaveKind, to_wire
+from checkpointd.protocol.names import check_export_dir, check_run_name
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import numpy_state as numpy_state_lib
@@ -37,7 +38,7 @@ from checkpointd_client import restore as restore_lib
 from checkpointd_client import shm, snapshot, template
 from checkpointd_client.facade import PolicySaverFacade
 from checkpointd_client.numpy_state import NumpySnapshot
-from checkpointd_client.stream import WIRE_KIND, SaveStream, SaveStub, rpc_error
+from checkpointd_client.stream import SaveStream, SaveStub, rpc_error
 from checkpointd_client.ticket import SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class RemotePolicySaver(PolicySaverFacade):
             self._run = check_run_name(run)
         except CheckpointdError as e:
             raise ValueError(str(e)) from None
-        snapshot.check_chunk_bytes(chunk_bytes)
+        wire.check_chunk_bytes(chunk_bytes)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be None or > 0 seconds, saw {timeout!r}")
         if token is not None and token_file is not None:
@@ -256,7 +257,7 @@ class RemotePolicySaver(PolicySaverFacade):
         for attempt in (1, 2):
             header = pb.SaveHeader(
                 run=self._run,
-                kind=WIRE_KIND[ticket.kind],
+                kind=to_wire(ticket.kind),
                 export_dir=ticket.export_dir,
                 blocking=blocking,
                 step=ticket.step,

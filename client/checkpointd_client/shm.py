@@ -15,6 +15,7 @@ import logging
 import math
 import mmap
 import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -80,16 +81,15 @@ class SegmentMap:
         arrays = self._arrays[1]
         snap = take_snapshot(bindings, train_step, numpy_state=numpy_state, into=arrays)
         for copied, target in zip(snap.arrays, arrays, strict=True):
-            # little_endian() hands back the array itself, or a 1-d view of a
-            # scalar; anything else is a byte-swapped copy (a big-endian host).
-            if copied is not target and not np.may_share_memory(copied, target):
+            # little_endian() hands back the array itself; anything else is a
+            # byte-swapped copy (a big-endian host).
+            if copied is not target:
                 target.view(np.uint8).reshape(-1)[:] = copied.view(np.uint8).reshape(-1)
         if numpy_state is not None:
             at = self.offsets[-1]
-            for array in numpy_state.arrays():
-                data = memoryview(array).cast("B")
-                whole[at : at + len(data)] = data
-                at += len(data)
+            for value in numpy_state.values:
+                whole[at : at + len(value)] = value
+                at += len(value)
         return snap
 
 

@@ -1,4 +1,4 @@
-"""Variable bindings, point-in-time snapshots and the chunks they travel in.
+"""Variable bindings, and point-in-time snapshots of their values.
 
 A *binding* ties one live `tf.Variable` of the policy to the two names TF gives
 it on disk: its key in the SavedModel's `variables/` checkpoint and its key in
@@ -8,21 +8,19 @@ without TF ever walking the policy on its side.
 
 A *snapshot* is the values of the bound variables at one instant, as host
 NumPy arrays copied from the variables' memory, in manifest order. It is
-never concatenated: chunks are slices of each array's bytes, with offsets over
-the concatenation, so a save costs one host copy of the model and no more.
+never concatenated: its chunks (`checkpointd.protocol.wire`) are slices of
+each array's bytes, with offsets over the concatenation, so a save costs one
+host copy of the model and no more.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import crc32c
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.checkpoint import graph_view, save_util
@@ -31,12 +29,9 @@ from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.util import object_identity
 from tf_agents.policies import policy_saver
 
-from checkpointd.core.manifest import ITEMSIZE
+from checkpointd.protocol import tensors, wire
 from checkpointd.v1 import checkpointd_pb2
-from checkpointd_client.numpy_state import NumpySnapshot, NumpySource
-
-_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
-_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+from checkpointd_client.numpy_state import NumpySnapshot
 
 
 @dataclass(frozen=True)
@@ -50,9 +45,7 @@ class Binding:
     variable: tf.Variable
 
     def to_proto(self) -> checkpointd_pb2.Variable:
-        return checkpointd_pb2.Variable(
-            key=self.key, checkpoint_key=self.checkpoint_key, dtype=self.dtype, shape=self.shape
-        )
+        return wire.variable_to_pb(self)
 
 
 @dataclass(frozen=True)
@@ -97,7 +90,7 @@ def bfs_keys(root: tf.Module) -> dict[str, tf.Variable]:
     """Checkpoint key -> variable, exactly as TF names the entries it writes for `root`."""
     objects, paths = graph_view.ObjectGraphView(root).breadth_first_traversal()
     return {
-        trackable_utils.object_path_to_string(paths[o]) + _SUFFIX: o
+        trackable_utils.object_path_to_string(paths[o]) + tensors.VARIABLE_SUFFIX: o
         for o in objects
         if isinstance(o, tf.Variable)
     }
@@ -166,15 +159,15 @@ def _template_keys(template_dir: str) -> set[str]:
         template_dir, tf.saved_model.VARIABLES_DIRECTORY, tf.saved_model.VARIABLES_FILENAME
     )
     keys = set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map())
-    keys.discard(_OBJECT_GRAPH_KEY)
+    keys.discard(tensors.OBJECT_GRAPH_KEY)
     return keys
 
 
 def _binding(key: str, checkpoint_key: str, var: tf.Variable) -> Binding:
     dtype = var.dtype.name
-    if dtype not in ITEMSIZE:
+    if dtype not in tensors.ITEMSIZE:
         raise ValueError(
-            f"variable {key!r} has dtype {dtype}; checkpointd carries {', '.join(sorted(ITEMSIZE))}"
+            f"variable {key!r} has dtype {dtype}; checkpointd carries {', '.join(sorted(tensors.ITEMSIZE))}"
         )
     if not var.shape.is_fully_defined():
         raise ValueError(f"variable {key!r} has a partly unknown shape {var.shape}")
@@ -198,28 +191,22 @@ class Snapshot:
         extra = self.numpy_state.nbytes if self.numpy_state is not None else 0
         return sum(a.nbytes for a in self.arrays) + extra
 
-    def ordered(self, keys: Sequence[str]) -> Snapshot:
-        """The same values in another key order (after a re-registration)."""
-        by_key = dict(zip(self.keys, self.arrays, strict=True))
-        if set(keys) != set(by_key) or len(keys) != len(by_key):
-            raise ValueError("the re-registered manifest names other variables than the snapshot")
-        return Snapshot(tuple(keys), tuple(by_key[k] for k in keys), self.step, self.numpy_state)
-
-    def chunks(self, chunk_bytes: int) -> Iterator[checkpointd_pb2.Chunk]:
-        """The snapshot's bytes as chunks (see `array_chunks`), numpy state last."""
-        extra = tuple(self.numpy_state.arrays()) if self.numpy_state is not None else ()
-        return array_chunks(self.arrays + extra, chunk_bytes)
+    def parts(self) -> Iterator[memoryview]:
+        """The snapshot's bytes in wire order, one view per part: each variable, then each numpy entry."""
+        for array in self.arrays:
+            yield wire.byte_view(array)
+        if self.numpy_state is not None:
+            for value in self.numpy_state.values:
+                yield memoryview(value)
 
     def encoded_chunks(self, chunk_bytes: int) -> Iterator[bytes]:
-        """`chunks()`, each serialized as a SaveRequest (see `encoded_chunks`)."""
-        extra = tuple(self.numpy_state.arrays()) if self.numpy_state is not None else ()
-        return encoded_chunks(self.arrays + extra, chunk_bytes)
+        """The snapshot's chunks, each serialized as a SaveRequest (`wire.save_request_chunks`)."""
+        return wire.save_request_chunks(self.parts(), chunk_bytes)
 
 
 def take_snapshot(
     bindings: Bindings,
     train_step: tf.Variable,
-    numpy_source: NumpySource | None = None,
     *,
     numpy_state: NumpySnapshot | None = None,
     into: Sequence[np.ndarray] | None = None,
@@ -231,23 +218,20 @@ def take_snapshot(
     Args:
         bindings: the variables to copy.
         train_step: the step variable (read on its own if it is not bound).
-        numpy_source: a NumpyState to serialize now.
-        numpy_state: a NumpyState serialized already (instead of numpy_source).
+        numpy_state: the NumpyState, serialized at the same call.
         into: arrays of a previous snapshot of the same bindings, no longer in
             use, to copy into: memory already touched copies 3-4x faster
             than fresh memory (page faults).
     """
     pairs = [_target(b, into[i] if into is not None else None) for i, b in enumerate(bindings.variables)]
     copy_all(pairs)
-    arrays = tuple(little_endian(target) for target, _ in pairs)
+    arrays = tuple(wire.little_endian(target) for target, _ in pairs)
     step = None
     for b, a in zip(bindings.variables, arrays, strict=True):
         if b.variable is train_step:
             step = int(a)
     if step is None:  # PolicySaver always tracks it; read it anyway rather than guess.
         step = int(train_step.numpy())
-    if numpy_state is None and numpy_source is not None:
-        numpy_state = numpy_source.take()
     return Snapshot(tuple(b.key for b in bindings.variables), arrays, step, numpy_state)
 
 
@@ -303,104 +287,4 @@ def copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
 
 def nbytes(bindings: Bindings) -> int:
     """The bytes of one snapshot of `bindings`' variables (numpy state aside)."""
-    return sum(ITEMSIZE[b.dtype] * math.prod(b.shape) for b in bindings.variables)
-
-
-def little_endian(array: np.ndarray) -> np.ndarray:
-    """`array` as C-contiguous memory holding little-endian bytes (the wire order).
-
-    A big-endian array is byte-swapped in memory; its dtype label is kept, so
-    read the result as bytes only.
-    """
-    array = np.ascontiguousarray(array)
-    order = array.dtype.byteorder
-    if array.dtype.itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
-        array = array.byteswap()
-    return array
-
-
-def array_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[checkpointd_pb2.Chunk]:
-    """Chunks over the concatenation of `arrays`' bytes, never concatenating them.
-
-    Each chunk is a slice of one array of at most `chunk_bytes`; offsets are
-    contiguous over the concatenation; zero-size arrays yield nothing. Slices
-    are copied to `bytes` lazily, one at a time.
-    """
-    check_chunk_bytes(chunk_bytes)
-    offset = 0
-    for array in arrays:
-        view = memoryview(little_endian(array).reshape(-1).view(np.uint8))
-        for start in range(0, len(view), chunk_bytes):
-            data = bytes(view[start : start + chunk_bytes])
-            yield checkpointd_pb2.Chunk(offset=offset, data=data, crc32c=crc32c.crc32c(data))
-            offset += len(data)
-
-
-def encoded_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[bytes]:
-    """`array_chunks`, each already serialized as a SaveRequest, byte for byte.
-
-    Building Chunk messages copies each slice three times (to bytes, into the
-    Chunk, into the SaveRequest) before gRPC serializes it, a fourth; here
-    the slice is copied once, joined straight after its few header bytes.
-    """
-    check_chunk_bytes(chunk_bytes)
-    offset = 0
-    for array in arrays:
-        view = memoryview(little_endian(array).reshape(-1).view(np.uint8))
-        for start in range(0, len(view), chunk_bytes):
-            data = view[start : start + chunk_bytes]
-            crc = crc32c.crc32c(data)
-            # Chunk fields in number order, proto3 defaults omitted, as upb writes them.
-            head = (b"\x10" + _varint(offset) if offset else b"") + b"\x1a" + _varint(len(data))
-            tail = b"\x25" + crc.to_bytes(4, "little") if crc else b""
-            body = len(head) + len(data) + len(tail)
-            yield b"".join((b"\x12", _varint(body), head, data, tail))  # SaveRequest.chunk = 2
-            offset += len(data)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def file_chunks(root: str, chunk_bytes: int) -> Iterator[checkpointd_pb2.Chunk]:
-    """Chunks of every file under `root`, paths relative and '/'-separated.
-
-    Files come in sorted path order; an empty file is one chunk with no data.
-    """
-    check_chunk_bytes(chunk_bytes)
-    for path in template_files(root):
-        relative = os.path.relpath(path, root).replace(os.sep, "/")
-        with open(path, "rb") as f:
-            offset = 0
-            while True:
-                data = f.read(chunk_bytes)
-                if data or offset == 0:
-                    yield checkpointd_pb2.Chunk(
-                        path=relative, offset=offset, data=data, crc32c=crc32c.crc32c(data)
-                    )
-                if len(data) < chunk_bytes:
-                    break
-                offset += len(data)
-
-
-def template_files(root: str) -> list[str]:
-    """Every regular file under `root`, sorted."""
-    found = []
-    for dirpath, _, filenames in os.walk(root):
-        found.extend(os.path.join(dirpath, name) for name in filenames)
-    return sorted(found)
-
-
-def template_size(root: str) -> int:
-    return sum(os.path.getsize(p) for p in template_files(root))
-
-
-def check_chunk_bytes(chunk_bytes: int) -> None:
-    """Raises ValueError unless `chunk_bytes` is a positive int."""
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int, saw {chunk_bytes!r}")
+    return sum(tensors.nbytes(b.dtype, b.shape) for b in bindings.variables)

@@ -16,19 +16,14 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
-from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.errors import SaveFailedError
 from checkpointd.protocol.codes import error_for
-from checkpointd.v1 import checkpointd_pb2, checkpointd_pb2_grpc
+from checkpointd.protocol.errors import SaveFailedError
+from checkpointd.protocol.kinds import from_wire
+from checkpointd.v1 import checkpointd_pb2
 from checkpointd_client.ticket import SaveResult, SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
 
-WIRE_KIND = {
-    SaveKind.SAVED_MODEL: checkpointd_pb2.SAVED_MODEL,
-    SaveKind.CHECKPOINT: checkpointd_pb2.CHECKPOINT,
-}
-_KIND = {v: k for k, v in WIRE_KIND.items()}
 _END = None
 
 
@@ -39,12 +34,7 @@ class SaveStream:
     sent; the caller maps it with `checkpointd.protocol.codes.error_for`.
     """
 
-    def __init__(
-        self,
-        stub: checkpointd_pb2_grpc.CheckpointServiceStub | SaveStub,
-        header: checkpointd_pb2.SaveHeader,
-        timeout: float | None,
-    ) -> None:
+    def __init__(self, stub: SaveStub, header: checkpointd_pb2.SaveHeader, timeout: float | None) -> None:
         self._queue: queue.SimpleQueue[Iterable[checkpointd_pb2.SaveRequest | bytes] | None] = (
             queue.SimpleQueue()
         )
@@ -67,16 +57,13 @@ class SaveStream:
         """
         return self._next("decision").decision
 
-    def upload(self, chunks: Iterable[checkpointd_pb2.Chunk | bytes]) -> None:
-        """Queues the snapshot's chunks, then the half-close.
+    def upload(self, requests: Iterable[bytes]) -> None:
+        """Queues the snapshot's requests, already serialized, then the half-close.
 
-        Chunks are built lazily as gRPC sends them, so at most a few are in
-        memory at once. A chunk given as bytes is a serialized SaveRequest,
-        sent as it is (the stub must come from `save_stub`).
+        They are built lazily as gRPC sends them, so at most a few are in
+        memory at once (see `wire.save_request_chunks`).
         """
-        self._queue.put(
-            c if isinstance(c, bytes) else checkpointd_pb2.SaveRequest(chunk=c) for c in chunks
-        )
+        self._queue.put(requests)
         self._queue.put(_END)
 
     def result(self) -> checkpointd_pb2.SaveResult:
@@ -102,9 +89,7 @@ class SaveStream:
         except grpc.RpcError:
             pass  # the skip is already known; how the call ends adds nothing
 
-    def finish(
-        self, ticket: SaveTicket, chunks: Iterable[checkpointd_pb2.Chunk | bytes], run: str
-    ) -> None:
+    def finish(self, ticket: SaveTicket, requests: Iterable[bytes], run: str) -> None:
         """Uploads an accepted snapshot and completes `ticket` with the daemon's answer.
 
         The save's own failure is not raised: it is stored on the ticket (so
@@ -113,7 +98,7 @@ class SaveStream:
         start = time.monotonic()
         where = (run, ticket.kind.value, ticket.step, ticket.export_dir)
         try:
-            self.upload(chunks)
+            self.upload(requests)
             result = self.result()
         except Exception as e:  # noqa: BLE001 - stored on the ticket, raised by result()
             error: Exception = e
@@ -144,7 +129,7 @@ class SaveStream:
                 bytes_written=result.bytes_written,
                 duration_seconds=result.duration_seconds,
                 step=result.step,
-                kind=_KIND.get(result.kind, ticket.kind),
+                kind=from_wire(result.kind) or ticket.kind,
             )
         )
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import grpc
 from tf_agents.policies import policy_saver
 
+from checkpointd.protocol import wire
 from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
@@ -64,7 +65,7 @@ def register(
             run=run,
             variables=bindings.protos(),
             checkpoint_object_graph=bindings.object_graph,
-            template_bytes=snapshot.template_size(template),
+            template_bytes=wire.template_size(template),
             folder=folder or "",
         )
         try:
@@ -90,5 +91,5 @@ def _requests(
 ) -> Iterator[pb.RegisterRunRequest]:
     # Read lazily as gRPC sends: a large template is never held in memory whole.
     yield pb.RegisterRunRequest(header=header)
-    for chunk in snapshot.file_chunks(template, chunk_bytes):
+    for chunk in wire.template_chunks(template, chunk_bytes):
         yield pb.RegisterRunRequest(chunk=chunk)

@@ -58,8 +58,8 @@ from tf_agents.policies import greedy_policy, policy_saver
 from tf_agents.train import interval_trigger, learner
 from tf_agents.utils import numpy_storage
 
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.errors import CheckpointdError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_export_dir, check_run_name
 from checkpointd_client.restore import LatestSave
 from checkpointd_client.saver import RemotePolicySaver
@@ -221,7 +221,7 @@ class RemotePolicySavedModelTrigger(interval_trigger.IntervalTrigger):
         for k, v in self._metadata_metrics.items():
             self._metadata[k].assign(v.result())
         export_dir = posixpath.join(
-            self._checkpoint_dir, "policy_checkpoint_%010d" % self._train_step.numpy()
+            self._checkpoint_dir, f"policy_checkpoint_{int(self._train_step.numpy()):010d}"
         )
         self._last_ticket = self._raw_saver.save_checkpoint(export_dir, blocking=self._blocking)
 

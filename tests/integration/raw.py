@@ -24,6 +24,7 @@ import pytest
 import tensorflow as tf
 from tf_agents.policies import policy_saver
 
+from checkpointd.protocol import wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemotePolicySaver
@@ -170,7 +171,7 @@ class HeldSave(RawSave):
             assert first.decision.accepted, f"the lane was not idle: {first.decision.reason}"
 
     def chunks(self) -> list[pb.Chunk]:
-        return list(self.snapshot.chunks(self._chunk_bytes))
+        return list(wire.chunks(self.snapshot.parts(), self._chunk_bytes))
 
     def release(self) -> pb.SaveResult:
         """Sends the snapshot and half-closes; returns the daemon's result once durable."""
@@ -203,7 +204,7 @@ class Template:
 
     @property
     def size(self) -> int:
-        return client_snapshot.template_size(str(self.dir))
+        return wire.template_size(self.dir)
 
 
 def export_template(policy: object, directory: Path, step: int = 7) -> Template:
@@ -220,13 +221,13 @@ def register_requests(
     graph: bytes,
     template_bytes: int | None = None,
 ) -> Iterator[pb.RegisterRunRequest]:
-    size = client_snapshot.template_size(str(files_dir)) if template_bytes is None else template_bytes
+    size = wire.template_size(files_dir) if template_bytes is None else template_bytes
     yield pb.RegisterRunRequest(
         header=pb.RegisterRunHeader(
             run=run, variables=variables, checkpoint_object_graph=graph, template_bytes=size
         )
     )
-    for chunk in client_snapshot.file_chunks(str(files_dir), 1 << 20):
+    for chunk in wire.template_chunks(files_dir, 1 << 20):
         yield pb.RegisterRunRequest(chunk=chunk)
 
 
@@ -254,7 +255,7 @@ class Run:
 
     def chunks(self) -> list[pb.Chunk]:
         snap = client_snapshot.take_snapshot(self.template.bindings, self.template.train_step)
-        return list(snap.chunks(CHUNK_BYTES))
+        return list(wire.chunks(snap.parts(), CHUNK_BYTES))
 
 
 def register(stub: Stub, run: str, template: Template) -> Run:

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from checkpointd.protocol import wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import (
@@ -256,7 +257,7 @@ def test_a_refused_save_of_a_registered_run_writes_and_counts_nothing(tls: Daemo
     saver.register()
     train_step = saver._saver._train_step  # noqa: SLF001 - the variable new_saver gave it
     header, snap = saver_header(saver, train_step, "refused")
-    requests = [pb.SaveRequest(header=header), *(pb.SaveRequest(chunk=c) for c in snap.chunks(1 << 20))]
+    requests = [pb.SaveRequest(header=header), *(pb.SaveRequest(chunk=c) for c in wire.chunks(snap.parts(), 1 << 20))]
     with leaves_nothing(tls, run), tls.channel() as channel:
         stub = checkpointd_pb2_grpc.CheckpointServiceStub(channel)
         with pytest.raises(grpc.RpcError) as raised:

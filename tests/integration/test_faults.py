@@ -26,6 +26,7 @@ from tf_agents.policies import policy_saver
 from checkpointd.storage import local
 from checkpointd.storage import save_manifest
 from checkpointd.cli import verify
+from checkpointd.protocol import wire
 from checkpointd.protocol.errors import DeadlineError, SaveFailedError
 from checkpointd.rpc.upload import until
 from checkpointd.protocol.codes import error_for
@@ -109,7 +110,7 @@ class Trainer:
             run=self.run, kind=kind, export_dir=export_dir, step=step,
             variables=self.bindings.protos(), snapshot_bytes=snap.nbytes,
         )  # fmt: skip
-        return RawSave(self.stub, pb.SaveRequest(header=header)), list(snap.chunks(64))
+        return RawSave(self.stub, pb.SaveRequest(header=header)), list(wire.chunks(snap.parts(), 64))
 
     def save_whole(self, export_dir: str, *, step: int) -> pb.SaveResult:
         call, chunks = self.save(export_dir, step=step)

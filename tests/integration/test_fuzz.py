@@ -51,6 +51,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, settings
 
+from checkpointd.protocol import wire
 from checkpointd.storage import save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
@@ -465,8 +466,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
         graph=bindings.object_graph,
         nbytes=template.nbytes,
         step=snap.step,
-        good_chunks=tuple(snap.chunks(CHUNK_BYTES)),
-        template_chunks=tuple(snapshot.file_chunks(str(template.dir), 1 << 20)),
+        good_chunks=tuple(wire.chunks(snap.parts(), CHUNK_BYTES)),
+        template_chunks=tuple(wire.template_chunks(template.dir, 1 << 20)),
         template_bytes=template.size,
     )
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError
-from checkpointd.core.manifest import ITEMSIZE, Manifest, VariableSpec
+from checkpointd.protocol.tensors import ITEMSIZE
 
 
 def var(key: str, dtype: str = "float32", shape: tuple[int, ...] = (2, 3)) -> VariableSpec:

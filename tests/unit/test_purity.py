@@ -199,11 +199,6 @@ def test_the_probe_imported_every_client_module(client: Probe) -> None:
     assert {"checkpointd_client.saver", "checkpointd_client.trigger"} <= set(client.imported)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="checkpointd_client.snapshot imports checkpointd.core.manifest (ITEMSIZE); the client is being decoupled",
-)
 def test_client_imports_only_protocol_and_v1_of_the_daemon(client: Probe) -> None:
     daemon = [m for m in client.added if _within(m, ("checkpointd",)) and m != "checkpointd"]
     assert daemon, "the client uses the protocol and v1"

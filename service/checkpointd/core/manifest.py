@@ -2,31 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError
-
-# Item sizes of the dtypes a snapshot may carry (NumPy names). Strings and
-# resources have no fixed size and are refused at registration.
-ITEMSIZE: dict[str, int] = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float64": 8,
-    "complex64": 8,
-    "complex128": 16,
-}
 
 
 @dataclass(frozen=True)
@@ -41,17 +21,17 @@ class VariableSpec:
     def __post_init__(self) -> None:
         if not self.key or not self.checkpoint_key:
             raise InvalidRequestError("a variable has an empty key")
-        if self.dtype not in ITEMSIZE:
+        if self.dtype not in tensors.ITEMSIZE:
             raise InvalidRequestError(
                 f"variable {self.key!r} has dtype {self.dtype!r}; supported: "
-                + ", ".join(sorted(ITEMSIZE))
+                + ", ".join(sorted(tensors.ITEMSIZE))
             )
         if any(d < 0 for d in self.shape):
             raise InvalidRequestError(f"variable {self.key!r} has a negative dimension {self.shape}")
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+        return tensors.nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,52 @@
-"""Wire codecs both sides share: chunk checks and the snapshot buffer layout."""
+"""Wire codecs both sides share: chunks, byte order, the buffer layout, messages.
+
+One definition of each, used by the client and the daemon alike:
+- chunks: `chunk` encodes one (data, offset, path) with its CRC32C and
+  `check_chunk` checks one as it arrives; `chunks` cuts buffers into them
+  (snapshots, and Restore's answer), `save_request_chunks` the same already
+  serialized as SaveRequests, and `template_chunks` a template's files;
+- byte order: `little_endian` (the wire's, whatever the host's);
+- layout: `ALIGNMENT` and `aligned_offsets`, where each part of a received
+  snapshot starts in the daemon's buffer;
+- messages: `variable_to_pb` and `numpy_state_to_pb`.
+
+No NumPy import: arrays are handled through their own methods, so this
+module stays as light as the protocol it serves.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import crc32c
 
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
 from checkpointd.v1 import checkpointd_pb2 as pb
 
+# Anything memoryview() takes: bytes, bytearray, memoryview, a uint8 array.
+Buffer = Any
+
+
+# Chunks.
+
+
+def chunk(data: Buffer, offset: int, path: str = "") -> pb.Chunk:
+    """One chunk of `data` at `offset` (in `path`, for a template file), with its CRC32C."""
+    data = bytes(data)
+    return pb.Chunk(path=path, offset=offset, data=data, crc32c=crc32c.crc32c(data))
+
 
 def check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -> None:
-    """Refuses a chunk out of order, past `limit` bytes, or with a wrong CRC32C."""
+    """Refuses a chunk out of order, past `limit` bytes, or with a wrong CRC32C.
+
+    Raises:
+        InvalidRequestError: out of order, or past `limit`.
+        ChecksumError: the CRC32C does not match the data.
+    """
     if chunk.offset != expected_offset:
         raise InvalidRequestError(
             f"{what}: chunk at offset {chunk.offset}, expected {expected_offset} (chunks in order)"
@@ -23,6 +58,121 @@ def check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) ->
         )
     if crc32c.crc32c(chunk.data) != chunk.crc32c:
         raise ChecksumError(f"{what}: CRC32C mismatch in the chunk at offset {chunk.offset}")
+
+
+def check_chunk_bytes(chunk_bytes: int) -> None:
+    """Raises ValueError unless `chunk_bytes` is a positive int."""
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, saw {chunk_bytes!r}")
+
+
+def slices(parts: Iterable[Buffer], chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    """(offset, slice) over the concatenation of `parts`, never concatenating them.
+
+    Each slice lies within one part and holds at most `chunk_bytes`; offsets
+    are contiguous over the concatenation; empty parts yield nothing. Slices
+    are views: nothing is copied here.
+
+    Raises:
+        ValueError: `chunk_bytes` is not a positive int.
+    """
+    check_chunk_bytes(chunk_bytes)
+    offset = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), chunk_bytes):
+            data = view[start : start + chunk_bytes]
+            yield offset, data
+            offset += len(data)
+
+
+def chunks(parts: Iterable[Buffer], chunk_bytes: int) -> Iterator[pb.Chunk]:
+    """`slices` as Chunk messages, each slice copied once, lazily, as it is taken."""
+    for offset, data in slices(parts, chunk_bytes):
+        yield chunk(data, offset)
+
+
+def save_request_chunks(parts: Iterable[Buffer], chunk_bytes: int) -> Iterator[bytes]:
+    """`chunks`, each already serialized as `SaveRequest(chunk=...)`, byte for byte.
+
+    Building Chunk messages copies each slice three times (to bytes, into the
+    Chunk, into the SaveRequest) before gRPC serializes it, a fourth; here
+    the slice is copied once, joined straight after its few header bytes.
+    """
+    for offset, data in slices(parts, chunk_bytes):
+        crc = crc32c.crc32c(data)
+        # Chunk fields in number order, proto3 defaults omitted, as upb writes them.
+        head = (b"\x10" + _varint(offset) if offset else b"") + b"\x1a" + _varint(len(data))
+        tail = b"\x25" + crc.to_bytes(4, "little") if crc else b""
+        body = len(head) + len(data) + len(tail)
+        yield b"".join((b"\x12", _varint(body), head, data, tail))  # SaveRequest.chunk = 2
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def template_files(root: str | os.PathLike[str]) -> list[str]:
+    """Every regular file under `root`, sorted (the order a template is sent in)."""
+    found: list[str] = []
+    for dirpath, _, filenames in os.walk(root):
+        found.extend(os.path.join(dirpath, name) for name in filenames)
+    return sorted(found)
+
+
+def template_size(root: str | os.PathLike[str]) -> int:
+    """The bytes of every file under `root`: a RegisterRunHeader's `template_bytes`."""
+    return sum(os.path.getsize(p) for p in template_files(root))
+
+
+def template_chunks(root: str | os.PathLike[str], chunk_bytes: int) -> Iterator[pb.Chunk]:
+    """Chunks of every file under `root`, the template rules of RegisterRun.
+
+    Files come in sorted path order, each whole before the next, paths
+    relative and '/'-separated, offsets per file; an empty file is one chunk
+    with no data. Files are read as the chunks are taken.
+
+    Raises:
+        ValueError: `chunk_bytes` is not a positive int.
+    """
+    check_chunk_bytes(chunk_bytes)
+    for path in template_files(root):
+        relative = os.path.relpath(path, root).replace(os.sep, "/")
+        with open(path, "rb") as f:
+            empty = True
+            for offset, data in slices(iter(functools.partial(f.read, chunk_bytes), b""), chunk_bytes):
+                empty = False
+                yield chunk(data, offset, relative)
+            if empty:
+                yield chunk(b"", 0, relative)
+
+
+# Byte order.
+
+
+def little_endian(array: Any) -> Any:
+    """`array` (a NumPy array) as C-contiguous memory of little-endian bytes, the wire order.
+
+    The array itself when it already is (every platform TF ships for); else a
+    copy. A big-endian array is byte-swapped in memory and keeps its dtype
+    label, so read the result as bytes only.
+    """
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")
+    order = array.dtype.byteorder
+    if array.dtype.itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
+        array = array.byteswap()
+    return array
+
+
+def byte_view(array: Any) -> memoryview:
+    """The wire bytes of a NumPy array, as a flat memoryview (a view unless a copy is needed)."""
+    return memoryview(little_endian(array).reshape(-1).view("uint8"))
 
 
 # Where each part of a received snapshot starts in the daemon's buffer. The
@@ -40,3 +190,34 @@ def aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
         offsets.append(end)
         end += size
     return offsets, end
+
+
+# Messages.
+
+
+class VariableLike(Protocol):
+    """A variable as both sides describe it (the client's binding, the daemon's VariableSpec)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def checkpoint_key(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
+def variable_to_pb(v: VariableLike) -> pb.Variable:
+    return pb.Variable(key=v.key, checkpoint_key=v.checkpoint_key, dtype=v.dtype, shape=v.shape)
+
+
+def numpy_state_to_pb(object_graph: bytes, entries: Iterable[tuple[str, int]]) -> pb.NumpyState:
+    """A NumpyState message from its object graph and (checkpoint_key, nbytes) entries, in payload order."""
+    return pb.NumpyState(
+        object_graph=object_graph,
+        entries=[pb.NumpyStateEntry(checkpoint_key=key, nbytes=size) for key, size in entries],
+    )

@@ -1,5 +1,10 @@
-"""Client-side pieces without a daemon: chunking, variable bindings, snapshots,
-and that RemotePolicySaver validates its arguments exactly as PolicySaver does."""
+"""Client-side pieces without a daemon: variable bindings, snapshots, the copy,
+and that RemotePolicySaver validates its arguments exactly as PolicySaver does.
+
+Real TensorFlow objects, so this is the integration tier (it was in tests/unit).
+The chunking tests that were here test the shared codecs now, without
+TensorFlow: tests/unit/test_wire.py, under the same names.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +19,9 @@ from tf_agents.policies import policy_saver, q_policy
 from tf_agents.specs import tensor_spec
 from tf_agents.trajectories import time_step as ts
 
-from checkpointd.v1 import checkpointd_pb2
 import checkpointd_client.saver as saver_module
+from checkpointd.protocol import wire
 from checkpointd_client import RemotePolicySaver, snapshot
-
-BF16 = tf.bfloat16.as_numpy_dtype
 
 
 def _tiny_saver(seed: int = 0, **kwargs: object) -> policy_saver.PolicySaver:
@@ -31,7 +34,7 @@ def _tiny_saver(seed: int = 0, **kwargs: object) -> policy_saver.PolicySaver:
 
 
 def _check_chunks(chunks, limit: int) -> bytes:
-    """Asserts the chunk invariants; returns the reassembled bytes."""
+    """Asserts the chunk invariants; returns the reassembled bytes (as tests/unit/test_wire.py does)."""
     data = bytearray()
     for c in chunks:
         assert c.offset == len(data), "offsets must be contiguous"
@@ -39,71 +42,6 @@ def _check_chunks(chunks, limit: int) -> bytes:
         assert c.crc32c == crc32c.crc32c(c.data)
         data += c.data
     return bytes(data)
-
-
-# Chunking.
-
-ARRAYS = [
-    np.arange(250, dtype=np.float32).reshape(10, 25),
-    np.zeros((0, 3), np.float32),
-    np.array([1.5, -2.25, 3.0], dtype=BF16),
-    np.array([True, False, True, True, False]),
-    np.array(2**40 + 7, dtype=np.int64),  # 0-d, like train_step
-    np.arange(-5, 6, dtype=np.int64),
-]
-
-
-@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])
-def test_array_chunks_reassemble_to_the_exact_bytes(chunk_bytes: int) -> None:
-    chunks = list(snapshot.array_chunks(ARRAYS, chunk_bytes))
-    assert _check_chunks(chunks, chunk_bytes) == b"".join(a.tobytes() for a in ARRAYS)
-
-
-def test_array_chunks_never_span_two_arrays() -> None:
-    boundaries = np.cumsum([a.nbytes for a in ARRAYS])
-    for c in snapshot.array_chunks(ARRAYS, 64):
-        assert not any(c.offset < b < c.offset + len(c.data) for b in boundaries)
-
-
-def test_zero_size_arrays_yield_no_chunks() -> None:
-    assert (
-        list(snapshot.array_chunks([np.zeros((0,), np.float32), np.zeros((2, 0), BF16)], 8)) == []
-    )
-
-
-def test_wire_bytes_are_little_endian_and_c_order() -> None:
-    big = np.array([1.0, -2.0], dtype=">f4")
-    fortran = np.asfortranarray(np.arange(6, dtype=np.int64).reshape(2, 3))
-    data = _check_chunks(snapshot.array_chunks([big, fortran], 5), 5)
-    assert data == np.array([1.0, -2.0], "<f4").tobytes() + np.arange(6, dtype="<i8").tobytes()
-
-
-@pytest.mark.parametrize("chunk_bytes", [0, -1, 1.5])
-def test_chunk_bytes_must_be_a_positive_int(chunk_bytes: object) -> None:
-    with pytest.raises(ValueError, match="chunk_bytes"):
-        list(snapshot.array_chunks(ARRAYS, chunk_bytes))  # type: ignore[arg-type]
-
-
-def test_file_chunks_cover_every_file_with_relative_paths(tmp_path) -> None:
-    files = {
-        "saved_model.pb": os.urandom(1000),
-        "exact.bin": os.urandom(64),
-        "variables/variables.index": os.urandom(10),
-        "assets/empty.txt": b"",
-    }
-    for name, content in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_bytes(content)
-    by_path: dict[str, list] = {}
-    for c in snapshot.file_chunks(str(tmp_path), 64):
-        by_path.setdefault(c.path, []).append(c)
-    assert set(by_path) == set(files)
-    for name, chunks in by_path.items():
-        if files[name]:
-            assert _check_chunks(chunks, 64) == files[name]
-        else:
-            assert [(c.offset, c.data, c.crc32c) for c in chunks] == [(0, b"", crc32c.crc32c(b""))]
-    assert snapshot.template_size(str(tmp_path)) == sum(map(len, files.values()))
 
 
 # Bindings against a real PolicySaver template.
@@ -184,7 +122,7 @@ def test_snapshot_is_a_point_in_time_copy(template) -> None:
             np.testing.assert_array_equal(got, want)
             assert got.flags["C_CONTIGUOUS"]
         assert snap.nbytes == sum(a.nbytes for a in before)
-        assert _check_chunks(snap.chunks(16), 16) == b"".join(a.tobytes() for a in before)
+        assert _check_chunks(wire.chunks(snap.parts(), 16), 16) == b"".join(a.tobytes() for a in before)
     finally:
         saver._train_step.assign_add(-10)
         saver.policy.model_variables[0].assign_sub(tf.ones_like(saver.policy.model_variables[0]))
@@ -214,16 +152,6 @@ def test_constructor_raises_what_policy_saver_raises(
         RemotePolicySaver(policy, "127.0.0.1:1", run="r", **kwargs)
     assert str(got.value) == str(expected.value)
     assert channels == []
-
-
-@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])
-def test_encoded_chunks_are_the_serialized_save_requests_byte_for_byte(chunk_bytes: int) -> None:
-    arrays = [*ARRAYS, np.zeros(300, np.uint8), np.arange(200, dtype=np.float64)]  # zero CRCs, offset 0
-    want = [
-        checkpointd_pb2.SaveRequest(chunk=c).SerializeToString()
-        for c in snapshot.array_chunks(arrays, chunk_bytes)
-    ]
-    assert list(snapshot.encoded_chunks(arrays, chunk_bytes)) == want
 
 
 def test_copy_all_copies_large_arrays_in_pieces_and_small_ones_whole() -> None:

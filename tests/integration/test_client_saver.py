@@ -25,18 +25,18 @@ from tf_agents.trajectories import time_step as ts
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import snapshot as snapshot_lib
 from checkpointd_client import (
     ChecksumError,
     DeadlineError,
-    UnavailableError,
     InvalidRequestError,
     LimitExceededError,
     RemotePolicySaver,
     RunClosedError,
     RunNotFoundError,
     SaveFailedError,
+    UnavailableError,
 )
+from checkpointd_client import snapshot as snapshot_lib
 
 CHUNK = 256
 WAIT = 10.0  # seconds; every wait in these tests is bounded by it
