@@ -23,8 +23,7 @@ class VariableSpec:
             raise InvalidRequestError("a variable has an empty key")
         if self.dtype not in tensors.ITEMSIZE:
             raise InvalidRequestError(
-                f"variable {self.key!r} has dtype {self.dtype!r}; supported: "
-                + ", ".join(sorted(tensors.ITEMSIZE))
+                f"variable {self.key!r} has dtype {self.dtype!r}; supported: " + ", ".join(sorted(tensors.ITEMSIZE))
             )
         if any(d < 0 for d in self.shape):
             raise InvalidRequestError(f"variable {self.key!r} has a negative dimension {self.shape}")
@@ -61,21 +60,16 @@ class Manifest:
             start += v.nbytes
         return ranges
 
-    def check_snapshot(
-        self, declared: Sequence[VariableSpec], declared_bytes: int, max_bytes: int | None = None
-    ) -> None:
-        """Checks a save's declared snapshot against the manifest.
+    def check_variables(self, declared: Sequence[VariableSpec]) -> None:
+        """Checks a save's declared variables against the manifest, one by one, in order.
 
         Raises:
             InvalidRequestError: naming the first variable that differs.
-            LimitExceededError: if the snapshot is larger than `max_bytes`.
         """
         # Pairs up what both have; a length mismatch is reported below, after these.
         for i, (want, got) in enumerate(zip(self.variables, declared, strict=False)):
             if got.key != want.key:
-                raise InvalidRequestError(
-                    f"snapshot variable #{i} is {got.key!r}; the run's manifest has {want.key!r}"
-                )
+                raise InvalidRequestError(f"snapshot variable #{i} is {got.key!r}; the run's manifest has {want.key!r}")
             if got.dtype != want.dtype or tuple(got.shape) != want.shape:
                 raise InvalidRequestError(
                     f"snapshot variable {got.key!r} is {got.dtype}{list(got.shape)}; "
@@ -91,12 +85,30 @@ class Manifest:
                 f"snapshot has {len(declared)} variables; the run's manifest has "
                 f"{len(self.variables)} (first unmatched: {first!r})"
             )
+
+    def check_snapshot(
+        self, declared: Sequence[VariableSpec], declared_bytes: int, max_bytes: int | None = None
+    ) -> None:
+        """Checks a save's declared snapshot (variables only) against the manifest.
+
+        Raises:
+            InvalidRequestError: naming the first variable that differs, or if
+                `declared_bytes` is not the variables' size.
+            LimitExceededError: if the snapshot is larger than `max_bytes`.
+        """
+        self.check_variables(declared)
         if declared_bytes != self.nbytes:
-            raise InvalidRequestError(
-                f"snapshot declares {declared_bytes} bytes; its variables take {self.nbytes}"
-            )
-        if max_bytes is not None and declared_bytes > max_bytes:
-            raise LimitExceededError(
-                f"snapshot of {declared_bytes} bytes exceeds the daemon's limit of {max_bytes} "
-                "(--max-snapshot-bytes)"
-            )
+            raise InvalidRequestError(f"snapshot declares {declared_bytes} bytes; its variables take {self.nbytes}")
+        check_limit(declared_bytes, max_bytes)
+
+
+def check_limit(declared_bytes: int, max_bytes: int | None) -> None:
+    """Refuses a snapshot larger than the daemon allows (`--max-snapshot-bytes`; None: no limit).
+
+    Raises:
+        LimitExceededError: naming both sizes and the option.
+    """
+    if max_bytes is not None and declared_bytes > max_bytes:
+        raise LimitExceededError(
+            f"snapshot of {declared_bytes} bytes exceeds the daemon's limit of {max_bytes} (--max-snapshot-bytes)"
+        )

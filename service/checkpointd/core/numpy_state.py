@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError
-from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.manifest import Manifest, VariableSpec, check_limit
+from checkpointd.protocol.errors import InvalidRequestError
 
 # Relative to the export dir; mirrors SavedModel's variables/variables.
 DIRECTORY = "numpy_state"
@@ -107,15 +107,11 @@ def check_payload(
             the sizes do not add up.
         LimitExceededError: if the whole snapshot is larger than `max_bytes`.
     """
-    manifest.check_snapshot(declared, manifest.nbytes)  # the variables, one by one
+    manifest.check_variables(declared)
     extra = numpy_state.nbytes if numpy_state is not None else 0
     if declared_bytes != manifest.nbytes + extra:
         raise InvalidRequestError(
             f"snapshot declares {declared_bytes} bytes; its variables take {manifest.nbytes} "
             f"and its numpy state {extra}"
         )
-    if max_bytes is not None and declared_bytes > max_bytes:
-        raise LimitExceededError(
-            f"snapshot of {declared_bytes} bytes exceeds the daemon's limit of {max_bytes} "
-            "(--max-snapshot-bytes)"
-        )
+    check_limit(declared_bytes, max_bytes)

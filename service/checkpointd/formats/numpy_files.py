@@ -17,10 +17,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.core.numpy_state import PREFIX, NumpyEntry, NumpyPayload, NumpyStateSpec
+from checkpointd.formats import object_graph
+from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 
-_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 # The attribute name TensorFlow gives a PythonState's serialization.
 _PY_STATE = "py_state"
 
@@ -33,30 +34,20 @@ class NumpyStateRead:
     values: tuple[bytes, ...]
 
 
-def graph_keys(object_graph: bytes) -> list[str]:
+def graph_keys(data: bytes) -> list[str]:
     """The checkpoint keys of an object graph's attributes, in TensorFlow's saver order.
 
     Raises:
         InvalidRequestError: the graph does not parse, or holds state other
             than PythonState (a NumpyState's arrays are its only attributes).
     """
-    from google.protobuf import message
-    from tensorflow.core.protobuf import trackable_object_graph_pb2
-
-    try:
-        graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(object_graph)
-    except message.DecodeError as e:
-        raise InvalidRequestError(f"numpy_state: the object graph does not parse ({e})") from None
-    keys = []
-    for node in graph.nodes:
-        for attribute in node.attributes:
-            if attribute.name != _PY_STATE:
-                raise InvalidRequestError(
-                    f"numpy_state: {attribute.checkpoint_key!r} is a {attribute.name!r}; only "
-                    "NumpyState arrays (PythonState) may be saved as numpy state"
-                )
-            keys.append(attribute.checkpoint_key)
-    return keys
+    what = "numpy_state: the object graph"
+    return object_graph.attribute_keys(
+        object_graph.parse(data, what),
+        _PY_STATE,
+        what,
+        "only NumpyState arrays (PythonState) may be saved as numpy state",
+    )
 
 
 def check(spec: NumpyStateSpec) -> None:
@@ -67,7 +58,8 @@ def check(spec: NumpyStateSpec) -> None:
     """
     keys = graph_keys(spec.object_graph)
     declared = [e.checkpoint_key for e in spec.entries]
-    for i, (want, got) in enumerate(zip(keys, declared)):
+    # Pairs up what both have; a length mismatch is reported below, after these.
+    for i, (want, got) in enumerate(zip(keys, declared, strict=False)):
         if want != got:
             raise InvalidRequestError(
                 f"numpy_state: entry #{i} is {got!r}; the object graph has {want!r} there"
@@ -102,7 +94,7 @@ def write(save_dir: Path, payload: NumpyPayload) -> int:
     tensors = [tf.constant(bytes(data[start:end])) for start, end in payload.spec.offsets(0)]
     tf.raw_ops.SaveV2(
         prefix=str(prefix),
-        tensor_names=names + [_OBJECT_GRAPH_KEY],
+        tensor_names=names + [OBJECT_GRAPH_KEY],
         shape_and_slices=[""] * (len(names) + 1),
         tensors=tensors + [tf.constant(payload.spec.object_graph)],
     )
@@ -122,14 +114,14 @@ def read(save_dir: Path) -> NumpyStateRead | None:
     if not os.path.exists(f"{prefix}.index"):
         return None
     reader = tf.train.load_checkpoint(str(prefix))
-    graph = reader.get_tensor(_OBJECT_GRAPH_KEY)
+    graph = reader.get_tensor(OBJECT_GRAPH_KEY)
     keys = graph_keys(graph)
-    stored = set(reader.get_variable_to_shape_map()) - {_OBJECT_GRAPH_KEY}
+    stored = set(reader.get_variable_to_shape_map()) - {OBJECT_GRAPH_KEY}
     if stored != set(keys):
         first = min(stored.symmetric_difference(keys))
         raise InvalidRequestError(
             f"the numpy state of {save_dir} does not match its object graph at {first!r}"
         )
     values = tuple(bytes(reader.get_tensor(k)) for k in keys)
-    spec = NumpyStateSpec(graph, tuple(NumpyEntry(k, len(v)) for k, v in zip(keys, values)))
+    spec = NumpyStateSpec(graph, tuple(NumpyEntry(k, len(v)) for k, v in zip(keys, values, strict=True)))
     return NumpyStateRead(spec, values)

@@ -21,14 +21,17 @@ from pathlib import Path
 
 import crc32c
 
-from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.core.manifest import Manifest
+from checkpointd.formats import object_graph
+from checkpointd.formats.object_graph import ObjectGraph
+from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY, VARIABLE_ATTRIBUTE
 
 _LOGGER = logging.getLogger(__name__)
 
-OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+# checkpointd.formats.policy imports OBJECT_GRAPH_KEY from here, with VARIABLES_PREFIX.
+
 VARIABLES_PREFIX = os.path.join("variables", "variables")
-_VARIABLE_ATTRIBUTE = "VARIABLE_VALUE"
 _REQUIRED_SIGNATURES = ("action", "get_initial_state", "get_train_step", "get_metadata")
 # Written anew for every SAVED_MODEL save, never copied from the template.
 _NOT_COPIED = ("variables", "fingerprint.pb")
@@ -146,12 +149,10 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
                 f"{dtypes[v.key].name}{list(shapes[v.key])}",
             )
 
-    saved_model_order = _order(
-        run, "the template's object graph", saved_model_graph, manifest, "key"
-    )
-    checkpoint_order = _order(
-        run, "checkpoint_object_graph", checkpoint_graph, manifest, "checkpoint_key"
-    )
+    saved_model_parsed = _parse(run, "the template's object graph", saved_model_graph)
+    checkpoint_parsed = _parse(run, "checkpoint_object_graph", checkpoint_graph)
+    saved_model_order = _order(run, "the template's object graph", saved_model_parsed, manifest, "key")
+    checkpoint_order = _order(run, "checkpoint_object_graph", checkpoint_parsed, manifest, "checkpoint_key")
     copied = tuple((p, b) for p, b in files if p.split("/")[0] not in _NOT_COPIED)
     return Template(
         manifest=manifest,
@@ -194,37 +195,29 @@ def _read_tree(run: str, root: Path) -> tuple[list[str], list[tuple[str, bytes]]
     return dirs, files
 
 
-def _order(run: str, what: str, graph: bytes, manifest: Manifest, attr: str) -> tuple[int, ...]:
+def _parse(run: str, what: str, graph: bytes) -> ObjectGraph:
+    return object_graph.parse(graph, f"template of run {run!r}: {what}")
+
+
+def _order(run: str, what: str, graph: ObjectGraph, manifest: Manifest, attr: str) -> tuple[int, ...]:
     """Manifest indexes in the order `graph` lists its variables' keys.
 
     Raises:
-        InvalidRequestError: `graph` does not parse, holds non-variable state,
-            or its keys are not exactly the manifest's `attr` values.
+        InvalidRequestError: `graph` holds non-variable state, or its keys are
+            not exactly the manifest's `attr` values.
     """
-    from google.protobuf import message
-    from tensorflow.core.protobuf import trackable_object_graph_pb2
-
-    try:
-        parsed = trackable_object_graph_pb2.TrackableObjectGraph.FromString(graph)
-    except message.DecodeError as e:
-        raise _invalid(run, f"{what} is not a TrackableObjectGraph ({e})") from None
+    keys = object_graph.attribute_keys(
+        graph, VARIABLE_ATTRIBUTE, f"template of run {run!r}: {what}", "non-variable state is not supported"
+    )
     index = {getattr(v, attr): i for i, v in enumerate(manifest.variables)}
     order: list[int] = []
     seen: set[str] = set()
-    for node in parsed.nodes:
-        for attribute in node.attributes:
-            if attribute.name != _VARIABLE_ATTRIBUTE:
-                raise _invalid(
-                    run,
-                    f"{what} has {attribute.checkpoint_key!r} of kind {attribute.name!r}: "
-                    "non-variable state is not supported",
-                )
-            key = attribute.checkpoint_key
-            if key not in index:
-                raise _invalid(run, f"{what} has key {key!r}, which no variable names as {attr}")
-            if key not in seen:
-                seen.add(key)
-                order.append(index[key])
+    for key in keys:
+        if key not in index:
+            raise _invalid(run, f"{what} has key {key!r}, which no variable names as {attr}")
+        if key not in seen:
+            seen.add(key)
+            order.append(index[key])
     if len(order) != len(index):
         absent = min(set(index) - seen)
         raise _invalid(run, f"variable {attr} {absent!r} is not in {what}")

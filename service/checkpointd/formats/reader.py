@@ -13,21 +13,19 @@ TensorFlow is imported inside functions only, as in `checkpointd.formats.policy`
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpointd.formats import numpy_files
-from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.numpy_state import NumpyStateSpec
-
-_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
-_VARIABLES_PREFIX = os.path.join("variables", "variables")
+from checkpointd.formats import numpy_files
+from checkpointd.formats.policy_template import VARIABLES_PREFIX, describe
+from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
+from checkpointd.protocol.wire import byte_view
 
 
 @dataclass
@@ -63,14 +61,10 @@ class SaveValues:
             try:
                 value = self._reader.get_tensor(key)
             except tf.errors.DataLossError as e:
-                raise ChecksumError(f"{self._where}: {key!r} is corrupt ({_first_line(e)})") from None
+                raise ChecksumError(f"{self._where}: {key!r} is corrupt ({describe(e)})") from None
             except tf.errors.OpError as e:
-                raise SaveFailedError(f"{self._where}: could not read {key!r} ({_first_line(e)})") from None
-            array = np.ascontiguousarray(value)
-            order = array.dtype.byteorder
-            if array.dtype.itemsize > 1 and (order == ">" or (order == "=" and sys.byteorder == "big")):
-                array = array.byteswap()
-            yield memoryview(array.reshape(-1).view(np.uint8))
+                raise SaveFailedError(f"{self._where}: could not read {key!r} ({describe(e)})") from None
+            yield byte_view(np.asarray(value))  # a 0-d value comes as a NumPy scalar
         for value in self._numpy_values:
             yield memoryview(value)
 
@@ -95,16 +89,16 @@ def open_save(save_dir: Path, kind: SaveKind, manifest: Manifest, where: str) ->
     import tensorflow as tf
 
     try:
-        reader = tf.train.load_checkpoint(str(Path(save_dir) / _VARIABLES_PREFIX))
+        reader = tf.train.load_checkpoint(str(Path(save_dir) / VARIABLES_PREFIX))
         shapes = reader.get_variable_to_shape_map()
         dtypes = reader.get_variable_to_dtype_map()
         numpy_state = numpy_files.read(Path(save_dir))
     except tf.errors.DataLossError as e:
-        raise ChecksumError(f"{where}: its checkpoint is corrupt ({_first_line(e)})") from None
+        raise ChecksumError(f"{where}: its checkpoint is corrupt ({describe(e)})") from None
     except (tf.errors.OpError, ValueError) as e:
-        raise SaveFailedError(f"{where}: its checkpoint is unreadable ({_first_line(e)})") from None
+        raise SaveFailedError(f"{where}: its checkpoint is unreadable ({describe(e)})") from None
     keys = tuple(v.key if kind is SaveKind.SAVED_MODEL else v.checkpoint_key for v in manifest.variables)
-    for key, v in zip(keys, manifest.variables):
+    for key, v in zip(keys, manifest.variables, strict=True):
         if key not in shapes:
             raise InvalidRequestError(
                 f"{where}: the save has no {key!r}, which the run's manifest has; was it "
@@ -115,7 +109,7 @@ def open_save(save_dir: Path, kind: SaveKind, manifest: Manifest, where: str) ->
                 f"{where}: {key!r} is {dtypes[key].name}{list(shapes[key])} in the save; the "
                 f"run's manifest has {v.dtype}{list(v.shape)}"
             )
-    extra = set(shapes) - set(keys) - {_OBJECT_GRAPH_KEY}
+    extra = set(shapes) - set(keys) - {OBJECT_GRAPH_KEY}
     if extra:
         raise InvalidRequestError(
             f"{where}: the save has {min(extra)!r}, which the run's manifest lacks; was it "
@@ -131,7 +125,3 @@ def open_save(save_dir: Path, kind: SaveKind, manifest: Manifest, where: str) ->
         _where=where,
     )
 
-
-def _first_line(e: BaseException) -> str:
-    message = getattr(e, "message", None) or str(e) or type(e).__name__
-    return message.strip().splitlines()[0]
