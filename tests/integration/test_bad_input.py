@@ -37,6 +37,7 @@ from checkpointd_client import (
 )
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon
+
 # test_fuzz.py imports Template, export_template and listing from this module.
 from tests.integration.disk import listing
 from tests.integration.raw import (
@@ -563,6 +564,98 @@ def test_template_bytes_not_as_announced_is_invalid(
     assert_not_registered(stub, name)
     assert listing(daemon.root) == before
     assert_serving(daemon, stub, register(stub, name, template))
+
+
+# Checkpoint keys: the daemon derives each variable's from the template's object
+# graphs, so two variables alike in dtype and shape cannot trade names.
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory: pytest.TempPathFactory) -> Template:
+    """A template whose two hidden layers of 4 give two (4, 4) kernels and two (4,) biases."""
+    return export_template(policies.build(policies.q((4, 4))), tmp_path_factory.mktemp("twins"))
+
+
+def _swap_checkpoint_keys(variables: list[pb.Variable]) -> tuple[pb.Variable, pb.Variable]:
+    """Swaps the checkpoint keys of the first two variables of one dtype and shape; returns both."""
+    alike: dict[tuple[str, tuple[int, ...]], list[pb.Variable]] = {}
+    for v in variables:
+        alike.setdefault((v.dtype, tuple(v.shape)), []).append(v)
+    a, b = next(group for group in alike.values() if len(group) > 1)[:2]
+    assert a.key != b.key and a.checkpoint_key != b.checkpoint_key
+    a.checkpoint_key, b.checkpoint_key = b.checkpoint_key, a.checkpoint_key
+    return a, b
+
+
+def _holds_each_variable_under_its_own_key(path: Path, template: Template) -> None:
+    """A CHECKPOINT save at `path` stores every variable's value under its save_checkpoint key."""
+    reader = tf.train.load_checkpoint(str(path / "variables" / "variables"))
+    for b in template.bindings.variables:
+        assert reader.get_tensor(b.checkpoint_key).tobytes() == b.variable.numpy().tobytes(), b.key
+
+
+def test_registration_with_swapped_checkpoint_keys_is_invalid(
+    daemon: Daemon, stub: Stub, twins: Template, run: Run
+) -> None:
+    name = "swapped-checkpoint-keys"
+    variables = twins.bindings.protos()
+    a, b = _swap_checkpoint_keys(variables)
+    values = {x.key: x.variable.numpy().tobytes() for x in twins.bindings.variables}
+    assert values[a.key] != values[b.key]  # else a swapped checkpoint would look right
+    before = listing(daemon.root)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.RegisterRun(
+            register_requests(name, twins.dir, variables, twins.bindings.object_graph), timeout=RPC_TIMEOUT
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = caught.value.details()
+    # The first variable in manifest order, with the key it came with and the one it has.
+    assert repr(a.key) in details
+    assert repr(a.checkpoint_key) in details and repr(b.checkpoint_key) in details
+    assert_not_registered(stub, name)
+    assert listing(daemon.root) == before  # no template kept, nothing left in staging
+    assert_serving(daemon, stub, run)
+    # The right mapping registers, and its checkpoints hold each value under its own name.
+    twin_run = register(stub, name, twins)
+    with RawSave(stub, pb.SaveRequest(header=twin_run.header("ckpt", kind=pb.CHECKPOINT))) as call:
+        assert call.decision().accepted
+        result = call.finish(twin_run.chunks())
+    _holds_each_variable_under_its_own_key(Path(result.path), twins)
+
+
+def test_re_registration_with_swapped_checkpoint_keys_keeps_the_old_manifest(
+    daemon: Daemon, stub: Stub, twins: Template, request: pytest.FixtureRequest
+) -> None:
+    twin_run = register(stub, run_name(request.node.name), twins)
+    variables = twins.bindings.protos()
+    _swap_checkpoint_keys(variables)
+    before = listing(daemon.root)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.RegisterRun(
+            register_requests(twin_run.name, twins.dir, variables, twins.bindings.object_graph),
+            timeout=RPC_TIMEOUT,
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert listing(daemon.root) == before  # the run's template files are untouched
+    assert_serving(daemon, stub, twin_run)  # saves still match the old manifest
+    assert counts(stub, twin_run.name) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("kind", [pb.CHECKPOINT, pb.SAVED_MODEL], ids=["checkpoint", "saved_model"])
+def test_save_header_with_swapped_checkpoint_keys_is_invalid(
+    daemon: Daemon, stub: Stub, twins: Template, request: pytest.FixtureRequest, kind: int
+) -> None:
+    twin_run = register(stub, run_name(request.node.name), twins)
+    variables = twin_run.variables()
+    a, b = _swap_checkpoint_keys(variables)
+    before = listing(daemon.root)
+    error = save_header_only(stub, twin_run.header("swapped", kind=kind, variables=variables))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert repr(a.key) in error.details()
+    assert repr(a.checkpoint_key) in error.details() and repr(b.checkpoint_key) in error.details()
+    assert counts(stub, twin_run.name) == (0, 0, 0)  # refused before the decision
+    assert listing(daemon.root) == before
+    assert_serving(daemon, stub, twin_run)
 
 
 # The daemon's configured limits, on a daemon of this module's own.

@@ -70,6 +70,22 @@ def test_mismatch_names_the_first_offending_variable(
         MANIFEST.check_snapshot(declared, MANIFEST.nbytes)
 
 
+def test_swapped_checkpoint_keys_of_same_shape_variables_are_refused() -> None:
+    # Two variables alike in dtype and shape: the keys alone tell them apart.
+    manifest = Manifest((var("kernel0", "float32", (4, 4)), var("kernel1", "float32", (4, 4))))
+    a, b = manifest.variables
+    swapped = [
+        VariableSpec(a.key, b.checkpoint_key, a.dtype, a.shape),
+        VariableSpec(b.key, a.checkpoint_key, b.dtype, b.shape),
+    ]
+    with pytest.raises(InvalidRequestError) as raised:
+        manifest.check_snapshot(swapped, manifest.nbytes)
+    message = str(raised.value)
+    assert "'kernel0'" in message and "checkpoint_key" in message
+    assert repr(a.checkpoint_key) in message and repr(b.checkpoint_key) in message
+    assert "'kernel1'" not in message  # the first offender only
+
+
 def test_only_the_first_of_several_mismatches_is_named() -> None:
     declared = [
         var("kernel", "int32", (4, 3)),

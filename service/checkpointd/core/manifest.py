@@ -63,6 +63,10 @@ class Manifest:
     def check_variables(self, declared: Sequence[VariableSpec]) -> None:
         """Checks a save's declared variables against the manifest, one by one, in order.
 
+        Every field counts: a variable declared under the right key but with
+        another variable's checkpoint key would have the daemon's reply (and
+        the trainer's restore) disagree with what the daemon writes.
+
         Raises:
             InvalidRequestError: naming the first variable that differs.
         """
@@ -74,6 +78,11 @@ class Manifest:
                 raise InvalidRequestError(
                     f"snapshot variable {got.key!r} is {got.dtype}{list(got.shape)}; "
                     f"the run's manifest has {want.dtype}{list(want.shape)}"
+                )
+            if got.checkpoint_key != want.checkpoint_key:
+                raise InvalidRequestError(
+                    f"snapshot variable {got.key!r} has checkpoint_key {got.checkpoint_key!r}; "
+                    f"the run's manifest has {want.checkpoint_key!r}"
                 )
         if len(declared) != len(self.variables):
             first = (

@@ -103,8 +103,8 @@ def check_payload(
         max_bytes: the daemon's limit on a snapshot, or None.
 
     Raises:
-        InvalidRequestError: naming the first variable that differs, or if
-            the sizes do not add up.
+        InvalidRequestError: naming the first variable that differs (in any
+            field, checkpoint_key included), or if the sizes do not add up.
         LimitExceededError: if the whole snapshot is larger than `max_bytes`.
     """
     manifest.check_variables(declared)

@@ -7,14 +7,25 @@ SavedModel graph, the graph `PolicySaver.save_checkpoint` writes for the same
 policy, and a NumpyState's. `parse` turns the serialized proto into the plain
 values below (TensorFlow's protos are imported inside it only); the rest is
 pure and runs on those values.
+
+`checkpoint_keys` is why the daemon need not trust a trainer's pairing of a
+variable's two keys: the checkpoint's root holds the policy as its child
+`policy`, so the variable the SavedModel names by one path of child names is
+the one the checkpoint reaches by `policy/` and the same path, and that node's
+attribute is the variable's checkpoint key.
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from checkpointd.protocol.errors import InvalidRequestError
+
+# The child of tf.train.Checkpoint(policy=..., ...) that holds the policy.
+POLICY_CHILD = "policy"
 
 
 @dataclass(frozen=True)
@@ -97,3 +108,54 @@ def attribute_keys(graph: ObjectGraph, kind: str, what: str, refusal: str) -> li
                 raise InvalidRequestError(f"{what} has {key!r} of kind {name!r}: {refusal}")
             keys.append(key)
     return keys
+
+
+def counterparts(graph: ObjectGraph, other: ObjectGraph, start: int) -> dict[int, int]:
+    """Node of `graph` -> the node of `other` reached by the same child names.
+
+    Paths start at `graph`'s root and at `other`'s node `start`, and are
+    taken breadth first, as TensorFlow names objects: a node is paired by the
+    first path both graphs have. Nodes no common path reaches are left out.
+    """
+    found = {0: start}
+    queue = collections.deque([0])
+    while queue:
+        node = queue.popleft()
+        theirs: dict[str, int] = {}
+        for name, child in other.nodes[found[node]].children:
+            theirs.setdefault(name, child)
+        for name, child in graph.nodes[node].children:
+            if child not in found and name in theirs:
+                found[child] = theirs[name]
+                queue.append(child)
+    return found
+
+
+def checkpoint_keys(saved_model: ObjectGraph, checkpoint: ObjectGraph, kind: str) -> dict[str, str | None]:
+    """Each SavedModel key -> the checkpoint key of the same object in `checkpoint`.
+
+    Args:
+        saved_model: the template SavedModel's graph; its root is the policy.
+        checkpoint: `PolicySaver.save_checkpoint`'s graph, whose root holds
+            the policy as its child `policy`.
+        kind: the attribute both name the value by ("VARIABLE_VALUE").
+
+    Returns:
+        For every `kind` attribute of `saved_model`, the key of the `kind`
+        attribute of its counterpart in `checkpoint`; None where it has no
+        counterpart, or one without exactly one such attribute.
+    """
+    policy = checkpoint.child(0, POLICY_CHILD) if checkpoint.nodes else None
+    pairs = counterparts(saved_model, checkpoint, policy) if policy is not None and saved_model.nodes else {}
+    derived: dict[str, str | None] = {}
+    for node_id, node in enumerate(saved_model.nodes):
+        for name, key in node.attributes:
+            if name != kind:
+                continue
+            theirs = _keys(checkpoint.nodes[pairs[node_id]].attributes, kind) if node_id in pairs else []
+            derived[key] = theirs[0] if len(theirs) == 1 else None
+    return derived
+
+
+def _keys(attributes: Iterable[tuple[str, str]], kind: str) -> list[str]:
+    return [key for name, key in attributes if name == kind]

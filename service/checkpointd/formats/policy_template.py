@@ -9,6 +9,12 @@ variables. What passes becomes a `Template`: the graph files to copy into
 every SAVED_MODEL save, the two object graphs and the order in which each
 lists the variables, which is the order `checkpointd.formats.policy` writes them in.
 
+A variable's two keys are not taken on trust: the checkpoint key each
+declared variable comes with must be the one the object graphs give the same
+object (`object_graph.checkpoint_keys`). Else two variables of one shape and
+dtype could be declared with their checkpoint keys swapped, and every
+CHECKPOINT save would hold each one's values under the other's name.
+
 TensorFlow is imported inside functions only, as in `checkpointd.formats.policy`.
 """
 
@@ -153,6 +159,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
     checkpoint_parsed = _parse(run, "checkpoint_object_graph", checkpoint_graph)
     saved_model_order = _order(run, "the template's object graph", saved_model_parsed, manifest, "key")
     checkpoint_order = _order(run, "checkpoint_object_graph", checkpoint_parsed, manifest, "checkpoint_key")
+    _check_checkpoint_keys(run, manifest, saved_model_parsed, checkpoint_parsed)
     copied = tuple((p, b) for p, b in files if p.split("/")[0] not in _NOT_COPIED)
     return Template(
         manifest=manifest,
@@ -222,3 +229,28 @@ def _order(run: str, what: str, graph: ObjectGraph, manifest: Manifest, attr: st
         absent = min(set(index) - seen)
         raise _invalid(run, f"variable {attr} {absent!r} is not in {what}")
     return tuple(order)
+
+
+def _check_checkpoint_keys(run: str, manifest: Manifest, saved_model: ObjectGraph, checkpoint: ObjectGraph) -> None:
+    """Refuses a declared checkpoint key that is not the one the graphs give its variable.
+
+    Raises:
+        InvalidRequestError: naming the first such variable (manifest order)
+            and both keys.
+    """
+    derived = object_graph.checkpoint_keys(saved_model, checkpoint, VARIABLE_ATTRIBUTE)
+    for v in manifest.variables:
+        want = derived.get(v.key)
+        if want is None:
+            raise _invalid(
+                run,
+                f"variable {v.key!r} has no counterpart under {object_graph.POLICY_CHILD!r} in "
+                "checkpoint_object_graph: the two graphs are not of one policy "
+                "(tf.train.Checkpoint(policy=..., ...) as PolicySaver.save_checkpoint builds it)",
+            )
+        if want != v.checkpoint_key:
+            raise _invalid(
+                run,
+                f"variable {v.key!r} is declared with checkpoint_key {v.checkpoint_key!r}, but "
+                f"checkpoint_object_graph stores that variable as {want!r}",
+            )
