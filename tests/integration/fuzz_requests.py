@@ -69,7 +69,8 @@ TRICK_EXPORT_DIRS = (
     "//p0", "{root}/fz-a/p0", "{outside}/x", "a\x00b", "\x00", "a\nb", "a\tb", "a\x1b[2J",
     "a\x7fb", "a\u202eb", "\u202e", "a\u200bb", "\u200b", "\ufeffp0", "a\u2066b", "\ue000",
     "\U000e0001", ".checkpointd", ".checkpointd-tmp-p0-0123456789abcdef",
-    "ok/.checkpointd-old-p0-0123456789abcdef", "..\\x", "a\\b", "x" * 256, "x" * 255,
+    "ok/.checkpointd-old-p0-0123456789abcdef", "..\\x", "a\\b", "x" * 256, "x" * 255, "x" * 214, "x" * 213,
+    "\u00e9" * 107, "\u00e9" * 106 + "x", "x" * 255 + "/p",
     "a/" * 520, ("y" * 200 + "/") * 6, "escape", "escape/p", "inner/up/outside/x",
     "inner/up", "dangling", "dangling/x", "loop", "loop/x", "plainfile", "plainfile/x",
     "filelink", "filelink/x", "insidelink", "insidelink/x", "p0/saved_model.pb",
@@ -472,6 +473,8 @@ def _valid_export_dir(world: World, folder: str, export_dir: str) -> bool:
     if path.is_absolute() or not parts:
         return False
     if any(p == ".." or p.startswith(".checkpointd") or len(p.encode()) > 255 for p in parts):
+        return False
+    if len(parts[-1].encode()) > 213:  # room for ".checkpointd-tmp-retired-<name>-<16 hex>" in 255
         return False
     run_dir = Path(os.path.realpath(world.root / folder))
     real = Path(os.path.realpath(run_dir / PurePosixPath(*parts)))

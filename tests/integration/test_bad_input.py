@@ -341,6 +341,26 @@ def test_absolute_export_dir_is_invalid(
     assert_serving(daemon, stub, run)
 
 
+def test_an_export_dir_name_too_long_for_the_temp_dirs_is_invalid_at_the_header(
+    daemon: Daemon, stub: Stub, run: Run
+) -> None:
+    # 214 bytes fits a filesystem name, but not the ".checkpointd-tmp-<name>-<hex>"
+    # the daemon would write it through: it used to be accepted, then fail INTERNAL.
+    before = listing(daemon.root)
+    for name in ("x" * 214, "policies/" + "\u00e9" * 107, "x" * 245):
+        error = save_header_only(stub, run.header(name))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert "at most 213" in error.details(), error.details()
+    assert counts(stub, run.name) == (0, 0, 0)
+    assert listing(daemon.root) == before
+    # The longest allowed name is written, replaced (parking the old tree) and stays whole.
+    longest = "x" * 213
+    for _ in range(2):
+        assert good_save(stub, run, longest).path == str(daemon.root / run.name / longest)
+    assert (daemon.root / run.name / longest / "saved_model.pb").is_file()
+    assert counts(stub, run.name) == (2, 0, 0)
+
+
 def test_symlink_out_of_the_root_is_invalid(
     daemon: Daemon, stub: Stub, template: Template, outside: Path, savers
 ) -> None:

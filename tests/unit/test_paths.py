@@ -7,9 +7,20 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from checkpointd.core.ports import CommittedSave
 from checkpointd.protocol.errors import InvalidRequestError
-from checkpointd.protocol.names import check_export_dir, check_run_name
-from checkpointd.storage.local import resolve_export_dir
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.names import (
+    MAX_EXPORT_NAME_BYTES,
+    NAME_MAX_BYTES,
+    OLD_PREFIX,
+    RETIRED_PREFIX,
+    SUFFIX_HEX_LEN,
+    TMP_PREFIX,
+    check_export_dir,
+    check_run_name,
+)
+from checkpointd.storage.local import LocalStore, make_temp_sibling, publish_dir, resolve_export_dir
 
 
 @pytest.mark.parametrize("run", ["a", "run-1", "A.b_c-9", "7", "x" * 128])
@@ -35,7 +46,8 @@ def test_invalid_run_names(run: str) -> None:
         ("./a", "a"),
         ("a/./b", "a/b"),
         ("a//b/", "a/b"),
-        ("x" * 255, "x" * 255),
+        ("x" * 213, "x" * 213),
+        ("x" * 255 + "/last", "x" * 255 + "/last"),  # only the last component gets derived names
         ("ü-步", "ü-步"),
     ],
 )
@@ -69,6 +81,9 @@ def test_accepted_export_dirs_are_normalized(export_dir: str, normalized: str) -
         ".checkpointd-tmp-1",
         "a/.checkpointd.bak",
         "x" * 256,
+        "x" * 256 + "/last",
+        "x" * 214,
+        "a/" + "ü" * 107,  # 214 bytes of UTF-8 in 107 characters
         "a/" * 512 + "b",
     ],
     ids=repr,
@@ -76,6 +91,36 @@ def test_accepted_export_dirs_are_normalized(export_dir: str, normalized: str) -
 def test_refused_export_dirs(export_dir: str) -> None:
     with pytest.raises(InvalidRequestError):
         check_export_dir(export_dir)
+
+
+def test_a_too_long_last_component_is_refused_naming_the_limit() -> None:
+    with pytest.raises(InvalidRequestError, match=rf"214 bytes .* at most {MAX_EXPORT_NAME_BYTES}\b"):
+        check_export_dir("policies/" + "x" * 214)
+
+
+def test_the_limit_leaves_room_for_every_name_the_store_derives() -> None:
+    longest = max(len(p) for p in (TMP_PREFIX, OLD_PREFIX, RETIRED_PREFIX)) + 1 + SUFFIX_HEX_LEN
+    assert MAX_EXPORT_NAME_BYTES + longest == NAME_MAX_BYTES == 255
+    assert MAX_EXPORT_NAME_BYTES == 213
+
+
+def test_a_save_at_the_longest_name_is_staged_replaced_and_retired_on_a_real_disk(tmp_path: Path) -> None:
+    # Every name the local store derives from a 213-byte name must fit the
+    # filesystem: a write, a replacement (the old tree parked), a retirement.
+    store = LocalStore(tmp_path, fsync=False)
+    try:
+        name = "x" * MAX_EXPORT_NAME_BYTES
+        target = store.target("run-1", name)
+        for generation in ("first", "second"):
+            staging = make_temp_sibling(target)
+            (staging / "gen").write_text(generation)
+            publish_dir(staging, target, fsync=False)  # the second parks the first as .checkpointd-old-
+        assert (target / "gen").read_text() == "second"
+        save = CommittedSave(target, name, "run-1", SaveKind.CHECKPOINT, 1, 0.0)
+        assert store.delete(save)  # renamed to .checkpointd-tmp-retired-<name>-<hex> first
+        assert list((tmp_path / "run-1").iterdir()) == []
+    finally:
+        store.close()
 
 
 def test_reserved_prefix_only_at_the_start_of_a_component() -> None:

@@ -11,8 +11,24 @@ from checkpointd.protocol.errors import InvalidRequestError
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # Temp and backup dirs the daemon makes start with this; clients may not.
 RESERVED_PREFIX = ".checkpointd"
+# The names the daemon derives from an export dir's last component <name>, in
+# the same directory (checkpointd.storage.local): the save is written into
+# `<TMP_PREFIX><name>-<hex>`, a replaced save is parked as
+# `<OLD_PREFIX><name>-<hex>`, and retention renames a save it deletes to
+# `<RETIRED_PREFIX><name>-<hex>` first. They live here, not in the store,
+# because the limit they set on <name> is part of what a client may send.
+TMP_PREFIX = RESERVED_PREFIX + "-tmp-"
+OLD_PREFIX = RESERVED_PREFIX + "-old-"
+RETIRED_PREFIX = TMP_PREFIX + "retired-"
+SUFFIX_HEX_LEN = 16  # the random <hex> (secrets.token_hex(8))
+# What a filesystem allows in one name (NAME_MAX on Linux, and on most others).
+NAME_MAX_BYTES = 255
+# An export dir's last component may be at most this long, so that every name
+# derived from it still fits in NAME_MAX_BYTES: 255 - 42 = 213 bytes of UTF-8.
+MAX_EXPORT_NAME_BYTES = NAME_MAX_BYTES - max(
+    len(prefix) + 1 + SUFFIX_HEX_LEN for prefix in (TMP_PREFIX, OLD_PREFIX, RETIRED_PREFIX)
+)
 _MAX_PATH = 1024
-_MAX_COMPONENT = 255
 
 
 def check_run_name(run: str) -> str:
@@ -34,7 +50,9 @@ def check_export_dir(export_dir: str) -> PurePosixPath:
 
     Raises:
         InvalidRequestError: if it is empty, absolute, leaves its folder with
-            `..`, names a reserved entry or holds control characters.
+            `..`, names a reserved entry, holds control characters, has a
+            component over NAME_MAX_BYTES or a last component over
+            MAX_EXPORT_NAME_BYTES.
     """
     if not export_dir:
         raise InvalidRequestError("export_dir is empty")
@@ -62,6 +80,17 @@ def check_export_dir(export_dir: str) -> PurePosixPath:
             raise InvalidRequestError(
                 f"export_dir {export_dir!r}: names starting {RESERVED_PREFIX!r} are reserved"
             )
-        if len(part.encode("utf-8")) > _MAX_COMPONENT:
-            raise InvalidRequestError(f"export_dir component {part[:32]!r}... is too long")
+        if len(part.encode("utf-8")) > NAME_MAX_BYTES:
+            raise InvalidRequestError(
+                f"export_dir component {part[:32]!r}... is {len(part.encode('utf-8'))} bytes of "
+                f"UTF-8; a component may have at most {NAME_MAX_BYTES}"
+            )
+    name_bytes = len(parts[-1].encode("utf-8"))
+    if name_bytes > MAX_EXPORT_NAME_BYTES:
+        raise InvalidRequestError(
+            f"export_dir's last component {parts[-1][:32]!r}... is {name_bytes} bytes of UTF-8; "
+            f"it may have at most {MAX_EXPORT_NAME_BYTES}, because the daemon writes the save "
+            f"beside it under a name up to {NAME_MAX_BYTES - MAX_EXPORT_NAME_BYTES} bytes longer "
+            f"and a filesystem name holds {NAME_MAX_BYTES}"
+        )
     return PurePosixPath(*parts)

@@ -23,15 +23,23 @@ from pathlib import Path
 from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.names import check_export_dir, check_run_name
+from checkpointd.protocol.names import (
+    OLD_PREFIX,
+    RETIRED_PREFIX,
+    SUFFIX_HEX_LEN,
+    TMP_PREFIX,
+    check_export_dir,
+    check_run_name,
+)
 from checkpointd.storage import save_manifest
 
 _LOGGER = logging.getLogger(__name__)
 
-TMP_PREFIX = ".checkpointd-tmp-"
-OLD_PREFIX = ".checkpointd-old-"
-# Length of the random hex suffix (secrets.token_hex(8)).
-_HEX_LEN = 16
+# The names this store derives from a save's <name> (TMP_PREFIX, OLD_PREFIX,
+# RETIRED_PREFIX, each with "-<16 hex>") are defined with the export-dir rules
+# in checkpointd.protocol.names, which limit <name> to MAX_EXPORT_NAME_BYTES so
+# that they fit a filesystem name.
+_HEX_LEN = SUFFIX_HEX_LEN
 
 
 def _suffix() -> str:
@@ -314,7 +322,7 @@ class LocalStore:
         # Renamed away first (one step, so the save stops counting at once),
         # then deleted; a crash in between leaves a temp dir `recover` removes.
         path = save.path
-        doomed = path.parent / f"{TMP_PREFIX}retired-{path.name}-{_suffix()}"
+        doomed = path.parent / f"{RETIRED_PREFIX}{path.name}-{_suffix()}"
         try:
             os.rename(path, doomed)
         except OSError as e:
