@@ -73,7 +73,7 @@ class RemotePolicySaver(PolicySaverFacade):
         input_fn_and_spec: policy_saver.InputFnAndSpecType | None = None,
         numpy_state: numpy_storage.NumpyState | None = None,
         folder: str | None = None,
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int = wire.CHUNK_BYTES,
         channel_credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = None,
         token: str | None = None,

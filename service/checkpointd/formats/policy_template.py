@@ -30,12 +30,13 @@ import crc32c
 from checkpointd.core.manifest import Manifest
 from checkpointd.formats import object_graph
 from checkpointd.formats.object_graph import ObjectGraph
-from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.protocol.errors import InvalidRequestError, describe
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY, VARIABLE_ATTRIBUTE
 
 _LOGGER = logging.getLogger(__name__)
 
-# checkpointd.formats.policy imports OBJECT_GRAPH_KEY from here, with VARIABLES_PREFIX.
+# checkpointd.formats.policy imports OBJECT_GRAPH_KEY (defined in protocol.tensors)
+# from here, with VARIABLES_PREFIX.
 
 VARIABLES_PREFIX = os.path.join("variables", "variables")
 _REQUIRED_SIGNATURES = ("action", "get_initial_state", "get_train_step", "get_metadata")
@@ -55,15 +56,6 @@ class Template:
     saved_model_order: tuple[int, ...]  # manifest indexes in SavedModel key order
     checkpoint_order: tuple[int, ...]  # manifest indexes in checkpoint key order
     checksums: dict[str, tuple[int, int]]  # files' (size, CRC32C), for save manifests
-
-
-def describe(e: BaseException) -> str:
-    """A one-line reason for an OS or TensorFlow error."""
-    if isinstance(e, OSError) and e.strerror:
-        where = f" ({e.filename})" if e.filename else ""
-        return f"{e.strerror}{where}"
-    message = getattr(e, "message", None) or str(e) or type(e).__name__
-    return message.strip().splitlines()[0]
 
 
 def _invalid(run: str, what: str) -> InvalidRequestError:

@@ -21,8 +21,8 @@ from typing import Any
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.numpy_state import NumpyStateSpec
 from checkpointd.formats import numpy_files
-from checkpointd.formats.policy_template import VARIABLES_PREFIX, describe
-from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError
+from checkpointd.formats.policy_template import VARIABLES_PREFIX
+from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError, describe
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 from checkpointd.protocol.wire import byte_view

@@ -30,6 +30,10 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 # Anything memoryview() takes: bytes, bytearray, memoryview, a uint8 array.
 Buffer = Any
 
+# The largest payload of one chunk either side sends unless told otherwise
+# (a snapshot, a template, Restore's answer): well under gRPC's 4 MiB message limit.
+CHUNK_BYTES = 1 << 20
+
 
 # Chunks.
 
