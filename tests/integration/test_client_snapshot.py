@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import crc32c
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -22,6 +21,7 @@ from tf_agents.trajectories import time_step as ts
 import checkpointd_client.saver as saver_module
 from checkpointd.protocol import wire
 from checkpointd_client import RemotePolicySaver, snapshot
+from tests.unit.test_wire import check_chunks
 
 
 def _tiny_saver(seed: int = 0, **kwargs: object) -> policy_saver.PolicySaver:
@@ -31,17 +31,6 @@ def _tiny_saver(seed: int = 0, **kwargs: object) -> policy_saver.PolicySaver:
     net = q_network.QNetwork(obs, act, fc_layer_params=(8,))
     policy = q_policy.QPolicy(ts.time_step_spec(obs), act, q_network=net)
     return policy_saver.PolicySaver(policy, **kwargs)
-
-
-def _check_chunks(chunks, limit: int) -> bytes:
-    """Asserts the chunk invariants; returns the reassembled bytes (as tests/unit/test_wire.py does)."""
-    data = bytearray()
-    for c in chunks:
-        assert c.offset == len(data), "offsets must be contiguous"
-        assert 0 < len(c.data) <= limit
-        assert c.crc32c == crc32c.crc32c(c.data)
-        data += c.data
-    return bytes(data)
 
 
 # Bindings against a real PolicySaver template.
@@ -122,7 +111,7 @@ def test_snapshot_is_a_point_in_time_copy(template) -> None:
             np.testing.assert_array_equal(got, want)
             assert got.flags["C_CONTIGUOUS"]
         assert snap.nbytes == sum(a.nbytes for a in before)
-        assert _check_chunks(wire.chunks(snap.parts(), 16), 16) == b"".join(a.tobytes() for a in before)
+        assert check_chunks(wire.chunks(snap.parts(), 16), 16) == b"".join(a.tobytes() for a in before)
     finally:
         saver._train_step.assign_add(-10)
         saver.policy.model_variables[0].assign_sub(tf.ones_like(saver.policy.model_variables[0]))
