@@ -317,11 +317,6 @@ _B_INT32 = VariableSpec("b", VARIABLES[1].checkpoint_key, "int32", (2,))
         pytest.param(
             request(variables=(VARIABLES[0], _OTHER_B)), InvalidRequestError, "checkpoint_key",
             id="other-checkpoint-key",
-            marks=pytest.mark.xfail(
-                reason="Manifest.check_snapshot compares key, dtype and shape, not checkpoint_key: "
-                "such a save is accepted. Drop this mark once it is refused",
-                strict=False,
-            ),
         ),
         pytest.param(request(variables=(VARIABLES[0], _B_INT32)), InvalidRequestError, "int32", id="other-dtype"),
         pytest.param(

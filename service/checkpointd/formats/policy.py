@@ -48,7 +48,8 @@ from checkpointd.core.ports import CommittedSave, SaveValues, Snapshot, Staged
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.protocol.names import check_run_name
-from checkpointd.formats.policy_template import OBJECT_GRAPH_KEY, VARIABLES_PREFIX, Template
+from checkpointd.formats.policy_template import VARIABLES_PREFIX, Template
+from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 
 _LOGGER = logging.getLogger(__name__)
 

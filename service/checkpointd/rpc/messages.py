@@ -8,30 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import crc32c
-
 from checkpointd.core.lane import LaneStats
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave
 from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.protocol import wire
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
+from checkpointd.protocol.wire import variable_to_pb
 from checkpointd.saves.pipeline import Decision, Result, SaveRequest
 from checkpointd.saves.restore import Opened
 from checkpointd.saves.runs import RunView
 from checkpointd.saves.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
 
-# The largest payload of one Restore chunk (the client's upload chunks are the same).
-CHUNK_BYTES = 1 << 20
-
-
 def variable_from_pb(v: pb.Variable) -> VariableSpec:
     return VariableSpec(v.key, v.checkpoint_key, v.dtype, tuple(v.shape))
-
-
-def variable_to_pb(v: VariableSpec) -> pb.Variable:
-    return pb.Variable(key=v.key, checkpoint_key=v.checkpoint_key, dtype=v.dtype, shape=v.shape)
 
 
 def numpy_state_from_pb(state: pb.NumpyState) -> NumpyStateSpec:
@@ -40,10 +32,7 @@ def numpy_state_from_pb(state: pb.NumpyState) -> NumpyStateSpec:
 
 
 def numpy_state_to_pb(spec: NumpyStateSpec) -> pb.NumpyState:
-    return pb.NumpyState(
-        object_graph=spec.object_graph,
-        entries=[pb.NumpyStateEntry(checkpoint_key=e.checkpoint_key, nbytes=e.nbytes) for e in spec.entries],
-    )
+    return wire.numpy_state_to_pb(spec.object_graph, ((e.checkpoint_key, e.nbytes) for e in spec.entries))
 
 
 def kind_from_pb(value: int, rpc: str, *, optional: bool = False) -> SaveKind | None:
@@ -151,7 +140,7 @@ def latest_response(save: CommittedSave | None) -> pb.LatestResponse:
 
 
 def restore_responses(
-    opened: Opened, manifest: Manifest, chunk_bytes: int = CHUNK_BYTES
+    opened: Opened, manifest: Manifest, chunk_bytes: int = wire.CHUNK_BYTES
 ) -> Iterator[pb.RestoreResponse]:
     """Restore's answer, streamed the way a Save's snapshot arrives.
 
@@ -172,9 +161,5 @@ def restore_responses(
     if values.numpy_state is not None:
         header.numpy_state.CopyFrom(numpy_state_to_pb(values.numpy_state))
     yield pb.RestoreResponse(header=header)
-    offset = 0
-    for piece in values.pieces():
-        for start in range(0, len(piece), chunk_bytes):
-            data = bytes(piece[start : start + chunk_bytes])
-            yield pb.RestoreResponse(chunk=pb.Chunk(offset=offset, data=data, crc32c=crc32c.crc32c(data)))
-            offset += len(data)
+    for chunk in wire.chunks(values.pieces(), chunk_bytes):
+        yield pb.RestoreResponse(chunk=chunk)
