@@ -37,16 +37,20 @@ def progress(message: str) -> None:
 def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
     """Parses the command line; --quick changes the defaults, explicit flags still win."""
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--quick", action="store_true",
-                   help="small policy, 2 reps, fan-in of 2 processes for 3 s (the test suite's mode)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small policy, 2 reps, fan-in of 2 processes for 3 s (the test suite's mode)",
+    )
     p.add_argument("--sizes", help=f"comma-separated, of {','.join(SIZES)} (default: all; quick: small)")
     p.add_argument("--reps", type=int, help="repetitions for small and medium (default 5; quick 2)")
     p.add_argument("--large-reps", type=int, help="repetitions for large (default min(reps, 3))")
     p.add_argument("--fanin-procs", type=int, help="fan-in trainer processes (default 8; quick 2)")
     p.add_argument("--fanin-seconds", type=float, help="fan-in duration (default 30; quick 3)")
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
-    p.add_argument("--workdir", type=Path,
-                   help="scratch directory, kept (default: a new temp dir, removed after success)")
+    p.add_argument(
+        "--workdir", type=Path, help="scratch directory, kept (default: a new temp dir, removed after success)"
+    )
     a = p.parse_args(argv)
     quick = a.quick
     reps = a.reps if a.reps is not None else (2 if quick else 5)
@@ -80,9 +84,7 @@ def machine() -> dict[str, Any]:
             cpu = line.split(":", 1)[1].strip()
             break
     mem_kib = next(
-        int(line.split()[1])
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemTotal")
+        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
     )
     versions = []
     for name in ("tensorflow-cpu", "tensorflow", "tf-agents", "grpcio", "protobuf"):
@@ -126,18 +128,27 @@ def run_size(config: BenchConfig, size: str) -> dict[str, Any]:
     out = config.workdir / f"{size}.json"
     log = config.workdir / f"{size}-worker.log"
     cmd = [
-        sys.executable, "-m", "bench.worker",
-        "--size", size,
-        "--reps", str(config.reps_for(size)),
-        "--window", str(config.window_seconds[size]),
-        "--min-steps", str(config.min_window_steps),
-        "--workdir", str(config.workdir),
-        "--out", str(out),
+        sys.executable,
+        "-m",
+        "bench.worker",
+        "--size",
+        size,
+        "--reps",
+        str(config.reps_for(size)),
+        "--window",
+        str(config.window_seconds[size]),
+        "--min-steps",
+        str(config.min_window_steps),
+        "--workdir",
+        str(config.workdir),
+        "--out",
+        str(out),
     ]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     with open(log, "wb") as err:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=err,
-                              timeout=600 if config.quick else 1800, check=False)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=err, timeout=600 if config.quick else 1800, check=False
+        )
     if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-4000:]
         raise RuntimeError(f"the {size} worker exited with {proc.returncode}:\n{tail}")
@@ -183,9 +194,7 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
     progress(f"5. fan-in: starting {config.fanin_procs} trainer processes")
     daemon = fanin.fanin_daemon(config.workdir)
     try:
-        results["fanin"] = fanin.run_fanin(
-            daemon, config.fanin_procs, config.fanin_seconds, FANIN_RATE_HZ, progress
-        )
+        results["fanin"] = fanin.run_fanin(daemon, config.fanin_procs, config.fanin_seconds, FANIN_RATE_HZ, progress)
     finally:
         code = daemon.terminate()
     results["fanin"]["daemon_exit_code"] = code
@@ -210,9 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Noise from outside the benchmark: CPU the rest of the machine used meanwhile.
     other = max(0.0, (_busy_cpu_seconds() - busy0) - (_own_cpu_seconds() - own0))
     results["meta"]["other_cpu_seconds"] = other
-    results["meta"]["other_cpu_share"] = other / (
-        results["meta"]["duration_seconds"] * (os.cpu_count() or 1)
-    )
+    results["meta"]["other_cpu_share"] = other / (results["meta"]["duration_seconds"] * (os.cpu_count() or 1))
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(results, indent=1))
     print(report.table(results))

@@ -64,8 +64,11 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
     try:
         agent = agents.build_agent(size)
         saver = RemotePolicySaver(
-            agent.policy, daemon.address, run="breakdown",
-            train_step=agent.train_step_counter, timeout=600,
+            agent.policy,
+            daemon.address,
+            run="breakdown",
+            train_step=agent.train_step_counter,
+            timeout=600,
         )
         saver.save("registered", blocking=True)
         bindings = saver._registered()  # noqa: SLF001 - the bindings the saver snapshots
@@ -86,21 +89,29 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
         _time("tf.Variable.numpy(), every variable", lambda: [v.numpy() for v in variables], reps, steps)
         snap = _time(
             "take_snapshot (the stall's copy)",
-            lambda: snapshots.take_snapshot(bindings, agent.train_step_counter), reps, steps,
+            lambda: snapshots.take_snapshot(bindings, agent.train_step_counter),
+            reps,
+            steps,
         )
         views = [memoryview(a.reshape(-1).view(np.uint8)) for a in snap.arrays]
         mib = 1 << 20
         _time(
             "CRC32C of every 1 MiB slice",
             lambda: [crc32c.crc32c(v[i : i + mib]) for v in views for i in range(0, len(v), mib)],  # noqa: F821
-            reps, steps,
+            reps,
+            steps,
         )
         chunks = _time(
-            "wire.chunks: bytes copies + CRC32C + Chunk", lambda: list(wire.chunks(snap.parts(), mib)), reps, steps  # noqa: F821
+            "wire.chunks: bytes copies + CRC32C + Chunk",
+            lambda: list(wire.chunks(snap.parts(), mib)),  # noqa: F821
+            reps,
+            steps,
         )
         _time(
             "SaveRequest(chunk).SerializeToString(), all chunks",
-            lambda: [pb.SaveRequest(chunk=c).SerializeToString() for c in chunks], reps, steps,  # noqa: F821
+            lambda: [pb.SaveRequest(chunk=c).SerializeToString() for c in chunks],  # noqa: F821
+            reps,
+            steps,
         )
 
         print("daemon-side steps, in this process")
@@ -119,8 +130,12 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
         for a in snap.arrays:
             arrays.append(np.frombuffer(buffer, a.dtype, a.size, offset).reshape(a.shape))
             offset += a.nbytes
-        _time("NumPy views -> tensors (as SaveV2's inputs)",
-              lambda: [tf.convert_to_tensor(a) for a in arrays], reps, steps)  # noqa: F821
+        _time(
+            "NumPy views -> tensors (as SaveV2's inputs)",
+            lambda: [tf.convert_to_tensor(a) for a in arrays],  # noqa: F821
+            reps,
+            steps,
+        )
         out = workdir / "savev2"
 
         def save_v2() -> None:
@@ -166,8 +181,9 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.breakdown", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.breakdown", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size", default="large")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", type=Path, help="also write the medians as JSON here")

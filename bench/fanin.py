@@ -26,9 +26,7 @@ SAVE_TIMEOUT = 60.0
 READY_TIMEOUT = 600.0  # N processes importing TensorFlow on 2 cores
 
 
-def trainer(
-    address: str, run: str, rate: float, seconds: float, barrier: Any, results: Any, log: str
-) -> None:
+def trainer(address: str, run: str, rate: float, seconds: float, barrier: Any, results: Any, log: str) -> None:
     """One fan-in trainer; puts a dict of its outcomes (or its error) on `results`.
 
     Its stderr (TensorFlow's and TF-Agents' start-up noise) goes to `log`.
@@ -44,7 +42,10 @@ def trainer(
 
         agent = agents.build_agent(SIZES["small"], seed=int(run.rsplit("-", 1)[1]))
         saver = RemotePolicySaver(
-            agent.policy, address, run=run, train_step=agent.train_step_counter,
+            agent.policy,
+            address,
+            run=run,
+            train_step=agent.train_step_counter,
             timeout=SAVE_TIMEOUT,
         )
         saver.save("registered", blocking=True)
@@ -111,9 +112,7 @@ def _save_on_a_clock(saver: Any, run: str, rate: float, seconds: float) -> dict[
     }
 
 
-def run_fanin(
-    daemon: Any, procs: int, seconds: float, rate: float, progress: Any = print
-) -> dict[str, Any]:
+def run_fanin(daemon: Any, procs: int, seconds: float, rate: float, progress: Any = print) -> dict[str, Any]:
     """Runs `procs` trainers against `daemon` (a tests.integration.daemon.Daemon).
 
     The daemon must be fresh: its counters then hold the fan-in's saves plus
@@ -156,12 +155,7 @@ def run_fanin(
         raise RuntimeError("fan-in trainers failed:\n" + "\n".join(errors))
     latencies = [x for o in outcomes for x in o["latencies"]]
     stalls = [x for o in outcomes for x in o["stalls"]]
-    on_disk = sum(
-        1
-        for run in runs
-        for d in (daemon.root / run).glob("s*")
-        if (d / "saved_model.pb").exists()
-    )
+    on_disk = sum(1 for run in runs for d in (daemon.root / run).glob("s*") if (d / "saved_model.pb").exists())
     total = {k: sum(o[k] for o in outcomes) for k in ("requested", "accepted", "skipped", "written", "failed")}
     return {
         "procs": procs,

@@ -30,9 +30,7 @@ def _push(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
 
 def serve(port_file: Path) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(_push)}
-    )
+    handler = grpc.method_handlers_generic_handler("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(_push)})
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

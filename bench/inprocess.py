@@ -69,9 +69,7 @@ def policy_saver_times(saver: policy_saver.PolicySaver, out: Path, reps: int) ->
     }
 
 
-def async_policy_saver_times(
-    saver: policy_saver.PolicySaver, out: Path, reps: int
-) -> dict[str, Any]:
+def async_policy_saver_times(saver: policy_saver.PolicySaver, out: Path, reps: int) -> dict[str, Any]:
     """Section 2: how long AsyncPolicySaver's non-blocking calls block, and until flush.
 
     Each call is followed by flush(), so none is skipped.
@@ -109,9 +107,7 @@ def tf_checkpoint(saver: policy_saver.PolicySaver) -> tf.train.Checkpoint:
 ASYNC = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
 
 
-def tf_async_checkpoint_times(
-    checkpoint: tf.train.Checkpoint, out: Path, reps: int
-) -> dict[str, Any]:
+def tf_async_checkpoint_times(checkpoint: tf.train.Checkpoint, out: Path, reps: int) -> dict[str, Any]:
     """Section 2: `Checkpoint.write` with async checkpointing on: blocked, and until sync()."""
     first, _ = timed(lambda: checkpoint.write(str(out / "tf-first" / "ckpt"), options=ASYNC))
     checkpoint.sync()

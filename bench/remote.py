@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from checkpointd_client import RemotePolicySaver
 from bench.scrape import phase_means, phase_totals, transport_totals
 from bench.stats import summarize
+from checkpointd_client import RemotePolicySaver
 
 
 def first_save(saver: RemotePolicySaver) -> float:
@@ -66,7 +66,5 @@ def checkpointd_times(
         result[f"{kind}_bytes_written"] = done.bytes_written
     result["daemon_phase_mean_seconds"] = phase_means(phases_before, phase_totals(metrics_url))
     # How the snapshots travelled: shared memory or gRPC chunks (the daemon's count).
-    result["transports"] = {
-        k: v - transports_before.get(k, 0.0) for k, v in transport_totals(metrics_url).items()
-    }
+    result["transports"] = {k: v - transports_before.get(k, 0.0) for k, v in transport_totals(metrics_url).items()}
     return result

@@ -23,8 +23,13 @@ def _target(
     name: str, size: str | None, value: float, limit: float, met: bool, ratio: float, detail: str
 ) -> dict[str, Any]:
     return {
-        "target": name, "size": size, "value": value, "limit": limit,
-        "ratio": ratio, "met": bool(met), "detail": detail,
+        "target": name,
+        "size": size,
+        "value": value,
+        "limit": limit,
+        "ratio": ratio,
+        "met": bool(met),
+        "detail": detail,
     }
 
 
@@ -40,68 +45,117 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     if "small" in sizes:
         stall, save = remote["small"]["save_stall"]["median"], inproc["small"]["save"]["median"]
         limit = STALL_VS_INPROCESS * save
-        out.append(_target(
-            "save() stall <= 0.02 x in-process PolicySaver.save", "small", stall, limit,
-            stall <= limit, stall / save, f"{stall * 1e3:.2f} ms vs {save * 1e3:.1f} ms",
-        ))
+        out.append(
+            _target(
+                "save() stall <= 0.02 x in-process PolicySaver.save",
+                "small",
+                stall,
+                limit,
+                stall <= limit,
+                stall / save,
+                f"{stall * 1e3:.2f} ms vs {save * 1e3:.1f} ms",
+            )
+        )
     for s in sizes:
         stall = remote[s]["save_stall"]["median"]
         copy = r["limits"]["memcpy"][s]["seconds"]["median"]
         limit = STALL_MEMCPY_FACTOR * copy + STALL_MEMCPY_SLACK
-        out.append(_target(
-            "save() stall <= 1.5 x memcpy of the weights + 2 ms", s, stall, limit,
-            stall <= limit, stall / limit, f"{stall * 1e3:.2f} ms vs limit {limit * 1e3:.2f} ms",
-        ))
+        out.append(
+            _target(
+                "save() stall <= 1.5 x memcpy of the weights + 2 ms",
+                s,
+                stall,
+                limit,
+                stall <= limit,
+                stall / limit,
+                f"{stall * 1e3:.2f} ms vs limit {limit * 1e3:.2f} ms",
+            )
+        )
     for s in sizes:
         save = inproc[s]["save"]["median"]
         factor = LATENCY_FACTORS[s]
         for kind in ("save", "save_checkpoint"):
             latency = remote[s][f"{kind}_latency"]["median"]
-            out.append(_target(
-                f"{kind}() call->durable <= {factor:g} x in-process PolicySaver.save", s,
-                latency, factor * save, latency <= factor * save, latency / save,
-                f"{latency * 1e3:.1f} ms vs {save * 1e3:.1f} ms",
-            ))
+            out.append(
+                _target(
+                    f"{kind}() call->durable <= {factor:g} x in-process PolicySaver.save",
+                    s,
+                    latency,
+                    factor * save,
+                    latency <= factor * save,
+                    latency / save,
+                    f"{latency * 1e3:.1f} ms vs {save * 1e3:.1f} ms",
+                )
+            )
     largest = sizes[-1]
     throughput = remote[largest]["save_throughput"]["median"]
     disk = r["limits"]["disk_fsync"]["bytes_per_second"]["median"]
-    out.append(_target(
-        "transfer+write throughput >= 0.5 x fsync'd disk bandwidth", largest, throughput,
-        THROUGHPUT_VS_DISK * disk, throughput >= THROUGHPUT_VS_DISK * disk, throughput / disk,
-        f"{throughput / 1e6:.0f} MB/s vs disk {disk / 1e6:.0f} MB/s",
-    ))
+    out.append(
+        _target(
+            "transfer+write throughput >= 0.5 x fsync'd disk bandwidth",
+            largest,
+            throughput,
+            THROUGHPUT_VS_DISK * disk,
+            throughput >= THROUGHPUT_VS_DISK * disk,
+            throughput / disk,
+            f"{throughput / 1e6:.0f} MB/s vs disk {disk / 1e6:.0f} MB/s",
+        )
+    )
     for s in sizes:
         sps = training[s]["steps_per_second"]
         base, with_saves = sps["baseline"]["median"], sps["checkpointd"]["median"]
         slowdown = 1.0 - with_saves / base
-        out.append(_target(
-            "DQN training slowed <= 10% by checkpointd saves", s, slowdown, TRAINING_SLOWDOWN,
-            slowdown <= TRAINING_SLOWDOWN, slowdown / TRAINING_SLOWDOWN,
-            f"{with_saves:.3g} vs {base:.3g} steps/s",
-        ))
+        out.append(
+            _target(
+                "DQN training slowed <= 10% by checkpointd saves",
+                s,
+                slowdown,
+                TRAINING_SLOWDOWN,
+                slowdown <= TRAINING_SLOWDOWN,
+                slowdown / TRAINING_SLOWDOWN,
+                f"{with_saves:.3g} vs {base:.3g} steps/s",
+            )
+        )
     f = r["fanin"]
     p99 = f["latency_p99"] if f["latency_p99"] is not None else float("inf")
-    out.append(_target(
-        "fan-in p99 call->durable <= 150 ms", None, p99, FANIN_P99, p99 <= FANIN_P99,
-        p99 / FANIN_P99, f"{f['procs']} trainers, p99 {p99 * 1e3:.1f} ms",
-    ))
+    out.append(
+        _target(
+            "fan-in p99 call->durable <= 150 ms",
+            None,
+            p99,
+            FANIN_P99,
+            p99 <= FANIN_P99,
+            p99 / FANIN_P99,
+            f"{f['procs']} trainers, p99 {p99 * 1e3:.1f} ms",
+        )
+    )
     lost = f["accepted"] - f["written"]
-    out.append(_target(
-        "fan-in: zero accepted saves lost", None, lost, 0,
-        lost == 0 and f["on_disk"] == f["written"] == f["daemon_ok"] and f["failed"] == 0,
-        float(lost),
-        f"accepted {f['accepted']}, written {f['written']}, on disk {f['on_disk']}, "
-        f"daemon ok {f['daemon_ok']:g}",
-    ))
+    out.append(
+        _target(
+            "fan-in: zero accepted saves lost",
+            None,
+            lost,
+            0,
+            lost == 0 and f["on_disk"] == f["written"] == f["daemon_ok"] and f["failed"] == 0,
+            float(lost),
+            f"accepted {f['accepted']}, written {f['written']}, on disk {f['on_disk']}, "
+            f"daemon ok {f['daemon_ok']:g}",
+        )
+    )
     mem = r["memory"][largest]
     peak = _median(mem.get("save_peak_bytes")) or mem["first_save_peak_bytes"]
     idle, payload = mem["idle_rss_bytes"], mem["payload_bytes"]
-    out.append(_target(
-        "daemon peak RSS during a save <= idle + 1.5 x payload", largest, peak,
-        idle + MEMORY_FACTOR * payload, peak <= idle + MEMORY_FACTOR * payload,
-        (peak - idle) / payload,
-        f"peak {peak / 1e6:.0f} MB, idle {idle / 1e6:.0f} MB, payload {payload / 1e6:.1f} MB",
-    ))
+    out.append(
+        _target(
+            "daemon peak RSS during a save <= idle + 1.5 x payload",
+            largest,
+            peak,
+            idle + MEMORY_FACTOR * payload,
+            peak <= idle + MEMORY_FACTOR * payload,
+            (peak - idle) / payload,
+            f"peak {peak / 1e6:.0f} MB, idle {idle / 1e6:.0f} MB, payload {payload / 1e6:.1f} MB",
+        )
+    )
     return out
 
 
@@ -180,8 +234,7 @@ def table(r: dict[str, Any]) -> str:
     m = r["meta"]
     lines.append(f"checkpointd benchmark, {m['date']}")
     lines.append(
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.1f} GiB; Python {m['python']}, "
-        f"{m['packages']}"
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.1f} GiB; Python {m['python']}, " f"{m['packages']}"
     )
     lines.append(f"command: {m['command']}   ({m['duration_seconds']:.0f} s)")
     lines.append(
@@ -229,9 +282,10 @@ def table(r: dict[str, Any]) -> str:
         ("tf_async_checkpoint", "TF async Checkpoint.write"),
         ("checkpointd", "checkpointd save()"),
     ):
-        per_size(label, lambda s, k=key: fmt_sps(
-            tr[s]["steps_per_second"][k], tr[s]["steps_per_second"]["baseline"]["median"]
-        ))
+        per_size(
+            label,
+            lambda s, k=key: fmt_sps(tr[s]["steps_per_second"][k], tr[s]["steps_per_second"]["baseline"]["median"]),
+        )
     share = lambda s, k: fmt_share(tr[s]["request_share"][k])  # noqa: E731
     per_size("  loop time in save calls: AsyncPolicySaver", lambda s: share(s, "async_policy_saver"))
     per_size("  loop time in save calls: TF async", lambda s: share(s, "tf_async_checkpoint"))
@@ -244,23 +298,31 @@ def table(r: dict[str, Any]) -> str:
     head("4. this machine's limits")
     per_size("memcpy of the weights", lambda s: fmt_time(lim["memcpy"][s]["seconds"]))
     per_size("memcpy bandwidth", lambda s: fmt_rate(lim["memcpy"][s]["bytes_per_second"]))
-    row("disk: sequential write + fsync", [
-        f"{fmt_rate(lim['disk_fsync']['bytes_per_second'])}, {fmt_bytes(lim['disk_fsync']['bytes'])} per file"
-    ])
-    row("gRPC loopback: one stream of 1 MiB messages", [
-        f"{fmt_rate(lim['grpc_loopback']['bytes_per_second'])}, {fmt_bytes(lim['grpc_loopback']['bytes'])} per stream"
-    ])
+    row(
+        "disk: sequential write + fsync",
+        [f"{fmt_rate(lim['disk_fsync']['bytes_per_second'])}, {fmt_bytes(lim['disk_fsync']['bytes'])} per file"],
+    )
+    row(
+        "gRPC loopback: one stream of 1 MiB messages",
+        [
+            f"{fmt_rate(lim['grpc_loopback']['bytes_per_second'])}, {fmt_bytes(lim['grpc_loopback']['bytes'])} per stream"
+        ],
+    )
 
     f = r["fanin"]
-    head(f"5. fan-in: {f['procs']} trainer processes x {f['rate_per_proc']:g} save()/s x {f['seconds']:g} s, small policy")
+    head(
+        f"5. fan-in: {f['procs']} trainer processes x {f['rate_per_proc']:g} save()/s x {f['seconds']:g} s, small policy"
+    )
     row("saves/s written (offered)", [f"{f['written_per_second']:.1f} ({f['offered_per_second']:g})"])
-    row("call -> durable p50 / p99", [
-        f"{fmt_time(f['latency_p50'])} / {fmt_time(f['latency_p99'])}" if f["latency_p50"] is not None else "-"
-    ])
+    row(
+        "call -> durable p50 / p99",
+        [f"{fmt_time(f['latency_p50'])} / {fmt_time(f['latency_p99'])}" if f["latency_p50"] is not None else "-"],
+    )
     row("trainer stall p50 / p99", [f"{fmt_time(f['stall_p50'])} / {fmt_time(f['stall_p99'])}"])
-    row("requested / accepted / written / skipped", [
-        f"{f['requested']} / {f['accepted']} / {f['written']} / {f['skipped']}"
-    ])
+    row(
+        "requested / accepted / written / skipped",
+        [f"{f['requested']} / {f['accepted']} / {f['written']} / {f['skipped']}"],
+    )
     row("on disk / daemon ok / daemon failed", [f"{f['on_disk']} / {f['daemon_ok']:g} / {f['daemon_failed']:g}"])
 
     mem = r["memory"]
@@ -270,10 +332,14 @@ def table(r: dict[str, Any]) -> str:
     per_size("peak: registration + 1st save", lambda s: fmt_bytes(mem[s]["first_save_peak_bytes"]))
     per_size("before a save (run registered)", lambda s: fmt_bytes(mem[s]["rss_before_save_bytes"]["median"]))
     per_size("peak during a save", lambda s: fmt_bytes(mem[s]["save_peak_bytes"]["median"]))
-    per_size("(peak - idle) / payload", lambda s: (
-        f"{(mem[s]['save_peak_bytes']['median'] - mem[s]['idle_rss_bytes']) / mem[s]['payload_bytes']:.2f}"
-        if mem[s]["payload_bytes"] >= 1e6 else "- (payload < 1 MB)"
-    ))
+    per_size(
+        "(peak - idle) / payload",
+        lambda s: (
+            f"{(mem[s]['save_peak_bytes']['median'] - mem[s]['idle_rss_bytes']) / mem[s]['payload_bytes']:.2f}"
+            if mem[s]["payload_bytes"] >= 1e6
+            else "- (payload < 1 MB)"
+        ),
+    )
 
     head("targets (from this run's medians)")
     for t in r["targets"]:
@@ -288,16 +354,18 @@ def _remote_rows(per_size: Callable[[str, Callable[[str], str]], None], rem: dic
     per_size("save(): call -> durable", lambda s: fmt_time(rem[s]["save_latency"]))
     per_size("save(): daemon, accept -> durable", lambda s: fmt_time(rem[s]["save_daemon"]))
     phase = lambda s, k: rem[s]["daemon_phase_mean_seconds"][k]  # noqa: E731
-    per_size("  of which transfer / write (mean)", lambda s: (
-        f"{fmt_time(phase(s, 'saved_model/transfer'))} / {fmt_time(phase(s, 'saved_model/write'))}"
-    ))
+    per_size(
+        "  of which transfer / write (mean)",
+        lambda s: (f"{fmt_time(phase(s, 'saved_model/transfer'))} / {fmt_time(phase(s, 'saved_model/write'))}"),
+    )
     per_size("save_checkpoint(): trainer stall", lambda s: fmt_time(rem[s]["save_checkpoint_stall"]))
     per_size("save_checkpoint(): call -> durable", lambda s: fmt_time(rem[s]["save_checkpoint_latency"]))
     per_size("save(): bytes written / (call -> durable)", lambda s: fmt_rate(rem[s]["save_throughput"]))
     per_size("1st save(): export, register, save", lambda s: fmt_time(rem[s]["first_save_seconds"]))
-    per_size("snapshots received: shm / grpc", lambda s: (
-        f"{rem[s]['transports'].get('shm', 0):g} / {rem[s]['transports'].get('grpc', 0):g}"
-    ))
+    per_size(
+        "snapshots received: shm / grpc",
+        lambda s: (f"{rem[s]['transports'].get('shm', 0):g} / {rem[s]['transports'].get('grpc', 0):g}"),
+    )
 
 
 def _counts(c: dict[str, int]) -> str:

@@ -74,8 +74,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ) as mem_saver,
         ):
             result["memory"] = memory.daemon_memory(
-                mem_saver, warmup, daemon.proc.pid, daemon.root / "memory", payload,
-                args.reps, SAVE_TIMEOUT,
+                mem_saver,
+                warmup,
+                daemon.proc.pid,
+                daemon.root / "memory",
+                payload,
+                args.reps,
+                SAVE_TIMEOUT,
             )
         del tiny
 
@@ -99,7 +104,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["remote"] = {"first_save_seconds": first}
             result["remote"].update(
                 remote.checkpointd_times(
-                    remote_saver, daemon.root / "trainer", daemon.metrics_url, args.reps,
+                    remote_saver,
+                    daemon.root / "trainer",
+                    daemon.metrics_url,
+                    args.reps,
                     SAVE_TIMEOUT,
                 )
             )
@@ -112,7 +120,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["remote_wire"] = {"first_save_seconds": remote.first_save(wire_saver)}
                 result["remote_wire"].update(
                     remote.checkpointd_times(
-                        wire_saver, daemon.root / "trainer-wire", daemon.metrics_url, args.reps,
+                        wire_saver,
+                        daemon.root / "trainer-wire",
+                        daemon.metrics_url,
+                        args.reps,
                         SAVE_TIMEOUT,
                     )
                 )
@@ -125,9 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 drivers = [
                     training.AsyncPolicySaverDriver(asaver, out),
                     training.TfAsyncCheckpointDriver(checkpoint, inprocess.ASYNC, out),
-                    training.CheckpointdDriver(
-                        remote_saver, daemon.root / "trainer", "window", SAVE_TIMEOUT
-                    ),
+                    training.CheckpointdDriver(remote_saver, daemon.root / "trainer", "window", SAVE_TIMEOUT),
                 ]
                 windows = training.interleaved_windows(
                     trainer, drivers, args.reps, args.window, args.min_steps, cadence, say
@@ -139,15 +148,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["training"] = {
             "cadence_seconds": cadence,
             "window_seconds": args.window,
-            "steps_per_second": {
-                k: summarize(w.steps_per_second for w in ws) for k, ws in windows.items()
-            },
+            "steps_per_second": {k: summarize(w.steps_per_second for w in ws) for k, ws in windows.items()},
             "steps": {k: [w.steps for w in ws] for k, ws in windows.items()},
             # Share of each window the loop spent inside save calls (the stalls).
             "request_share": {
-                k: summarize(w.request_seconds / w.seconds for w in ws)
-                for k, ws in windows.items()
-                if k != "baseline"
+                k: summarize(w.request_seconds / w.seconds for w in ws) for k, ws in windows.items() if k != "baseline"
             },
             "saves": {
                 k: {c: sum(w.counts[c] for w in ws) for c in ws[0].counts}

@@ -26,10 +26,24 @@ def _start_daemon(root: Path, work: Path) -> tuple[subprocess.Popen, str, str]:
         f.unlink(missing_ok=True)
     log = open(work / "daemon.log", "ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpointd", "serve", "--root", str(root),
-         "--port", "0", "--port-file", str(port_file),
-         "--metrics-port", "0", "--metrics-port-file", str(metrics_file)],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "checkpointd",
+            "serve",
+            "--root",
+            str(root),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--metrics-port",
+            "0",
+            "--metrics-port-file",
+            str(metrics_file),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 60
     while not (port_file.exists() and metrics_file.exists()):
@@ -53,27 +67,33 @@ def main() -> int:
     from tf_agents.drivers import dynamic_step_driver
     from tf_agents.environments import suite_gym, tf_py_environment
     from tf_agents.networks import q_network
+    from tf_agents.policies import policy_loader
     from tf_agents.replay_buffers import tf_uniform_replay_buffer
     from tf_agents.utils import common
-
-    from tf_agents.policies import policy_loader
 
     from checkpointd_client import RemotePolicySavedModelTrigger
 
     root = args.root.resolve()
     daemon, address, metrics_port = _start_daemon(root, root.parent / "daemon")
-    print(f"checkpointd: pid {daemon.pid}, gRPC {address}, metrics http://127.0.0.1:{metrics_port}/metrics, root {root}")
+    print(
+        f"checkpointd: pid {daemon.pid}, gRPC {address}, metrics http://127.0.0.1:{metrics_port}/metrics, root {root}"
+    )
     try:
         env = tf_py_environment.TFPyEnvironment(suite_gym.load("CartPole-v0"))
         net = q_network.QNetwork(env.observation_spec(), env.action_spec(), fc_layer_params=(100,))
         train_step = tf.Variable(0, dtype=tf.int64, name="train_step")
         agent = dqn_agent.DqnAgent(
-            env.time_step_spec(), env.action_spec(), q_network=net,
+            env.time_step_spec(),
+            env.action_spec(),
+            q_network=net,
             optimizer=tf.keras.optimizers.Adam(1e-3),
-            td_errors_loss_fn=common.element_wise_squared_loss, train_step_counter=train_step,
+            td_errors_loss_fn=common.element_wise_squared_loss,
+            train_step_counter=train_step,
         )
         agent.initialize()
-        buffer = tf_uniform_replay_buffer.TFUniformReplayBuffer(agent.collect_data_spec, env.batch_size, max_length=10000)
+        buffer = tf_uniform_replay_buffer.TFUniformReplayBuffer(
+            agent.collect_data_spec, env.batch_size, max_length=10000
+        )
         driver = dynamic_step_driver.DynamicStepDriver(env, agent.collect_policy, [buffer.add_batch], num_steps=1)
         driver.run()
         dataset = buffer.as_dataset(num_parallel_calls=2, sample_batch_size=64, num_steps=2).prefetch(2)

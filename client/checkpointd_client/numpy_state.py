@@ -60,9 +60,7 @@ class NumpySource:
 
     def __init__(self, state: numpy_storage.NumpyState) -> None:
         if not isinstance(state, numpy_storage.NumpyState):
-            raise TypeError(
-                f"numpy_state must be a tf_agents.utils.numpy_storage.NumpyState, saw {type(state)!r}"
-            )
+            raise TypeError(f"numpy_state must be a tf_agents.utils.numpy_storage.NumpyState, saw {type(state)!r}")
         self.state = state
         self._root = tf.train.Checkpoint(**{ROOT_NAME: state})
 

@@ -65,16 +65,16 @@ def latest(
     timeout: float | None,
 ) -> LatestSave | None:
     """The run's newest committed save, or None (see RemotePolicySaver.latest)."""
-    request = pb.LatestRequest(run=run, kind=to_wire(kind) if kind is not None else pb.SAVE_KIND_UNSPECIFIED, folder=folder or "")
+    request = pb.LatestRequest(
+        run=run, kind=to_wire(kind) if kind is not None else pb.SAVE_KIND_UNSPECIFIED, folder=folder or ""
+    )
     try:
         response = stub.GetLatest(request, timeout=timeout)
     except grpc.RpcError as e:
         raise error_for(*rpc_error(e)) from e
     if not response.found:
         return None
-    return LatestSave(
-        response.path, response.export_dir, response.step, _kind(response.kind), response.unix_seconds
-    )
+    return LatestSave(response.path, response.export_dir, response.step, _kind(response.kind), response.unix_seconds)
 
 
 def restore(
@@ -119,12 +119,14 @@ def restore(
         numpy_state_lib.assign(numpy_source.state, arrays)
     _LOGGER.info(
         "run %s: restored %s %r of step %s (%s bytes, %.2f s)",
-        run, _kind(header.kind).value, header.export_dir, header.step, len(payload),
+        run,
+        _kind(header.kind).value,
+        header.export_dir,
+        header.step,
+        len(payload),
         time.monotonic() - started,
     )
-    return LatestSave(
-        header.path, header.export_dir, header.step, _kind(header.kind), header.unix_seconds, arrays
-    )
+    return LatestSave(header.path, header.export_dir, header.step, _kind(header.kind), header.unix_seconds, arrays)
 
 
 def _kind(value: int) -> SaveKind:

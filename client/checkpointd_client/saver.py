@@ -262,8 +262,7 @@ class RemotePolicySaver(PolicySaverFacade):
                 blocking=blocking,
                 step=ticket.step,
                 variables=bindings.header_protos,
-                snapshot_bytes=snapshot.nbytes(bindings)
-                + (numpy_state.nbytes if numpy_state is not None else 0),
+                snapshot_bytes=snapshot.nbytes(bindings) + (numpy_state.nbytes if numpy_state is not None else 0),
                 numpy_state=numpy_state.to_proto() if numpy_state is not None else None,
                 shared_memory=self._use_shm,
             )

@@ -57,9 +57,7 @@ class SegmentMap:
     def matches(self, offer: pb.SharedMemory) -> bool:
         return self.path == offer.path and self.offsets == tuple(offer.offsets)
 
-    def snapshot(
-        self, bindings: Bindings, train_step: tf.Variable, numpy_state: NumpySnapshot | None
-    ) -> Snapshot:
+    def snapshot(self, bindings: Bindings, train_step: tf.Variable, numpy_state: NumpySnapshot | None) -> Snapshot:
         """Copies the bound variables (and the numpy state) into the segment now.
 
         Raises:
@@ -68,8 +66,7 @@ class SegmentMap:
         variables = bindings.variables
         if len(self.offsets) != len(variables) + 1:
             raise ValueError(
-                f"the daemon's segment has {len(self.offsets)} parts; the snapshot has "
-                f"{len(variables) + 1}"
+                f"the daemon's segment has {len(self.offsets)} parts; the snapshot has " f"{len(variables) + 1}"
             )
         whole = memoryview(self._map)
         if self._arrays is None or self._arrays[0] is not bindings:
@@ -101,7 +98,9 @@ def open_offer(offer: pb.SharedMemory, current: SegmentMap | None, run: str) -> 
         return SegmentMap(offer)
     except OSError as e:
         _LOGGER.info(
-            "run %s: the daemon's shared memory %s cannot be used here (%s); "
-            "snapshots go over gRPC", run, offer.path, e.strerror or e,
+            "run %s: the daemon's shared memory %s cannot be used here (%s); " "snapshots go over gRPC",
+            run,
+            offer.path,
+            e.strerror or e,
         )
         return None

@@ -155,9 +155,7 @@ def _checkpoint_root(saver: policy_saver.PolicySaver) -> tf.train.Checkpoint:
 
 
 def _template_keys(template_dir: str) -> set[str]:
-    prefix = os.path.join(
-        template_dir, tf.saved_model.VARIABLES_DIRECTORY, tf.saved_model.VARIABLES_FILENAME
-    )
+    prefix = os.path.join(template_dir, tf.saved_model.VARIABLES_DIRECTORY, tf.saved_model.VARIABLES_FILENAME)
     keys = set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map())
     keys.discard(tensors.OBJECT_GRAPH_KEY)
     return keys
@@ -271,8 +269,10 @@ def copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """
     pending = []
     for dst, src in pairs:
-        if dst.nbytes < _SPLIT_BYTES or _CORES == 1 or not (
-            dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype
+        if (
+            dst.nbytes < _SPLIT_BYTES
+            or _CORES == 1
+            or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype)
         ):
             np.copyto(dst, src)
             continue

@@ -35,9 +35,7 @@ class SaveStream:
     """
 
     def __init__(self, stub: SaveStub, header: checkpointd_pb2.SaveHeader, timeout: float | None) -> None:
-        self._queue: queue.SimpleQueue[Iterable[checkpointd_pb2.SaveRequest | bytes] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[Iterable[checkpointd_pb2.SaveRequest | bytes] | None] = queue.SimpleQueue()
         self._queue.put([checkpointd_pb2.SaveRequest(header=header)])
         self._responses = stub.Save(self._requests(), timeout=timeout)
 
@@ -105,9 +103,7 @@ class SaveStream:
             if isinstance(e, grpc.RpcError):
                 error = error_for(*rpc_error(e))
                 error.__cause__ = e
-            _LOGGER.warning(
-                "run %s: %s of step %s to %r failed: %s: %s", *where, type(error).__name__, error
-            )
+            _LOGGER.warning("run %s: %s of step %s to %r failed: %s: %s", *where, type(error).__name__, error)
             ticket._fail(error)  # noqa: SLF001 - the saver's side completes tickets
             return
         except BaseException as e:  # interrupted: end the ticket, then let it through
@@ -144,9 +140,7 @@ class SaveStream:
         except StopIteration:
             raise SaveFailedError(f"the daemon ended the save without a {item}") from None
         if response.WhichOneof("item") != item:
-            raise SaveFailedError(
-                f"the daemon sent a {response.WhichOneof('item')} where a {item} was due"
-            )
+            raise SaveFailedError(f"the daemon sent a {response.WhichOneof('item')} where a {item} was due")
         return response
 
 

@@ -86,9 +86,7 @@ def register(
     return bindings
 
 
-def _requests(
-    header: pb.RegisterRunHeader, template: str, chunk_bytes: int
-) -> Iterator[pb.RegisterRunRequest]:
+def _requests(header: pb.RegisterRunHeader, template: str, chunk_bytes: int) -> Iterator[pb.RegisterRunRequest]:
     # Read lazily as gRPC sends: a large template is never held in memory whole.
     yield pb.RegisterRunRequest(header=header)
     for chunk in wire.template_chunks(template, chunk_bytes):

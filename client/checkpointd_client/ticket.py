@@ -115,9 +115,7 @@ class SaveTicket:
 
     def _wait(self, timeout: float | None) -> None:
         if not self._done.wait(timeout):
-            raise TimeoutError(
-                f"save of step {self._step} to {self._export_dir!r} did not end within {timeout} s"
-            )
+            raise TimeoutError(f"save of step {self._step} to {self._export_dir!r} did not end within {timeout} s")
 
     # Completion, by the saver only; each is called at most once per ticket.
 

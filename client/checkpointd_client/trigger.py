@@ -135,8 +135,7 @@ class RemotePolicySavedModelTrigger(interval_trigger.IntervalTrigger):
         self._train_step = train_step
         self._metadata_metrics = dict(metadata_metrics or {})
         self._metadata = {
-            k: tf.Variable(0, dtype=v.result().dtype, shape=v.result().shape)
-            for k, v in self._metadata_metrics.items()
+            k: tf.Variable(0, dtype=v.result().dtype, shape=v.result().shape) for k, v in self._metadata_metrics.items()
         }
         self._blocking = False
         self._last_ticket: SaveTicket | None = None
@@ -220,9 +219,7 @@ class RemotePolicySavedModelTrigger(interval_trigger.IntervalTrigger):
         self._agent.post_process_policy()
         for k, v in self._metadata_metrics.items():
             self._metadata[k].assign(v.result())
-        export_dir = posixpath.join(
-            self._checkpoint_dir, f"policy_checkpoint_{int(self._train_step.numpy()):010d}"
-        )
+        export_dir = posixpath.join(self._checkpoint_dir, f"policy_checkpoint_{int(self._train_step.numpy()):010d}")
         self._last_ticket = self._raw_saver.save_checkpoint(export_dir, blocking=self._blocking)
 
     def latest(self, kind: SaveKind | None = None) -> LatestSave | None:

@@ -105,9 +105,7 @@ class Metrics:
         self.saves.labels(kind, "skipped").inc()
         self.skipped.labels(kind).inc()
 
-    def save_written(
-        self, run: str, kind: str, bytes_written: int, seconds: float, at: float
-    ) -> None:
+    def save_written(self, run: str, kind: str, bytes_written: int, seconds: float, at: float) -> None:
         self.saves.labels(kind, "ok").inc()
         self.save_duration.labels(kind).observe(seconds)
         self.written_bytes.labels(kind).inc(bytes_written)

@@ -50,9 +50,7 @@ def build(seed: int = 0, hidden: tuple[int, ...] = (16,)) -> Trainer:
         optimizer=tf.keras.optimizers.Adam(1e-2),
         td_errors_loss_fn=common.element_wise_squared_loss, train_step_counter=train_step,
     )  # fmt: skip
-    buffer = tf_uniform_replay_buffer.TFUniformReplayBuffer(
-        agent.collect_data_spec, env.batch_size, max_length=1000
-    )
+    buffer = tf_uniform_replay_buffer.TFUniformReplayBuffer(agent.collect_data_spec, env.batch_size, max_length=1000)
     random = random_tf_policy.RandomTFPolicy(env.time_step_spec(), env.action_spec())
     dynamic_step_driver.DynamicStepDriver(env, random, [buffer.add_batch], num_steps=COLLECT_STEPS).run()
     return Trainer(agent, train_step, lambda: buffer.as_dataset(sample_batch_size=BATCH, num_steps=2))

@@ -46,8 +46,24 @@ UNKNOWN = ("fz-never", "x", "A" * 128)
 
 # Bad run names and folders (valid ones are above).
 BAD_NAMES = (
-    "", "-a", ".a", ".checkpointd", "a/b", "..", "../fz-a", "/abs", "a b", "a\x00b", "a\nb",
-    "fz-a\u202e", "fz\u200ba", "r\u00e9sum\u00e9", "a" * 129, "fz-a/", "fz-a\\x", "\U0001f600",
+    "",
+    "-a",
+    ".a",
+    ".checkpointd",
+    "a/b",
+    "..",
+    "../fz-a",
+    "/abs",
+    "a b",
+    "a\x00b",
+    "a\nb",
+    "fz-a\u202e",
+    "fz\u200ba",
+    "r\u00e9sum\u00e9",
+    "a" * 129,
+    "fz-a/",
+    "fz-a\\x",
+    "\U0001f600",
 )
 
 # Planted in the main run's folder before the fuzz (operator-made; clients cannot make links).
@@ -65,21 +81,92 @@ PLANTED_FILES = ("plainfile",)
 # Export dirs a good save writes (a small pool, so the tree stays small).
 GOOD_EXPORT_DIRS = ("p0", "p1", "p2", "nest/p3", "./p4", "p5/", "d\u00e9j\u00e0", "sp ace", "p0/inside")
 TRICK_EXPORT_DIRS = (
-    "", ".", "..", "../x", "a/../../x", "a/../../../x", "./..", "p0/..", "/abs", "/tmp",
-    "//p0", "{root}/fz-a/p0", "{outside}/x", "a\x00b", "\x00", "a\nb", "a\tb", "a\x1b[2J",
-    "a\x7fb", "a\u202eb", "\u202e", "a\u200bb", "\u200b", "\ufeffp0", "a\u2066b", "\ue000",
-    "\U000e0001", ".checkpointd", ".checkpointd-tmp-p0-0123456789abcdef",
-    "ok/.checkpointd-old-p0-0123456789abcdef", "..\\x", "a\\b", "x" * 256, "x" * 255, "x" * 214, "x" * 213,
-    "\u00e9" * 107, "\u00e9" * 106 + "x", "x" * 255 + "/p",
-    "a/" * 520, ("y" * 200 + "/") * 6, "escape", "escape/p", "inner/up/outside/x",
-    "inner/up", "dangling", "dangling/x", "loop", "loop/x", "plainfile", "plainfile/x",
-    "filelink", "filelink/x", "insidelink", "insidelink/x", "p0/saved_model.pb",
-    "p0/saved_model.pb/x", "p0/variables", "p0/checkpointd.manifest.json", "p1/" * 3,
+    "",
+    ".",
+    "..",
+    "../x",
+    "a/../../x",
+    "a/../../../x",
+    "./..",
+    "p0/..",
+    "/abs",
+    "/tmp",
+    "//p0",
+    "{root}/fz-a/p0",
+    "{outside}/x",
+    "a\x00b",
+    "\x00",
+    "a\nb",
+    "a\tb",
+    "a\x1b[2J",
+    "a\x7fb",
+    "a\u202eb",
+    "\u202e",
+    "a\u200bb",
+    "\u200b",
+    "\ufeffp0",
+    "a\u2066b",
+    "\ue000",
+    "\U000e0001",
+    ".checkpointd",
+    ".checkpointd-tmp-p0-0123456789abcdef",
+    "ok/.checkpointd-old-p0-0123456789abcdef",
+    "..\\x",
+    "a\\b",
+    "x" * 256,
+    "x" * 255,
+    "x" * 214,
+    "x" * 213,
+    "\u00e9" * 107,
+    "\u00e9" * 106 + "x",
+    "x" * 255 + "/p",
+    "a/" * 520,
+    ("y" * 200 + "/") * 6,
+    "escape",
+    "escape/p",
+    "inner/up/outside/x",
+    "inner/up",
+    "dangling",
+    "dangling/x",
+    "loop",
+    "loop/x",
+    "plainfile",
+    "plainfile/x",
+    "filelink",
+    "filelink/x",
+    "insidelink",
+    "insidelink/x",
+    "p0/saved_model.pb",
+    "p0/saved_model.pb/x",
+    "p0/variables",
+    "p0/checkpointd.manifest.json",
+    "p1/" * 3,
 )
 DTYPES = (
-    "float32", "float64", "int64", "bool", "bfloat16", "float128", "complex256", "int4",
-    "object", "O", "str", "string", "resource", "variant", "U10", "V8", "<f4", ">f4", "f4",
-    "Float32", "float32 ", "float32\x00", "", "\u202efloat32",
+    "float32",
+    "float64",
+    "int64",
+    "bool",
+    "bfloat16",
+    "float128",
+    "complex256",
+    "int4",
+    "object",
+    "O",
+    "str",
+    "string",
+    "resource",
+    "variant",
+    "U10",
+    "V8",
+    "<f4",
+    ">f4",
+    "f4",
+    "Float32",
+    "float32 ",
+    "float32\x00",
+    "",
+    "\u202efloat32",
 )
 DIMS = (-1, -(2**63), 0, 1, 2, 3, 4, 16, 2**31, 2**40, 2**62, 2**63 - 1)
 SIZES = (0, 1, 7, 2**20, 2**20 + 1, 2**31, 2**40, 2**60, 2**62, 2**63, 2**64 - 1)
@@ -190,9 +277,7 @@ class World:
         return f"World({self.root})"
 
     def fill(self, text: str) -> str:
-        return text.format(
-            root=self.root, outside=self.outside, outside_parent=self.outside.parent
-        )
+        return text.format(root=self.root, outside=self.outside, outside_parent=self.outside.parent)
 
 
 def crc_chunk(data: bytes, offset: int, path: str = "") -> pb.Chunk:
@@ -229,16 +314,17 @@ def _export_dirs(world: World) -> st.SearchStrategy[str]:
         st.sampled_from(GOOD_EXPORT_DIRS),
         st.sampled_from(TRICK_EXPORT_DIRS).map(world.fill),
         st.text(max_size=30),
-        st.lists(st.sampled_from(["..", ".", "p0", "escape", "loop", "a", "", "\u202e"]),
-                 min_size=1, max_size=5).map("/".join),
+        st.lists(st.sampled_from(["..", ".", "p0", "escape", "loop", "a", "", "\u202e"]), min_size=1, max_size=5).map(
+            "/".join
+        ),
     )
 
 
 def _variable_mutation(variables: list[pb.Variable], draw: Callable) -> None:
     i = draw(st.integers(0, max(0, len(variables) - 1)))
-    what = draw(st.sampled_from(
-        ["key", "checkpoint_key", "dtype", "shape", "drop", "duplicate", "reverse", "append", "clear"]
-    ))
+    what = draw(
+        st.sampled_from(["key", "checkpoint_key", "dtype", "shape", "drop", "duplicate", "reverse", "append", "clear"])
+    )
     if not variables:
         what = "append"
     v = variables[i] if variables else None
@@ -249,8 +335,7 @@ def _variable_mutation(variables: list[pb.Variable], draw: Callable) -> None:
     elif what == "dtype":
         v.dtype = draw(st.one_of(st.sampled_from(DTYPES), st.text(max_size=12)))
     elif what == "shape":
-        dims = draw(st.lists(st.one_of(st.sampled_from(DIMS), st.integers(-(2**63), 2**63 - 1)),
-                             max_size=6))
+        dims = draw(st.lists(st.one_of(st.sampled_from(DIMS), st.integers(-(2**63), 2**63 - 1)), max_size=6))
         del v.shape[:]
         v.shape.extend(dims)
     elif what == "drop":
@@ -260,11 +345,14 @@ def _variable_mutation(variables: list[pb.Variable], draw: Callable) -> None:
     elif what == "reverse":
         variables.reverse()
     elif what == "append":
-        variables.append(pb.Variable(
-            key=draw(st.text(max_size=20)), checkpoint_key=draw(st.text(max_size=20)),
-            dtype=draw(st.sampled_from(DTYPES)),
-            shape=draw(st.lists(st.sampled_from(DIMS), max_size=3)),
-        ))
+        variables.append(
+            pb.Variable(
+                key=draw(st.text(max_size=20)),
+                checkpoint_key=draw(st.text(max_size=20)),
+                dtype=draw(st.sampled_from(DTYPES)),
+                shape=draw(st.lists(st.sampled_from(DIMS), max_size=3)),
+            )
+        )
     else:
         variables.clear()
 
@@ -289,18 +377,37 @@ def _numpy_state(draw: Callable, world: World) -> tuple[pb.NumpyState, int, bool
         graph, ok = b"", False
     state = pb.NumpyState(
         object_graph=graph,
-        entries=[pb.NumpyStateEntry(checkpoint_key=k, nbytes=s) for k, s in zip(keys, sizes)],
+        entries=[pb.NumpyStateEntry(checkpoint_key=k, nbytes=s) for k, s in zip(keys, sizes, strict=False)],
     )
     return state, sum(sizes), ok
 
 
 def _chunk_stream(draw: Callable, chunks: list[pb.Chunk], total: int) -> tuple[list[pb.SaveRequest], str]:
     """A snapshot's chunks, maybe broken; returns the requests after the header and what broke."""
-    what = draw(st.sampled_from([
-        "good", "good", "bad-crc", "offset", "reorder", "truncate", "drop-middle", "extra",
-        "garbage-same-size", "garbage-any-size", "empty-chunks", "duplicate", "header-again",
-        "huge-offset", "with-path", "nothing", "one-big-chunk", "random-chunks",
-    ]))
+    what = draw(
+        st.sampled_from(
+            [
+                "good",
+                "good",
+                "bad-crc",
+                "offset",
+                "reorder",
+                "truncate",
+                "drop-middle",
+                "extra",
+                "garbage-same-size",
+                "garbage-any-size",
+                "empty-chunks",
+                "duplicate",
+                "header-again",
+                "huge-offset",
+                "with-path",
+                "nothing",
+                "one-big-chunk",
+                "random-chunks",
+            ]
+        )
+    )
     chunks = [pb.Chunk.FromString(c.SerializeToString()) for c in chunks]
     i = draw(st.integers(0, max(0, len(chunks) - 1)))
     extra: list[pb.SaveRequest] = []
@@ -318,8 +425,7 @@ def _chunk_stream(draw: Callable, chunks: list[pb.Chunk], total: int) -> tuple[l
         data = draw(st.binary(min_size=1, max_size=64))
         chunks.append(crc_chunk(data, total))
     elif what == "garbage-same-size":
-        chunks = [crc_chunk(draw(st.binary(min_size=len(c.data), max_size=len(c.data))), c.offset)
-                  for c in chunks]
+        chunks = [crc_chunk(draw(st.binary(min_size=len(c.data), max_size=len(c.data))), c.offset) for c in chunks]
     elif what == "garbage-any-size":
         data = draw(st.binary(max_size=2 * total + 8))
         chunks = [crc_chunk(data, 0)]
@@ -387,18 +493,24 @@ def save_scenarios(draw: Callable, world: World) -> Scenario:
     # and their chunk streams are what is broken.
     pool = draw(st.sampled_from(["main"] * 6 + ["other", "any"]))
     run = draw(
-        st.sampled_from([MAIN] * 6 + [MAIN_FOLDERED] * 2 + [CLOSED]) if pool == "main"
-        else st.sampled_from(REG_POOL + CLOSABLE + UNKNOWN) if pool == "other"
+        st.sampled_from([MAIN] * 6 + [MAIN_FOLDERED] * 2 + [CLOSED])
+        if pool == "main"
+        else st.sampled_from(REG_POOL + CLOSABLE + UNKNOWN)
+        if pool == "other"
         else _names([MAIN])
     )
     header = pb.SaveHeader(
-        run=MAIN, kind=pb.SAVED_MODEL, export_dir="p0", step=world.step,
-        variables=world.variables, snapshot_bytes=world.nbytes,
+        run=MAIN,
+        kind=pb.SAVED_MODEL,
+        export_dir="p0",
+        step=world.step,
+        variables=world.variables,
+        snapshot_bytes=world.nbytes,
     )
     header.run = run
-    header.export_dir = draw(st.one_of(
-        st.sampled_from(GOOD_EXPORT_DIRS), st.sampled_from(GOOD_EXPORT_DIRS), _export_dirs(world)
-    ))
+    header.export_dir = draw(
+        st.one_of(st.sampled_from(GOOD_EXPORT_DIRS), st.sampled_from(GOOD_EXPORT_DIRS), _export_dirs(world))
+    )
     header.kind = draw(st.sampled_from([pb.SAVED_MODEL] * 4 + [pb.CHECKPOINT] * 3 + [0, 3, 99, -1]))
     header.blocking = draw(st.booleans())
     header.step = draw(st.one_of(st.integers(0, 10**6), st.integers(-(2**63), 2**63 - 1)))
@@ -412,9 +524,9 @@ def save_scenarios(draw: Callable, world: World) -> Scenario:
             del header.variables[:]
             header.variables.extend(variables)
         elif what == "snapshot_bytes":
-            header.snapshot_bytes = draw(st.one_of(
-                st.sampled_from(SIZES), st.sampled_from([world.nbytes - 1, world.nbytes + 1])
-            ))
+            header.snapshot_bytes = draw(
+                st.one_of(st.sampled_from(SIZES), st.sampled_from([world.nbytes - 1, world.nbytes + 1]))
+            )
     numpy_ok, numpy_bytes = True, 0
     if "numpy_state" in mutated:
         state, numpy_bytes, numpy_ok = _numpy_state(draw, world)
@@ -440,9 +552,14 @@ def save_scenarios(draw: Callable, world: World) -> Scenario:
     scenario = Scenario(f"save/{order}/{broke}/{'+'.join(mutated) or 'header-ok'}", "Save", requests)
     folder = {MAIN: MAIN, MAIN_FOLDERED: MAIN_FOLDER}.get(run)
     headed = order == "header-first"
-    clean_header = headed and folder is not None and header.kind in (pb.SAVED_MODEL, pb.CHECKPOINT) \
-        and (not mutated or mutated == ["numpy_state"] and numpy_ok) \
-        and total == world.nbytes + numpy_bytes and total <= MAX_SNAPSHOT
+    clean_header = (
+        headed
+        and folder is not None
+        and header.kind in (pb.SAVED_MODEL, pb.CHECKPOINT)
+        and (not mutated or mutated == ["numpy_state"] and numpy_ok)
+        and total == world.nbytes + numpy_bytes
+        and total <= MAX_SNAPSHOT
+    )
     if folder is not None and headed and _collides(world.root, folder, header.export_dir):
         scenario.internal = "publishing onto a non-directory: SaveFailedError, INTERNAL by the table"
     if not headed:
@@ -485,38 +602,62 @@ def _valid_export_dir(world: World, folder: str, export_dir: str) -> bool:
 def register_scenarios(draw: Callable, world: World) -> Scenario:
     run = draw(st.one_of(st.sampled_from(REG_POOL), _names(REG_POOL)))
     header = pb.RegisterRunHeader(
-        run=run, variables=world.variables, checkpoint_object_graph=world.graph,
+        run=run,
+        variables=world.variables,
+        checkpoint_object_graph=world.graph,
         template_bytes=world.template_bytes,
     )
     chunks = [pb.Chunk.FromString(c.SerializeToString()) for c in world.template_chunks]
     mutated = []
     for _ in range(draw(st.integers(1, 3))):
-        what = draw(st.sampled_from([
-            "folder", "template_bytes", "variables", "graph", "path", "extra-file",
-            "many-files", "file-under-file", "duplicate-file", "drop-file", "bad-crc",
-            "offset", "truncate", "garbage-file", "header-again", "chunk-first", "nothing",
-        ]))
+        what = draw(
+            st.sampled_from(
+                [
+                    "folder",
+                    "template_bytes",
+                    "variables",
+                    "graph",
+                    "path",
+                    "extra-file",
+                    "many-files",
+                    "file-under-file",
+                    "duplicate-file",
+                    "drop-file",
+                    "bad-crc",
+                    "offset",
+                    "truncate",
+                    "garbage-file",
+                    "header-again",
+                    "chunk-first",
+                    "nothing",
+                ]
+            )
+        )
         mutated.append(what)
         i = draw(st.integers(0, len(chunks) - 1)) if chunks else 0
         if what == "folder":
-            header.folder = draw(st.one_of(
-                st.sampled_from([MAIN, MAIN_FOLDER, "fz-shared", ".checkpointd", "templates"]),
-                st.sampled_from(BAD_NAMES),
-            ))
+            header.folder = draw(
+                st.one_of(
+                    st.sampled_from([MAIN, MAIN_FOLDER, "fz-shared", ".checkpointd", "templates"]),
+                    st.sampled_from(BAD_NAMES),
+                )
+            )
         elif what == "template_bytes":
-            header.template_bytes = draw(st.one_of(
-                st.sampled_from(SIZES),
-                st.sampled_from([world.template_bytes - 1, world.template_bytes + 1, MAX_TEMPLATE + 1]),
-            ))
+            header.template_bytes = draw(
+                st.one_of(
+                    st.sampled_from(SIZES),
+                    st.sampled_from([world.template_bytes - 1, world.template_bytes + 1, MAX_TEMPLATE + 1]),
+                )
+            )
         elif what == "variables":
             variables = list(header.variables)
             _variable_mutation(variables, draw)
             del header.variables[:]
             header.variables.extend(variables)
         elif what == "graph":
-            header.checkpoint_object_graph = draw(st.one_of(
-                st.binary(max_size=64), st.just(b""), st.just(world.graph[: len(world.graph) // 2])
-            ))
+            header.checkpoint_object_graph = draw(
+                st.one_of(st.binary(max_size=64), st.just(b""), st.just(world.graph[: len(world.graph) // 2]))
+            )
         elif what == "path" and chunks:
             trick = draw(st.one_of(st.sampled_from(TRICK_EXPORT_DIRS).map(world.fill), st.text(max_size=30)))
             chunks[i].path = trick
@@ -582,8 +723,10 @@ def _file_under_a_file(paths: Sequence[str]) -> bool:
 
 def _proto(cls: type, depth: int, strings: st.SearchStrategy[str] | None = None) -> st.SearchStrategy:
     """Messages of `cls` with a random subset of fields set to random values."""
-    strings = strings if strings is not None else st.one_of(
-        st.sampled_from((MAIN, MAIN_FOLDERED, CLOSED, *REG_POOL, "p0", "")), st.text(max_size=30)
+    strings = (
+        strings
+        if strings is not None
+        else st.one_of(st.sampled_from((MAIN, MAIN_FOLDERED, CLOSED, *REG_POOL, "p0", "")), st.text(max_size=30))
     )
     scalar: dict[int, st.SearchStrategy] = {
         pb_descriptor.FieldDescriptor.TYPE_STRING: strings,
@@ -593,9 +736,7 @@ def _proto(cls: type, depth: int, strings: st.SearchStrategy[str] | None = None)
         pb_descriptor.FieldDescriptor.TYPE_UINT64: st.integers(0, 2**64 - 1),
         pb_descriptor.FieldDescriptor.TYPE_UINT32: st.integers(0, 2**32 - 1),
         pb_descriptor.FieldDescriptor.TYPE_FIXED32: st.integers(0, 2**32 - 1),
-        pb_descriptor.FieldDescriptor.TYPE_DOUBLE: st.one_of(
-            st.sampled_from(TIMEOUTS), st.floats(-1e6, 1e6)
-        ),
+        pb_descriptor.FieldDescriptor.TYPE_DOUBLE: st.one_of(st.sampled_from(TIMEOUTS), st.floats(-1e6, 1e6)),
         pb_descriptor.FieldDescriptor.TYPE_ENUM: st.integers(-3, 5),
     }
 
@@ -624,9 +765,7 @@ def _proto(cls: type, depth: int, strings: st.SearchStrategy[str] | None = None)
 
 @st.composite
 def random_proto_scenarios(draw: Callable, world: World) -> Scenario:
-    rpc = draw(st.sampled_from(
-        ["Save", "RegisterRun", "Flush", "GetStatus", "GetLatest", "Restore", "CloseRun"]
-    ))
+    rpc = draw(st.sampled_from(["Save", "RegisterRun", "Flush", "GetStatus", "GetLatest", "Restore", "CloseRun"]))
     if rpc == "Save":
         payload = draw(st.lists(_proto(pb.SaveRequest, 3), max_size=5))
     elif rpc == "RegisterRun":
@@ -635,8 +774,12 @@ def random_proto_scenarios(draw: Callable, world: World) -> Scenario:
         runs = st.one_of(st.sampled_from(CLOSABLE), st.text(max_size=20))
         payload = draw(_proto(pb.CloseRunRequest, 1, runs))
     else:
-        cls = {"Flush": pb.FlushRequest, "GetStatus": pb.StatusRequest,
-               "GetLatest": pb.LatestRequest, "Restore": pb.RestoreRequest}[rpc]
+        cls = {
+            "Flush": pb.FlushRequest,
+            "GetStatus": pb.StatusRequest,
+            "GetLatest": pb.LatestRequest,
+            "Restore": pb.RestoreRequest,
+        }[rpc]
         payload = draw(_proto(cls, 1))
     return Scenario(f"random-proto/{rpc}", rpc, payload)
 
@@ -659,13 +802,12 @@ def unary_scenarios(draw: Callable, world: World) -> Scenario:
         payload = pb.StatusRequest(run=draw(st.one_of(st.just(""), runs)))
     elif rpc == "GetLatest":
         payload = pb.LatestRequest(
-            run=draw(runs), kind=draw(st.integers(-1, 4)),
+            run=draw(runs),
+            kind=draw(st.integers(-1, 4)),
             folder=draw(st.one_of(st.just(""), st.sampled_from((MAIN, MAIN_FOLDER)), _names())),
         )
     else:
-        payload = pb.RestoreRequest(
-            run=draw(runs), export_dir=draw(st.one_of(st.just(""), _export_dirs(world)))
-        )
+        payload = pb.RestoreRequest(run=draw(runs), export_dir=draw(st.one_of(st.just(""), _export_dirs(world))))
     return Scenario(f"unary/{rpc}", rpc, payload)
 
 
@@ -674,9 +816,13 @@ def raw_scenarios(draw: Callable, world: World) -> Scenario:
     method = draw(st.sampled_from(["Save", "RegisterRun", "Flush", "GetStatus", "CloseRun"]))
     streaming = method in ("Save", "RegisterRun")
     payload = draw(st.lists(st.binary(max_size=96), min_size=1, max_size=4 if streaming else 1))
-    request_cls = {"Save": pb.SaveRequest, "RegisterRun": pb.RegisterRunRequest,
-                   "Flush": pb.FlushRequest, "GetStatus": pb.StatusRequest,
-                   "CloseRun": pb.CloseRunRequest}[method]
+    request_cls = {
+        "Save": pb.SaveRequest,
+        "RegisterRun": pb.RegisterRunRequest,
+        "Flush": pb.FlushRequest,
+        "GetStatus": pb.StatusRequest,
+        "CloseRun": pb.CloseRunRequest,
+    }[method]
     scenario = Scenario(f"raw-bytes/{method}", f"raw:{method}", payload)
     undecodable = []
     for data in payload:
@@ -694,9 +840,7 @@ def raw_scenarios(draw: Callable, world: World) -> Scenario:
 @st.composite
 def overlap_scenarios(draw: Callable, world: World) -> Scenario:
     """A request while a save of the main run is held in flight, then the held save ends."""
-    second = draw(st.sampled_from(
-        ["skip", "blocking-deadline", "flush-run", "flush-all", "status", "checkpoint-skip"]
-    ))
+    second = draw(st.sampled_from(["skip", "blocking-deadline", "flush-run", "flush-all", "status", "checkpoint-skip"]))
     ending = draw(st.sampled_from(["good", "bad-crc", "truncate", "cancel"]))
     timeout = draw(st.sampled_from([t for t in TIMEOUTS if 0 < t < 1] + [-1.0, -math.inf]))
     export_dir = draw(st.sampled_from(["p1", "p2", "nest/p3"]))

@@ -223,9 +223,7 @@ def register_requests(
 ) -> Iterator[pb.RegisterRunRequest]:
     size = wire.template_size(files_dir) if template_bytes is None else template_bytes
     yield pb.RegisterRunRequest(
-        header=pb.RegisterRunHeader(
-            run=run, variables=variables, checkpoint_object_graph=graph, template_bytes=size
-        )
+        header=pb.RegisterRunHeader(run=run, variables=variables, checkpoint_object_graph=graph, template_bytes=size)
     )
     for chunk in wire.template_chunks(files_dir, 1 << 20):
         yield pb.RegisterRunRequest(chunk=chunk)
@@ -260,9 +258,7 @@ class Run:
 
 def register(stub: Stub, run: str, template: Template) -> Run:
     reply = stub.RegisterRun(
-        register_requests(
-            run, template.dir, template.bindings.protos(), template.bindings.object_graph
-        ),
+        register_requests(run, template.dir, template.bindings.protos(), template.bindings.object_graph),
         timeout=TIMEOUT,
     )
     assert list(reply.variables) == template.bindings.protos()

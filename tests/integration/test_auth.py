@@ -144,7 +144,9 @@ def paths_naming(daemon: Daemon, run: str) -> list[str]:
     """Every path under the daemon's root (its state dir included) that names `run`."""
     if not daemon.root.exists():
         return []
-    return sorted(str(p.relative_to(daemon.root)) for p in daemon.root.rglob("*") if run in str(p.relative_to(daemon.root)))
+    return sorted(
+        str(p.relative_to(daemon.root)) for p in daemon.root.rglob("*") if run in str(p.relative_to(daemon.root))
+    )
 
 
 @contextlib.contextmanager
@@ -168,7 +170,11 @@ def raw_calls(channel: grpc.Channel, run: str, metadata: list[tuple[str, str]] |
             iter([pb.RegisterRunRequest(header=pb.RegisterRunHeader(run=run))]), timeout=RPC_TIMEOUT, metadata=metadata
         ),
         "Save": lambda: list(
-            stub.Save(iter([pb.SaveRequest(header=header), pb.SaveRequest(chunk=chunk)]), timeout=RPC_TIMEOUT, metadata=metadata)
+            stub.Save(
+                iter([pb.SaveRequest(header=header), pb.SaveRequest(chunk=chunk)]),
+                timeout=RPC_TIMEOUT,
+                metadata=metadata,
+            )
         ),
     }
     codes = {}
@@ -230,7 +236,9 @@ def test_a_client_trusting_another_ca_is_refused(tls: Daemon, files: Secrets) ->
 # Tokens.
 
 
-@pytest.mark.parametrize("metadata", [None, bearer(WRONG_TOKEN), [("authorization", TOKEN)]], ids=["missing", "wrong", "no-scheme"])
+@pytest.mark.parametrize(
+    "metadata", [None, bearer(WRONG_TOKEN), [("authorization", TOKEN)]], ids=["missing", "wrong", "no-scheme"]
+)
 def test_missing_or_wrong_token_is_unauthenticated_and_leaves_nothing(tls: Daemon, metadata: list | None) -> None:
     run = "no-token"
     with leaves_nothing(tls, run), tls.channel() as channel:
@@ -290,11 +298,24 @@ def test_tls_and_token_work_end_to_end_with_the_client_and_the_cli(tls: Daemon, 
         assert (tls.root / run / "policy_7" / "saved_model.pb").is_file()
         assert saver.save_checkpoint("ckpt_7").result(RPC_TIMEOUT) is not None
 
-        status = cli("status", "--address", tls.address, "--tls-ca", ca, "--token-file", str(files.client_token), "--run", run, "--json")
+        status = cli(
+            "status",
+            "--address",
+            tls.address,
+            "--tls-ca",
+            ca,
+            "--token-file",
+            str(files.client_token),
+            "--run",
+            run,
+            "--json",
+        )
         assert status.returncode == 0, status.stderr
         [row] = json.loads(status.stdout)["runs"]
         assert (row["run"], int(row["saves_ok"])) == (run, 2)
-        flush = cli("flush", "--address", tls.address, "--tls-ca", ca, "--timeout", "20", env={"CHECKPOINTD_TOKEN": TOKEN})
+        flush = cli(
+            "flush", "--address", tls.address, "--tls-ca", ca, "--timeout", "20", env={"CHECKPOINTD_TOKEN": TOKEN}
+        )
         assert flush.returncode == 0, flush.stderr
         assert run in flush.stdout
 
@@ -326,7 +347,14 @@ def test_the_metrics_port_serves_only_metrics(tls: Daemon, files: Secrets) -> No
     # backwards compatibility), an empty 200 for /favicon.ico, and 405 for
     # other methods: nothing but metrics, wherever one looks.
     base = f"http://127.0.0.1:{tls.metrics_port}"
-    secret = [TOKEN, OTHER_TOKEN, str(tls.root), str(files.server_tokens), str(files.certs.server.key), "policy_secret_dir"]
+    secret = [
+        TOKEN,
+        OTHER_TOKEN,
+        str(tls.root),
+        str(files.server_tokens),
+        str(files.certs.server.key),
+        "policy_secret_dir",
+    ]
     bodies = {}
     # Scraped while the run is open: a closed run drops its last-success series.
     with new_saver(tls, "metrics-leak", channel_credentials=credentials(files.certs.ca), token=TOKEN) as saver:
@@ -335,7 +363,9 @@ def test_the_metrics_port_serves_only_metrics(tls: Daemon, files: Secrets) -> No
             status, body = scrape(base + path)
             assert status == 200, path
             families = {f.name for f in text_string_to_metric_families(body)}
-            assert families and all(name.startswith(("checkpointd_", "python_", "process_")) or name == "checkpointd" for name in families), path
+            assert families and all(
+                name.startswith(("checkpointd_", "python_", "process_")) or name == "checkpointd" for name in families
+            ), path
             bodies[path] = body
     assert scrape(base + "/favicon.ico") == (200, "")
     request = urllib.request.Request(base + "/metrics", data=b"x", method="POST")
@@ -358,7 +388,9 @@ def test_tokens_never_reach_the_log(tls: Daemon) -> None:
         raw_calls(channel, "log-check", None)
     log = tls.log()
     assert "auth TLS + bearer tokens (2)" in log
-    assert re.search(r"refused /checkpointd\.v1\.CheckpointService/Save from ipv4:127\.0\.0\.1:\d+: invalid bearer token", log)
+    assert re.search(
+        r"refused /checkpointd\.v1\.CheckpointService/Save from ipv4:127\.0\.0\.1:\d+: invalid bearer token", log
+    )
     assert "refused /checkpointd.v1.CheckpointService/GetStatus" in log and "missing credentials" in log
     for token in (TOKEN, OTHER_TOKEN, WRONG_TOKEN):
         assert token not in log
@@ -398,7 +430,16 @@ def test_mtls_accepts_the_right_certificate(mtls: Daemon, files: Secrets) -> Non
     with new_saver(mtls, run, channel_credentials=credentials(c.ca, c.client.cert, c.client.key)) as saver:
         assert saver.save_checkpoint("ckpt_7", blocking=True).result() is not None
     assert (mtls.root / run / "ckpt_7" / "variables" / "variables.index").is_file()
-    flags = ["--address", mtls.address, "--tls-ca", str(c.ca), "--tls-cert", str(c.client.cert), "--tls-key", str(c.client.key)]
+    flags = [
+        "--address",
+        mtls.address,
+        "--tls-ca",
+        str(c.ca),
+        "--tls-cert",
+        str(c.client.cert),
+        "--tls-key",
+        str(c.client.key),
+    ]
     status = cli("status", *flags, "--json")
     assert status.returncode == 0, status.stderr
     assert [r["run"] for r in json.loads(status.stdout)["runs"]] == [run]

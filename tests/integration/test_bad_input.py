@@ -223,9 +223,7 @@ def test_first_message_must_be_a_header(daemon: Daemon, stub: Stub, run: Run) ->
 
 
 @pytest.mark.parametrize("kind", [pb.SAVE_KIND_UNSPECIFIED, 99], ids=["unspecified", "unknown"])
-def test_save_kind_must_be_saved_model_or_checkpoint(
-    daemon: Daemon, stub: Stub, run: Run, kind: int
-) -> None:
+def test_save_kind_must_be_saved_model_or_checkpoint(daemon: Daemon, stub: Stub, run: Run, kind: int) -> None:
     before = listing(daemon.root)
     error = save_header_only(stub, run.header(kind=kind))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -259,16 +257,12 @@ def _fewer(variables: list[pb.Variable]) -> str:
 
 
 def _more(variables: list[pb.Variable]) -> str:
-    extra = pb.Variable(
-        key="extra/.ATTRIBUTES/VARIABLE_VALUE", checkpoint_key="extra", dtype="float32", shape=[1]
-    )
+    extra = pb.Variable(key="extra/.ATTRIBUTES/VARIABLE_VALUE", checkpoint_key="extra", dtype="float32", shape=[1])
     variables.append(extra)
     return extra.key
 
 
-@pytest.mark.parametrize(
-    "mismatch", [_renamed, _reshaped, _retyped, _fewer, _more], ids=lambda f: f.__name__[1:]
-)
+@pytest.mark.parametrize("mismatch", [_renamed, _reshaped, _retyped, _fewer, _more], ids=lambda f: f.__name__[1:])
 def test_snapshot_not_matching_the_manifest_names_the_first_offender(
     daemon: Daemon, stub: Stub, run: Run, mismatch
 ) -> None:
@@ -284,9 +278,7 @@ def test_snapshot_not_matching_the_manifest_names_the_first_offender(
     assert_serving(daemon, stub, run)
 
 
-def test_snapshot_bytes_not_matching_the_variables_is_invalid(
-    daemon: Daemon, stub: Stub, run: Run
-) -> None:
+def test_snapshot_bytes_not_matching_the_variables_is_invalid(daemon: Daemon, stub: Stub, run: Run) -> None:
     before = listing(daemon.root)
     error = save_header_only(stub, run.header(snapshot_bytes=run.template.nbytes + 4))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -329,9 +321,7 @@ def test_export_dir_leaving_the_run_folder_is_invalid(
     assert_serving(daemon, stub, run)
 
 
-def test_absolute_export_dir_is_invalid(
-    daemon: Daemon, stub: Stub, run: Run, outside: Path
-) -> None:
+def test_absolute_export_dir_is_invalid(daemon: Daemon, stub: Stub, run: Run, outside: Path) -> None:
     before = listing(daemon.root, outside)
     for export_dir in (str(outside / "abs"), str(daemon.root / run.name / "abs"), "/"):
         error = save_header_only(stub, run.header(export_dir))
@@ -390,9 +380,7 @@ def test_symlink_out_of_the_root_is_invalid(
     assert_serving(daemon, stub, run)
 
 
-def test_symlink_planted_after_the_accept_is_not_followed(
-    daemon: Daemon, stub: Stub, run: Run, outside: Path
-) -> None:
+def test_symlink_planted_after_the_accept_is_not_followed(daemon: Daemon, stub: Stub, run: Run, outside: Path) -> None:
     run_dir = daemon.root / run.name
     run_dir.mkdir(exist_ok=True)
     with RawSave(stub, pb.SaveRequest(header=run.header("later/policy"))) as call:
@@ -418,9 +406,7 @@ def _accepted(stub: Stub, run: Run) -> RawSave:
     return call
 
 
-def test_chunk_with_a_bad_crc32c_is_data_loss_and_counts_as_failed(
-    daemon: Daemon, stub: Stub, run: Run
-) -> None:
+def test_chunk_with_a_bad_crc32c_is_data_loss_and_counts_as_failed(daemon: Daemon, stub: Stub, run: Run) -> None:
     before = listing(daemon.root)
     chunks = run.chunks()
     chunks[1].crc32c ^= 1
@@ -555,9 +541,7 @@ def test_bad_template_for_a_registered_run_keeps_its_old_one(
     before = listing(daemon.root)
     files, variables = not_policies["garbage"]
     with pytest.raises(grpc.RpcError) as caught:
-        stub.RegisterRun(
-            register_requests(run.name, files, variables, b"garbage"), timeout=RPC_TIMEOUT
-        )
+        stub.RegisterRun(register_requests(run.name, files, variables, b"garbage"), timeout=RPC_TIMEOUT)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert listing(daemon.root) == before  # the run's template files are untouched
     assert_serving(daemon, stub, run)  # saves still match the old manifest
@@ -738,9 +722,7 @@ def test_template_over_max_template_bytes_is_resource_exhausted(limited: Limited
         big = limited.big_template
         with pytest.raises(grpc.RpcError) as caught:
             stub.RegisterRun(
-                register_requests(
-                    "big-template", big.dir, big.bindings.protos(), big.bindings.object_graph
-                ),
+                register_requests("big-template", big.dir, big.bindings.protos(), big.bindings.object_graph),
                 timeout=RPC_TIMEOUT,
             )
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -70,12 +70,9 @@ class FakeDaemon(checkpointd_pb2_grpc.CheckpointServiceServicer):
             data += chunk.data
         self.registrations.append((header, {k: bytes(v) for k, v in files.items()}))
         nbytes = sum(
-            int(np.prod(v.shape, dtype=np.int64)) * np.dtype(_np_dtype(v.dtype)).itemsize
-            for v in header.variables
+            int(np.prod(v.shape, dtype=np.int64)) * np.dtype(_np_dtype(v.dtype)).itemsize for v in header.variables
         )
-        return pb.RegisterRunResponse(
-            run=header.run, variables=header.variables, snapshot_bytes=nbytes
-        )
+        return pb.RegisterRunResponse(run=header.run, variables=header.variables, snapshot_bytes=nbytes)
 
     def Save(self, request_iterator, context):
         self._record("Save")
@@ -175,9 +172,7 @@ def test_accepted_save_uploads_the_snapshot_taken_at_the_call(daemon, saver, mon
     # Hold the client's background work (everything after save() returns) until
     # training has moved on, so a snapshot read late would send the new values.
     upload, go = RemotePolicySaver._upload, threading.Event()
-    monkeypatch.setattr(
-        RemotePolicySaver, "_upload", lambda self, *a: go.wait(WAIT) and upload(self, *a)
-    )
+    monkeypatch.setattr(RemotePolicySaver, "_upload", lambda self, *a: go.wait(WAIT) and upload(self, *a))
     ticket = saver.save("policies/p1")
     header = daemon.saves[0]["header"]
     at_call = _values(saver, header)
@@ -324,9 +319,7 @@ def test_register_function_exports_the_template_again(daemon, saver) -> None:
     saver.save("p2", blocking=True)
     saver.save("p3", blocking=True)
     assert daemon.calls == ["RegisterRun", "Save", "RegisterRun", "Save", "Save"]
-    assert (
-        daemon.registrations[0][1]["saved_model.pb"] != daemon.registrations[1][1]["saved_model.pb"]
-    )
+    assert daemon.registrations[0][1]["saved_model.pb"] != daemon.registrations[1][1]["saved_model.pb"]
 
 
 def test_invalid_export_dir_is_refused_without_a_call(daemon, saver) -> None:

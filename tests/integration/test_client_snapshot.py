@@ -53,10 +53,7 @@ def template(tmp_path_factory):
     saver.save(model_dir)
     saver.save_checkpoint(ckpt_dir)
     bindings = snapshot.bind(saver, model_dir)
-    readers = {
-        d: tf.train.load_checkpoint(os.path.join(d, "variables", "variables"))
-        for d in (model_dir, ckpt_dir)
-    }
+    readers = {d: tf.train.load_checkpoint(os.path.join(d, "variables", "variables")) for d in (model_dir, ckpt_dir)}
     return saver, bindings, readers[model_dir], readers[ckpt_dir]
 
 
@@ -79,9 +76,7 @@ def test_checkpoint_keys_equal_what_save_checkpoint_writes(template) -> None:
     _, bindings, model_reader, ckpt_reader = template
     assert {b.checkpoint_key for b in bindings.variables} == _variable_keys(ckpt_reader)
     for b in bindings.variables:  # both keys name the same variable
-        np.testing.assert_array_equal(
-            model_reader.get_tensor(b.key), ckpt_reader.get_tensor(b.checkpoint_key)
-        )
+        np.testing.assert_array_equal(model_reader.get_tensor(b.key), ckpt_reader.get_tensor(b.checkpoint_key))
     assert any(b.key != b.checkpoint_key for b in bindings.variables)
 
 
@@ -129,9 +124,7 @@ def test_snapshot_is_a_point_in_time_copy(template) -> None:
     ],
     ids=["non-TFPolicy", "non-Variable-metadata", "batch_size=0"],
 )
-def test_constructor_raises_what_policy_saver_raises(
-    monkeypatch, policy_arg, kwargs, error
-) -> None:
+def test_constructor_raises_what_policy_saver_raises(monkeypatch, policy_arg, kwargs, error) -> None:
     channels = []
     monkeypatch.setattr(saver_module.grpc, "insecure_channel", lambda *a, **k: channels.append(a))
     policy = _tiny_saver()._raw_policy if policy_arg is None else policy_arg

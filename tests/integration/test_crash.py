@@ -60,7 +60,11 @@ def _files(save_dir: Path) -> dict[str, bytes]:
     [(0, "saved_model", 5, "sub/policy"), (1, "checkpoint", 6, "ckpt")],
 )
 def test_each_save_lists_its_files_in_a_manifest(
-    saves, which: int, kind: str, step: int, export_dir: str  # noqa: ANN001
+    saves,
+    which: int,
+    kind: str,
+    step: int,
+    export_dir: str,  # noqa: ANN001
 ) -> None:
     save_dir, started = saves[which], saves[2]
     manifest = json.loads((save_dir / save_manifest.MANIFEST_NAME).read_text())
@@ -77,8 +81,7 @@ def test_each_save_lists_its_files_in_a_manifest(
         "tf_agents": importlib.metadata.version("tf-agents"),  # installed beside the daemon here
     }
     assert manifest["files"] == [
-        {"path": rel, "size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"}
-        for rel, data in sorted(files.items())
+        {"path": rel, "size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"} for rel, data in sorted(files.items())
     ]
     assert save_manifest.verify_dir(save_dir).ok
 
@@ -119,7 +122,8 @@ def test_verify_cli_passes_the_run_and_fails_a_damaged_copy(saves, tmp_path: Pat
 
 
 def test_kill_9_during_saves_leaves_every_save_absent_or_complete(
-    tmp_path: Path, record_property  # noqa: ANN001
+    tmp_path: Path,
+    record_property,  # noqa: ANN001
 ) -> None:
     trials = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "12"))
     figures = crash_harness.run_trials(trials, tmp_path / "root", tmp_path / "work", sizes=("small",), seed=0)

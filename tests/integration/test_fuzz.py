@@ -164,9 +164,9 @@ class Fuzzer:
                     assert decision is None, "two decisions in one call"
                     decision = response.decision
                 else:
-                    assert item == "result" and decision is not None and decision.accepted, (
-                        f"a {item} without an accept: {response}"
-                    )
+                    assert (
+                        item == "result" and decision is not None and decision.accepted
+                    ), f"a {item} without an accept: {response}"
                     assert result is None, "two results in one call"
                     result = response.result
             return Outcome(Code.OK, "", decision, result, time.monotonic() - started)
@@ -316,7 +316,8 @@ class Fuzzer:
                     # the waiter; ending the held save first would start it.
                     wait_until(
                         lambda: run_status(self.stub, MAIN).in_flight.waiting == 0,
-                        "the blocking save gave up its place", RPC_TIMEOUT,
+                        "the blocking save gave up its place",
+                        RPC_TIMEOUT,
                     )
                 else:
                     outcome = self._save(probe.payload)
@@ -392,9 +393,11 @@ class Fuzzer:
         self.stub.Flush(pb.FlushRequest(timeout_seconds=RPC_TIMEOUT), timeout=RPC_TIMEOUT + 5)
         for run, (ok, skipped, failed) in self.seen.items():
             (status,) = self.stub.GetStatus(pb.StatusRequest(run=run), timeout=RPC_TIMEOUT).runs
-            assert (status.saves_ok, status.saves_skipped, status.saves_failed) == (ok, skipped, failed), (
-                f"{run}: daemon counts {status} != fuzzer saw ok={ok} skipped={skipped} failed={failed}"
-            )
+            assert (status.saves_ok, status.saves_skipped, status.saves_failed) == (
+                ok,
+                skipped,
+                failed,
+            ), f"{run}: daemon counts {status} != fuzzer saw ok={ok} skipped={skipped} failed={failed}"
         # Every save that is still whole on disk passes verify with the step it was sent.
         for path, step in self.accepted_ok.items():
             if any(Path(other).is_relative_to(path) and other != path for other in self.accepted_ok):
@@ -422,8 +425,11 @@ def plant(world: World) -> None:
 
 def register(stub: Stub, run: str, world: World, folder: str = "") -> None:
     header = pb.RegisterRunHeader(
-        run=run, variables=world.variables, checkpoint_object_graph=world.graph,
-        template_bytes=world.template_bytes, folder=folder,
+        run=run,
+        variables=world.variables,
+        checkpoint_object_graph=world.graph,
+        template_bytes=world.template_bytes,
+        folder=folder,
     )
     chunks = [pb.RegisterRunRequest(chunk=c) for c in world.template_chunks]
     requests = [pb.RegisterRunRequest(header=header), *chunks]
@@ -433,8 +439,12 @@ def register(stub: Stub, run: str, world: World, folder: str = "") -> None:
 
 def good_save(stub: Stub, world: World, export_dir: str, run: str = MAIN) -> pb.SaveResult:
     header = pb.SaveHeader(
-        run=run, kind=pb.SAVED_MODEL, export_dir=export_dir, step=world.step,
-        variables=world.variables, snapshot_bytes=world.nbytes,
+        run=run,
+        kind=pb.SAVED_MODEL,
+        export_dir=export_dir,
+        step=world.step,
+        variables=world.variables,
+        snapshot_bytes=world.nbytes,
     )
     requests = [pb.SaveRequest(header=header)] + [pb.SaveRequest(chunk=c) for c in world.good_chunks]
     decision, result = list(stub.Save(iter(requests), timeout=RPC_TIMEOUT))
@@ -558,8 +568,12 @@ def test_fuzzed_requests_never_crash_leak_or_answer_outside_the_table(fuzzer: Fu
 
 def good_header(world: World, run: str, export_dir: str) -> pb.SaveHeader:
     return pb.SaveHeader(
-        run=run, kind=pb.SAVED_MODEL, export_dir=export_dir, step=world.step,
-        variables=world.variables, snapshot_bytes=world.nbytes,
+        run=run,
+        kind=pb.SAVED_MODEL,
+        export_dir=export_dir,
+        step=world.step,
+        variables=world.variables,
+        snapshot_bytes=world.nbytes,
     )
 
 
@@ -607,7 +621,9 @@ def test_stalled_uploads_are_cut_off_by_the_upload_timeout_and_free_their_lanes(
 
 def _template_requests(world: World, run: str, files: dict[str, bytes]) -> list[pb.RegisterRunRequest]:
     header = pb.RegisterRunHeader(
-        run=run, variables=world.variables, checkpoint_object_graph=world.graph,
+        run=run,
+        variables=world.variables,
+        checkpoint_object_graph=world.graph,
         template_bytes=sum(len(b) for b in files.values()),
     )
     return [pb.RegisterRunRequest(header=header)] + [
@@ -619,9 +635,7 @@ def _template_files(world: World) -> dict[str, bytes]:
     return {c.path: c.data for c in world.template_chunks}  # one chunk per file (< 1 MiB)
 
 
-def test_template_with_a_short_variables_data_file_is_invalid(
-    fuzz_daemon: Daemon, world: World
-) -> None:
+def test_template_with_a_short_variables_data_file_is_invalid(fuzz_daemon: Daemon, world: World) -> None:
     files = _template_files(world)
     files[DATA_FILE] = files[DATA_FILE][:1]  # the index still promises 4 KB of values
     with grpc.insecure_channel(fuzz_daemon.address) as channel:
@@ -683,10 +697,12 @@ def test_a_declared_snapshot_size_does_not_commit_memory_before_the_data_arrives
     key = "numpy_arrays/a0/.ATTRIBUTES/py_state"
     header = good_header(world, "declared", "big")
     header.snapshot_bytes = world.nbytes + declared
-    header.numpy_state.CopyFrom(pb.NumpyState(
-        object_graph=numpy_graph([key]),
-        entries=[pb.NumpyStateEntry(checkpoint_key=key, nbytes=declared)],
-    ))
+    header.numpy_state.CopyFrom(
+        pb.NumpyState(
+            object_graph=numpy_graph([key]),
+            entries=[pb.NumpyStateEntry(checkpoint_key=key, nbytes=declared)],
+        )
+    )
     with grpc.insecure_channel(daemon.address) as channel:
         stub = Stub(channel)
         register(stub, "declared", world)

@@ -166,9 +166,7 @@ def trainers(load_daemon: Daemon) -> Iterator[list[Trainer]]:
             run = f"own-{i:02d}" if i < OWN_RUNS else SHARED_RUN
             policy = policies.build(policies.q(hidden=(8,)))
             train_step = tf.Variable(0, dtype=tf.int64)
-            saver = RemotePolicySaver(
-                policy, load_daemon.address, run=run, train_step=train_step, timeout=TIMEOUT
-            )
+            saver = RemotePolicySaver(policy, load_daemon.address, run=run, train_step=train_step, timeout=TIMEOUT)
             made.append(Trainer(f"t{i:02d}", run, i + 1, saver, policy, train_step))
             saver.register()  # the template export stays out of the timed loop
         yield made
@@ -188,10 +186,7 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
     daemon = load_daemon
     stop = threading.Event()
     start = threading.Barrier(len(trainers) + 1)
-    threads = [
-        threading.Thread(target=t.loop, args=(start, stop), name=t.name, daemon=True)
-        for t in trainers
-    ]
+    threads = [threading.Thread(target=t.loop, args=(start, stop), name=t.name, daemon=True) for t in trainers]
     idle_rss = rss_bytes(daemon.proc.pid)
     with RssSampler(daemon.proc.pid) as rss:
         for thread in threads:

@@ -119,9 +119,7 @@ EXPECTED = {
 
 def test_every_series_exists_at_zero_before_any_save(sequence: Sequence) -> None:
     m = sequence.before
-    assert {
-        (k, o): m("checkpointd_saves_total", kind=k, outcome=o) for k, o in EXPECTED
-    } == dict.fromkeys(EXPECTED, 0)
+    assert {(k, o): m("checkpointd_saves_total", kind=k, outcome=o) for k, o in EXPECTED} == dict.fromkeys(EXPECTED, 0)
     for kind in KINDS:
         assert m("checkpointd_saves_skipped_total", kind=kind) == 0
         assert m("checkpointd_save_duration_seconds_count", kind=kind) == 0
@@ -132,9 +130,7 @@ def test_every_series_exists_at_zero_before_any_save(sequence: Sequence) -> None
 def test_saves_total_counts_each_kind_and_outcome(sequence: Sequence) -> None:
     m = sequence.end
     assert m.types["checkpointd_saves"] == "counter"
-    assert {
-        (k, o): m("checkpointd_saves_total", kind=k, outcome=o) for k, o in EXPECTED
-    } == EXPECTED
+    assert {(k, o): m("checkpointd_saves_total", kind=k, outcome=o) for k, o in EXPECTED} == EXPECTED
 
 
 def test_skipped_total_counts_the_forced_skips(sequence: Sequence) -> None:
@@ -156,11 +152,7 @@ def test_duration_histogram_counts_ok_and_failed_saves_by_kind(sequence: Sequenc
         count = m("checkpointd_save_duration_seconds_count", kind=kind)
         assert count == EXPECTED[(kind, "ok")] + EXPECTED[(kind, "failed")]
         assert m("checkpointd_save_duration_seconds_bucket", kind=kind, le="+Inf") == count
-        assert (
-            0
-            < m("checkpointd_save_duration_seconds_sum", kind=kind)
-            < sequence.finished - sequence.started
-        )
+        assert 0 < m("checkpointd_save_duration_seconds_sum", kind=kind) < sequence.finished - sequence.started
 
 
 def test_written_bytes_is_the_sum_of_save_results(sequence: Sequence) -> None:
@@ -178,9 +170,7 @@ def test_last_success_is_the_time_of_the_last_durable_save(sequence: Sequence) -
 def test_status_tells_the_same_story(sequence: Sequence) -> None:
     status = sequence.status
     assert (status.saves_ok, status.saves_skipped, status.saves_failed) == (4, 3, 1)
-    assert status.last_success.unix_seconds == sequence.end(
-        "checkpointd_last_success_timestamp_seconds", run=RUN
-    )
+    assert status.last_success.unix_seconds == sequence.end("checkpointd_last_success_timestamp_seconds", run=RUN)
     assert status.last_success.step == 4
     assert "blocker" in status.last_error
 

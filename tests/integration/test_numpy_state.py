@@ -21,8 +21,8 @@ import tensorflow as tf
 from tf_agents.policies import policy_loader, py_tf_eager_policy
 from tf_agents.utils import numpy_storage
 
-from checkpointd.storage import save_manifest
 from checkpointd.cli import verify
+from checkpointd.storage import save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemotePolicySaver, RunNotFoundError
@@ -81,9 +81,7 @@ def a_state() -> numpy_storage.NumpyState:
     return state
 
 
-def test_the_numpy_state_checkpoint_is_byte_identical_to_checkpoint_write(
-    savers: Savers, tmp_path: Path
-) -> None:
+def test_the_numpy_state_checkpoint_is_byte_identical_to_checkpoint_write(savers: Savers, tmp_path: Path) -> None:
     state = a_state()
     saver = savers("np-bytes", state)
     reference = tmp_path / "reference" / "ckpt"
@@ -180,9 +178,7 @@ def test_the_loaders_and_verify_do_not_notice_the_numpy_state(savers: Savers) ->
     assert {f"numpy_state/{name}" for name in NUMPY_FILES} <= listed
 
 
-def test_entries_that_disagree_with_the_object_graph_are_refused(
-    daemon: Daemon, savers: Savers
-) -> None:
+def test_entries_that_disagree_with_the_object_graph_are_refused(daemon: Daemon, savers: Savers) -> None:
     state = numpy_storage.NumpyState()
     state.x, state.y = np.zeros(1), np.ones(1)
     saver = savers("np-bad", state)

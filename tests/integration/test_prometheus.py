@@ -61,9 +61,7 @@ POLL = 0.1
 
 
 def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PROMTOOL, *args], input=stdin, capture_output=True, text=True, timeout=60, cwd=FILES
-    )
+    return subprocess.run([PROMTOOL, *args], input=stdin, capture_output=True, text=True, timeout=60, cwd=FILES)
 
 
 def _ok(done: subprocess.CompletedProcess[str]) -> str:
@@ -216,9 +214,7 @@ def scenario(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     try:
         prom.wait_for(f"up{{{JOB}}}", 1)
         train_step = tf.Variable(0, dtype=tf.int64)
-        saver = RemotePolicySaver(
-            policies.build(policies.q()), daemon.address, run=RUN, train_step=train_step
-        )
+        saver = RemotePolicySaver(policies.build(policies.q()), daemon.address, run=RUN, train_step=train_step)
         saver.register()
         results: dict[str, SaveResult | pb.SaveResult] = {}
         results["first"] = saver.save("first", blocking=True).result()
@@ -269,9 +265,7 @@ def scenario(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         ("checkpoint", "failed", 0),
     ],
 )
-def test_prometheus_counts_every_outcome(
-    scenario: Scenario, kind: str, outcome: str, expected: int
-) -> None:
+def test_prometheus_counts_every_outcome(scenario: Scenario, kind: str, outcome: str, expected: int) -> None:
     expr = _series("checkpointd_saves_total", kind=kind, outcome=outcome)
     scenario.prom.wait_for(expr, expected)
 
@@ -298,43 +292,31 @@ def test_prometheus_sees_each_phase_of_each_accepted_save(scenario: Scenario) ->
     # `queued` queued, and `held` transferred, while the test watched the lane held.
     bound = scenario.held_lower_bound
     for phase in ("queue", "transfer"):
-        scenario.prom.wait_for(
-            _series(f"{name}_sum", kind="saved_model", phase=phase), lambda v: v >= bound
-        )
+        scenario.prom.wait_for(_series(f"{name}_sum", kind="saved_model", phase=phase), lambda v: v >= bound)
 
 
 def test_prometheus_sees_the_written_bytes(scenario: Scenario) -> None:
     r = scenario.results
     saved_model = r["first"].bytes_written + r["held"].bytes_written + r["queued"].bytes_written
     scenario.prom.wait_for(_series("checkpointd_written_bytes_total", kind="saved_model"), saved_model)
-    scenario.prom.wait_for(
-        _series("checkpointd_written_bytes_total", kind="checkpoint"), r["ckpt"].bytes_written
-    )
+    scenario.prom.wait_for(_series("checkpointd_written_bytes_total", kind="checkpoint"), r["ckpt"].bytes_written)
 
 
 def test_prometheus_sees_the_runs_last_success(scenario: Scenario) -> None:
     assert scenario.last_success > 0
-    scenario.prom.wait_for(
-        _series("checkpointd_last_success_timestamp_seconds", run=RUN), scenario.last_success
-    )
+    scenario.prom.wait_for(_series("checkpointd_last_success_timestamp_seconds", run=RUN), scenario.last_success)
     # A run that saved a moment ago is far from the 30-minute alert.
     age = scenario.prom.values(f"time() - {_series('checkpointd_last_success_timestamp_seconds', run=RUN)}")
     assert len(age) == 1 and -5 < age[0] < 300, age
 
 
 def test_the_failed_save_fires_its_alert_and_nothing_else_fires(scenario: Scenario) -> None:
-    alerts = scenario.prom.wait_for_alerts(
-        lambda a: a.get("CheckpointdSaveFailed", {}).get("state") == "firing"
-    )
+    alerts = scenario.prom.wait_for_alerts(lambda a: a.get("CheckpointdSaveFailed", {}).get("state") == "firing")
     failed = alerts["CheckpointdSaveFailed"]
     assert failed["labels"]["kind"] == "saved_model"
     assert "checkpointd status" in failed["annotations"]["description"]
     assert set(alerts) == {"CheckpointdSaveFailed"}, alerts
-    rules = {
-        r["name"]: r
-        for group in scenario.prom.get("/api/v1/rules")["groups"]
-        for r in group["rules"]
-    }
+    rules = {r["name"]: r for group in scenario.prom.get("/api/v1/rules")["groups"] for r in group["rules"]}
     assert set(rules) == {
         "CheckpointdRunNotCheckpointing",
         "CheckpointdSkipRatioHigh",
@@ -365,9 +347,7 @@ def test_the_daemons_metrics_pass_promtool(scenario: Scenario) -> None:
     _ok(promtool("check", "metrics", stdin=text))
 
 
-def test_a_stopped_daemon_makes_the_down_alert_pending(
-    fresh_daemon: Callable[..., Daemon], tmp_path: Path
-) -> None:
+def test_a_stopped_daemon_makes_the_down_alert_pending(fresh_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
     d = fresh_daemon()
     prom = start_prometheus(tmp_path / "prometheus", d.metrics_port)
     try:

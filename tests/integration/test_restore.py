@@ -91,9 +91,7 @@ def test_latest_is_the_newest_committed_save_of_the_run(env: Env, policy: object
     assert (env.daemon.root / "lt" / "policies" / "other").is_dir()
 
 
-def test_restore_assigns_the_saved_values_to_policy_train_step_and_metadata(
-    env: Env, policy: object
-) -> None:
+def test_restore_assigns_the_saved_values_to_policy_train_step_and_metadata(env: Env, policy: object) -> None:
     metadata = {"env_steps": tf.Variable(0, dtype=tf.int64), "score": tf.Variable(0.0)}
     saver, step = env.saver(policy, "rs", metadata=metadata)
     saved = {}
@@ -143,9 +141,7 @@ def test_restore_streams_checked_chunks_of_at_most_1_mib(env: Env) -> None:
     assert payload == expected
 
 
-def test_restore_refuses_unknown_runs_missing_saves_and_saves_of_another_policy(
-    env: Env, policy: object
-) -> None:
+def test_restore_refuses_unknown_runs_missing_saves_and_saves_of_another_policy(env: Env, policy: object) -> None:
     def code(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
         with pytest.raises(grpc.RpcError) as raised:
             call()
@@ -184,9 +180,7 @@ def test_restore_refuses_unknown_runs_missing_saves_and_saves_of_another_policy(
     assert all(a.tobytes() == b.tobytes() for a, b in zip(policies.values(wider), before, strict=True))
 
 
-def test_latest_and_restore_after_a_daemon_restart(
-    fresh_daemon: Callable[..., Daemon], policy: object
-) -> None:
+def test_latest_and_restore_after_a_daemon_restart(fresh_daemon: Callable[..., Daemon], policy: object) -> None:
     first = fresh_daemon()
     train_step = tf.Variable(4, dtype=tf.int64)
     saver = RemotePolicySaver(policy, first.address, run="rr", train_step=train_step, timeout=TIMEOUT)

@@ -97,9 +97,7 @@ class Case:
         return self._loaded[which]
 
 
-def _set_state(
-    policy: TFPolicy, step: tf.Variable, meta: dict[str, tf.Variable], seed: int
-) -> None:
+def _set_state(policy: TFPolicy, step: tf.Variable, meta: dict[str, tf.Variable], seed: int) -> None:
     policies.perturb(policy, seed)
     step.assign(STEP if seed == 1 else LATER_STEP)
     meta["env_steps"].assign(1000 * seed)
@@ -127,9 +125,7 @@ def _build_case(daemon: Daemon, tmp: Path, kind: str, nest: bool) -> Case:
         "env_steps": tf.Variable(0, dtype=tf.int64),
         "mean_return": tf.Variable(0.0, dtype=tf.float32),
     }
-    args = dict(
-        batch_size=None, use_nest_path_signatures=nest, seed=SEED, train_step=step, metadata=meta
-    )
+    args = dict(batch_size=None, use_nest_path_signatures=nest, seed=SEED, train_step=step, metadata=meta)
     # The daemon shares its host with this test, so saves go through shared
     # memory; the spec-names cases turn it off and stream 256-byte chunks,
     # so every policy kind is checked byte for byte on both transports.
@@ -150,19 +146,13 @@ def _build_case(daemon: Daemon, tmp: Path, kind: str, nest: bool) -> Case:
     def change() -> None:
         _set_state(policy, step, meta, seed=2)
 
-    results = {
-        SaveKind.CHECKPOINT: _point_in_time_save(
-            saver, SaveKind.CHECKPOINT, "checkpoints/ck", change
-        )
-    }
+    results = {SaveKind.CHECKPOINT: _point_in_time_save(saver, SaveKind.CHECKPOINT, "checkpoints/ck", change)}
     later = policies.values(policy)
     policies.restore(policy, expected)  # back to the state at STEP for the second kind
     step.assign(STEP)
     for k, v in meta.items():
         v.assign(metadata[k])
-    results[SaveKind.SAVED_MODEL] = _point_in_time_save(
-        saver, SaveKind.SAVED_MODEL, f"policies/{STEP:08d}", change
-    )
+    results[SaveKind.SAVED_MODEL] = _point_in_time_save(saver, SaveKind.SAVED_MODEL, f"policies/{STEP:08d}", change)
     run_dir = daemon.root / run
     return Case(
         kind, nest, run, policy, saver, expected, metadata, later,
@@ -176,9 +166,7 @@ def _build_case(daemon: Daemon, tmp: Path, kind: str, nest: bool) -> Case:
 
 
 @pytest.fixture(scope="module")
-def cases(
-    daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[str, bool], Case]]:
+def cases(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, bool], Case]]:
     """Builds each case at its first use; closes every saver at the end."""
     built: dict[tuple[str, bool], Case] = {}
 
@@ -208,9 +196,7 @@ def decide(loaded: Any, kind: str, time_step: Any, state: Any = ()) -> np.ndarra
 
 
 @pytest.mark.parametrize("kind, nest", ALL, ids=_ids(ALL))
-def test_output_loads_with_every_policy_function(
-    cases: Callable[[str, bool], Case], kind: str, nest: bool
-) -> None:
+def test_output_loads_with_every_policy_function(cases: Callable[[str, bool], Case], kind: str, nest: bool) -> None:
     case = cases(kind, nest)
     loaded, ref = case.load("out_sm"), case.load("ref_sm")
     policies.assert_policy_functions(loaded)
@@ -219,14 +205,14 @@ def test_output_loads_with_every_policy_function(
     assert len(got) == len(case.expected)
     for value, want in zip(got, case.expected, strict=True):
         assert value.tobytes() == want.tobytes()
-    distribution = loaded.distribution(
-        policies.time_steps(2), loaded.get_initial_state(batch_size=2)
-    )
+    distribution = loaded.distribution(policies.time_steps(2), loaded.get_initial_state(batch_size=2))
     assert distribution.action.batch_shape == [2]
 
 
 @pytest.mark.parametrize("kind, nest", ALL, ids=_ids(ALL))
-def test_each_case_used_its_transport(daemon: Daemon, cases: Callable[[str, bool], Case], kind: str, nest: bool) -> None:
+def test_each_case_used_its_transport(
+    daemon: Daemon, cases: Callable[[str, bool], Case], kind: str, nest: bool
+) -> None:
     case = cases(kind, nest)
     saved = [line for line in daemon.log().splitlines() if f"saved run={case.run} " in line]
     assert len(saved) == 3, saved  # initial, the checkpoint, the SavedModel
@@ -235,9 +221,7 @@ def test_each_case_used_its_transport(daemon: Daemon, cases: Callable[[str, bool
 
 
 @pytest.mark.parametrize("kind, nest", ALL, ids=_ids(ALL))
-def test_variables_are_bit_identical_to_policy_saver(
-    cases: Callable[[str, bool], Case], kind: str, nest: bool
-) -> None:
+def test_variables_are_bit_identical_to_policy_saver(cases: Callable[[str, bool], Case], kind: str, nest: bool) -> None:
     case = cases(kind, nest)
     for ours, theirs in ((case.out_sm, case.ref_sm), (case.out_ck, case.ref_ck)):
         got, want = read_checkpoint(ours), read_checkpoint(theirs)
@@ -248,15 +232,11 @@ def test_variables_are_bit_identical_to_policy_saver(
             assert got[key].tobytes() == value.tobytes(), key
         assert int(got[TRAIN_STEP_KEY]) == STEP
         for i, value in enumerate(case.expected):
-            assert got[f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE"].tobytes() == (
-                value.tobytes()
-            )
+            assert got[f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE"].tobytes() == (value.tobytes())
 
 
 @pytest.mark.parametrize("kind, nest", ALL, ids=_ids(ALL))
-def test_actions_match_policy_saver_output(
-    cases: Callable[[str, bool], Case], kind: str, nest: bool
-) -> None:
+def test_actions_match_policy_saver_output(cases: Callable[[str, bool], Case], kind: str, nest: bool) -> None:
     case = cases(kind, nest)
     loaded, ref = case.load("out_sm"), case.load("ref_sm")
     steps = policies.mid_steps(16, seed=3)
@@ -295,9 +275,7 @@ def _flat_call(
     inputs: object,
 ) -> dict[str, np.ndarray]:
     """Calls a flat signature with its own argument names, matched to the specs' names."""
-    by_name = {
-        s.name: v for s, v in zip(tf.nest.flatten(input_spec), tf.nest.flatten(inputs), strict=True)
-    }
+    by_name = {s.name: v for s, v in zip(tf.nest.flatten(input_spec), tf.nest.flatten(inputs), strict=True)}
     arguments = fn.structured_input_signature[1]
     assert {s.name for s in arguments.values()} == set(by_name)
     outputs = fn(**{k: by_name[s.name] for k, s in arguments.items()})
@@ -355,9 +333,7 @@ def test_save_holds_the_state_at_the_call_not_the_changes_after_it(
 
 
 @pytest.mark.parametrize("kind, nest", ALL, ids=_ids(ALL))
-def test_metadata_round_trips_through_get_metadata(
-    cases: Callable[[str, bool], Case], kind: str, nest: bool
-) -> None:
+def test_metadata_round_trips_through_get_metadata(cases: Callable[[str, bool], Case], kind: str, nest: bool) -> None:
     case = cases(kind, nest)
     got = {k: v.numpy() for k, v in case.load("out_sm").get_metadata().items()}
     assert got.keys() == case.metadata.keys() == {"env_steps", "mean_return"}
@@ -374,13 +350,9 @@ LOADERS = [("q", True), ("actor", True), ("recurrent", False)]
 
 
 @pytest.mark.parametrize("kind, nest", LOADERS, ids=_ids(LOADERS))
-def test_checkpoint_updates_a_loaded_policy(
-    cases: Callable[[str, bool], Case], kind: str, nest: bool
-) -> None:
+def test_checkpoint_updates_a_loaded_policy(cases: Callable[[str, bool], Case], kind: str, nest: bool) -> None:
     case = cases(kind, nest)
-    policy = py_tf_eager_policy.SavedModelPyTFEagerPolicy(
-        str(case.initial), load_specs_from_pbtxt=True
-    )
+    policy = py_tf_eager_policy.SavedModelPyTFEagerPolicy(str(case.initial), load_specs_from_pbtxt=True)
     assert policy.get_train_step() == 0
     before = [v.numpy() for v in policy.variables()]
     assert any(a.tobytes() != b.tobytes() for a, b in zip(before, case.expected, strict=True))
@@ -399,9 +371,7 @@ def test_checkpoint_updates_a_loaded_policy(
 
 
 @pytest.mark.parametrize("kind, nest", ALL, ids=_ids(ALL))
-def test_layout_and_save_result(
-    cases: Callable[[str, bool], Case], daemon: Daemon, kind: str, nest: bool
-) -> None:
+def test_layout_and_save_result(cases: Callable[[str, bool], Case], daemon: Daemon, kind: str, nest: bool) -> None:
     case = cases(kind, nest)
     assert files_under(case.ref_sm) == SAVED_MODEL_FILES
     assert files_under(case.out_sm) == SAVED_MODEL_FILES | DAEMON_FILES
@@ -414,9 +384,7 @@ def test_layout_and_save_result(
         assert os.path.realpath(result.path) == os.path.realpath(path)
         assert result.kind is kind_
         assert result.step == STEP
-        assert result.bytes_written == sum(
-            (path / f).stat().st_size for f in files_under(path)
-        ) > 0
+        assert result.bytes_written == sum((path / f).stat().st_size for f in files_under(path)) > 0
         assert result.duration_seconds >= 0
     assert checkpointd_entries(daemon.root) == []
 
@@ -425,9 +393,7 @@ def test_an_existing_export_dir_is_replaced_completely(daemon: Daemon) -> None:
     policy = policies.build(policies.q())
     step = tf.Variable(1, dtype=tf.int64)
     export = daemon.root / "path-replace" / "export"
-    with RemotePolicySaver(
-        policy, daemon.address, run="path-replace", train_step=step, timeout=TIMEOUT
-    ) as saver:
+    with RemotePolicySaver(policy, daemon.address, run="path-replace", train_step=step, timeout=TIMEOUT) as saver:
         saver.save("export", blocking=True)
         assert files_under(export) == SAVED_MODEL_FILES | DAEMON_FILES
         (export / "stray.txt").write_text("left by someone")
@@ -456,9 +422,7 @@ def test_register_function_shows_up_in_the_saved_model(daemon: Daemon) -> None:
     # Upstream async_policy_saver_test.testRegisterFunction, plus a save before
     # the registration: the template must be exported again after it.
     net = q_network.QNetwork(policies.OBS_SPEC, policies.DISCRETE, fc_layer_params=(8,))
-    policy = policies.build(
-        q_policy.QPolicy(policies.time_step_spec(), policies.DISCRETE, q_network=net)
-    )
+    policy = policies.build(q_policy.QPolicy(policies.time_step_spec(), policies.DISCRETE, q_network=net))
     saver = RemotePolicySaver(policy, daemon.address, run="path-register-fn", timeout=TIMEOUT)
     try:
         saver.save("before", blocking=True)

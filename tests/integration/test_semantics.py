@@ -47,6 +47,7 @@ from tests.integration.disk import (
 )
 from tests.integration.raw import TIMEOUT, HeldSave, run_status
 
+
 class Env:
     """Makes savers and held saves for one test; closes them all, bounded, at teardown."""
 
@@ -58,9 +59,7 @@ class Env:
         self._channel = grpc.insecure_channel(daemon.address)
         self._stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
 
-    def saver(
-        self, run: str, policy: object | None = None, step: int = 0
-    ) -> tuple[RemotePolicySaver, tf.Variable]:
+    def saver(self, run: str, policy: object | None = None, step: int = 0) -> tuple[RemotePolicySaver, tf.Variable]:
         train_step = tf.Variable(step, dtype=tf.int64)
         saver = RemotePolicySaver(
             policy or self.policy, self.daemon.address, run=run, train_step=train_step,
@@ -237,12 +236,8 @@ def test_close_flushes_then_every_saver_of_the_run_is_refused(env: Env) -> None:
 # Failure, cancellation, lanes per run.
 
 
-@pytest.mark.parametrize(
-    "export_dir", ["blocked", "blocked/policy"], ids=["file_at_export_dir", "file_as_parent"]
-)
-def test_a_failed_save_reaches_the_caller_and_the_lane_keeps_serving(
-    env: Env, export_dir: str
-) -> None:
+@pytest.mark.parametrize("export_dir", ["blocked", "blocked/policy"], ids=["file_at_export_dir", "file_as_parent"])
+def test_a_failed_save_reaches_the_caller_and_the_lane_keeps_serving(env: Env, export_dir: str) -> None:
     run = f"sem-fail-{export_dir.replace('/', '-')}"
     saver, _ = env.saver(run)
     run_dir = env.run_dir(run)

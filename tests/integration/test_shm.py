@@ -36,9 +36,7 @@ def savers(policy: object) -> Iterator[Callable[..., tuple[RemotePolicySaver, tf
 
     def make(daemon: Daemon, run: str, **kwargs: object) -> tuple[RemotePolicySaver, tf.Variable]:
         step = tf.Variable(3, dtype=tf.int64)
-        saver = RemotePolicySaver(
-            policy, daemon.address, run=run, train_step=step, timeout=TIMEOUT, **kwargs
-        )
+        saver = RemotePolicySaver(policy, daemon.address, run=run, train_step=step, timeout=TIMEOUT, **kwargs)
         made.append(saver)
         return saver, step
 
@@ -48,9 +46,7 @@ def savers(policy: object) -> Iterator[Callable[..., tuple[RemotePolicySaver, tf
 
 
 def _received(daemon: Daemon, transport: str) -> float:
-    return Metrics(daemon.metrics_url)(
-        "checkpointd_snapshots_received_total", kind="saved_model", transport=transport
-    )
+    return Metrics(daemon.metrics_url)("checkpointd_snapshots_received_total", kind="saved_model", transport=transport)
 
 
 def _folders(shm_root: Path) -> list[Path]:
@@ -140,9 +136,7 @@ def test_a_segment_the_trainer_cannot_open_falls_back_to_grpc(
     assert len(list(_folders(tmp_path)[0].iterdir())) == 1
 
 
-def test_claiming_shared_memory_that_was_not_offered_is_refused(
-    daemon: Daemon, tmp_path: Path
-) -> None:
+def test_claiming_shared_memory_that_was_not_offered_is_refused(daemon: Daemon, tmp_path: Path) -> None:
     template = export_template(policies.build(policies.q()), tmp_path / "template")
     with daemon.channel() as channel:
         stub = Stub(channel)

@@ -52,9 +52,7 @@ def checkpoint(step: int) -> str:
     return f"policies/checkpoints/policy_checkpoint_{step:010d}"
 
 
-def test_the_trigger_writes_what_upstream_writes_in_a_learner_loop(
-    daemon: Daemon, tmp_path: Path
-) -> None:
+def test_the_trigger_writes_what_upstream_writes_in_a_learner_loop(daemon: Daemon, tmp_path: Path) -> None:
     trainer = dqn.build(seed=0)
     ours_metric, upstream_metric = py_metrics.CounterMetric(), py_metrics.CounterMetric()
     with pytest.raises(NotImplementedError):  # upstream refuses what the remote trigger does
@@ -99,9 +97,7 @@ def test_the_trigger_writes_what_upstream_writes_in_a_learner_loop(
     assert manifests == expected
 
     # TF-Agents' loaders: any saved policy updates from the raw policy's checkpoints.
-    raw = py_tf_eager_policy.SavedModelPyTFEagerPolicy(
-        str(run_dir / "policies/policy"), load_specs_from_pbtxt=True
-    )
+    raw = py_tf_eager_policy.SavedModelPyTFEagerPolicy(str(run_dir / "policies/policy"), load_specs_from_pbtxt=True)
     raw.update_from_checkpoint(str(run_dir / checkpoint(6)))
     assert raw.get_train_step() == 6 and int(raw.get_metadata()[ENV_STEP]) == 3
     loaded_raw = policy_loader.load(str(run_dir / "policies/policy"), str(run_dir / checkpoint(7)))
@@ -135,9 +131,7 @@ def _started(proc: subprocess.Popen, timeout: float) -> str:
     return line.strip()
 
 
-def test_a_killed_trainer_resumes_from_the_daemons_newest_checkpoint(
-    daemon: Daemon, tmp_path: Path
-) -> None:
+def test_a_killed_trainer_resumes_from_the_daemons_newest_checkpoint(daemon: Daemon, tmp_path: Path) -> None:
     rounds = 2
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.trainer_proc", daemon.address, "resume",

@@ -31,14 +31,14 @@ from tf_agents.policies import (
 from tf_agents.specs import tensor_spec
 from tf_agents.trajectories import time_step as ts
 
-from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import VariableSpec
-from checkpointd.storage.save_manifest import MANIFEST_NAME
 from checkpointd.core.ports import SaveMeta
 from checkpointd.formats.policy import PolicyFormat
+from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.pipeline import write_save
 from checkpointd.storage.local import LocalStore
+from checkpointd.storage.save_manifest import MANIFEST_NAME
 from checkpointd_client import snapshot as client_snapshot
 from tests.integration import policies
 from tests.integration.disk import files_under
@@ -64,27 +64,21 @@ class TfWriter:
         meta = SaveMeta(run, kind, step, target.name if export_dir is None else export_dir)
         return write_save(store, self.format, meta, manifest, target, snapshot, numpy_state)
 
+
 _VARIABLES = ("variables.index", "variables.data-00000-of-00001")
 _OBS_SPEC = tf.TensorSpec([4], tf.float32)
 _SNAPSHOT_STEP = 42
 
 
-def bind(
-    saver: policy_saver.PolicySaver, template_dir: Path
-) -> tuple[list[tuple[VariableSpec, tf.Variable]], bytes]:
+def bind(saver: policy_saver.PolicySaver, template_dir: Path) -> tuple[list[tuple[VariableSpec, tf.Variable]], bytes]:
     """What the client sends at registration: variable specs (with their variables), object graph."""
     bindings = client_snapshot.bind(saver, str(template_dir))
-    bound = [
-        (VariableSpec(b.key, b.checkpoint_key, b.dtype, b.shape), b.variable)
-        for b in bindings.variables
-    ]
+    bound = [(VariableSpec(b.key, b.checkpoint_key, b.dtype, b.shape), b.variable) for b in bindings.variables]
     return bound, bindings.object_graph
 
 
 def snapshot(bound: list[tuple[VariableSpec, tf.Variable]]) -> bytes:
-    return b"".join(
-        np.ascontiguousarray(v.numpy()).astype(v.dtype.as_numpy_dtype).tobytes() for _, v in bound
-    )
+    return b"".join(np.ascontiguousarray(v.numpy()).astype(v.dtype.as_numpy_dtype).tobytes() for _, v in bound)
 
 
 def read_checkpoint(prefix: Path) -> dict[str, np.ndarray | bytes]:
@@ -119,12 +113,8 @@ def _make_policy(name: str, train_step: tf.Variable) -> policy_saver.PolicySaver
         policy = q_policy.QPolicy(time_step_spec, action_spec, q_network=net)
     else:  # a greedy continuous actor: deterministic actions, different variables
         action_spec = tensor_spec.BoundedTensorSpec([2], tf.float32, -1.0, 1.0)
-        net = actor_distribution_network.ActorDistributionNetwork(
-            _OBS_SPEC, action_spec, fc_layer_params=(8,)
-        )
-        policy = greedy_policy.GreedyPolicy(
-            actor_policy.ActorPolicy(time_step_spec, action_spec, actor_network=net)
-        )
+        net = actor_distribution_network.ActorDistributionNetwork(_OBS_SPEC, action_spec, fc_layer_params=(8,))
+        policy = greedy_policy.GreedyPolicy(actor_policy.ActorPolicy(time_step_spec, action_spec, actor_network=net))
     return policy_saver.PolicySaver(policy, train_step=train_step, metadata=metadata)
 
 
@@ -179,12 +169,8 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     assert list(manifest.variables) == specs
     assert memoryview(snap).nbytes == manifest.nbytes
     written = {
-        SaveKind.SAVED_MODEL: writer.write(
-            "run1", SaveKind.SAVED_MODEL, root / "out" / "sm", memoryview(snap)
-        ),
-        SaveKind.CHECKPOINT: writer.write(
-            "run1", SaveKind.CHECKPOINT, root / "out" / "ck", bytearray(snap)
-        ),
+        SaveKind.SAVED_MODEL: writer.write("run1", SaveKind.SAVED_MODEL, root / "out" / "sm", memoryview(snap)),
+        SaveKind.CHECKPOINT: writer.write("run1", SaveKind.CHECKPOINT, root / "out" / "ck", bytearray(snap)),
     }
     return Case(
         request.param, root / "template", specs, graph, snap, expected, actions,
@@ -219,28 +205,20 @@ def test_saved_model_holds_the_snapshot_not_the_live_state(case: Case) -> None:
 
 def test_saved_model_variables_are_bit_identical_to_policy_saver(case: Case) -> None:
     ours, theirs = read_checkpoint(case.out_sm), read_checkpoint(case.ref_sm)
-    assert (
-        set(ours) == set(theirs) == {s.key for s in case.specs} | {"_CHECKPOINTABLE_OBJECT_GRAPH"}
-    )
+    assert set(ours) == set(theirs) == {s.key for s in case.specs} | {"_CHECKPOINTABLE_OBJECT_GRAPH"}
     for key, value in theirs.items():
         assert np.asarray(ours[key]).tobytes() == np.asarray(value).tobytes(), key
         if key in case.expected:
             assert np.asarray(value).tobytes() == case.expected[key].tobytes(), key
     # Same tensor order as TF's saver: the files themselves are identical.
     for name in _VARIABLES:
-        assert (case.out_sm / "variables" / name).read_bytes() == (
-            case.ref_sm / "variables" / name
-        ).read_bytes()
+        assert (case.out_sm / "variables" / name).read_bytes() == (case.ref_sm / "variables" / name).read_bytes()
 
 
 def test_fingerprint_is_true_for_the_written_content(case: Case) -> None:
     ours = fingerprint_pb2.FingerprintDef.FromString((case.out_sm / "fingerprint.pb").read_bytes())
-    theirs = fingerprint_pb2.FingerprintDef.FromString(
-        (case.ref_sm / "fingerprint.pb").read_bytes()
-    )
-    fresh = fingerprint_pb2.FingerprintDef.FromString(
-        fingerprinting.CreateFingerprintDef(str(case.out_sm))
-    )
+    theirs = fingerprint_pb2.FingerprintDef.FromString((case.ref_sm / "fingerprint.pb").read_bytes())
+    fresh = fingerprint_pb2.FingerprintDef.FromString(fingerprinting.CreateFingerprintDef(str(case.out_sm)))
     assert ours.checkpoint_hash == theirs.checkpoint_hash != 0
     assert ours.saved_model_checksum == fresh.saved_model_checksum != 0
     assert ours == fresh
@@ -248,31 +226,21 @@ def test_fingerprint_is_true_for_the_written_content(case: Case) -> None:
 
 def test_checkpoint_is_the_layout_of_save_checkpoint(case: Case) -> None:
     assert (
-        files_under(case.out_ck) - {MANIFEST_NAME}
-        == files_under(case.ref_ck)
-        == {f"variables/{n}" for n in _VARIABLES}
+        files_under(case.out_ck) - {MANIFEST_NAME} == files_under(case.ref_ck) == {f"variables/{n}" for n in _VARIABLES}
     )
     ours, theirs = read_checkpoint(case.out_ck), read_checkpoint(case.ref_ck)
-    assert (
-        set(ours)
-        == set(theirs)
-        == {s.checkpoint_key for s in case.specs} | {"_CHECKPOINTABLE_OBJECT_GRAPH"}
-    )
+    assert set(ours) == set(theirs) == {s.checkpoint_key for s in case.specs} | {"_CHECKPOINTABLE_OBJECT_GRAPH"}
     for key, value in theirs.items():
         assert np.asarray(ours[key]).tobytes() == np.asarray(value).tobytes(), key
     for name in _VARIABLES:
-        assert (case.out_ck / "variables" / name).read_bytes() == (
-            case.ref_ck / "variables" / name
-        ).read_bytes()
+        assert (case.out_ck / "variables" / name).read_bytes() == (case.ref_ck / "variables" / name).read_bytes()
     assert case.written[SaveKind.CHECKPOINT] == sum(
         (case.out_ck / n).stat().st_size for n in (*(f"variables/{n}" for n in _VARIABLES), MANIFEST_NAME)
     )
 
 
 def test_checkpoint_updates_a_loaded_policy(case: Case) -> None:
-    policy = py_tf_eager_policy.SavedModelPyTFEagerPolicy(
-        str(case.template), load_specs_from_pbtxt=True
-    )
+    policy = py_tf_eager_policy.SavedModelPyTFEagerPolicy(str(case.template), load_specs_from_pbtxt=True)
     assert policy.get_train_step() == 0
     policy.update_from_checkpoint(str(case.out_ck))
     assert policy.get_train_step() == _SNAPSHOT_STEP

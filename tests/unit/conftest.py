@@ -29,9 +29,7 @@ class RecordingSink:
     def save_skipped(self, run: str, kind: str) -> None:
         self.calls.append(("skipped", run, kind))
 
-    def save_written(
-        self, run: str, kind: str, bytes_written: int, seconds: float, at: float
-    ) -> None:
+    def save_written(self, run: str, kind: str, bytes_written: int, seconds: float, at: float) -> None:
         self.calls.append(("written", run, kind, bytes_written, seconds, at))
 
     def save_failed(self, run: str, kind: str, seconds: float) -> None:

@@ -18,10 +18,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from checkpointd.rpc import auth
-from checkpointd.cli import ops
-from checkpointd.cli import OpsCommand, config_from_args
+from checkpointd.cli import OpsCommand, config_from_args, ops
 from checkpointd.core.config import ServeConfig
+from checkpointd.rpc import auth
 from checkpointd.saves.shm import default_shm_root
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
@@ -179,7 +178,9 @@ def test_security_is_off_by_default() -> None:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("argv", [["serve", "--token", TOKEN], ["serve", f"--token={TOKEN}"], ["status", "--token", TOKEN]])
+@pytest.mark.parametrize(
+    "argv", [["serve", "--token", TOKEN], ["serve", f"--token={TOKEN}"], ["status", "--token", TOKEN]]
+)
 def test_a_token_on_the_command_line_is_refused_without_echo(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as raised:
         config_from_args(argv)
@@ -197,7 +198,9 @@ def test_option_names_are_not_abbreviated(command: str) -> None:
     assert raised.value.code == 2
 
 
-@pytest.mark.parametrize("argv", [["serve", "--tls-cert", "c"], ["serve", "--tls-client-ca", "ca"], ["flush", "--tls-cert", "c"]])
+@pytest.mark.parametrize(
+    "argv", [["serve", "--tls-cert", "c"], ["serve", "--tls-client-ca", "ca"], ["flush", "--tls-cert", "c"]]
+)
 def test_half_a_tls_setup_is_a_usage_error(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as raised:
         config_from_args(argv)
@@ -337,7 +340,12 @@ def _raw_call(channel: grpc.Channel, method: object, metadata: list[tuple[str, s
 @pytest.mark.parametrize("method", SERVICE.methods, ids=lambda m: m.name)
 @pytest.mark.parametrize(
     "metadata",
-    [None, [("authorization", f"Bearer {WRONG}")], [("authorization", f"Basic {TOKEN}")], [("authorization", "Bearer ")]],
+    [
+        None,
+        [("authorization", f"Bearer {WRONG}")],
+        [("authorization", f"Basic {TOKEN}")],
+        [("authorization", "Bearer ")],
+    ],
     ids=["none", "wrong", "basic-scheme", "empty"],
 )
 def test_every_checkpoint_method_is_refused_without_the_right_token(
@@ -359,10 +367,15 @@ def test_every_checkpoint_method_passes_with_any_accepted_token(plain: InProcess
     assert code != grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_refusals_name_the_problem_without_echoing_the_token(plain: InProcess, caplog: pytest.LogCaptureFixture) -> None:
+def test_refusals_name_the_problem_without_echoing_the_token(
+    plain: InProcess, caplog: pytest.LogCaptureFixture
+) -> None:
     stub_of = pb_grpc.CheckpointServiceStub
     details = {}
-    with grpc.insecure_channel(plain.address) as channel, caplog.at_level(logging.WARNING, logger="checkpointd.rpc.auth"):
+    with (
+        grpc.insecure_channel(plain.address) as channel,
+        caplog.at_level(logging.WARNING, logger="checkpointd.rpc.auth"),
+    ):
         for name, metadata in (("missing", None), ("wrong", [("authorization", f"Bearer {WRONG}")])):
             with pytest.raises(grpc.RpcError) as raised:
                 stub_of(channel).GetStatus(pb.StatusRequest(), timeout=RPC_TIMEOUT, metadata=metadata)

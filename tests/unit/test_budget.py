@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointd.saves.budget import UploadBudget, default_staging_bytes
 from checkpointd.protocol.errors import LimitExceededError
+from checkpointd.saves.budget import UploadBudget, default_staging_bytes
 
 
 def test_uploads_past_the_count_are_refused_until_one_ends() -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from checkpointd.cli import OpsCommand, config_from_args
+from checkpointd.cli.ops import format_status
 from checkpointd.core.config import ServeConfig
 from checkpointd.saves.shm import default_shm_root
-from checkpointd.cli.ops import format_status
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 # A subprocess that imports the CLI only; generous for a slow CI machine.
@@ -124,9 +124,7 @@ def test_an_infinite_size_is_a_usage_error(text: str) -> None:
 
 @pytest.mark.parametrize("name", ["flush", "status", "close"])
 def test_ops_commands(name: str) -> None:
-    command, level = config_from_args(
-        [name, "--address", "daemon:1234", "--run", "r1", "--timeout", "3"]
-    )
+    command, level = config_from_args([name, "--address", "daemon:1234", "--run", "r1", "--timeout", "3"])
 
     assert command == OpsCommand(name, "daemon:1234", "r1", 3.0, False)
     assert level == "WARNING"
@@ -171,9 +169,7 @@ def test_help_runs_without_tensorflow() -> None:
     for command in ("serve", "flush", "status", "close"):
         assert command in done.stdout
     # -X importtime writes "import time: self | cumulative | module" lines to stderr.
-    imported = [
-        line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line
-    ]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line]
     assert "checkpointd.cli" in imported  # the import log is really there
     assert not [m for m in imported if m.split(".")[0] in ("tensorflow", "tf_agents")]
 
@@ -188,9 +184,7 @@ def test_main_help_in_process_leaves_tensorflow_unimported() -> None:
         "    assert e.code == 0, e.code\n"
         "print('tensorflow' in sys.modules, 'tf_agents' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", snippet], capture_output=True, text=True, timeout=SUBPROCESS_LIMIT
-    )
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=SUBPROCESS_LIMIT)
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "False False"

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from checkpointd.protocol.errors import UnavailableError, RunClosedError
 from checkpointd.core.lane import Failed, Lane, LaneState, SaveSpec, Skipped, Ticket, TicketState, Written
+from checkpointd.protocol.errors import RunClosedError, UnavailableError
 from checkpointd.protocol.kinds import SaveKind
 
 if TYPE_CHECKING:
@@ -52,9 +52,7 @@ def test_idle_save_is_accepted(lane: Lane, clock: FakeClock, sink: RecordingSink
     assert sink.calls == [("in_flight", +1)]
 
 
-def test_non_blocking_save_while_in_flight_is_skipped_and_counted(
-    lane: Lane, sink: RecordingSink
-) -> None:
+def test_non_blocking_save_while_in_flight_is_skipped_and_counted(lane: Lane, sink: RecordingSink) -> None:
     first = accept(lane, spec("first"))
 
     decision = lane.request(spec("second", kind=SaveKind.CHECKPOINT))
@@ -100,9 +98,7 @@ def test_two_blocking_waiters_start_in_fifo_order(lane: Lane) -> None:
     assert lane.stats.ok == 3
 
 
-def test_non_blocking_save_while_a_blocking_one_waits_is_skipped(
-    lane: Lane, sink: RecordingSink
-) -> None:
+def test_non_blocking_save_while_a_blocking_one_waits_is_skipped(lane: Lane, sink: RecordingSink) -> None:
     first = accept(lane, spec("first"))
     waiter = lane.request(spec("waiter", blocking=True))
 
@@ -321,9 +317,7 @@ def test_durations_run_from_accept_to_finish_on_the_lane_clock(
     assert sink.in_flight == 0
 
 
-def test_duration_is_right_when_the_clock_reads_zero_at_accept(
-    clock: FakeClock, sink: RecordingSink
-) -> None:
+def test_duration_is_right_when_the_clock_reads_zero_at_accept(clock: FakeClock, sink: RecordingSink) -> None:
     clock.now = 0.0
     lane = Lane(RUN, clock, sink)
     ticket = accept(lane, spec())

@@ -13,10 +13,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from checkpointd.protocol.errors import DeadlineError, UnavailableError, RunClosedError, RunNotFoundError
 from checkpointd.core.lane import LaneState, SaveSpec, Skipped, Ticket, TicketState, Written
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.protocol.errors import DeadlineError, RunClosedError, RunNotFoundError, UnavailableError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.runs import Lanes
 
 # Upper bound on any wait in this file; reached only when a test fails.
@@ -116,15 +116,11 @@ def test_manifest_of_a_registered_run(lanes: Lanes) -> None:
 # --- blocking saves wait their turn -------------------------------------------------------
 
 
-def test_blocking_begin_waits_for_the_in_flight_save(
-    lanes: Lanes, pool: ThreadPoolExecutor
-) -> None:
+def test_blocking_begin_waits_for_the_in_flight_save(lanes: Lanes, pool: ThreadPoolExecutor) -> None:
     first = start(lanes)
     queued, is_active = queued_signal()
 
-    waiter = pool.submit(
-        lanes.begin, "a", spec("second", blocking=True), timeout=LIMIT, is_active=is_active
-    )
+    waiter = pool.submit(lanes.begin, "a", spec("second", blocking=True), timeout=LIMIT, is_active=is_active)
 
     assert queued.wait(LIMIT)
     assert still_running(waiter)
@@ -171,9 +167,7 @@ def test_waiter_whose_caller_went_away_gives_up(lanes: Lanes, pool: ThreadPoolEx
         queued.set()
         return not gone.is_set()
 
-    waiter = pool.submit(
-        lanes.begin, "a", spec("second", blocking=True), timeout=LIMIT, is_active=is_active
-    )
+    waiter = pool.submit(lanes.begin, "a", spec("second", blocking=True), timeout=LIMIT, is_active=is_active)
     assert queued.wait(LIMIT)
     gone.set()
     lanes.wake()  # what the RPC's termination callback does
@@ -191,9 +185,7 @@ def test_waiter_whose_caller_went_away_gives_up(lanes: Lanes, pool: ThreadPoolEx
 # --- flush and close ----------------------------------------------------------------------
 
 
-def test_flush_times_out_naming_the_busy_run_then_returns_once_finished(
-    lanes: Lanes, pool: ThreadPoolExecutor
-) -> None:
+def test_flush_times_out_naming_the_busy_run_then_returns_once_finished(lanes: Lanes, pool: ThreadPoolExecutor) -> None:
     first = start(lanes)
 
     with pytest.raises(DeadlineError, match=r"runs: a\b"):
@@ -205,9 +197,7 @@ def test_flush_times_out_naming_the_busy_run_then_returns_once_finished(
     assert flushing.result(timeout=LIMIT) == ["a"]
 
 
-def test_flush_of_all_runs_names_only_the_busy_ones(
-    lanes: Lanes, pool: ThreadPoolExecutor
-) -> None:
+def test_flush_of_all_runs_names_only_the_busy_ones(lanes: Lanes, pool: ThreadPoolExecutor) -> None:
     lanes.register("b", MANIFEST)
     lanes.register("c", MANIFEST)
     first_a = start(lanes, "a")
@@ -229,9 +219,7 @@ def test_flush_when_idle_returns_at_once(lanes: Lanes) -> None:
     assert lanes.flush(timeout=0.0) == ["a"]
 
 
-def test_close_refuses_saves_and_waits_for_the_in_flight_one(
-    lanes: Lanes, pool: ThreadPoolExecutor
-) -> None:
+def test_close_refuses_saves_and_waits_for_the_in_flight_one(lanes: Lanes, pool: ThreadPoolExecutor) -> None:
     first = start(lanes)
 
     closing = pool.submit(lanes.close, "a", timeout=LIMIT)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.storage import save_manifest
-from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError, RunNotFoundError
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
+from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError, RunNotFoundError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.catalog import find_latest
-from checkpointd.storage.local import LocalStore
 from checkpointd.saves.runs import Lanes
+from checkpointd.storage import save_manifest
+from checkpointd.storage.local import LocalStore
 
 FILES = {"variables/variables.index": b"index", "variables/variables.data-00000-of-00001": b"d" * 64}
 

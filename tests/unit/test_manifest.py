@@ -41,9 +41,7 @@ def test_offsets_are_contiguous_in_manifest_order() -> None:
 def test_matching_snapshot_passes() -> None:
     MANIFEST.check_snapshot(list(MANIFEST.variables), 80, max_bytes=80)
     # Shapes that arrive as lists (from protobuf) compare by value.
-    as_lists = [
-        VariableSpec(v.key, v.checkpoint_key, v.dtype, list(v.shape)) for v in MANIFEST.variables
-    ]
+    as_lists = [VariableSpec(v.key, v.checkpoint_key, v.dtype, list(v.shape)) for v in MANIFEST.variables]
     MANIFEST.check_snapshot(as_lists, 80)
 
 
@@ -63,9 +61,7 @@ def declared_with(index: int, replacement: VariableSpec) -> list[VariableSpec]:
     ],
     ids=["name", "dtype", "shape", "scalar-vs-vector"],
 )
-def test_mismatch_names_the_first_offending_variable(
-    declared: list[VariableSpec], named: str
-) -> None:
+def test_mismatch_names_the_first_offending_variable(declared: list[VariableSpec], named: str) -> None:
     with pytest.raises(InvalidRequestError, match=named):
         MANIFEST.check_snapshot(declared, MANIFEST.nbytes)
 

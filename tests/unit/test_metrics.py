@@ -9,8 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import start_http_server
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, start_http_server
 
 from checkpointd.metrics import KINDS, OUTCOMES, PHASES, Metrics
 
@@ -32,9 +31,7 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
     return registry.get_sample_value(name, labels)
 
 
-def test_every_kind_and_outcome_series_exists_at_zero(
-    registry: CollectorRegistry, metrics: Metrics
-) -> None:
+def test_every_kind_and_outcome_series_exists_at_zero(registry: CollectorRegistry, metrics: Metrics) -> None:
     for kind in KINDS:
         for outcome in OUTCOMES:
             assert sample(registry, "checkpointd_saves_total", kind=kind, outcome=outcome) == 0
@@ -45,9 +42,7 @@ def test_every_kind_and_outcome_series_exists_at_zero(
     assert sample(registry, "checkpointd_saves_in_flight") == 0
 
 
-def test_a_known_sequence_gives_exact_values(
-    registry: CollectorRegistry, metrics: Metrics
-) -> None:
+def test_a_known_sequence_gives_exact_values(registry: CollectorRegistry, metrics: Metrics) -> None:
     metrics.in_flight_changed(+1)
     metrics.save_skipped("r1", "saved_model")
     metrics.save_skipped("r1", "saved_model")
@@ -78,10 +73,7 @@ def test_a_known_sequence_gives_exact_values(
     assert sample(registry, "checkpointd_save_duration_seconds_sum", kind="saved_model") == 2.0
     assert sample(registry, "checkpointd_save_duration_seconds_count", kind="checkpoint") == 2
     assert sample(registry, "checkpointd_save_duration_seconds_sum", kind="checkpoint") == 2.25
-    assert (
-        sample(registry, "checkpointd_save_duration_seconds_bucket", kind="checkpoint", le="0.25")
-        == 1
-    )
+    assert sample(registry, "checkpointd_save_duration_seconds_bucket", kind="checkpoint", le="0.25") == 1
     last_success = "checkpointd_last_success_timestamp_seconds"
     assert sample(registry, last_success, run="r1") == 1_700_000_200.0
     # r2's later failure does not move its last success.
@@ -125,9 +117,7 @@ def test_snapshots_are_counted_by_transport_and_unknown_transports_refused(
     metrics.snapshot_received("checkpoint", "grpc")
 
     def count(kind: str, transport: str) -> float | None:
-        return registry.get_sample_value(
-            "checkpointd_snapshots_received_total", {"kind": kind, "transport": transport}
-        )
+        return registry.get_sample_value("checkpointd_snapshots_received_total", {"kind": kind, "transport": transport})
 
     assert (count("saved_model", "shm"), count("saved_model", "grpc")) == (2, 0)
     assert (count("checkpoint", "shm"), count("checkpoint", "grpc")) == (0, 1)
@@ -181,18 +171,14 @@ def test_declared_prometheus_client_floor_returns_server_and_thread() -> None:
     assert all(floor >= (0, 20) for floor in floors)
 
 
-def test_every_kind_and_phase_series_exists_at_zero(
-    registry: CollectorRegistry, metrics: Metrics
-) -> None:
+def test_every_kind_and_phase_series_exists_at_zero(registry: CollectorRegistry, metrics: Metrics) -> None:
     for kind in KINDS:
         for phase in PHASES:
             labels = {"kind": kind, "phase": phase}
             assert sample(registry, "checkpointd_save_phase_duration_seconds_count", **labels) == 0
 
 
-def test_observe_phase_times_one_phase_and_refuses_unknown_ones(
-    registry: CollectorRegistry, metrics: Metrics
-) -> None:
+def test_observe_phase_times_one_phase_and_refuses_unknown_ones(registry: CollectorRegistry, metrics: Metrics) -> None:
     metrics.observe_phase("checkpoint", "write", 0.2)
     metrics.observe_phase("checkpoint", "write", 0.3)
 

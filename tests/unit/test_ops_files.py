@@ -36,8 +36,19 @@ SERVICE = checkpointd_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_
 # Series Prometheus itself makes, and PromQL functions the files may use.
 PROMETHEUS_SERIES = {"up"}
 FUNCTIONS = {
-    "abs", "avg", "clamp_min", "count", "histogram_quantile", "increase", "irate",
-    "max", "min", "rate", "sum", "time", "topk",
+    "abs",
+    "avg",
+    "clamp_min",
+    "count",
+    "histogram_quantile",
+    "increase",
+    "irate",
+    "max",
+    "min",
+    "rate",
+    "sum",
+    "time",
+    "topk",
 }
 _KEYWORDS = {"and", "or", "unless", "bool", "offset", "group_left", "group_right", "inf", "nan"}
 _GROUPING = r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"
@@ -74,7 +85,7 @@ def promql_names(expr: str) -> tuple[set[str], set[str]]:
 def test_promql_names_finds_metrics_not_labels_ranges_or_functions() -> None:
     expr = (
         'histogram_quantile(0.99, sum by (kind, le) (rate(a_bucket{job="x", kind=~"$k"}'
-        '[$__rate_interval]))) / on(instance) group_left max(b_total offset 5m) > bool 0.5'
+        "[$__rate_interval]))) / on(instance) group_left max(b_total offset 5m) > bool 0.5"
     )
 
     assert promql_names(expr) == (
@@ -384,10 +395,7 @@ def test_compose_grafana_provisions_the_datasource_and_the_dashboard(compose: di
 @pytest.fixture(scope="module")
 def k8s() -> dict[str, dict[str, Any]]:
     docs = [
-        doc
-        for path in sorted((DOCKER / "k8s").glob("*.yaml"))
-        for doc in yaml.safe_load_all(path.read_text())
-        if doc
+        doc for path in sorted((DOCKER / "k8s").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc
     ]
     by_kind = {doc["kind"]: doc for doc in docs}
     assert len(by_kind) == len(docs), "one object of each kind expected"

@@ -30,8 +30,7 @@ def test_valid_run_names(run: str) -> None:
 
 @pytest.mark.parametrize(
     "run",
-    ["", ".hidden", "-dash", "_under", "a/b", "a\\b", "x" * 129, "résumé", "a b", "a\n"]
-    + ["..", "."],
+    ["", ".hidden", "-dash", "_under", "a/b", "a\\b", "x" * 129, "résumé", "a b", "a\n"] + ["..", "."],
 )
 def test_invalid_run_names(run: str) -> None:
     with pytest.raises(InvalidRequestError):

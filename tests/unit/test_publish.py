@@ -10,19 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.storage import local
 from checkpointd.protocol.errors import SaveFailedError
+from checkpointd.storage import local
 
 _HEX = "0123456789abcdef"
 
 
 def tree(root: Path) -> dict[str, str]:
     """Relative path -> content of every file under root."""
-    return {
-        os.path.relpath(os.path.join(d, f), root): Path(d, f).read_text()
-        for d, _, fs in os.walk(root)
-        for f in fs
-    }
+    return {os.path.relpath(os.path.join(d, f), root): Path(d, f).read_text() for d, _, fs in os.walk(root) for f in fs}
 
 
 def make(root: Path, files: dict[str, str]) -> Path:
@@ -90,9 +86,7 @@ def test_publish_over_a_non_directory_fails_and_touches_nothing(tmp_path: Path, 
     assert tree(tmp_path / "real_dir") == {"x.txt": "keep x"}
 
 
-def test_a_failed_second_rename_puts_the_old_tree_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failed_second_rename_puts_the_old_tree_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = make(tmp_path / "export", {"a.txt": "old"})
     tmp = make(local.make_temp_sibling(target), {"a.txt": "new"})
     real_rename = os.rename
@@ -128,7 +122,12 @@ def test_fsync_tree_syncs_a_tree_and_a_single_file(tmp_path: Path, monkeypatch: 
 
     # Every file and dir once, contents before their dir, the link never opened.
     assert sorted(synced) == sorted([".", "a.txt", "d", os.path.join("d", "e"), os.path.join("d", "e", "b.txt")])
-    for inner, outer in [(os.path.join("d", "e", "b.txt"), os.path.join("d", "e")), (os.path.join("d", "e"), "d"), ("d", "."), ("a.txt", ".")]:
+    for inner, outer in [
+        (os.path.join("d", "e", "b.txt"), os.path.join("d", "e")),
+        (os.path.join("d", "e"), "d"),
+        ("d", "."),
+        ("a.txt", "."),
+    ]:
         assert synced.index(inner) < synced.index(outer)
     synced.clear()
     local.fsync_tree(root / "a.txt")

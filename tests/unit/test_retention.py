@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.storage import save_manifest
 from checkpointd.core.retention import RetentionPolicy
 from checkpointd.saves.retention import Retention
+from checkpointd.storage import save_manifest
 from checkpointd.storage.local import LocalStore
 
 
@@ -54,8 +54,13 @@ def _save(folder: Path, name: str, run: str, kind: str, step: int, created: floa
     (path / "variables").mkdir(parents=True)
     (path / "variables" / "variables.index").write_bytes(b"x")
     document = {
-        "format": 1, "run": run, "kind": kind, "step": step, "export_dir": name,
-        "created_unix_seconds": created, "files": [],
+        "format": 1,
+        "run": run,
+        "kind": kind,
+        "step": step,
+        "export_dir": name,
+        "created_unix_seconds": created,
+        "files": [],
     }
     (path / save_manifest.MANIFEST_NAME).write_text(json.dumps(document))
     return path
@@ -64,7 +69,9 @@ def _save(folder: Path, name: str, run: str, kind: str, step: int, created: floa
 @pytest.fixture
 def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # Manifests here are minimal; retention reads only run, kind, step, created.
-    monkeypatch.setattr(save_manifest, "read_manifest", lambda d: json.loads((d / save_manifest.MANIFEST_NAME).read_text()))
+    monkeypatch.setattr(
+        save_manifest, "read_manifest", lambda d: json.loads((d / save_manifest.MANIFEST_NAME).read_text())
+    )
     (tmp_path / "r").mkdir()
     return tmp_path / "r"
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from checkpointd.saves import shm
 from checkpointd.protocol import wire
-from checkpointd.rpc import upload
 from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.rpc import upload
+from checkpointd.saves import shm
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 PARTS = [40, 0, 4096, 8, 3]
@@ -163,9 +163,7 @@ def test_shared_memory_written_hands_over_the_segments_views(memory: shm.SharedM
     assert segment is not None
     segment.views()[0][:] = b"v" * 40
 
-    parts, transport = upload.receive_snapshot(
-        iter([_written()]), sum(PARTS), _Context(), PARTS, segment
-    )
+    parts, transport = upload.receive_snapshot(iter([_written()]), sum(PARTS), _Context(), PARTS, segment)
 
     assert transport == "shm"
     assert [len(p) for p in parts] == PARTS

@@ -167,9 +167,7 @@ def test_stream_success_passes_through() -> None:
     ],
     ids=["unary", "stream"],
 )
-def test_unexpected_error_is_internal_without_its_text(
-    call, exc_name: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_unexpected_error_is_internal_without_its_text(call, exc_name: str, caplog: pytest.LogCaptureFixture) -> None:
     context = FakeContext()
 
     with caplog.at_level(logging.ERROR, logger="checkpointd.rpc.errors"), pytest.raises(Aborted):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from checkpointd.protocol import wire
-from checkpointd.rpc import upload
 from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.rpc import upload
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 
@@ -34,9 +34,7 @@ def _requests(data: bytes, chunk_bytes: int) -> list[pb.SaveRequest]:
 def test_parts_hold_their_bytes_each_64_byte_aligned(chunk_bytes: int) -> None:
     parts = [5, 0, 64, 1, 130, 3]  # chunks of 3 or 7 bytes span parts
     data = bytes(range(256))[: sum(parts)]
-    got, transport = upload.receive_snapshot(
-        iter(_requests(data, chunk_bytes)), len(data), _Context(), parts
-    )
+    got, transport = upload.receive_snapshot(iter(_requests(data, chunk_bytes)), len(data), _Context(), parts)
     assert transport == "grpc"
     assert [len(p) for p in got] == parts
     assert b"".join(bytes(p) for p in got) == data

@@ -16,10 +16,9 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from checkpointd.storage import save_manifest
-from checkpointd.cli import verify
-from checkpointd.cli import VerifyCommand, config_from_args, main
+from checkpointd.cli import VerifyCommand, config_from_args, main, verify
 from checkpointd.core.config import ServeConfig
+from checkpointd.storage import save_manifest
 
 MANIFEST = save_manifest.MANIFEST_NAME
 SUBPROCESS_LIMIT = 30.0
@@ -113,13 +112,19 @@ def _flip_a_byte(save: Path) -> None:
     ("damage", "reason"),
     [
         (_flip_a_byte, f"{DATA} has CRC32C"),
-        (lambda s: (s / DATA).write_bytes((s / DATA).read_bytes()[:-1]), f"{DATA} has 10239 bytes, the manifest says 10240"),
+        (
+            lambda s: (s / DATA).write_bytes((s / DATA).read_bytes()[:-1]),
+            f"{DATA} has 10239 bytes, the manifest says 10240",
+        ),
         (lambda s: (s / "variables/variables.index").unlink(), "variables/variables.index is missing"),
         (lambda s: (s / "assets" / "extra.txt").write_text("x"), "assets/extra.txt is not in the manifest"),
         (lambda s: (s / MANIFEST).unlink(), f"no {MANIFEST}"),
         (lambda s: (s / MANIFEST).write_text("{not json"), f"{MANIFEST} is unreadable"),
         (lambda s: (s / MANIFEST).write_text('{"format": "other"}'), "is not a checkpointd.save-manifest"),
-        (lambda s: (s / "variables.index").symlink_to(s / "variables/variables.index"), "variables.index is not in the manifest"),
+        (
+            lambda s: (s / "variables.index").symlink_to(s / "variables/variables.index"),
+            "variables.index is not in the manifest",
+        ),
     ],
     ids=["flipped-bit", "truncated", "missing", "extra", "no-manifest", "bad-json", "other-format", "symlink"],
 )
@@ -245,9 +250,7 @@ def test_verify_imports_neither_tensorflow_nor_grpc(root: Path) -> None:
         "bad = [m for m in ('tensorflow', 'grpc', 'numpy') if m in sys.modules]\n"
         "sys.exit(f'imported {bad}' if bad else rc)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=SUBPROCESS_LIMIT
-    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SUBPROCESS_LIMIT)
     assert done.returncode == 0, done.stderr + done.stdout
 
 
@@ -282,9 +285,7 @@ def test_a_bad_upload_timeout_is_a_usage_error(capsys: pytest.CaptureFixture[str
 
 
 @pytest.mark.parametrize("size", [0, 1, (4 << 20) - 1, 4 << 20, (9 << 20) + 3])
-def test_a_mapped_checksum_equals_a_read_one(
-    tmp_path: Path, size: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_mapped_checksum_equals_a_read_one(tmp_path: Path, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(save_manifest, "_MAP_BYTES", 4 << 20)  # several windows for the larger sizes
     path = tmp_path / "f"
     data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))

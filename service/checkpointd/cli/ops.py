@@ -12,8 +12,8 @@ from typing import Any, TextIO
 import grpc
 from google.protobuf import json_format
 
-from checkpointd.protocol import credentials
 from checkpointd.cli.parse import OpsCommand
+from checkpointd.protocol import credentials
 from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
@@ -63,7 +63,9 @@ def run(
                     print(format_status(reply), file=out)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                print(f"checkpointd {command.name}: cannot reach a daemon at {command.address}: {exc.details()}", file=err)
+                print(
+                    f"checkpointd {command.name}: cannot reach a daemon at {command.address}: {exc.details()}", file=err
+                )
                 return 2
             error = error_for(exc.code(), exc.details())
             print(f"checkpointd {command.name}: {type(error).__name__}: {error}", file=err)
@@ -90,9 +92,7 @@ def _channel(command: OpsCommand, environ: Mapping[str, str]) -> grpc.Channel:
 def status_dict(reply: pb.StatusResponse) -> dict[str, Any]:
     """The status reply as plain JSON-able data (every field present)."""
     # protobuf 4.x spelling; pinned < 5 because TensorFlow 2.15 is.
-    return json_format.MessageToDict(
-        reply, preserving_proto_field_name=True, including_default_value_fields=True
-    )
+    return json_format.MessageToDict(reply, preserving_proto_field_name=True, including_default_value_fields=True)
 
 
 def _ago(unix_seconds: float, now: float) -> str:

@@ -71,8 +71,10 @@ class _NoTokenOnCommandLine(argparse.Action):
     """`--token`: refused without echoing its value (argparse's own error would)."""
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
-        parser.error("tokens never go on the command line (ps and shell history show them): "
-                     "use --token-file FILE or the environment variable instead")
+        parser.error(
+            "tokens never go on the command line (ps and shell history show them): "
+            "use --token-file FILE or the environment variable instead"
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,38 +86,129 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     # allow_abbrev=False: a mistyped `--token SECRET` must be an error, not `--token-file SECRET`.
-    serve = sub.add_parser("serve", help="run the daemon", description="Run the daemon until SIGTERM/SIGINT, then drain.", allow_abbrev=False)
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the daemon until SIGTERM/SIGINT, then drain.",
+        allow_abbrev=False,
+    )
     serve.add_argument("--root", type=Path, default=_D.root, help=f"where runs are written (default: ./{_D.root})")
-    serve.add_argument("--host", default=_D.host, help=f"gRPC bind address (default: {_D.host}; 0.0.0.0 or [::] for remote trainers)")
+    serve.add_argument(
+        "--host", default=_D.host, help=f"gRPC bind address (default: {_D.host}; 0.0.0.0 or [::] for remote trainers)"
+    )
     serve.add_argument("--port", type=int, default=_D.port, help=f"gRPC port, 0 = any free port (default: {_D.port})")
     serve.add_argument("--port-file", type=Path, help="write the bound gRPC port here once serving")
-    serve.add_argument("--metrics-host", default=_D.metrics_host, help=f"/metrics bind address (default: {_D.metrics_host})")
-    serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help=f"/metrics port, 0 = any free port, -1 = off (default: {DEFAULT_METRICS_PORT})")
+    serve.add_argument(
+        "--metrics-host", default=_D.metrics_host, help=f"/metrics bind address (default: {_D.metrics_host})"
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help=f"/metrics port, 0 = any free port, -1 = off (default: {DEFAULT_METRICS_PORT})",
+    )
     serve.add_argument("--metrics-port-file", type=Path, help="write the bound metrics port here once serving")
-    serve.add_argument("--grace-seconds", type=float, default=_D.grace_seconds, help=f"on SIGTERM, time accepted saves get to finish (default: {_D.grace_seconds:g})")
-    serve.add_argument("--max-snapshot-bytes", type=_size, default=_D.max_snapshot_bytes, help=f"largest snapshot one save may carry (default: {_human(_D.max_snapshot_bytes)})")
-    serve.add_argument("--max-template-bytes", type=_size, default=_D.max_template_bytes, help=f"largest template a run may register (default: {_human(_D.max_template_bytes)})")
-    serve.add_argument("--max-workers", type=int, default=_D.max_workers, help=f"gRPC handler threads; each open save holds one (default: {_D.max_workers})")
-    serve.add_argument("--write-nice", type=int, default=_D.write_nice, metavar="N", help=f"nice value (0-19) of the threads that write saves, so training on this machine gets the CPU first; 0 = normal priority (default: {_D.write_nice})")
+    serve.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=_D.grace_seconds,
+        help=f"on SIGTERM, time accepted saves get to finish (default: {_D.grace_seconds:g})",
+    )
+    serve.add_argument(
+        "--max-snapshot-bytes",
+        type=_size,
+        default=_D.max_snapshot_bytes,
+        help=f"largest snapshot one save may carry (default: {_human(_D.max_snapshot_bytes)})",
+    )
+    serve.add_argument(
+        "--max-template-bytes",
+        type=_size,
+        default=_D.max_template_bytes,
+        help=f"largest template a run may register (default: {_human(_D.max_template_bytes)})",
+    )
+    serve.add_argument(
+        "--max-workers",
+        type=int,
+        default=_D.max_workers,
+        help=f"gRPC handler threads; each open save holds one (default: {_D.max_workers})",
+    )
+    serve.add_argument(
+        "--write-nice",
+        type=int,
+        default=_D.write_nice,
+        metavar="N",
+        help=f"nice value (0-19) of the threads that write saves, so training on this machine gets the CPU first; 0 = normal priority (default: {_D.write_nice})",
+    )
     serve.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing (throwaway runs only)")
-    serve.add_argument("--max-concurrent-uploads", type=int, default=_D.max_concurrent_uploads, metavar="N", help=f"saves admitted at once over all runs; past it RESOURCE_EXHAUSTED (default: {_D.max_concurrent_uploads})")
-    serve.add_argument("--max-staging-bytes", type=_size, metavar="SIZE", help="snapshot bytes held in memory at once over all saves; past it RESOURCE_EXHAUSTED (default: half the machine's memory)")
-    serve.add_argument("--keep-last", type=int, metavar="N", help="retention: keep each run's newest N saves of each kind, delete older ones in the background (default: keep all)")
-    serve.add_argument("--keep-every-steps", type=int, metavar="K", help="retention: also keep older saves at steps that are multiples of K (with --keep-last)")
-    serve.add_argument("--upload-timeout", type=float, default=_D.upload_timeout_seconds, metavar="SECONDS", help=f"fail an accepted save whose snapshot has not arrived this long after its accept, freeing the run (default: {_D.upload_timeout_seconds:g})")
-    serve.add_argument("--shm-dir", type=Path, metavar="DIR", help="tmpfs where same-host trainers get a shared-memory segment per run instead of streaming snapshots over gRPC (default: /dev/shm where it exists)")
+    serve.add_argument(
+        "--max-concurrent-uploads",
+        type=int,
+        default=_D.max_concurrent_uploads,
+        metavar="N",
+        help=f"saves admitted at once over all runs; past it RESOURCE_EXHAUSTED (default: {_D.max_concurrent_uploads})",
+    )
+    serve.add_argument(
+        "--max-staging-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="snapshot bytes held in memory at once over all saves; past it RESOURCE_EXHAUSTED (default: half the machine's memory)",
+    )
+    serve.add_argument(
+        "--keep-last",
+        type=int,
+        metavar="N",
+        help="retention: keep each run's newest N saves of each kind, delete older ones in the background (default: keep all)",
+    )
+    serve.add_argument(
+        "--keep-every-steps",
+        type=int,
+        metavar="K",
+        help="retention: also keep older saves at steps that are multiples of K (with --keep-last)",
+    )
+    serve.add_argument(
+        "--upload-timeout",
+        type=float,
+        default=_D.upload_timeout_seconds,
+        metavar="SECONDS",
+        help=f"fail an accepted save whose snapshot has not arrived this long after its accept, freeing the run (default: {_D.upload_timeout_seconds:g})",
+    )
+    serve.add_argument(
+        "--shm-dir",
+        type=Path,
+        metavar="DIR",
+        help="tmpfs where same-host trainers get a shared-memory segment per run instead of streaming snapshots over gRPC (default: /dev/shm where it exists)",
+    )
     serve.add_argument("--no-shm", action="store_true", help="no shared memory: every snapshot comes over gRPC")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     security = serve.add_argument_group(
         "security",
         "Off by default on a loopback --host. Any other --host needs TLS, tokens, or --insecure.",
     )
-    security.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM server certificate (chain); with --tls-key, the gRPC port speaks TLS only")
+    security.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="PEM server certificate (chain); with --tls-key, the gRPC port speaks TLS only",
+    )
     security.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key of --tls-cert")
-    security.add_argument("--tls-client-ca", type=Path, metavar="FILE", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
-    security.add_argument("--token-file", type=Path, metavar="FILE", help="bearer tokens, one per line, # comments; also CHECKPOINTD_TOKENS=tok1,tok2 (never on the command line)")
+    security.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="PEM CA bundle: require client certificates it signed (mutual TLS)",
+    )
+    security.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="bearer tokens, one per line, # comments; also CHECKPOINTD_TOKENS=tok1,tok2 (never on the command line)",
+    )
     security.add_argument("--token", "--tokens", nargs="?", action=_NoTokenOnCommandLine, help=argparse.SUPPRESS)
-    security.add_argument("--insecure", action="store_true", help="serve a non-loopback --host with neither TLS nor tokens (logged at WARNING)")
+    security.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a non-loopback --host with neither TLS nor tokens (logged at WARNING)",
+    )
 
     for name, text in (
         ("flush", "wait until every accepted save is durable (exit 1 past --timeout)"),
@@ -123,16 +216,33 @@ def _parser() -> argparse.ArgumentParser:
         ("close", "flush one run and end its lane"),
     ):
         cmd = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", allow_abbrev=False)
-        cmd.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}", help=f"daemon HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
-        cmd.add_argument("--run", required=name == "close", help="one run" + ("" if name == "close" else " (default: all runs)"))
+        cmd.add_argument(
+            "--address",
+            default=f"127.0.0.1:{DEFAULT_PORT}",
+            help=f"daemon HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})",
+        )
+        cmd.add_argument(
+            "--run", required=name == "close", help="one run" + ("" if name == "close" else " (default: all runs)")
+        )
         cmd.add_argument("--timeout", type=float, help="seconds to wait (default: no limit)")
         if name == "status":
             cmd.add_argument("--json", action="store_true", dest="as_json", help="machine-readable output")
-        cmd.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs (implied by --tls-ca/--tls-cert)")
+        cmd.add_argument(
+            "--tls",
+            action="store_true",
+            help="connect with TLS, trusting the system's CAs (implied by --tls-ca/--tls-cert)",
+        )
         cmd.add_argument("--tls-ca", type=Path, metavar="FILE", help="PEM CA that signed the daemon's certificate")
-        cmd.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM client certificate, for a daemon with --tls-client-ca")
+        cmd.add_argument(
+            "--tls-cert", type=Path, metavar="FILE", help="PEM client certificate, for a daemon with --tls-client-ca"
+        )
         cmd.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM key of --tls-cert")
-        cmd.add_argument("--token-file", type=Path, metavar="FILE", help="file holding the bearer token (default: the CHECKPOINTD_TOKEN environment variable)")
+        cmd.add_argument(
+            "--token-file",
+            type=Path,
+            metavar="FILE",
+            help="file holding the bearer token (default: the CHECKPOINTD_TOKEN environment variable)",
+        )
         cmd.add_argument("--token", nargs="?", action=_NoTokenOnCommandLine, help=argparse.SUPPRESS)
 
     verify = sub.add_parser(
@@ -142,9 +252,16 @@ def _parser() -> argparse.ArgumentParser:
         "checkpointd.manifest.json: every listed file present with its size and CRC32C, no "
         "other file. Exit 0 if all are OK, 1 if any is not.",
     )
-    verify.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a save dir, or a dir to search for save dirs")
+    verify.add_argument(
+        "paths", nargs="+", type=Path, metavar="PATH", help="a save dir, or a dir to search for save dirs"
+    )
     verify.add_argument("--json", action="store_true", dest="as_json", help="machine-readable output")
-    verify.add_argument("--progress", action="store_true", default=None, help="show bytes checked on stderr (default: only when stderr is a terminal)")
+    verify.add_argument(
+        "--progress",
+        action="store_true",
+        default=None,
+        help="show bytes checked on stderr (default: only when stderr is a terminal)",
+    )
     return parser
 
 

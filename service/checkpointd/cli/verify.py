@@ -52,9 +52,7 @@ class _ProgressLine:
         now = time.monotonic()
         if now - self._shown >= 0.2:
             self._shown = now
-            self._stream.write(
-                f"\rchecked {self._done / (1 << 20):,.1f} of {self._total / (1 << 20):,.1f} MiB"
-            )
+            self._stream.write(f"\rchecked {self._done / (1 << 20):,.1f} of {self._total / (1 << 20):,.1f} MiB")
             self._stream.flush()
 
     def end(self) -> None:

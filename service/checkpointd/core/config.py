@@ -93,15 +93,11 @@ class ServeConfig:
                 raise ValueError(f"{name} must be in 0..65535, got {value}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
-        for name in (
-            "max_snapshot_bytes", "max_template_bytes", "max_workers", "max_concurrent_uploads"
-        ):
+        for name in ("max_snapshot_bytes", "max_template_bytes", "max_workers", "max_concurrent_uploads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.upload_timeout_seconds < math.inf:  # also refuses NaN
-            raise ValueError(
-                f"upload_timeout_seconds must be > 0 and finite, got {self.upload_timeout_seconds}"
-            )
+            raise ValueError(f"upload_timeout_seconds must be > 0 and finite, got {self.upload_timeout_seconds}")
         if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:
             raise ValueError(f"max_staging_bytes must be positive, got {self.max_staging_bytes}")
         RetentionPolicy(self.keep_last, self.keep_every_steps)  # validates

@@ -19,8 +19,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from checkpointd.protocol.errors import UnavailableError, RunClosedError
 from checkpointd.core.ports import Clock, MetricsSink
+from checkpointd.protocol.errors import RunClosedError, UnavailableError
 from checkpointd.protocol.kinds import SaveKind
 
 

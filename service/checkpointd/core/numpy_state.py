@@ -81,8 +81,7 @@ class NumpyPayload:
     def __post_init__(self) -> None:
         if memoryview(self.data).nbytes != self.spec.nbytes:
             raise InvalidRequestError(
-                f"numpy_state: {memoryview(self.data).nbytes} bytes received for entries "
-                f"of {self.spec.nbytes}"
+                f"numpy_state: {memoryview(self.data).nbytes} bytes received for entries " f"of {self.spec.nbytes}"
             )
 
 

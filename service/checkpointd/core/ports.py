@@ -36,9 +36,7 @@ class MetricsSink(Protocol):
 
     def save_skipped(self, run: str, kind: str) -> None: ...
 
-    def save_written(
-        self, run: str, kind: str, bytes_written: int, seconds: float, at: float
-    ) -> None: ...
+    def save_written(self, run: str, kind: str, bytes_written: int, seconds: float, at: float) -> None: ...
 
     def save_failed(self, run: str, kind: str, seconds: float) -> None: ...
 
@@ -54,9 +52,7 @@ class NullSink:
     def save_skipped(self, run: str, kind: str) -> None:
         pass
 
-    def save_written(
-        self, run: str, kind: str, bytes_written: int, seconds: float, at: float
-    ) -> None:
+    def save_written(self, run: str, kind: str, bytes_written: int, seconds: float, at: float) -> None:
         pass
 
     def save_failed(self, run: str, kind: str, seconds: float) -> None:

@@ -61,9 +61,7 @@ def check(spec: NumpyStateSpec) -> None:
     # Pairs up what both have; a length mismatch is reported below, after these.
     for i, (want, got) in enumerate(zip(keys, declared, strict=False)):
         if want != got:
-            raise InvalidRequestError(
-                f"numpy_state: entry #{i} is {got!r}; the object graph has {want!r} there"
-            )
+            raise InvalidRequestError(f"numpy_state: entry #{i} is {got!r}; the object graph has {want!r} there")
     if len(keys) != len(declared):
         first = keys[len(declared)] if len(keys) > len(declared) else declared[len(keys)]
         raise InvalidRequestError(
@@ -119,9 +117,7 @@ def read(save_dir: Path) -> NumpyStateRead | None:
     stored = set(reader.get_variable_to_shape_map()) - {OBJECT_GRAPH_KEY}
     if stored != set(keys):
         first = min(stored.symmetric_difference(keys))
-        raise InvalidRequestError(
-            f"the numpy state of {save_dir} does not match its object graph at {first!r}"
-        )
+        raise InvalidRequestError(f"the numpy state of {save_dir} does not match its object graph at {first!r}")
     values = tuple(bytes(reader.get_tensor(k)) for k in keys)
     spec = NumpyStateSpec(graph, tuple(NumpyEntry(k, len(v)) for k, v in zip(keys, values, strict=True)))
     return NumpyStateRead(spec, values)

@@ -37,21 +37,21 @@ from pathlib import Path
 from typing import Any
 
 from checkpointd import __version__
-from checkpointd.formats import numpy_files, reader
-from checkpointd.storage import local
-from checkpointd.formats import policy_template
-from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
-from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.wire import ALIGNMENT  # Eigen's: TF wraps memory aligned to it without a copy
 from checkpointd.core.manifest import Manifest, VariableSpec
-from checkpointd.core.ports import CommittedSave, SaveValues, Snapshot, Staged
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
-from checkpointd.protocol.names import check_run_name
+from checkpointd.core.ports import CommittedSave, SaveValues, Snapshot, Staged
+from checkpointd.formats import numpy_files, policy_template, reader
 from checkpointd.formats.policy_template import VARIABLES_PREFIX, Template
+from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.names import check_run_name
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
+from checkpointd.protocol.wire import ALIGNMENT  # Eigen's: TF wraps memory aligned to it without a copy
+from checkpointd.storage import local
 
 _LOGGER = logging.getLogger(__name__)
+
 
 class PolicyFormat:
     """SavedModels and checkpoints from run templates and snapshots.
@@ -106,9 +106,7 @@ class PolicyFormat:
         staged_dir = Path(staged_dir)
         try:
             check_run_name(run)
-            template = policy_template.validate(
-                run, staged_dir, Manifest(tuple(variables)), checkpoint_object_graph
-            )
+            template = policy_template.validate(run, staged_dir, Manifest(tuple(variables)), checkpoint_object_graph)
             with self._register_lock:
                 target = self._templates_dir / run
                 tmp = local.make_temp_sibling(target)
@@ -167,8 +165,7 @@ class PolicyFormat:
             raise RunNotFoundError(f"run {run!r} has no template on this daemon; register it first")
         if template.manifest is not manifest and template.manifest != manifest:
             raise SaveFailedError(
-                f"run {run!r} was registered again with other variables while this save was "
-                "in flight; save again"
+                f"run {run!r} was registered again with other variables while this save was " "in flight; save again"
             )
         if isinstance(snapshot, (bytes, bytearray, memoryview)):
             size = memoryview(snapshot).nbytes
@@ -178,9 +175,7 @@ class PolicyFormat:
                 raise SaveFailedError(f"run {run!r}: snapshot parts do not match the manifest")
             size = sum(sizes)
         if size != manifest.nbytes:
-            raise SaveFailedError(
-                f"run {run!r}: snapshot has {size} bytes; the manifest needs {manifest.nbytes}"
-            )
+            raise SaveFailedError(f"run {run!r}: snapshot has {size} bytes; the manifest needs {manifest.nbytes}")
         written = _write_tree(template, kind, staging, snapshot)
         extra = None
         if numpy_state is not None:
@@ -256,9 +251,7 @@ def _arrays(manifest: Manifest, snapshot: Snapshot) -> list[Any]:
 
 
 # DLPack carries these; others (bfloat16, bool) go through convert_to_tensor.
-_DLPACK_DTYPES = frozenset(
-    "float16 float32 float64 int8 int16 int32 int64 uint8 uint16 uint32 uint64".split()
-)
+_DLPACK_DTYPES = frozenset("float16 float32 float64 int8 int16 int32 int64 uint8 uint16 uint32 uint64".split())
 
 
 def _tensor(array: Any) -> Any:
@@ -313,7 +306,5 @@ def _write_tree(template: Template, kind: SaveKind, tmp: Path, snapshot: Snapsho
 
         (tmp / "fingerprint.pb").write_bytes(fingerprinting.CreateFingerprintDef(str(tmp)))
     return sum(
-        os.path.getsize(os.path.join(dirpath, name))
-        for dirpath, _, filenames in os.walk(tmp)
-        for name in filenames
+        os.path.getsize(os.path.join(dirpath, name)) for dirpath, _, filenames in os.walk(tmp) for name in filenames
     )

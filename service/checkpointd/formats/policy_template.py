@@ -92,9 +92,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
     except message.DecodeError as e:
         raise _invalid(run, f"saved_model.pb is not a SavedModel ({e})") from None
     if len(saved_model.meta_graphs) != 1:
-        raise _invalid(
-            run, f"saved_model.pb has {len(saved_model.meta_graphs)} meta graphs, expected 1"
-        )
+        raise _invalid(run, f"saved_model.pb has {len(saved_model.meta_graphs)} meta graphs, expected 1")
     signatures = saved_model.meta_graphs[0].signature_def
     missing = [name for name in _REQUIRED_SIGNATURES if name not in signatures]
     if missing:
@@ -107,9 +105,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
     if "policy_specs.pbtxt" not in contents:
         raise _invalid(run, "has no policy_specs.pbtxt; upload PolicySaver.save()'s output")
     try:
-        text_format.Parse(
-            contents["policy_specs.pbtxt"].decode("utf-8"), struct_pb2.StructuredValue()
-        )
+        text_format.Parse(contents["policy_specs.pbtxt"].decode("utf-8"), struct_pb2.StructuredValue())
     except (text_format.ParseError, UnicodeDecodeError) as e:
         raise _invalid(run, f"policy_specs.pbtxt does not parse ({e})") from None
 
@@ -117,9 +113,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
         reader = tf.train.load_checkpoint(str(staged_dir / VARIABLES_PREFIX))
         shapes = reader.get_variable_to_shape_map()
         dtypes = reader.get_variable_to_dtype_map()
-        saved_model_graph = (
-            reader.get_tensor(OBJECT_GRAPH_KEY) if OBJECT_GRAPH_KEY in shapes else None
-        )
+        saved_model_graph = reader.get_tensor(OBJECT_GRAPH_KEY) if OBJECT_GRAPH_KEY in shapes else None
     except (tf.errors.OpError, ValueError, IndexError) as e:
         # IndexError: TF's reader on a data file shorter than its index says.
         _LOGGER.debug("run %s: template checkpoint unreadable: %s", run, describe(e))
@@ -134,9 +128,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
     want = {v.key for v in manifest.variables}
     have = set(shapes) - {OBJECT_GRAPH_KEY}
     if have - want:
-        raise _invalid(
-            run, f"its checkpoint has key {min(have - want)!r}, which no declared variable has"
-        )
+        raise _invalid(run, f"its checkpoint has key {min(have - want)!r}, which no declared variable has")
     if want - have:
         raise _invalid(run, f"variable {min(want - have)!r} is not in its checkpoint")
     for v in manifest.variables:
@@ -184,9 +176,7 @@ def _read_tree(run: str, root: Path) -> tuple[list[str], list[tuple[str, bytes]]
             path = Path(dirpath, name)
             rel = (rel_dir / name).as_posix()
             if path.is_symlink() or not (path.is_dir() or path.is_file()):
-                raise _invalid(
-                    run, f"{rel!r} is a symlink or special file; only plain files allowed"
-                )
+                raise _invalid(run, f"{rel!r} is a symlink or special file; only plain files allowed")
             if path.is_dir():
                 dirs.append(rel)
             elif rel.split("/")[0] != "variables":  # read by tf.train.load_checkpoint

@@ -101,8 +101,7 @@ def open_save(save_dir: Path, kind: SaveKind, manifest: Manifest, where: str) ->
     for key, v in zip(keys, manifest.variables, strict=True):
         if key not in shapes:
             raise InvalidRequestError(
-                f"{where}: the save has no {key!r}, which the run's manifest has; was it "
-                "written by another policy?"
+                f"{where}: the save has no {key!r}, which the run's manifest has; was it " "written by another policy?"
             )
         if dtypes[key].name != v.dtype or tuple(shapes[key]) != v.shape:
             raise InvalidRequestError(
@@ -124,4 +123,3 @@ def open_save(save_dir: Path, kind: SaveKind, manifest: Manifest, where: str) ->
         _numpy_values=numpy_state.values if numpy_state else (),
         _where=where,
     )
-

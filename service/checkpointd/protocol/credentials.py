@@ -179,7 +179,9 @@ def open_channel(
 
 
 class _CallDetails(
-    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
     grpc.ClientCallDetails,
 ):
     pass
@@ -210,14 +212,22 @@ class _BearerHeader(
             getattr(details, "compression", None),
         )
 
-    def intercept_unary_unary(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any) -> Any:
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any) -> Any:
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return continuation(self._details(details), request)
 
-    def intercept_stream_unary(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, requests: Any) -> Any:
+    def intercept_stream_unary(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, requests: Any
+    ) -> Any:
         return continuation(self._details(details), requests)
 
-    def intercept_stream_stream(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, requests: Any) -> Any:
+    def intercept_stream_stream(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, requests: Any
+    ) -> Any:
         return continuation(self._details(details), requests)

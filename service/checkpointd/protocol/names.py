@@ -60,16 +60,12 @@ def check_export_dir(export_dir: str) -> PurePosixPath:
         raise InvalidRequestError(f"export_dir is longer than {_MAX_PATH} bytes")
     bad = [c for c in export_dir if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn")]
     if bad:
-        raise InvalidRequestError(
-            f"export_dir {export_dir!r} contains control or unassigned characters ({bad[0]!r})"
-        )
+        raise InvalidRequestError(f"export_dir {export_dir!r} contains control or unassigned characters ({bad[0]!r})")
     if "\\" in export_dir:
         raise InvalidRequestError(f"export_dir {export_dir!r} contains a backslash; use '/'")
     path = PurePosixPath(export_dir)
     if path.is_absolute():
-        raise InvalidRequestError(
-            f"export_dir {export_dir!r} is absolute; give a path relative to the run's folder"
-        )
+        raise InvalidRequestError(f"export_dir {export_dir!r} is absolute; give a path relative to the run's folder")
     parts = [p for p in path.parts if p != "."]
     if not parts:
         raise InvalidRequestError(f"export_dir {export_dir!r} names the run's folder itself")
@@ -77,9 +73,7 @@ def check_export_dir(export_dir: str) -> PurePosixPath:
         if part == "..":
             raise InvalidRequestError(f"export_dir {export_dir!r} contains '..'")
         if part.startswith(RESERVED_PREFIX):
-            raise InvalidRequestError(
-                f"export_dir {export_dir!r}: names starting {RESERVED_PREFIX!r} are reserved"
-            )
+            raise InvalidRequestError(f"export_dir {export_dir!r}: names starting {RESERVED_PREFIX!r} are reserved")
         if len(part.encode("utf-8")) > NAME_MAX_BYTES:
             raise InvalidRequestError(
                 f"export_dir component {part[:32]!r}... is {len(part.encode('utf-8'))} bytes of "

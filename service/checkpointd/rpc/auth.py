@@ -170,7 +170,9 @@ def load_server_auth(config: ServeConfig, environ: Mapping[str, str] | None = No
                 config.host,
             )
         elif credentials is None:
-            _LOGGER.warning("bearer tokens on %s without TLS travel in cleartext; add --tls-cert/--tls-key", config.host)
+            _LOGGER.warning(
+                "bearer tokens on %s without TLS travel in cleartext; add --tls-cert/--tls-key", config.host
+            )
     return auth
 
 

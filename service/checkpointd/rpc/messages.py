@@ -12,8 +12,8 @@ from checkpointd.core.lane import LaneStats
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave
-from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol import wire
+from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
 from checkpointd.protocol.wire import variable_to_pb
 from checkpointd.saves.pipeline import Decision, Result, SaveRequest
@@ -21,6 +21,7 @@ from checkpointd.saves.restore import Opened
 from checkpointd.saves.runs import RunView
 from checkpointd.saves.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
+
 
 def variable_from_pb(v: pb.Variable) -> VariableSpec:
     return VariableSpec(v.key, v.checkpoint_key, v.dtype, tuple(v.shape))
@@ -42,9 +43,7 @@ def kind_from_pb(value: int, rpc: str, *, optional: bool = False) -> SaveKind | 
     kind = from_wire(value)
     if kind is None:
         names = ", ".join(k.name for k in SaveKind)
-        raise InvalidRequestError(
-            f"{rpc}: kind must be {'unspecified, ' if optional else ''}one of {names}"
-        )
+        raise InvalidRequestError(f"{rpc}: kind must be {'unspecified, ' if optional else ''}one of {names}")
     return kind
 
 

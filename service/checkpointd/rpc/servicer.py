@@ -89,9 +89,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     ) -> Iterator[pb.SaveResponse]:
         request = messages.save_request(upload.first(request_iterator, "header", "Save"))
 
-        def receive(
-            parts: Sequence[int], segment: Segment | None, deadline: float
-        ) -> tuple[list[memoryview], str]:
+        def receive(parts: Sequence[int], segment: Segment | None, deadline: float) -> tuple[list[memoryview], str]:
             timeout = self._pipeline.upload_timeout
             chunks = upload.until(request_iterator, deadline, timeout)
             try:
@@ -101,9 +99,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
         # A blocking save waiting for its turn wakes when the caller goes away.
         context.add_callback(self._runs.wake)
-        events = self._pipeline.save(
-            request, receive, timeout=context.time_remaining(), is_active=context.is_active
-        )
+        events = self._pipeline.save(request, receive, timeout=context.time_remaining(), is_active=context.is_active)
         for event in events:
             yield messages.save_response(event)
 
@@ -130,9 +126,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         return messages.latest_response(catalog.find_latest(self._pipeline.store, folder, run, kind))
 
     @grpc_errors
-    def Restore(
-        self, request: pb.RestoreRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.RestoreResponse]:
+    def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[pb.RestoreResponse]:
         run = check_run_name(request.run)
         manifest, folder = self._runs.manifest(run), self._runs.folder(run)
         with self._pipeline.retention.holding(folder):  # retention must not delete it mid-stream

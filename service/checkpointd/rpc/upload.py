@@ -41,9 +41,7 @@ _READ_AHEAD = 4
 _END = object()
 
 
-def until(
-    requests: Iterator[pb.SaveRequest], deadline: float, timeout: float
-) -> Generator[pb.SaveRequest, None, None]:
+def until(requests: Iterator[pb.SaveRequest], deadline: float, timeout: float) -> Generator[pb.SaveRequest, None, None]:
     """`requests`, ending in DeadlineError once the monotonic `deadline` passes.
 
     gRPC's request iterator blocks with no timeout, so a thread reads it into
@@ -136,9 +134,7 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
         if current is not None:
             current[1].close()
     if received != total:
-        raise InvalidRequestError(
-            f"RegisterRun: received {received} template bytes; the header announced {total}"
-        )
+        raise InvalidRequestError(f"RegisterRun: received {received} template bytes; the header announced {total}")
 
 
 class SharedSegment(Protocol):
@@ -185,9 +181,7 @@ def receive_snapshot(
         request = None
     if request is not None and request.WhichOneof("item") == "shared_memory_written":
         if segment is None:
-            raise InvalidRequestError(
-                "Save: shared_memory_written, but this save's accept offered no shared memory"
-            )
+            raise InvalidRequestError("Save: shared_memory_written, but this save's accept offered no shared memory")
         for _ in requests:
             raise InvalidRequestError("Save: nothing may follow shared_memory_written")
         if not context.is_active():
@@ -212,9 +206,7 @@ def receive_snapshot(
     received = 0
     for request in requests:
         if request.WhichOneof("item") != "chunk":
-            raise InvalidRequestError(
-                "Save: only chunks (or one shared_memory_written) may follow the header"
-            )
+            raise InvalidRequestError("Save: only chunks (or one shared_memory_written) may follow the header")
         chunk = request.chunk
         check_chunk(chunk, received, total, "snapshot")
         data = memoryview(chunk.data)
@@ -230,7 +222,5 @@ def receive_snapshot(
     if not context.is_active():
         raise InvalidRequestError("Save: the client went away during the upload")
     if received != total:
-        raise InvalidRequestError(
-            f"Save: the snapshot ended after {received} of its {total} bytes"
-        )
+        raise InvalidRequestError(f"Save: the snapshot ended after {received} of its {total} bytes")
     return [buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)], "grpc"

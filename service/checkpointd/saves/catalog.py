@@ -12,9 +12,7 @@ from checkpointd.core.retention import age
 from checkpointd.protocol.kinds import SaveKind
 
 
-def find_latest(
-    store: Store, folder: str, run: str, kind: SaveKind | None = None
-) -> CommittedSave | None:
+def find_latest(store: Store, folder: str, run: str, kind: SaveKind | None = None) -> CommittedSave | None:
     """The run's newest committed save in `folder`.
 
     Args:

@@ -12,17 +12,17 @@ sees it whole or not at all.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
-import contextlib
 from contextlib import contextmanager
 
 from checkpointd.core.ports import Store
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.core.retention import RetentionPolicy
+from checkpointd.protocol.kinds import SaveKind
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -76,7 +76,10 @@ class Retention:
                         deleted += 1
                         _LOGGER.info(
                             "retention: deleted run=%s kind=%s export_dir=%s step=%d",
-                            run, kind.value, save.export_dir, save.step,
+                            run,
+                            kind.value,
+                            save.export_dir,
+                            save.step,
                         )
         self.deleted += deleted
         return deleted

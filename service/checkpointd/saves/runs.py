@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from checkpointd.protocol.errors import DeadlineError, RunNotFoundError
 from checkpointd.core.lane import (
     Failed,
     Lane,
@@ -30,8 +29,10 @@ from checkpointd.core.lane import (
 )
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.ports import Clock, MetricsSink, NullSink
+from checkpointd.protocol.errors import DeadlineError, RunNotFoundError
 
 _LOGGER = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RunView:
@@ -140,8 +141,7 @@ class Lanes:
                     self._runs[run].lane.withdraw(decision)
                     self._cond.notify_all()
                     raise DeadlineError(
-                        f"blocking save of run {run!r} to {spec.export_dir!r} gave up waiting "
-                        "for the save in flight"
+                        f"blocking save of run {run!r} to {spec.export_dir!r} gave up waiting " "for the save in flight"
                     )
                 self._cond.wait(remaining)  # `wake` when a caller goes away
             return decision
@@ -178,8 +178,7 @@ class Lanes:
             if not self._cond.wait_for(idle, timeout):
                 busy = [n for n in names if not self._runs[n].lane.idle]
                 raise DeadlineError(
-                    f"flush timed out after {timeout:g}s; saves still in flight for runs: "
-                    + ", ".join(busy)
+                    f"flush timed out after {timeout:g}s; saves still in flight for runs: " + ", ".join(busy)
                 )
             return names
 
@@ -197,8 +196,7 @@ class Lanes:
             self._cond.notify_all()
             if not self._cond.wait_for(lambda: lane.state is LaneState.CLOSED, timeout):
                 raise DeadlineError(
-                    f"close of run {run!r} timed out after {timeout:g}s; it closes when its "
-                    "save in flight ends"
+                    f"close of run {run!r} timed out after {timeout:g}s; it closes when its " "save in flight ends"
                 )
 
     def drain(self) -> None:

@@ -161,7 +161,11 @@ class SharedMemory:
                 _LOGGER.warning(
                     "run %s: a %d-byte shared-memory segment would pass the %d bytes that "
                     "segments may hold (--max-staging-bytes) with %d held by saves in flight; "
-                    "its saves go over gRPC until there is room", run, size, self._max_bytes, held,
+                    "its saves go over gRPC until there is room",
+                    run,
+                    size,
+                    self._max_bytes,
+                    held,
                 )
             return None
         path = self._dir / f"{run}-{serial}"
@@ -173,7 +177,11 @@ class SharedMemory:
             why = "no room for" if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG) else "cannot make"
             _LOGGER.warning(
                 "run %s: %s a %d-byte shared-memory segment in %s (%s); this save goes over gRPC",
-                run, why, size, self._dir, e.strerror or e,
+                run,
+                why,
+                size,
+                self._dir,
+                e.strerror or e,
             )
             return None
         with self._lock:

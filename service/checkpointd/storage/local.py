@@ -64,9 +64,7 @@ def make_temp_sibling(target: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         # mkdir says "File exists" when the parent is a file; say what is wrong.
-        raise NotADirectoryError(
-            errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(target.parent)
-        ) from None
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(target.parent)) from None
     tmp = target.parent / f"{TMP_PREFIX}{target.name}-{_suffix()}"
     tmp.mkdir()
     return tmp
@@ -229,9 +227,7 @@ def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
     target = run_dir / relative
     real = Path(os.path.realpath(target))
     if real != target and run_dir not in real.parents:
-        raise InvalidRequestError(
-            f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)"
-        )
+        raise InvalidRequestError(f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)")
     return target
 
 
@@ -260,9 +256,7 @@ class LocalStore:
         self.root = Path(root)
         self._fsync = fsync
         # fsyncs a save's files while its manifest's CRCs read them back.
-        self._syncer = concurrent.futures.ThreadPoolExecutor(
-            thread_name_prefix="fsync", initializer=thread_initializer
-        )
+        self._syncer = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="fsync", initializer=thread_initializer)
 
     def describe(self) -> str:
         return str(self.root.resolve())

@@ -205,8 +205,7 @@ def read_manifest(save_dir: Path) -> dict[str, Any]:
     version = document.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ManifestError(
-            f"{MANIFEST_NAME} has format_version {version!r}; this checkpointd reads "
-            f"up to {FORMAT_VERSION}"
+            f"{MANIFEST_NAME} has format_version {version!r}; this checkpointd reads " f"up to {FORMAT_VERSION}"
         )
     try:
         entries = [FileEntry(str(f["path"]), int(f["size"]), str(f["crc32c"])) for f in document["files"]]
