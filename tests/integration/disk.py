@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import tensorflow as tf
 
 TRAIN_STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"  # same key in both layouts
@@ -45,3 +50,32 @@ def saved_step(export_dir: Path) -> int:
     """The train step stored in a save's variables (same key in both layouts)."""
     reader = tf.train.load_checkpoint(str(export_dir / "variables" / "variables"))
     return int(reader.get_tensor(TRAIN_STEP_KEY))
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[str]:
+    """Makes the existing dir `path` unwritable even for root; yields the OS's words for it.
+
+    A read-only tmpfs mounted over it (hiding what it holds until the context
+    ends), else the immutable attribute (which stops new entries in `path`
+    itself only); skips, saying why, where neither is allowed: permission
+    bits do not stop root.
+    """
+    tried = []
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode == 0:
+        try:
+            yield "Read-only file system"
+        finally:
+            subprocess.run(["umount", str(path)], check=False)
+        return
+    tried.append(f"mount: {done.stderr.strip()}")
+    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True) if shutil.which("chattr") else None
+    if done is not None and done.returncode == 0:
+        try:
+            yield "Operation not permitted"
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=False)
+        return
+    tried.append(f"chattr: {done.stderr.strip() if done else 'not installed'}")
+    pytest.skip("cannot make a directory read-only for root here: " + "; ".join(tried))

@@ -23,18 +23,18 @@ import pytest
 import tensorflow as tf
 from tf_agents.policies import policy_saver
 
-from checkpointd.storage import local
-from checkpointd.storage import save_manifest
 from checkpointd.cli import verify
 from checkpointd.protocol import wire
+from checkpointd.protocol.codes import error_for
 from checkpointd.protocol.errors import DeadlineError, SaveFailedError
 from checkpointd.rpc.upload import until
-from checkpointd.protocol.codes import error_for
+from checkpointd.storage import local, save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemotePolicySaver, snapshot, template
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon, wait_until
+from tests.integration.disk import read_only
 from tests.integration.raw import RawSave, run_status
 from tests.integration.scrape import Metrics
 
@@ -189,6 +189,28 @@ def test_an_export_dir_under_a_file_fails_and_the_lane_serves_on(daemon: Daemon,
         assert all(r.ok for r in verify.verify_paths([run_dir]))
     finally:
         saver.close()
+
+
+def test_an_unwritable_state_dir_fails_registration_with_the_os_reason_and_is_survivable(
+    fresh_daemon, q_policy  # noqa: ANN001
+) -> None:
+    daemon = fresh_daemon()
+    saver = remote_saver(daemon, "faults-state", q_policy)
+    try:
+        with read_only(daemon.root / ".checkpointd") as reason:  # e.g. remounted read-only after start
+            with pytest.raises(SaveFailedError) as caught:
+                saver.register()
+            # The OS reason, not "internal error in RegisterRun (OSError)".
+            assert "could not store its template" in str(caught.value)
+            assert reason in str(caught.value)
+            assert "internal error" not in str(caught.value)
+        assert daemon.proc.poll() is None
+        assert "Traceback" not in daemon.log()
+        saver.register()  # writable again: the same call works
+        saver.save("after", blocking=True)
+    finally:
+        saver.close()
+    assert (daemon.root / "faults-state" / "after" / "saved_model.pb").is_file()
 
 
 def _mount_small_disk(where: Path) -> str:

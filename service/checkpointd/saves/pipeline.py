@@ -169,6 +169,7 @@ class SavePipeline:
         Raises:
             InvalidRequestError, LimitExceededError: the request is refused;
                 nothing is registered.
+            SaveFailedError: the template could not be stored (the OS's reason).
         """
         run = check_run_name(run)
         folder = check_folder(folder) if folder else run
@@ -179,9 +180,12 @@ class SavePipeline:
             )
         started = time.monotonic()
         # RegisterRun carries a policy template: the format of policy saves takes it.
-        manifest = self.formats(SaveKind.SAVED_MODEL).register(
-            run, receive_template(), variables, checkpoint_object_graph
-        )
+        try:
+            manifest = self.formats(SaveKind.SAVED_MODEL).register(
+                run, receive_template(), variables, checkpoint_object_graph
+            )
+        except OSError as e:  # the state dir: unwritable, full, gone (logged as the call ends)
+            raise SaveFailedError(f"run {run!r}: could not store its template: {describe(e)}") from e
         self.runs.register(run, manifest, folder)
         _LOGGER.info(
             "registered run=%s folder=%s variables=%d snapshot_bytes=%d template_bytes=%d in %.3fs",
