@@ -9,24 +9,29 @@ kind is one module and one line here.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import socket
+import tempfile
 import threading
 import time
-from concurrent import futures
 from collections.abc import Sequence
+from concurrent import futures
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
-from wsgiref.simple_server import WSGIServer
 
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.ports import SaveFormat, Store
 from checkpointd.formats.pool import WriterPool
 from checkpointd.metrics import Metrics
-from checkpointd.protocol.errors import DeadlineError
+from checkpointd.protocol.errors import DeadlineError, describe
+from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.servicer import CheckpointServicer
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
@@ -80,6 +85,7 @@ class Server:
         self.lanes = Lanes(sink=self.metrics)
         self.metrics.runs.set_function(self.lanes.count)
         self._store = store
+        self._owns_store = store is None  # made in start(), so closed in stop()
         self._formats = formats
         self._pool: WriterPool | None = None
         self.retention: Retention | None = None
@@ -94,15 +100,28 @@ class Server:
     def start(self) -> None:
         """Binds, starts serving and writes the port files.
 
+        A start that fails frees what it made (threads, shared memory, ports)
+        before it raises.
+
         Raises:
             AuthSetupError: (a ValueError) auth was not given and loading it
                 failed, or the host is exposed without auth.
-            OSError: the port cannot be bound.
+            OSError: the root or the state dir is not a writable directory, or
+                a port cannot be bound or its host resolved; the message says
+                which, with the OS's reason.
         """
         config = self.config
         # First: an exposed bind without auth must not touch the root or load TF.
         auth = self._auth if self._auth is not None else load_server_auth(config)
-        config.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start(config, auth)
+        except BaseException:
+            self._release(grpc_grace=None, retention_timeout=1.0)
+            raise
+
+    def _start(self, config: ServeConfig, auth: ServerAuth) -> None:
+        _check_writable_dir(config.root, "the root (--root)")
+        _check_writable_dir(config.state_dir, "the daemon's state dir")
         self._pool = WriterPool(config.write_nice)
         if self._store is None:
             self._store = LocalStore(config.root, fsync=config.fsync, thread_initializer=self._pool.initializer)
@@ -148,17 +167,26 @@ class Server:
             self._grpc,
         )
         address = f"{_bracket(config.host)}:{config.port}"
-        if auth.credentials is None:
-            self.port = self._grpc.add_insecure_port(address)
-        else:
-            self.port = self._grpc.add_secure_port(address, auth.credentials)
+        try:
+            if auth.credentials is None:
+                self.port = self._grpc.add_insecure_port(address)
+            else:
+                self.port = self._grpc.add_secure_port(address, auth.credentials)
+        except RuntimeError:  # grpcio raises where its docs say it returns 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind gRPC to {address}")
+            raise _bind_error(config.host, config.port)
         self._grpc.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port is not None:
-            self._http, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.registry)
+            try:
+                self._http, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.registry)
+            except OSError as e:
+                raise _bind_failure(
+                    "/metrics", config.metrics_host, config.metrics_port, e,
+                    ("--metrics-host", "--metrics-port"), "0 picks a free one, -1 turns /metrics off",
+                ) from None  # fmt: skip
             self.metrics_port = self._http.server_port
         _LOGGER.info(
             "listening on port %d (root %s, metrics %s, auth %s, shared memory %s)",
@@ -193,19 +221,51 @@ class Server:
             _LOGGER.error("shutdown: %s; abandoning them", exc)
             clean = False
         _LOGGER.info("drained in %.3fs", time.monotonic() - started)
-        if self._grpc is not None:
-            self._grpc.stop(grace=1.0).wait()
-        if self.retention is not None:
-            self.retention.stop(timeout=max(grace, 1.0))  # finish queued tidying
+        self._release(grpc_grace=1.0, retention_timeout=max(grace, 1.0))  # retention: finish queued tidying
+        self._stopped.set()
+        return clean
+
+    def unfinished(self) -> list[str]:
+        """The accepted and queued saves not yet durable, one description each (for logs)."""
+        found = []
+        for view in self.lanes.views():
+            if view.in_flight is not None:
+                spec = view.in_flight.spec
+                found.append(f"run={view.run} kind={spec.kind.value} export_dir={spec.export_dir} step={spec.step}")
+            if view.waiting:
+                found.append(f"run={view.run}: {view.waiting} blocking saves queued")
+        return found
+
+    def abandon(self) -> None:
+        """Frees what outlives the process (the shared-memory folder) before an exit without a drain.
+
+        Saves in flight are cut off where they are: their temp dirs are left
+        for the next daemon's recovery, and no export dir is torn.
+        """
         if self.shared_memory is not None:
             self.shared_memory.close()
+            self.shared_memory = None
+
+    def _release(self, *, grpc_grace: float | None, retention_timeout: float) -> None:
+        """Frees what start() made, whatever it got to; each part once."""
+        if self._grpc is not None:
+            self._grpc.stop(grace=grpc_grace).wait()
+            self._grpc = None
+        if self.retention is not None:
+            self.retention.stop(timeout=retention_timeout)
+            self.retention = None
+        if self.shared_memory is not None:
+            self.shared_memory.close()
+            self.shared_memory = None
         if self._pool is not None:
             self._pool.close()
+            self._pool = None
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
-        self._stopped.set()
-        return clean
+            self._http = None
+        if self._owns_store and isinstance(self._store, LocalStore):
+            self._store.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until stop() has finished."""
@@ -232,6 +292,56 @@ def _preload_tensorflow() -> None:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _bind_failure(what: str, host: str, port: int, e: OSError, flags: tuple[str, str], port_help: str) -> OSError:
+    """A bind failure said with the flags that fix it and the OS's reason."""
+    host_flag, port_flag = flags
+    if isinstance(e, socket.gaierror):
+        return OSError(f"cannot resolve {host_flag} {host!r} for {what}: {e.strerror}")
+    reason = describe(e)
+    if e.errno == errno.EADDRINUSE:
+        reason += f": another process has port {port}; stop it, or choose another {port_flag} ({port_help})"
+    elif e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+        reason += f": {host} is not an address of this machine (check {host_flag})"
+    return OSError(f"cannot bind {what} to {_bracket(host)}:{port}: {reason}")
+
+
+def _bind_error(host: str, port: int) -> OSError:
+    """Why gRPC could not bind host:port; grpcio says only that it failed.
+
+    Resolves the host and binds a probe socket to each address, so the
+    message carries the OS's reason (address in use, cannot assign, no
+    such host); gRPC has already failed, so the probe takes nothing from it.
+    """
+    flags, port_help = ("--host", "--port"), "0 picks a free one"
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, sockaddr in addresses:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(sockaddr)
+    except OSError as e:
+        return _bind_failure("gRPC", host, port, e, flags, port_help)
+    return OSError(f"cannot bind gRPC to {_bracket(host)}:{port}: gRPC refused the address (check --host)")
+
+
+def _check_writable_dir(path: Path, what: str) -> None:
+    """Makes `path` if missing and proves it a writable directory, or says why it is not.
+
+    Raises:
+        OSError: with what to fix and the OS's reason.
+    """
+    if path.exists() and not path.is_dir():
+        raise OSError(f"{what} {path} is not a directory; it must be a directory, or a path where one can be made")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # Permission bits do not stop root; a read-only mount or an immutable dir
+        # does. Only writing tells.
+        fd, probe = tempfile.mkstemp(prefix=f"{TMP_PREFIX}probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(f"{what} {path} is not a writable directory: {describe(e)}") from None
 
 
 def _write_port(path: Path | None, port: int) -> None:

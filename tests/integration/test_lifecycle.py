@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -35,10 +36,11 @@ from checkpointd_client import (
     RunClosedError,
     SaveFailedError,
     UnavailableError,
+    snapshot,
 )
-from checkpointd_client import snapshot
 from tests.integration import policies
 from tests.integration.daemon import Daemon
+from tests.integration.disk import read_only
 from tests.integration.raw import HeldSave, Stub, run_status, saver_header
 
 RPC_TIMEOUT = 30.0
@@ -222,6 +224,177 @@ def test_sigterm_refuses_new_saves_finishes_the_accepted_one_and_exits_zero(
     assert_holds_snapshot(Path(result.path), held.snapshot)
     assert sorted(p.name for p in (daemon.root / "drain").iterdir()) == ["accepted-before-sigterm"]
     assert "drained in" in daemon.log()
+
+
+# A second signal during the drain stops at once; a burst never hangs the daemon.
+
+
+def _draining(daemon: Daemon) -> None:
+    """Waits until the daemon has taken the first signal (health says NOT_SERVING)."""
+    with grpc.insecure_channel(daemon.address) as channel:
+        for reply in health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=RPC_TIMEOUT
+        ):
+            if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                return
+
+
+def _assert_stopped_now(daemon: Daemon, shm: Path, run: str, export_dir: str) -> None:
+    # Exit 1: a save was abandoned. Bounded: the hang this guards against never exits.
+    assert daemon.proc.wait(EXIT_TIMEOUT) == 1
+    log = daemon.log()
+    assert re.search(
+        rf"again: stopping now, abandoning 1 unfinished saves: run={run} kind=saved_model "
+        rf"export_dir={export_dir} step=\d+",
+        log,
+    ), log
+    assert "Traceback" not in log
+    assert list(shm.iterdir()) == []  # the shared-memory folder went with it
+    assert not (daemon.root / run / export_dir).exists()  # abandoned, not torn
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_a_burst_of_sigterms_during_a_drain_stops_at_once_and_never_hangs(
+    fresh_daemon, saver, tmp_path: Path, round_: int
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    daemon = fresh_daemon("--shm-dir", str(shm))
+    s = saver(daemon, "burst")
+    s.hold(pb.SAVED_MODEL, "held")  # accepted; its upload never comes
+    daemon.proc.send_signal(signal.SIGTERM)
+    _draining(daemon)
+    for _ in range(20):  # what an impatient operator or a supervisor sends
+        daemon.proc.send_signal(signal.SIGTERM)
+    _assert_stopped_now(daemon, shm, "burst", "held")
+
+
+def test_signals_arriving_all_at_once_drain_then_stop_at_once(fresh_daemon, saver, tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    daemon = fresh_daemon("--shm-dir", str(shm))
+    s = saver(daemon, "at-once")
+    s.hold(pb.SAVED_MODEL, "held")
+    for sig in [signal.SIGTERM, signal.SIGINT] * 25:  # the first drains, the next stops now
+        daemon.proc.send_signal(sig)
+    _assert_stopped_now(daemon, shm, "at-once", "held")
+
+
+def test_sigint_during_a_sigterm_drain_stops_at_once_and_the_next_start_recovers(
+    fresh_daemon, saver, tmp_path: Path
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    daemon = fresh_daemon("--shm-dir", str(shm))
+    s = saver(daemon, "ctrl-c")
+    s.remote.save("before", blocking=True)
+    held = s.hold(pb.SAVED_MODEL, "held")
+    held.send_chunks(held.chunks()[:1])  # part of the upload arrived: a slow trainer
+    daemon.proc.send_signal(signal.SIGTERM)
+    _draining(daemon)
+    assert daemon.proc.poll() is None  # the first signal only drains
+    daemon.proc.send_signal(signal.SIGINT)
+    _assert_stopped_now(daemon, shm, "ctrl-c", "held")
+
+    again = fresh_daemon()  # the same root: what was cut off is cleaned, what was saved is whole
+    assert sorted(p.name for p in (again.root / "ctrl-c").iterdir()) == ["before"]
+    assert (again.root / "ctrl-c" / "before" / "saved_model.pb").is_file()
+
+
+def test_a_second_signal_after_an_idle_drain_exits_zero(fresh_daemon) -> None:
+    daemon = fresh_daemon()
+    for _ in range(10):
+        daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(EXIT_TIMEOUT) == 0  # nothing was abandoned, however it ended
+    assert "Traceback" not in daemon.log()
+
+
+# Start-up refusals: exit 2, one line that says what to fix, nothing left behind.
+
+
+def serve_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Runs `checkpointd serve` that must refuse to start; bounded."""
+    return subprocess.run(
+        [CHECKPOINTD, "serve", *args],
+        capture_output=True, text=True, timeout=EXIT_TIMEOUT + RPC_TIMEOUT, check=False,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )  # fmt: skip
+
+
+def _assert_cannot_start(done: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "cannot start:" in line]
+    for needle in needles:
+        assert needle in line, line
+    assert "listening" not in done.stderr
+    return line
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port another process (here: a listening socket) holds."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+@pytest.mark.parametrize("which", ["--port", "--metrics-port"])
+def test_a_busy_port_is_cannot_start_exit_2_and_leaves_no_shared_memory(
+    tmp_path: Path, busy_port: int, which: str
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    ports = {"--port": "0", "--metrics-port": "0", which: str(busy_port)}
+    done = serve_cli("--root", str(tmp_path / "root"), "--shm-dir", str(shm), *[x for kv in ports.items() for x in kv])
+    what = "gRPC" if which == "--port" else "/metrics"
+    _assert_cannot_start(
+        done, f"cannot bind {what} to 127.0.0.1:{busy_port}", "Address already in use", f"another {which}"
+    )
+    assert list(shm.iterdir()) == []  # start() made a folder there, and removed it
+
+
+def test_an_unresolvable_host_is_cannot_start_exit_2(tmp_path: Path) -> None:
+    done = serve_cli(
+        "--root", str(tmp_path / "root"), "--host", "no-such-host.invalid", "--insecure", "--port", "0",
+        "--metrics-port", "-1", "--no-shm",
+    )  # fmt: skip
+    _assert_cannot_start(done, "cannot resolve --host 'no-such-host.invalid'")
+
+
+def test_a_root_that_is_a_regular_file_is_cannot_start_exit_2(tmp_path: Path) -> None:
+    root = tmp_path / "afile"
+    root.write_text("not a dir")
+    done = serve_cli("--root", str(root), "--port", "0", "--metrics-port", "-1", "--no-shm")
+    _assert_cannot_start(done, f"the root (--root) {root} is not a directory", "must be a directory")
+
+
+@pytest.mark.parametrize("which", ["root", "state dir"])
+def test_an_unwritable_root_or_state_dir_is_cannot_start_exit_2_with_the_os_reason(
+    tmp_path: Path, which: str
+) -> None:
+    root = tmp_path / "root"
+    unwritable = root if which == "root" else root / ".checkpointd"
+    unwritable.mkdir(parents=True)
+    with read_only(unwritable) as reason:
+        done = serve_cli("--root", str(root), "--port", "0", "--metrics-port", "-1", "--no-shm")
+    what = "the root (--root)" if which == "root" else "the daemon's state dir"
+    _assert_cannot_start(done, f"{what} {unwritable} is not a writable directory: {reason}")
+
+
+def test_with_only_the_client_extra_serve_says_to_install_the_daemon_extra(tmp_path: Path) -> None:
+    # As if grpcio-health-checking were not installed: importing it fails.
+    script = (
+        "import sys; sys.modules['grpc_health'] = None\n"
+        "from checkpointd.cli import main\n"
+        f"sys.exit(main(['serve', '--root', {str(tmp_path / 'root')!r}, '--port', '0']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=RPC_TIMEOUT, check=False
+    )
+    _assert_cannot_start(done, "needs grpc_health", "pip install 'checkpointd[daemon]'")
+    assert not (tmp_path / "root").exists()
 
 
 # The ops CLI against a live daemon.
