@@ -190,7 +190,8 @@ class Server:
             self.metrics_port = self._http.server_port
         _LOGGER.info(
             "listening on port %d (root %s, metrics %s, auth %s, shared memory %s)",
-            self.port, self._store.describe(),
+            self.port,
+            self._store.describe(),
             f"http://{config.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
             auth.describe(),
             self.shared_memory.folder if self.shared_memory is not None else "off",

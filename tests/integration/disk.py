@@ -26,10 +26,7 @@ def files_under(root: Path) -> set[str]:
 def checkpointd_entries(root: Path) -> list[str]:
     """Temp and replaced trees the daemon makes (`.checkpointd-*`) anywhere under `root`."""
     return [
-        os.path.join(d, name)
-        for d, dirs, fs in os.walk(root)
-        for name in dirs + fs
-        if name.startswith(".checkpointd-")
+        os.path.join(d, name) for d, dirs, fs in os.walk(root) for name in dirs + fs if name.startswith(".checkpointd-")
     ]
 
 
@@ -62,7 +59,9 @@ def read_only(path: Path) -> Iterator[str]:
     bits do not stop root.
     """
     tried = []
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if done.returncode == 0:
         try:
             yield "Read-only file system"
@@ -70,7 +69,9 @@ def read_only(path: Path) -> Iterator[str]:
             subprocess.run(["umount", str(path)], check=False)
         return
     tried.append(f"mount: {done.stderr.strip()}")
-    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True) if shutil.which("chattr") else None
+    done = (
+        subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True) if shutil.which("chattr") else None
+    )
     if done is not None and done.returncode == 0:
         try:
             yield "Operation not permitted"

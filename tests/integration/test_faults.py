@@ -130,9 +130,7 @@ def saves_total(daemon: Daemon, kind: str, outcome: str) -> float:
 
 
 def temp_dirs(root: Path) -> list[str]:
-    return [
-        os.path.join(d, n) for d, names, _ in os.walk(root) for n in names if n.startswith(local.TMP_PREFIX)
-    ]
+    return [os.path.join(d, n) for d, names, _ in os.walk(root) for n in names if n.startswith(local.TMP_PREFIX)]
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +190,8 @@ def test_an_export_dir_under_a_file_fails_and_the_lane_serves_on(daemon: Daemon,
 
 
 def test_an_unwritable_state_dir_fails_registration_with_the_os_reason_and_is_survivable(
-    fresh_daemon, q_policy  # noqa: ANN001
+    fresh_daemon,
+    q_policy,  # noqa: ANN001
 ) -> None:
     daemon = fresh_daemon()
     saver = remote_saver(daemon, "faults-state", q_policy)
@@ -217,7 +216,9 @@ def _mount_small_disk(where: Path) -> str:
     """Mounts a 2 MiB filesystem at `where`; returns which kind, or skips."""
     where.mkdir()
     tried = []
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if done.returncode == 0:
         return "tmpfs"
     tried.append(f"tmpfs: {done.stderr.strip()}")

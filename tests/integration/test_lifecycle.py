@@ -69,9 +69,7 @@ class Saver:
         self._held: list[HeldSave] = []
 
     def hold(self, kind: int, export_dir: str) -> HeldSave:
-        held = HeldSave(
-            self.daemon, self.remote, self.train_step, export_dir, kind=kind, chunk_bytes=1 << 20
-        )
+        held = HeldSave(self.daemon, self.remote, self.train_step, export_dir, kind=kind, chunk_bytes=1 << 20)
         self._held.append(held)
         return held
 
@@ -98,9 +96,7 @@ def saver() -> Iterator[Callable[[Daemon, str], Saver]]:
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     """Runs the `checkpointd` entry point; bounded."""
-    return subprocess.run(
-        [CHECKPOINTD, *args], capture_output=True, text=True, timeout=RPC_TIMEOUT, check=False
-    )
+    return subprocess.run([CHECKPOINTD, *args], capture_output=True, text=True, timeout=RPC_TIMEOUT, check=False)
 
 
 def raw_save_code(daemon: Daemon, saver: Saver, export_dir: str) -> grpc.StatusCode:
@@ -140,9 +136,7 @@ def test_serve_writes_the_bound_port_to_its_port_file_and_logs_it(daemon: Daemon
     assert daemon.port != 0
     assert re.search(rf"listening on port {daemon.port}\b", daemon.log())
     with grpc.insecure_channel(f"127.0.0.1:{int(port_file.read_text())}") as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=RPC_TIMEOUT
-        )
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=RPC_TIMEOUT)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -150,14 +144,10 @@ def test_health_is_serving_for_the_server_and_the_service(daemon: Daemon) -> Non
     with grpc.insecure_channel(daemon.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", SERVICE):
-            reply = health.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT
-            )
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
         with pytest.raises(grpc.RpcError) as caught:
-            health.Check(
-                health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=RPC_TIMEOUT
-            )
+            health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=RPC_TIMEOUT)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -191,9 +181,7 @@ def test_reflection_lists_and_describes_the_service(daemon: Daemon) -> None:
 # Shutdown: SIGTERM drains the save in flight, refuses new ones, exits 0.
 
 
-def test_sigterm_refuses_new_saves_finishes_the_accepted_one_and_exits_zero(
-    fresh_daemon, saver
-) -> None:
+def test_sigterm_refuses_new_saves_finishes_the_accepted_one_and_exits_zero(fresh_daemon, saver) -> None:
     daemon = fresh_daemon()
     s = saver(daemon, "drain")
     s.train_step.assign(42)
@@ -371,9 +359,7 @@ def test_a_root_that_is_a_regular_file_is_cannot_start_exit_2(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("which", ["root", "state dir"])
-def test_an_unwritable_root_or_state_dir_is_cannot_start_exit_2_with_the_os_reason(
-    tmp_path: Path, which: str
-) -> None:
+def test_an_unwritable_root_or_state_dir_is_cannot_start_exit_2_with_the_os_reason(tmp_path: Path, which: str) -> None:
     root = tmp_path / "root"
     unwritable = root if which == "root" else root / ".checkpointd"
     unwritable.mkdir(parents=True)
@@ -450,7 +436,7 @@ def test_cli_flush_with_timeout_fails_clearly_while_a_save_is_held(daemon: Daemo
     s = saver(daemon, "cli-held")
     held = s.hold(pb.CHECKPOINT, "held")
     timed_out = cli("flush", "--address", daemon.address, "--timeout", "1")
-    assert timed_out.returncode != 0
+    assert timed_out.returncode == 1  # the documented "saves still busy"
     assert "DeadlineError" in timed_out.stderr
     assert "timed out" in timed_out.stderr and "cli-held" in timed_out.stderr
     assert held.release().bytes_written > 0  # the held save was not disturbed
@@ -470,10 +456,20 @@ def test_cli_close_ends_the_run_and_later_saves_fail_precondition(daemon: Daemon
     assert sorted(p.name for p in (daemon.root / "cli-close").iterdir()) == ["before-close"]
 
 
+def test_cli_naming_a_run_the_daemon_does_not_have_lists_the_open_ones(daemon: Daemon, saver) -> None:
+    saver(daemon, "cli-known")
+    for command in (["status"], ["flush"], ["close"]):
+        done = cli(*command, "--address", daemon.address, "--run", "nope")
+        assert done.returncode == 2, done.stderr
+        assert "no run named 'nope' is open on this daemon; open runs: " in done.stderr
+        assert "cli-known" in done.stderr
+        assert "register it first" not in done.stderr and "Traceback" not in done.stderr
+
+
 def test_cli_against_nothing_listening_says_cannot_reach() -> None:
     for command in (["status"], ["flush"], ["close", "--run", "r"]):
         unreachable = cli(*command, "--address", "127.0.0.1:1")
-        assert unreachable.returncode != 0
+        assert unreachable.returncode == 2  # the documented "no daemon answered"
         assert "cannot reach" in unreachable.stderr, unreachable.stderr
         assert "Traceback" not in unreachable.stderr
 
@@ -506,11 +502,7 @@ def test_daemon_logs_one_line_per_save_outcome(daemon: Daemon, saver) -> None:
         s.remote.save("blocker", blocking=True)
 
     # Each outcome is logged before the daemon answers, so the log is complete now.
-    lines = [
-        m.groupdict()
-        for m in map(_OUTCOME.search, daemon.log().splitlines())
-        if m and m["run"] == run
-    ]
+    lines = [m.groupdict() for m in map(_OUTCOME.search, daemon.log().splitlines()) if m and m["run"] == run]
     by_dir = {line["export_dir"]: line for line in lines}
     assert len(lines) == len(by_dir) == 5, lines  # one line per save, none twice
     expected = {
@@ -591,9 +583,7 @@ def _thread_nice_values(pid: int) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("nice", [10, 0])
-def test_saves_are_written_by_threads_at_write_nice(
-    fresh_daemon: Callable[..., Daemon], nice: int
-) -> None:
+def test_saves_are_written_by_threads_at_write_nice(fresh_daemon: Callable[..., Daemon], nice: int) -> None:
     daemon = fresh_daemon("--write-nice", str(nice))
     policy = policies.build(policies.q())
     with RemotePolicySaver(policy, daemon.address, run="nice", timeout=60) as saver:

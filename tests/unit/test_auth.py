@@ -235,8 +235,11 @@ def test_ops_takes_the_token_from_the_environment(plain: InProcess) -> None:
     out, err = io.StringIO(), io.StringIO()
     assert ops.run(command, out, err, environ={auth.TOKEN_ENV: f"{TOKEN}\n"}) == 0, err.getvalue()
     assert "(no runs registered)" in out.getvalue()
-    assert ops.run(command, out, err, environ={}) == 1
-    assert "UnauthenticatedError: missing credentials" in err.getvalue()
+    assert ops.run(command, out, err, environ={}) == 2
+    assert (
+        "wants a bearer token and none was given: give it with --token-file FILE or the CHECKPOINTD_TOKEN"
+        in err.getvalue()
+    )
 
 
 # Client-side helpers.

@@ -293,3 +293,25 @@ def test_views_are_copies(lanes: Lanes) -> None:
     # The old copy did not follow the lane.
     assert view.in_flight.state is TicketState.FAILED
     assert view.state is LaneState.OPEN and fresh.in_flight is None
+
+
+def test_an_operator_naming_an_unknown_run_is_told_which_runs_are_open(lanes: Lanes) -> None:
+    lanes.register("b", MANIFEST)
+    lanes.register("done", MANIFEST)
+    lanes.close("done")
+    for call in (lambda: lanes.flush("nope"), lambda: lanes.close("nope"), lambda: lanes.views("nope")):
+        with pytest.raises(RunNotFoundError) as caught:
+            call()
+        message = str(caught.value)
+        assert message.startswith("no run named 'nope' is open on this daemon; open runs: a, b; closed runs: done")
+        assert "register it first" not in message  # an operator cannot; the trainer does
+
+
+def test_the_open_runs_listed_are_capped() -> None:
+    lanes = Lanes()
+    for i in range(25):
+        lanes.register(f"r{i:02d}", MANIFEST)
+    with pytest.raises(RunNotFoundError, match=r"open runs: r00, .*, r19 and 5 more \("):
+        lanes.flush("nope")
+    with pytest.raises(RunNotFoundError, match=r"open runs: none \("):
+        Lanes().views("nope")

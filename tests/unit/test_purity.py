@@ -28,9 +28,10 @@ PACKAGE_DIRS = {
 }
 
 # Modules of the protocol the core may use: the stdlib-only rules and tables it
-# decides with (errors, save kinds, names, dtype sizes).
+# decides with (errors, save kinds, names, dtype sizes, the default port).
 CORE_MAY_USE = (
     "checkpointd.protocol",
+    "checkpointd.protocol.address",
     "checkpointd.protocol.errors",
     "checkpointd.protocol.kinds",
     "checkpointd.protocol.names",

@@ -1,4 +1,10 @@
-"""The ops side of the CLI: flush, status and close against a running daemon."""
+"""The ops side of the CLI: flush, status and close against a running daemon.
+
+Exit codes: 0 done; 1 the daemon answered that saves were still in flight
+when --timeout passed (flush, close); 2 the command could not do its job: no
+daemon answered at the address (nothing listening, not checkpointd, no
+answer in time), it refused the credentials, or it has no such run.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +20,18 @@ from google.protobuf import json_format
 
 from checkpointd.cli.parse import OpsCommand
 from checkpointd.protocol import credentials
+from checkpointd.protocol.address import with_default_port
 from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
-# Slack on top of a server-side timeout, so the daemon's answer wins the race.
-_RPC_SLACK = 5.0
+# flush and close ask the daemon to wait --timeout seconds; the call itself
+# gets this much longer, so the daemon's "still in flight" answer (exit 1)
+# arrives before the call's own deadline, which means no daemon answered (exit 2).
+ANSWER_SLACK = 1.0
+
+SAVES_BUSY = 1
+FAILED = 2
 
 
 def run(
@@ -28,65 +40,97 @@ def run(
     err: TextIO = sys.stderr,
     environ: Mapping[str, str] | None = None,
 ) -> int:
-    """Runs one ops command; returns the process exit code.
+    """Runs one ops command; returns the process exit code (see the module docstring).
 
     The token comes from `command.token_file`, else from CHECKPOINTD_TOKEN in
     `environ` (default os.environ); unreadable credentials exit 2.
     """
     try:
-        channel = _channel(command, os.environ if environ is None else environ)
+        channel, token_from = _channel(command, os.environ if environ is None else environ)
     except (OSError, ValueError) as exc:
         print(f"checkpointd {command.name}: {exc}", file=err)
-        return 2
+        return FAILED
     with channel:
         stub = pb_grpc.CheckpointServiceStub(channel)
-        rpc_timeout = None if command.timeout is None else command.timeout + _RPC_SLACK
+        waits = command.name in ("flush", "close")  # the daemon waits up to --timeout
+        deadline = None if command.timeout is None else command.timeout + (ANSWER_SLACK if waits else 0.0)
+        started = time.monotonic()
         try:
             if command.name == "flush":
                 reply = stub.Flush(
                     pb.FlushRequest(run=command.run or "", timeout_seconds=command.timeout or 0),
-                    timeout=rpc_timeout,
+                    timeout=deadline,
                 )
                 runs = ", ".join(reply.runs) or "no runs"
                 print(f"flushed: every accepted save is durable ({runs})", file=out)
             elif command.name == "close":
                 stub.CloseRun(
                     pb.CloseRunRequest(run=command.run, timeout_seconds=command.timeout or 0),
-                    timeout=rpc_timeout,
+                    timeout=deadline,
                 )
                 print(f"closed run {command.run}", file=out)
             else:
-                reply = stub.GetStatus(pb.StatusRequest(run=command.run or ""), timeout=command.timeout or 30)
+                status = stub.GetStatus(pb.StatusRequest(run=command.run or ""), timeout=deadline)
                 if command.as_json:
-                    print(json.dumps(status_dict(reply), indent=2), file=out)
+                    print(json.dumps(status_dict(status), indent=2), file=out)
                 else:
-                    print(format_status(reply), file=out)
+                    print(format_status(status), file=out)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                print(
-                    f"checkpointd {command.name}: cannot reach a daemon at {command.address}: {exc.details()}", file=err
-                )
-                return 2
-            error = error_for(exc.code(), exc.details())
-            print(f"checkpointd {command.name}: {type(error).__name__}: {error}", file=err)
-            return 1
+            # The call's own deadline passed only if the daemon did not answer
+            # by then; its "still in flight" comes ANSWER_SLACK earlier.
+            unanswered = deadline is not None and time.monotonic() - started >= deadline - ANSWER_SLACK / 2
+            code, message = _failure(command, exc, unanswered, token_from)
+            print(f"checkpointd {command.name}: {message}", file=err)
+            return code
     return 0
 
 
-def _channel(command: OpsCommand, environ: Mapping[str, str]) -> grpc.Channel:
+def _failure(command: OpsCommand, exc: grpc.RpcError, unanswered: bool, token_from: str | None) -> tuple[int, str]:
+    """The exit code and message for a failed call, saying what to do about it."""
+    code, details = exc.code(), exc.details() or exc.code().name
+    address = with_default_port(command.address)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and unanswered:
+        return FAILED, (
+            f"no answer from {address} within {command.timeout:g}s (--timeout): is a checkpointd daemon "
+            "listening there, and is it its gRPC --port?"
+        )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the daemon's own answer
+        return SAVES_BUSY, f"{type(error_for(code, details)).__name__}: {details}"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return FAILED, f"cannot reach a daemon at {address}: {details}"
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return FAILED, (
+            f"the address {address} does not serve checkpointd (it answered: {details}); give the "
+            "daemon's gRPC --port with --address HOST:PORT, not its metrics port or another service's"
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED and token_from is None:
+        return FAILED, (
+            f"the daemon at {address} wants a bearer token and none was given: give it with "
+            "--token-file FILE or the CHECKPOINTD_TOKEN environment variable"
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return FAILED, f"the daemon at {address} refused the token from {token_from} ({details}): use one of its tokens"
+    error = error_for(code, details)
+    return FAILED, f"{type(error).__name__}: {error}"
+
+
+def _channel(command: OpsCommand, environ: Mapping[str, str]) -> tuple[grpc.Channel, str | None]:
+    """The channel, and where its token came from (None: no token)."""
     token = environ.get(credentials.TOKEN_ENV, "").strip() or None
+    token_from = credentials.TOKEN_ENV if token else None
     if command.token_file is not None:
         try:
             token = credentials.read_token(command.token_file)
         except OSError as exc:
             raise OSError(f"cannot read --token-file {command.token_file}: {exc.strerror or exc}") from None
+        token_from = f"--token-file {command.token_file}"
     channel_credentials = None
     if command.uses_tls:
         try:
             channel_credentials = credentials.credentials(command.tls_ca, command.tls_cert, command.tls_key)
         except OSError as exc:
             raise OSError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
-    return credentials.open_channel(command.address, channel_credentials, token)
+    return credentials.open_channel(command.address, channel_credentials, token), token_from
 
 
 def status_dict(reply: pb.StatusResponse) -> dict[str, Any]:

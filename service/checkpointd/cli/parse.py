@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd import __version__
-from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServeConfig
+from checkpointd.core.config import DEFAULT_METRICS_PORT, ServeConfig
+from checkpointd.protocol.address import DEFAULT_PORT
 from checkpointd.saves.shm import default_shm_root
 
 _LOGGER = logging.getLogger("checkpointd")
+
+
+STATUS_TIMEOUT = 30.0
+"""Seconds `status` waits for an answer unless --timeout says otherwise."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,8 @@ class _NoTokenOnCommandLine(argparse.Action):
         )
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser, and each command's (for errors that print its usage)."""
     parser = argparse.ArgumentParser(
         prog="checkpointd",
         description="An asynchronous checkpoint service for TF-Agents.",
@@ -224,7 +232,20 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument(
             "--run", required=name == "close", help="one run" + ("" if name == "close" else " (default: all runs)")
         )
-        cmd.add_argument("--timeout", type=float, help="seconds to wait (default: no limit)")
+        if name == "status":
+            cmd.add_argument(
+                "--timeout",
+                type=float,
+                default=STATUS_TIMEOUT,
+                help=f"seconds to wait for the daemon's answer; exit 2 without one (default: {STATUS_TIMEOUT:g})",
+            )
+        else:
+            cmd.add_argument(
+                "--timeout",
+                type=float,
+                help="seconds the accepted saves may take to become durable: exit 1 if some are still in "
+                "flight then, exit 2 if no daemon answered within it (default: no limit)",
+            )
         if name == "status":
             cmd.add_argument("--json", action="store_true", dest="as_json", help="machine-readable output")
         cmd.add_argument(
@@ -262,7 +283,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="show bytes checked on stderr (default: only when stderr is a terminal)",
     )
-    return parser
+    return parser, dict(sub.choices)
 
 
 def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | VerifyCommand, str]:
@@ -271,7 +292,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
     Returns:
         The serve config, the ops or verify command, and the log level.
     """
-    parser = _parser()
+    parser, commands = _parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         try:
@@ -302,17 +323,42 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 shm_root=None if args.no_shm else (args.shm_dir or default_shm_root()),
             )
         except ValueError as exc:
-            parser.error(str(exc))
+            commands["serve"].error(_with_flags(str(exc), commands["serve"]))
         return config, args.log_level
     if args.command == "verify":
         return VerifyCommand(tuple(args.paths), args.as_json, args.progress), "WARNING"
-    if args.timeout is not None and args.timeout <= 0:
-        parser.error("--timeout must be positive")
+    if args.timeout is not None and not 0 < args.timeout < math.inf:
+        commands[args.command].error("--timeout must be a positive number of seconds")
     if (args.tls_cert is None) != (args.tls_key is None):
-        parser.error("--tls-cert and --tls-key go together")
+        commands[args.command].error("--tls-cert and --tls-key go together: give both or neither")
     command = OpsCommand(
         args.command, args.address, args.run, args.timeout, getattr(args, "as_json", False),
         tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
         token_file=args.token_file,
     )  # fmt: skip
     return command, "WARNING"
+
+
+# ServeConfig fields whose flag is not spelled after them.
+_FLAG_OF_FIELD = {"upload_timeout_seconds": "--upload-timeout", "shm_root": "--shm-dir"}
+
+
+def _with_flags(message: str, serve: argparse.ArgumentParser) -> str:
+    """A ServeConfig error, with the flags a user typed instead of the config's field names.
+
+    The config is validated once, in the core, which knows no flags; here each
+    field it names (`keep_last`, `tls_cert`) becomes its flag (`--keep-last`).
+    """
+    flags = dict(_FLAG_OF_FIELD)
+    for action in serve._actions:  # noqa: SLF001 - argparse offers no public list
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs:
+            flags.setdefault(action.dest, longs[0])
+
+    def flag(match: re.Match[str]) -> str:
+        return flags.get(match[0], match[0])
+
+    # Fields with an underscore anywhere; one-word fields (port, host) only
+    # where they start the message, so plain words stay words.
+    message = re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", flag, message)
+    return re.sub(r"^[a-z]+\b", flag, message)

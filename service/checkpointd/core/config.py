@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd.core.retention import RetentionPolicy
+from checkpointd.protocol.address import DEFAULT_PORT
 
-DEFAULT_PORT = 7431
 DEFAULT_METRICS_PORT = 9431
 GiB = 1 << 30
 
@@ -104,7 +104,7 @@ class ServeConfig:
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.write_nice <= 19:
-            raise ValueError(f"write_nice (--write-nice) must be in 0..19, got {self.write_nice}")
+            raise ValueError(f"write_nice must be in 0..19, got {self.write_nice}")
 
     @property
     def retention(self) -> RetentionPolicy:

@@ -39,6 +39,14 @@ def error_for(code: grpc.StatusCode, details: str | None) -> errors.CheckpointdE
 
     CANCELLED and codes outside the table (a daemon that is down answers
     UNAVAILABLE from the channel itself) become the nearest domain error.
+    UNIMPLEMENTED means the address serves something else (another gRPC
+    service, an HTTP server answering 404): no daemon there, as when nothing
+    listens, so UnavailableError, saying so.
     """
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return errors.UnavailableError(
+            f"the address does not serve checkpointd (it answered: {details or code.name}); "
+            "is it the daemon's gRPC --port?"
+        )
     cls = _ERRORS.get(code, errors.SaveFailedError)
     return cls(details or code.name)

@@ -20,6 +20,8 @@ from typing import Any
 
 import grpc
 
+from checkpointd.protocol.address import with_default_port
+
 _LOGGER = logging.getLogger(__name__)
 
 TOKENS_ENV = "CHECKPOINTD_TOKENS"
@@ -156,7 +158,8 @@ def open_channel(
 
     Over TLS the token goes as call credentials; over plaintext (a loopback
     daemon), where gRPC will not attach call credentials, an interceptor adds
-    the same `authorization` header.
+    the same `authorization` header. An address without a port gets the
+    daemon's (7431), not gRPC's 443.
 
     Raises:
         ValueError: the token has spaces or non-ASCII characters.
@@ -168,6 +171,7 @@ def open_channel(
             check_token(token, "token")
         except AuthSetupError as exc:
             raise ValueError(str(exc)) from None
+    address = with_default_port(address)
     if channel_credentials is None:
         channel = grpc.insecure_channel(address, options=options)
         return channel if token is None else grpc.intercept_channel(channel, _BearerHeader(token))

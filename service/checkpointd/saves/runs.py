@@ -170,7 +170,7 @@ class Lanes:
         with self._cond:
             names = [run] if run else sorted(self._runs)
             for name in names:
-                self._get(name)
+                self._named(name)
 
             def idle() -> bool:
                 return all(self._runs[n].lane.idle for n in names)
@@ -191,7 +191,7 @@ class Lanes:
                 the run stays closing and closes when they end.
         """
         with self._cond:
-            lane = self._get(run).lane
+            lane = self._named(run).lane
             lane.close()
             self._cond.notify_all()
             if not self._cond.wait_for(lambda: lane.state is LaneState.CLOSED, timeout):
@@ -211,7 +211,7 @@ class Lanes:
             names = [run] if run else sorted(self._runs)
             out = []
             for name in names:
-                entry = self._get(name)
+                entry = self._named(name)
                 lane = entry.lane
                 out.append(
                     RunView(
@@ -226,6 +226,7 @@ class Lanes:
             return out
 
     def _get(self, run: str) -> _Run:
+        """The run a trainer names (its saver registers it again on NOT_FOUND)."""
         entry = self._runs.get(run)
         if entry is None:
             raise RunNotFoundError(
@@ -233,3 +234,24 @@ class Lanes:
                 "daemon restarted): register it first"
             )
         return entry
+
+    def _named(self, run: str) -> _Run:
+        """The run an operator names (flush, close, status): unknown ones are told apart from the rest."""
+        entry = self._runs.get(run)
+        if entry is None:
+            open_runs = sorted(n for n, e in self._runs.items() if e.lane.state is not LaneState.CLOSED)
+            closed = sorted(set(self._runs) - set(open_runs))
+            raise RunNotFoundError(
+                f"no run named {run!r} is open on this daemon; open runs: {_listed(open_runs)}"
+                + (f"; closed runs: {_listed(closed)}" if closed else "")
+                + " (a run is known from its trainer's registration until the daemon restarts)"
+            )
+        return entry
+
+
+def _listed(names: list[str], most: int = 20) -> str:
+    """Names for a message, at most `most` of them."""
+    if not names:
+        return "none"
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
