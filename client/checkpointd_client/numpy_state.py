@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.python.checkpoint import graph_view, save_util
+from tensorflow.python.eager import context
 from tf_agents.utils import numpy_storage
 
 from checkpointd.protocol import wire
@@ -71,12 +72,15 @@ class NumpySource:
             ValueError: an array cannot be serialized without pickling (an
                 object array), as TensorFlow's own save would raise.
         """
-        named, _, _, graph = save_util.serialize_graph_view(graph_view.ObjectGraphView(self._root))[:4]
-        tensors: dict[str, tf.Tensor] = {}
-        for serialized in named.values():
-            tensors.update(serialized)
-        keys = tuple(a.checkpoint_key for node in graph.nodes for a in node.attributes)
-        values = tuple(bytes(tensors[k].numpy()) for k in keys)
+        # Eagerly even for a graph-mode policy: the arrays are host values,
+        # and their serializations must be bytes now, not ops in its graph.
+        with context.eager_mode():
+            named, _, _, graph = save_util.serialize_graph_view(graph_view.ObjectGraphView(self._root))[:4]
+            tensors: dict[str, tf.Tensor] = {}
+            for serialized in named.values():
+                tensors.update(serialized)
+            keys = tuple(a.checkpoint_key for node in graph.nodes for a in node.attributes)
+            values = tuple(bytes(tensors[k].numpy()) for k in keys)
         return NumpySnapshot(graph.SerializeToString(), keys, values)
 
 

@@ -33,6 +33,7 @@ from checkpointd_client.stream import rpc_error
 _LOGGER = logging.getLogger(__name__)
 
 Registered = Callable[..., snapshot.Bindings]  # RemotePolicySaver._registered(stale=None)
+Assign = Callable[[snapshot.Bindings, list[np.ndarray]], None]
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,13 @@ def restore(
     numpy_source: numpy_state_lib.NumpySource | None,
     folder: str | None,
     timeout: float | None,
+    assign: Assign | None = None,
 ) -> LatestSave:
-    """Fetches a save and assigns it (see RemotePolicySaver.restore)."""
+    """Fetches a save and assigns it (see RemotePolicySaver.restore).
+
+    `assign` sets the variables (a graph-mode policy's `GraphReads.assign`);
+    None assigns each one eagerly.
+    """
     started = time.monotonic()
     bindings = registered()
     if export_dir is None:
@@ -113,8 +119,11 @@ def restore(
     arrays: dict[str, np.ndarray] = {}
     if header.HasField("numpy_state"):
         arrays = numpy_state_lib.arrays(header.numpy_state, payload[sum(a.nbytes for a in values) :])
-    for binding, value in zip(bindings.variables, values, strict=True):
-        binding.variable.assign(value)
+    if assign is not None:
+        assign(bindings, values)
+    else:
+        for binding, value in zip(bindings.variables, values, strict=True):
+            binding.variable.assign(value)
     if numpy_source is not None:
         numpy_state_lib.assign(numpy_source.state, arrays)
     _LOGGER.info(

@@ -15,6 +15,7 @@ import logging
 import math
 import mmap
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -57,8 +58,16 @@ class SegmentMap:
     def matches(self, offer: pb.SharedMemory) -> bool:
         return self.path == offer.path and self.offsets == tuple(offer.offsets)
 
-    def snapshot(self, bindings: Bindings, train_step: tf.Variable, numpy_state: NumpySnapshot | None) -> Snapshot:
+    def snapshot(
+        self,
+        bindings: Bindings,
+        train_step: tf.Variable,
+        numpy_state: NumpySnapshot | None,
+        values: Sequence[np.ndarray] | None = None,
+    ) -> Snapshot:
         """Copies the bound variables (and the numpy state) into the segment now.
+
+        `values`: as for `take_snapshot` (a graph-mode policy's values, read in one session run).
 
         Raises:
             ValueError: the offer's layout does not fit the bindings.
@@ -76,7 +85,7 @@ class SegmentMap:
                 for b, offset in zip(variables, self.offsets, strict=False)
             ])  # fmt: skip
         arrays = self._arrays[1]
-        snap = take_snapshot(bindings, train_step, numpy_state=numpy_state, into=arrays)
+        snap = take_snapshot(bindings, train_step, numpy_state=numpy_state, into=arrays, values=values)
         for copied, target in zip(snap.arrays, arrays, strict=True):
             # little_endian() hands back the array itself; anything else is a
             # byte-swapped copy (a big-endian host).

@@ -113,7 +113,7 @@ def bind(saver: policy_saver.PolicySaver, template_dir: str) -> Bindings:
             cannot carry.
     """
     saved_model = bfs_keys(saver.policy)
-    root = _checkpoint_root(saver)
+    root = _layout_root(saver)
     checkpoint_keys = object_identity.ObjectIdentityDictionary()
     for key, var in bfs_keys(root).items():
         checkpoint_keys[var] = key
@@ -144,14 +144,32 @@ def bind(saver: policy_saver.PolicySaver, template_dir: str) -> Bindings:
     return Bindings(tuple(bindings), graph.SerializeToString())
 
 
-def _checkpoint_root(saver: policy_saver.PolicySaver) -> tf.train.Checkpoint:
-    # The same root PolicySaver.save_checkpoint builds; _train_step is the
-    # variable it was given (or made), which it exposes no other way.
+def checkpoint_root(saver: policy_saver.PolicySaver) -> tf.train.Checkpoint:
+    """The root PolicySaver.save_checkpoint builds, or what building it raises.
+
+    Raises:
+        ValueError: the policy has no variables (TF's Checkpoint refuses
+            `model_variables=()`), exactly as PolicySaver.save_checkpoint raises.
+    """
+    # _train_step is the variable PolicySaver was given (or made), which it
+    # exposes no other way.
     return tf.train.Checkpoint(
         policy=saver.policy,
         model_variables=saver.policy.model_variables,
         train_step=saver._train_step,  # noqa: SLF001 - see above
     )
+
+
+def _layout_root(saver: policy_saver.PolicySaver) -> tf.train.Checkpoint:
+    """checkpoint_root(), or for a policy without variables the same root less model_variables.
+
+    Such a policy's save_checkpoint() is refused on the trainer (it raises
+    checkpoint_root's error, as PolicySaver does), but its save() works, and
+    registering still needs checkpoint keys for its train step and metadata.
+    """
+    if saver.policy.model_variables:
+        return checkpoint_root(saver)
+    return tf.train.Checkpoint(policy=saver.policy, train_step=saver._train_step)  # noqa: SLF001
 
 
 def _template_keys(template_dir: str) -> set[str]:
@@ -208,6 +226,7 @@ def take_snapshot(
     *,
     numpy_state: NumpySnapshot | None = None,
     into: Sequence[np.ndarray] | None = None,
+    values: Sequence[np.ndarray] | None = None,
 ) -> Snapshot:
     """Copies every bound variable (and the numpy state) to host memory now.
 
@@ -220,8 +239,14 @@ def take_snapshot(
         into: arrays of a previous snapshot of the same bindings, no longer in
             use, to copy into: memory already touched copies 3-4x faster
             than fresh memory (page faults).
+        values: the variables' values already read at this instant, in
+            bindings order (a graph-mode policy's one session run,
+            `checkpointd_client.graph_mode`); None reads each variable now.
     """
-    pairs = [_target(b, into[i] if into is not None else None) for i, b in enumerate(bindings.variables)]
+    pairs = [
+        _target(b, into[i] if into is not None else None, values[i] if values is not None else None)
+        for i, b in enumerate(bindings.variables)
+    ]
     copy_all(pairs)
     arrays = tuple(wire.little_endian(target) for target, _ in pairs)
     step = None
@@ -233,11 +258,15 @@ def take_snapshot(
     return Snapshot(tuple(b.key for b in bindings.variables), arrays, step, numpy_state)
 
 
-def _target(binding: Binding, into: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """(where to copy, the variable's value now) for one binding."""
+def _target(
+    binding: Binding, into: np.ndarray | None, read: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(where to copy, the variable's value now) for one binding; `read`: the value already read."""
     # The read tensor's own memory, without the copy .numpy() makes; it is
     # released after the copy, so the trainer's next update writes in place.
-    value = np.asarray(_read(binding.variable))
+    value = np.asarray(_read(binding.variable)) if read is None else read
+    if into is None and read is not None and read.flags.owndata and read.flags.c_contiguous:
+        return read, read  # a session run's own fresh copy: kept as it is
     if into is None or into.shape != value.shape or into.dtype != value.dtype:
         into = np.empty_like(value, order="C")
     return into, value
@@ -269,6 +298,8 @@ def copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """
     pending = []
     for dst, src in pairs:
+        if dst is src:
+            continue
         if (
             dst.nbytes < _SPLIT_BYTES
             or _CORES == 1

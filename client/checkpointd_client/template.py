@@ -7,13 +7,15 @@ graph building once per template instead of once per save.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
+import tensorflow as tf
 from tf_agents.policies import policy_saver
 
 from checkpointd.protocol import wire
@@ -34,6 +36,9 @@ def register(
     chunk_bytes: int,
     timeout: float | None,
     folder: str | None = None,
+    options: tf.saved_model.SaveOptions | None = None,
+    step: int | None = None,
+    exporting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
 ) -> snapshot.Bindings:
     """Exports the template, binds the policy's variables and registers the run.
 
@@ -46,6 +51,11 @@ def register(
         chunk_bytes: the largest payload per chunk.
         timeout: the RPC's deadline in seconds, or None.
         folder: the run's folder under the daemon's root; None for the run's name.
+        options: PolicySaver.save's options for the export (checked by
+            `checkpointd_client.options.template_options`).
+        step: the train step now, for the log line.
+        exporting: the context the export and binding run in (a graph-mode
+            policy's graph and session, `GraphReads.exporting`).
 
     Returns:
         The bindings, in the order of the manifest the daemon answered.
@@ -55,12 +65,12 @@ def register(
             the daemon's manifest does not describe them.
         CheckpointdError: a subclass for the status the daemon answered.
     """
-    step = saver.get_train_step()
     start = time.monotonic()
     template = tempfile.mkdtemp(prefix=f"checkpointd-{run}-template-")
     try:
-        saver.save(template)
-        bindings = snapshot.bind(saver, template)
+        with exporting():
+            saver.save(template, options=options)
+            bindings = snapshot.bind(saver, template)
         header = pb.RegisterRunHeader(
             run=run,
             variables=bindings.protos(),
