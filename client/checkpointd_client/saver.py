@@ -10,6 +10,7 @@ skipped the save; an accepted one then costs a host copy of the variables
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -33,9 +34,10 @@ from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, check_run_name
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import graph_mode, shm, snapshot, template
 from checkpointd_client import numpy_state as numpy_state_lib
+from checkpointd_client import options as options_lib
 from checkpointd_client import restore as restore_lib
-from checkpointd_client import shm, snapshot, template
 from checkpointd_client.facade import PolicySaverFacade
 from checkpointd_client.numpy_state import NumpySnapshot
 from checkpointd_client.stream import SaveStream, SaveStub, rpc_error
@@ -54,9 +56,12 @@ class RemotePolicySaver(PolicySaverFacade):
     and, later, whether it was written; a failed save never stops the saver.
     PolicySaver's properties and registrations come from PolicySaverFacade.
 
-    Lock discipline: `_lock` guards `_busy`, `_closing`, `_closed` and `_spare` and is
-    never held across an RPC or a TF call; `_register_lock` serializes
-    template exports and registrations; `_close_lock` serializes close().
+    Lock discipline: `_lock` guards `_busy`, `_uploading`, `_closing`, `_closed` and
+    `_spare` and is never held across an RPC or a TF call; `_register_lock`
+    serializes template exports and registrations (and guards `_bindings`
+    and the template's options); a re-export waits under it for this
+    saver's accepted uploads to end, since the daemon writes a save with the
+    run's template at write time, not at accept; `_close_lock` serializes close().
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class RemotePolicySaver(PolicySaverFacade):
         token: str | None = None,
         token_file: str | os.PathLike[str] | None = None,
         shared_memory: bool = True,
+        session: tf.compat.v1.Session | None = None,
     ) -> None:
         """Builds the PolicySaver and a channel to the daemon; no network I/O yet.
 
@@ -111,13 +117,19 @@ class RemotePolicySaver(PolicySaverFacade):
                 shared-memory segment the daemon offers instead of streaming
                 them over gRPC (see checkpointd_client.shm); it turns itself
                 off, for this saver, if the segment cannot be opened here.
+            session: for a policy built in TF1 graph mode (inside
+                `tf.compat.v1.Graph().as_default()`), the session that
+                holds its variables; None: the default session at each
+                call, as PolicySaver reads them. Snapshots are then one
+                `session.run` of the variables' read ops, at the call.
 
         Raises:
             TypeError: if `policy` is not a TFPolicy or `metadata` is not a
                 dict of str to tf.Variable (raised by PolicySaver).
             ValueError: for PolicySaver's invalid arguments (e.g. batch_size),
                 an invalid run name, chunk_bytes or timeout, both token and
-                token_file, or a token file without exactly one token.
+                token_file, a token file without exactly one token, or a
+                session for a policy built eagerly.
             OSError: token_file cannot be read.
         """
         self._saver = policy_saver.PolicySaver(
@@ -145,6 +157,11 @@ class RemotePolicySaver(PolicySaverFacade):
         except CheckpointdError as e:
             raise ValueError(f"folder: {e}") from None
         self._numpy = numpy_state_lib.NumpySource(numpy_state) if numpy_state is not None else None
+        graph = graph_mode.current_graph()
+        if graph is None and session is not None:
+            raise ValueError("session= is for a policy built in graph mode; this one was built eagerly")
+        train_step_variable = self._saver._train_step  # noqa: SLF001 - PolicySaver exposes no other way
+        self._graph_reads = graph_mode.GraphReads(graph, train_step_variable, session) if graph else None
         self._address = address
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
@@ -154,12 +171,17 @@ class RemotePolicySaver(PolicySaverFacade):
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._busy = 0  # save calls running plus background uploads
+        self._uploading = 0  # accepted saves not yet ended
+        self._last_step: int | None = None  # of the last save call, for log lines
         self._closing = False
         self._closed = False
         self._register_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._bindings: snapshot.Bindings | None = None
         self._dirty = True  # the template must be (re-)exported before the next save
+        # The options the template was exported with, and their template_key.
+        self._template_options: tf.saved_model.SaveOptions | None = None
+        self._template_key = options_lib.template_key(None)
         # (bindings, arrays) of the last uploaded snapshot, reused by the next one.
         self._spare: tuple[snapshot.Bindings, tuple[np.ndarray, ...]] | None = None
         self._use_shm = shared_memory
@@ -172,7 +194,13 @@ class RemotePolicySaver(PolicySaverFacade):
 
     # Saving.
 
-    def save(self, export_dir: str, blocking: bool = False) -> SaveTicket:
+    def save(
+        self,
+        export_dir: str,
+        blocking: bool = False,
+        *,
+        options: tf.saved_model.SaveOptions | None = None,
+    ) -> SaveTicket:
         """Saves the policy as a SavedModel under `<root>/<run>/<export_dir>` on the daemon.
 
         The variables are copied before this returns (once the daemon has
@@ -186,7 +214,13 @@ class RemotePolicySaver(PolicySaverFacade):
         Args:
             export_dir: a relative path inside the run's folder.
             blocking: wait for the in-flight save instead of being skipped,
-                and for this save to be durable.
+                and for this save to be durable. A SaveOptions given here
+                (PolicySaver.save's second argument) is taken as `options`.
+            options: as for PolicySaver.save, applied when the template is
+                exported: options that differ from the current template's
+                export it and register it again first, after this saver's
+                uploads in flight have ended (see `checkpointd_client.options`
+                for what each option does here).
 
         Returns:
             The save's ticket (`ticket.skipped` is already known).
@@ -197,18 +231,51 @@ class RemotePolicySaver(PolicySaverFacade):
             CheckpointdError: a subclass for the status the daemon (or the
                 channel) answered, e.g. UnavailableError when it is unreachable
                 or shutting down; with `blocking`, also the save's own error.
-            ValueError: if the template's variables cannot be bound.
+            ValueError: if the template's variables cannot be bound, an option
+                cannot apply to a save the daemon writes (e.g.
+                experimental_io_device), or a graph-mode policy has no session.
+            TypeError: `options` is not a tf.saved_model.SaveOptions.
         """
-        return self._save(export_dir, SaveKind.SAVED_MODEL, blocking)
+        blocking, options = _options_in_blocking(blocking, options, tf.saved_model.SaveOptions)
+        template_options = options_lib.template_options(options) or tf.saved_model.SaveOptions()
+        return self._save(export_dir, SaveKind.SAVED_MODEL, blocking, template_options=template_options)
 
-    def save_checkpoint(self, export_dir: str, blocking: bool = False) -> SaveTicket:
+    def save_checkpoint(
+        self,
+        export_dir: str,
+        blocking: bool = False,
+        *,
+        options: tf.train.CheckpointOptions | None = None,
+    ) -> SaveTicket:
         """Saves the variables only, in PolicySaver.save_checkpoint's layout.
 
-        Same rules, arguments, return value and errors as `save()`.
-        """
-        return self._save(export_dir, SaveKind.CHECKPOINT, blocking)
+        Same rules, arguments, return value and errors as `save()`, and:
 
-    def _save(self, export_dir: str, kind: SaveKind, blocking: bool) -> SaveTicket:
+        Args:
+            options: as for PolicySaver.save_checkpoint; its write callbacks
+                are called once the daemon reports the save durable, with
+                the daemon's file prefix (see `checkpointd_client.options`).
+                A CheckpointOptions given as `blocking` is taken as `options`.
+
+        Raises:
+            ValueError: the policy has no variables: PolicySaver.save_checkpoint's
+                own error, raised before anything is sent.
+        """
+        blocking, options = _options_in_blocking(blocking, options, tf.train.CheckpointOptions)
+        if not self._saver.policy.model_variables:
+            snapshot.checkpoint_root(self._saver)  # raises what PolicySaver.save_checkpoint raises
+        callbacks = options_lib.write_callbacks(options)
+        return self._save(export_dir, SaveKind.CHECKPOINT, blocking, callbacks=callbacks)
+
+    def _save(
+        self,
+        export_dir: str,
+        kind: SaveKind,
+        blocking: bool,
+        *,
+        template_options: tf.saved_model.SaveOptions | None = None,
+        callbacks: tuple[options_lib.WriteCallback, ...] = (),
+    ) -> SaveTicket:
         with self._lock:
             if self._closing:
                 raise RunClosedError(f"run {self._run!r}: the saver was closed")
@@ -216,28 +283,36 @@ class RemotePolicySaver(PolicySaverFacade):
         handed_off = False
         try:
             check_export_dir(export_dir)
-            bindings = self._registered()
+            bindings = self._registered(options=template_options)
             train_step = self._saver._train_step  # noqa: SLF001 - PolicySaver exposes no other way
             numpy_state = self._numpy.take() if self._numpy is not None else None
-            ticket = SaveTicket(export_dir, kind, int(train_step.numpy()))
+            step = self._graph_reads.step() if self._graph_reads is not None else int(train_step.numpy())
+            self._last_step = step
+            ticket = SaveTicket(export_dir, kind, step)
             stream, bindings, offer = self._decide(ticket, numpy_state, bindings, blocking)
             if ticket.skipped:
                 return ticket  # nothing was copied
-            # The caller is still inside save(), so the variables still hold
-            # the values of the call: copying them now, after the decision,
-            # is as point-in-time as copying before it, and a skip costs no copy.
+            with self._lock:
+                self._uploading += 1
             try:
-                snap, chunks = self._snapshot(bindings, train_step, numpy_state, offer)
-            except BaseException:
-                stream.close()
-                raise
-            if blocking:
-                self._upload(stream, snap, chunks, ticket, bindings)
-                ticket.result()  # raises the save's error
+                # The caller is still inside save(), so the variables still hold
+                # the values of the call: copying them now, after the decision,
+                # is as point-in-time as copying before it, and a skip costs no copy.
+                try:
+                    snap, chunks = self._snapshot(bindings, train_step, numpy_state, offer)
+                except BaseException:
+                    stream.close()
+                    raise
+                if blocking:
+                    self._upload(stream, snap, chunks, ticket, bindings, callbacks)
+                    ticket.result()  # raises the save's error
+                    return ticket
+                self._uploads.submit(self._upload_then_release, stream, snap, chunks, ticket, bindings, callbacks)
+                handed_off = True
                 return ticket
-            self._uploads.submit(self._upload_then_release, stream, snap, chunks, ticket, bindings)
-            handed_off = True
-            return ticket
+            finally:
+                if not handed_off:
+                    self._uploaded()
         finally:
             if not handed_off:
                 self._release()
@@ -296,18 +371,22 @@ class RemotePolicySaver(PolicySaverFacade):
     ) -> tuple[snapshot.Snapshot, list[bytes] | None]:
         """Copies the variables now: into the offered segment, else into spare arrays.
 
+        A graph-mode policy's variables are read in one session run first;
+        without a segment, the arrays that run returned are the snapshot.
+
         Returns the snapshot and, for a snapshot in shared memory, the one
         message that completes the call (None: send the snapshot's chunks).
         """
+        values = self._graph_reads.values(bindings) if self._graph_reads is not None else None
         if offer is not None and self._use_shm:
             segment = shm.open_offer(offer, self._segment, self._run)
             if segment is not None:
                 self._segment = segment
-                return segment.snapshot(bindings, train_step, numpy_state), [shm.WRITTEN]
+                return segment.snapshot(bindings, train_step, numpy_state, values), [shm.WRITTEN]
             self._use_shm = False  # the daemon is not on this host (or not this user's)
             self._segment = None
-        spare = self._take_spare(bindings)
-        return snapshot.take_snapshot(bindings, train_step, numpy_state=numpy_state, into=spare), None
+        spare = self._take_spare(bindings) if values is None else None
+        return snapshot.take_snapshot(bindings, train_step, numpy_state=numpy_state, into=spare, values=values), None
 
     def _take_spare(self, bindings: snapshot.Bindings) -> tuple[np.ndarray, ...] | None:
         """The arrays of the last uploaded snapshot of `bindings`, if no upload holds them."""
@@ -319,27 +398,44 @@ class RemotePolicySaver(PolicySaverFacade):
 
     def _upload(
         self, stream: SaveStream, snap: snapshot.Snapshot, chunks: list[bytes] | None,
-        ticket: SaveTicket, bindings: snapshot.Bindings,
+        ticket: SaveTicket, bindings: snapshot.Bindings, callbacks: tuple[options_lib.WriteCallback, ...],
     ) -> None:  # fmt: skip
         if chunks is not None:  # in shared memory: the daemon's segment, not ours to reuse
             stream.finish(ticket, chunks, self._run)
-            return
-        stream.finish(ticket, snap.encoded_chunks(self._chunk_bytes), self._run)
-        if ticket.done() and ticket.exception(0) is None:
-            # Uploaded and answered: gRPC has let go of every chunk, so the
-            # next snapshot may reuse these arrays (a failed call may not
-            # have, and keeps its own).
-            with self._lock:
-                self._spare = (bindings, snap.arrays)
+        else:
+            stream.finish(ticket, snap.encoded_chunks(self._chunk_bytes), self._run)
+            if ticket.done() and ticket.exception(0) is None and self._graph_reads is None:
+                # Uploaded and answered: gRPC has let go of every chunk, so the
+                # next snapshot may reuse these arrays (a failed call may not
+                # have, and keeps its own; a graph-mode read brings its own).
+                with self._lock:
+                    self._spare = (bindings, snap.arrays)
+        result = ticket.result(0) if callbacks and ticket.exception(0) is None else None
+        if result is not None:
+            options_lib.call_write_callbacks(callbacks, result.path)
 
     def _upload_then_release(
         self, stream: SaveStream, snap: snapshot.Snapshot, chunks: list[bytes] | None,
-        ticket: SaveTicket, bindings: snapshot.Bindings,
+        ticket: SaveTicket, bindings: snapshot.Bindings, callbacks: tuple[options_lib.WriteCallback, ...],
     ) -> None:  # fmt: skip
         try:
-            self._upload(stream, snap, chunks, ticket, bindings)
+            self._upload(stream, snap, chunks, ticket, bindings, callbacks)
+        except Exception:
+            # Only a write callback raises here (the upload's own errors end
+            # the ticket); the save itself is durable.
+            _LOGGER.exception(
+                "run %s: a write callback of the save of step %s to %r raised", self._run, ticket.step,
+                ticket.export_dir,
+            )  # fmt: skip
         finally:
+            self._uploaded()
             self._release()
+
+    def _uploaded(self) -> None:
+        with self._idle:
+            self._uploading -= 1
+            if not self._uploading:
+                self._idle.notify_all()
 
     def _release(self) -> None:
         with self._idle:
@@ -390,9 +486,10 @@ class RemotePolicySaver(PolicySaverFacade):
             CheckpointdError: a subclass for another status the daemon answered.
         """
         self._check_open()
+        reads = self._graph_reads
         return restore_lib.restore(
             self._stub, self._run, export_dir, self._registered, self._numpy, self._folder,
-            self._timeout,
+            self._timeout, assign=reads.assign if reads is not None else None,
         )  # fmt: skip
 
     def _check_open(self) -> None:
@@ -414,12 +511,27 @@ class RemotePolicySaver(PolicySaverFacade):
         """
         self._registered()
 
-    def _registered(self, stale: snapshot.Bindings | None = None) -> snapshot.Bindings:
-        """The bindings, registering first if needed or if the daemon lost `stale`."""
+    def _registered(
+        self, stale: snapshot.Bindings | None = None, options: tf.saved_model.SaveOptions | None = None
+    ) -> snapshot.Bindings:
+        """The bindings, registering first if needed or if the daemon lost `stale`.
+
+        Args:
+            stale: bindings the daemon lost (it answered NOT_FOUND).
+            options: the SaveOptions the template must have been exported
+                with (a save()'s); None: whichever the current one was.
+        """
         with self._register_lock:
+            key = options_lib.template_key(options) if options is not None else self._template_key
+            if key != self._template_key:
+                self._dirty = True
             if self._bindings is None or self._dirty or self._bindings is stale:
+                export_options = options if options is not None else self._template_options
+                if self._bindings is not None and self._bindings is not stale:
+                    self._await_uploads()  # else one could be written with the new template
                 self._dirty = False  # a register_function() from now on dirties it again
                 try:
+                    reads = self._graph_reads
                     self._bindings = template.register(
                         self._stub,
                         self._saver,
@@ -427,11 +539,22 @@ class RemotePolicySaver(PolicySaverFacade):
                         chunk_bytes=self._chunk_bytes,
                         timeout=self._timeout,
                         folder=self._folder,
+                        options=export_options,
+                        step=self._last_step,
+                        exporting=reads.exporting if reads is not None else contextlib.nullcontext,
                     )
                 except BaseException:
                     self._dirty = True
                     raise
+                # Kept with its key: function_aliases count by identity.
+                self._template_options, self._template_key = export_options, key
             return self._bindings
+
+    def _await_uploads(self) -> None:
+        """Waits until this saver's accepted saves have ended (each is bounded by its RPC deadline)."""
+        with self._idle:
+            while self._uploading:
+                self._idle.wait()
 
     # Flush and close.
 
@@ -453,12 +576,12 @@ class RemotePolicySaver(PolicySaverFacade):
                 if left == 0.0:
                     raise DeadlineError(
                         f"run {self._run!r}: {self._busy} save(s) of this saver still running "
-                        f"after {timeout} s (step {self._saver.get_train_step()})"
+                        f"after {timeout} s (last save call at step {self._last_step})"
                     )
                 self._idle.wait(left)
         if self._bindings is not None:  # else the daemon holds nothing of this saver's
             self._call_run(self._stub.Flush, pb.FlushRequest, deadline)
-        _LOGGER.debug("run %s: flushed at step %s", self._run, self._saver.get_train_step())
+        _LOGGER.debug("run %s: flushed (last save call at step %s)", self._run, self._last_step)
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes, closes the run on the daemon and the channel; idempotent.
@@ -486,7 +609,9 @@ class RemotePolicySaver(PolicySaverFacade):
                 self._closed = True
             self._uploads.shutdown(wait=False)  # flush() saw every upload end
             self._channel.close()
-            _LOGGER.info("run %s: closed at step %s", self._run, self._saver.get_train_step())
+            # The step of the last save call: reading the live one would need TF
+            # (and a session, for a graph-mode policy) just for a log line.
+            _LOGGER.info("run %s: closed (last save call at step %s)", self._run, self._last_step)
 
     def _call_run(self, method: Callable[..., Any], request: type, deadline: float | None) -> None:
         """Calls Flush or CloseRun for this run; a daemon that lost the run has nothing to do."""
@@ -512,3 +637,19 @@ def _deadline(timeout: float | None) -> float | None:
 def _left(deadline: float | None) -> float | None:
     """Seconds left before `deadline` (0.0 once past), or None for no deadline."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _options_in_blocking(blocking: Any, options: Any, options_type: type) -> tuple[bool, Any]:
+    """(blocking, options), taking an options object passed positionally as PolicySaver's second argument.
+
+    PolicySaver's save(export_dir, options) and AsyncPolicySaver's
+    save(export_dir, blocking) share the position; the type tells them apart.
+
+    Raises:
+        TypeError: options were given both ways.
+    """
+    if not isinstance(blocking, options_type):
+        return bool(blocking), options
+    if options is not None:
+        raise TypeError("options given twice: as the second argument and as options=")
+    return False, blocking
