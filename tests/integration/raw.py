@@ -134,12 +134,15 @@ def saver_header(
 ) -> tuple[pb.SaveHeader, client_snapshot.Snapshot]:
     """The header RemotePolicySaver sends for a save of the policy now, and the snapshot.
 
-    Registers the saver first unless it is registered.
+    Registers the saver first unless it is registered. A graph-mode saver's
+    variables are read through its session, as its own saves read them.
     """
     saver.register()
     bindings = saver._bindings  # noqa: SLF001 - the manifest the daemon answered
     assert bindings is not None
-    snap = client_snapshot.take_snapshot(bindings, train_step)
+    reads = saver._graph_reads  # noqa: SLF001
+    values = reads.values(bindings) if reads is not None else None
+    snap = client_snapshot.take_snapshot(bindings, train_step, values=values)
     header = pb.SaveHeader(
         run=saver.run, kind=kind, export_dir=export_dir, step=snap.step,
         variables=bindings.protos(), snapshot_bytes=snap.nbytes,
