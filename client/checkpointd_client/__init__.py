@@ -14,6 +14,7 @@ from checkpointd.protocol.errors import (
     UnavailableError,
 )
 from checkpointd.protocol.kinds import SaveKind
+from checkpointd_client.checkpointer import RemoteCheckpointer
 from checkpointd_client.restore import LatestSave
 from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.ticket import SaveResult, SaveTicket
@@ -27,6 +28,7 @@ __all__ = [
     "InvalidRequestError",
     "LatestSave",
     "LimitExceededError",
+    "RemoteCheckpointer",
     "RemotePolicySaver",
     "RemotePolicySavedModelTrigger",
     "RunClosedError",

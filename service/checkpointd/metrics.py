@@ -17,9 +17,11 @@ from prometheus_client import (
     Histogram,
 )
 
+from checkpointd.protocol.kinds import LABELS
+
 _LOGGER = logging.getLogger(__name__)
 
-KINDS = ("saved_model", "checkpoint")
+KINDS = LABELS  # every kind, training_checkpoint included: series exist from the start
 OUTCOMES = ("ok", "skipped", "failed")
 # Where an accepted save's time goes: the blocking wait before the accept, the
 # snapshot upload (accept -> last chunk), and writer.write.

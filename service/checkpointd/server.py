@@ -31,10 +31,12 @@ from checkpointd.core.ports import SaveFormat, Store
 from checkpointd.formats.pool import WriterPool
 from checkpointd.metrics import Metrics
 from checkpointd.protocol.errors import DeadlineError, describe
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.servicer import CheckpointServicer
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
+from checkpointd.saves.checkpoint_dirs import CheckpointDirs
 from checkpointd.saves.pipeline import Formats, SavePipeline
 from checkpointd.saves.retention import Retention
 from checkpointd.saves.runs import Lanes
@@ -130,12 +132,13 @@ class Server:
             _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, self._store.describe())
         if self._formats is None:
             from checkpointd.formats.policy import PolicyFormat  # TensorFlow loads in its writes
+            from checkpointd.formats.training import TrainingFormat
 
-            self._formats = [PolicyFormat(config.state_dir, fsync=config.fsync)]
+            self._formats = [PolicyFormat(config.state_dir, fsync=config.fsync), TrainingFormat()]
             # Import TensorFlow (~2.5 s) while the port opens, not inside the
             # first registration a trainer is waiting on.
             threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()
-        self.retention = Retention(self._store, config.retention)
+        self.retention = Retention(self._store, config.retention, _checkpoint_dirs(self._store, self._formats))
         self.retention.start()
         staging_bytes = config.max_staging_bytes or default_staging_bytes()
         self.shared_memory = _shared_memory(config.shm_root, staging_bytes)
@@ -282,6 +285,17 @@ def _shared_memory(root: Path | None, max_bytes: int) -> SharedMemory | None:
     except OSError as e:
         _LOGGER.warning("shared memory is off: cannot make a folder in %s (%s)", root, e.strerror or e)
         return None
+
+
+def _checkpoint_dirs(store: Store, formats: Sequence[SaveFormat]) -> CheckpointDirs | None:
+    """Training checkpoint dirs' state files and retention, recovered now; None without the format."""
+    if not any(SaveKind.TRAINING_CHECKPOINT in f.kinds for f in formats):
+        return None
+    dirs = CheckpointDirs(store)
+    deleted = dirs.recover()  # a daemon killed between a commit and its state file, or mid-sweep
+    if deleted:
+        _LOGGER.info("recovered training checkpoint dirs: %d checkpoints past their max_to_keep deleted", deleted)
+    return dirs
 
 
 def _preload_tensorflow() -> None:

@@ -3,10 +3,12 @@
 The two seams a new backend or save kind plugs into:
 - `Store`: where committed saves live (`checkpointd.storage.local` on disk).
   A save is staged in a private local dir, then committed with its save
-  manifest written last: a save exists only once its manifest does.
+  manifest written last: a save exists only once its manifest does. A save
+  is a dir of its own (policies), or a set of files `<prefix>.*` sharing a
+  dir with others (training checkpoints, as TensorFlow lays them out).
 - `SaveFormat`: how one kind of save is checked, written into staging and
   read back (`checkpointd.formats.policy` for policy SavedModels and
-  checkpoints).
+  checkpoints, `checkpointd.formats.training` for training checkpoints).
 `checkpointd.server` picks the implementations.
 """
 
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from checkpointd.core.manifest import Manifest, VariableSpec
     from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
+    from checkpointd.core.training import CheckpointSpec
     from checkpointd.protocol.kinds import SaveKind
 
 # A snapshot: every variable's bytes concatenated, or one buffer per variable.
@@ -105,6 +108,10 @@ class Staged:
             checksummed (template files written from memory), by
             '/'-separated path, so the store need not read them back.
         extra: format-specific fields for the save manifest.
+        files_prefix: None for a save that is a dir of its own. Else the
+            staged files are named `<files_prefix><suffix>` and are committed
+            beside the target as `<target.name><suffix>`, sharing its parent
+            dir with other saves (a TensorFlow checkpoint prefix).
     """
 
     path: Path
@@ -112,6 +119,7 @@ class Staged:
     versions: Mapping[str, str]
     known: Mapping[str, tuple[int, int]] | None = None
     extra: Mapping[str, Any] | None = None
+    files_prefix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,9 @@ class CommittedSave:
         kind: its kind.
         step: the train step in its snapshot.
         created: Unix time the daemon committed it.
+        prefix: True for files `<path>.*` sharing their dir with other
+            saves (a training checkpoint), False for a dir of its own.
+        extra: the format's fields of its manifest (Staged.extra), if any.
     """
 
     path: Path
@@ -133,10 +144,21 @@ class CommittedSave:
     kind: SaveKind
     step: int
     created: float
+    prefix: bool = False
+    extra: Mapping[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        """The save's last path component (a training checkpoint's "ckpt-<step>")."""
+        return self.path.name
 
 
 class SaveValues(Protocol):
-    """A committed save opened for Restore, checked against the run's manifest."""
+    """A committed save opened for Restore, checked against the run's manifest.
+
+    A training checkpoint's values also have `checkpoint`, the CheckpointSpec
+    of what it holds (payload order); policy saves' need not.
+    """
 
     numpy_state: NumpyStateSpec | None
     nbytes: int
@@ -191,8 +213,8 @@ class Store(Protocol):
         """Deletes a staging dir; never raises."""
         ...
 
-    def committed(self, folder: str, run: str) -> list[CommittedSave]:
-        """Every committed save of `run` in `folder`, in no order."""
+    def committed(self, folder: str, run: str | None) -> list[CommittedSave]:
+        """Every committed save of `run` (None: of any run) in `folder`, in no order."""
         ...
 
     def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
@@ -206,6 +228,22 @@ class Store(Protocol):
 
     def delete(self, save: CommittedSave) -> bool:
         """Deletes a committed save (its manifest first); False if it could not."""
+        ...
+
+    def folders(self) -> list[str]:
+        """Every run folder that may hold saves (for recovery at start)."""
+        ...
+
+    def read_file(self, path: Path) -> bytes | None:
+        """A small file's content beside the saves (a state file), or None if absent."""
+        ...
+
+    def write_file(self, path: Path, data: bytes) -> None:
+        """Replaces a small file beside the saves (a state file) atomically and durably.
+
+        Raises:
+            OSError: it could not be written; the old content stays.
+        """
         ...
 
 
@@ -240,8 +278,14 @@ class SaveFormat(Protocol):
         snapshot_bytes: int,
         numpy_state: NumpyStateSpec | None,
         max_snapshot_bytes: int,
+        *,
+        checkpoint: CheckpointSpec | None = None,
     ) -> None:
         """Refuses a save header that does not fit the run's manifest, before the decision.
+
+        `checkpoint` is a training checkpoint's own description, given (only)
+        to the format of TRAINING_CHECKPOINT saves; the pipeline passes it to
+        no other, so policy formats need not take it.
 
         Raises:
             InvalidRequestError, LimitExceededError: naming what is wrong.
@@ -256,11 +300,15 @@ class SaveFormat(Protocol):
         staging: Path,
         snapshot: Snapshot,
         numpy_state: NumpyPayload | None,
+        *,
+        checkpoint: CheckpointSpec | None = None,
     ) -> Staged:
         """Writes one save's files into the empty dir `staging`.
 
         `manifest` is the one the snapshot was checked against: a run
         registered anew meanwhile fails the save rather than mislabel it.
+        `checkpoint`: as for `check`, the training checkpoint the snapshot
+        holds (one part per tensor).
 
         Raises:
             RunNotFoundError: the run has no template here.

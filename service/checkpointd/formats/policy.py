@@ -41,6 +41,7 @@ from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.core.ports import CommittedSave, SaveValues, Snapshot, Staged
+from checkpointd.core.training import CheckpointSpec
 from checkpointd.formats import numpy_files, policy_template, reader
 from checkpointd.formats.policy_template import VARIABLES_PREFIX, Template
 from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
@@ -138,6 +139,8 @@ class PolicyFormat:
         staging: Path,
         snapshot: Snapshot,
         numpy_state: NumpyPayload | None,
+        *,
+        checkpoint: CheckpointSpec | None = None,  # training checkpoints only: never given here
     ) -> Staged:
         """Writes one save's files into the empty dir `staging`.
 
@@ -201,6 +204,8 @@ class PolicyFormat:
         snapshot_bytes: int,
         numpy_state: NumpyStateSpec | None,
         max_snapshot_bytes: int,
+        *,
+        checkpoint: CheckpointSpec | None = None,  # training checkpoints only: never given here
     ) -> None:
         """Refuses a save header that does not fit the run's manifest (see `check_payload`)."""
         check_payload(manifest, variables, snapshot_bytes, numpy_state, max_snapshot_bytes)

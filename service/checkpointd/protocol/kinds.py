@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 class SaveKind(enum.Enum):
     SAVED_MODEL = "saved_model"  # PolicySaver.save: a SavedModel
     CHECKPOINT = "checkpoint"  # PolicySaver.save_checkpoint: variables/ only
+    # tf.train.CheckpointManager.save (common.Checkpointer): a whole training state
+    TRAINING_CHECKPOINT = "training_checkpoint"
 
     @property
     def label(self) -> str:
@@ -30,6 +32,9 @@ class SaveKind(enum.Enum):
 
 
 LABELS: tuple[str, ...] = tuple(k.value for k in SaveKind)
+# The kinds of a policy run (RegisterRun with a template); a training run
+# takes TRAINING_CHECKPOINT only.
+POLICY_KINDS: tuple[SaveKind, ...] = (SaveKind.SAVED_MODEL, SaveKind.CHECKPOINT)
 
 
 def to_wire(kind: SaveKind) -> pb.SaveKind:

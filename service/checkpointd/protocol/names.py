@@ -29,6 +29,22 @@ MAX_EXPORT_NAME_BYTES = NAME_MAX_BYTES - max(
     len(prefix) + 1 + SUFFIX_HEX_LEN for prefix in (TMP_PREFIX, OLD_PREFIX, RETIRED_PREFIX)
 )
 _MAX_PATH = 1024
+# tf.train.CheckpointManager's default checkpoint_name: a training checkpoint
+# of step N is the prefix `<dir>/ckpt-N` (common.Checkpointer.save(N)).
+CHECKPOINT_NAME = "ckpt"
+
+
+def checkpoint_prefix(directory: str, step: int) -> str:
+    """A training checkpoint's export dir: `<directory>/ckpt-<step>`, '/'-separated.
+
+    Raises:
+        InvalidRequestError: `directory` is not a valid export dir, or `step` is negative.
+    """
+    if step < 0:
+        raise InvalidRequestError(
+            f"a training checkpoint's step must be >= 0 (it names the files ckpt-<step>), got {step}"
+        )
+    return f"{check_export_dir(directory).as_posix()}/{CHECKPOINT_NAME}-{step}"
 
 
 def check_run_name(run: str) -> str:

@@ -39,8 +39,18 @@ OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 # a variable at object path `a/b` is stored as `a/b/.ATTRIBUTES/VARIABLE_VALUE`.
 VARIABLE_ATTRIBUTE = "VARIABLE_VALUE"
 VARIABLE_SUFFIX = f"/.ATTRIBUTES/{VARIABLE_ATTRIBUTE}"
+# A training checkpoint's tensors may also be scalar strings: what TensorFlow
+# writes for Python state (attribute "py_state", e.g. a NumpyState array's
+# .npy bytes). Their size is their length, not a product of a shape.
+STRING = "string"
+PY_STATE_ATTRIBUTE = "py_state"
 
 
 def nbytes(dtype: str, shape: Sequence[int]) -> int:
     """The bytes of one variable's value; KeyError for a dtype not in ITEMSIZE."""
     return math.prod(shape) * ITEMSIZE[dtype]
+
+
+def is_string(dtype: str) -> bool:
+    """Whether a training checkpoint's tensor of `dtype` is a scalar string."""
+    return dtype == STRING

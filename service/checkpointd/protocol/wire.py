@@ -8,7 +8,7 @@ One definition of each, used by the client and the daemon alike:
 - byte order: `little_endian` (the wire's, whatever the host's);
 - layout: `ALIGNMENT` and `aligned_offsets`, where each part of a received
   snapshot starts in the daemon's buffer;
-- messages: `variable_to_pb` and `numpy_state_to_pb`.
+- messages: `variable_to_pb`, `numpy_state_to_pb` and `training_checkpoint_to_pb`.
 
 No NumPy import: arrays are handled through their own methods, so this
 module stays as light as the protocol it serves.
@@ -224,4 +224,38 @@ def numpy_state_to_pb(object_graph: bytes, entries: Iterable[tuple[str, int]]) -
     return pb.NumpyState(
         object_graph=object_graph,
         entries=[pb.NumpyStateEntry(checkpoint_key=key, nbytes=size) for key, size in entries],
+    )
+
+
+class TensorLike(Protocol):
+    """A training checkpoint's tensor as both sides describe it."""
+
+    @property
+    def checkpoint_key(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+def training_checkpoint_to_pb(
+    object_graph: bytes,
+    tensors: Iterable[TensorLike],
+    max_to_keep: int | None = None,
+    keep_checkpoint_every_n_hours: float | None = None,
+) -> pb.TrainingCheckpoint:
+    """A TrainingCheckpoint message; None (keep all, off) travels as 0."""
+    return pb.TrainingCheckpoint(
+        object_graph=object_graph,
+        tensors=[
+            pb.Tensor(checkpoint_key=t.checkpoint_key, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
+            for t in tensors
+        ],
+        max_to_keep=max_to_keep or 0,
+        keep_checkpoint_every_n_hours=keep_checkpoint_every_n_hours or 0.0,
     )

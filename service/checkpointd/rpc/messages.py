@@ -6,15 +6,17 @@ the request-stream readers in `checkpointd.rpc.upload`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from checkpointd.core.lane import LaneStats
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave
+from checkpointd.core.training import CheckpointRetention, CheckpointSpec, TensorSpec
 from checkpointd.protocol import wire
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
+from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.protocol.wire import variable_to_pb
 from checkpointd.saves.pipeline import Decision, Result, SaveRequest
 from checkpointd.saves.restore import Opened
@@ -47,19 +49,38 @@ def kind_from_pb(value: int, rpc: str, *, optional: bool = False) -> SaveKind | 
     return kind
 
 
+def training_checkpoint_from_pb(message: pb.TrainingCheckpoint) -> CheckpointSpec:
+    return CheckpointSpec(
+        message.object_graph,
+        tuple(TensorSpec(t.checkpoint_key, t.dtype, tuple(t.shape), t.nbytes) for t in message.tensors),
+        CheckpointRetention.from_wire(message.max_to_keep, message.keep_checkpoint_every_n_hours),
+    )
+
+
 def save_request(header: pb.SaveHeader) -> SaveRequest:
     kind = kind_from_pb(header.kind, "Save")
     assert kind is not None
+    checkpoint, export_dir = None, header.export_dir
+    training = kind is SaveKind.TRAINING_CHECKPOINT
+    if header.HasField("training_checkpoint") != training:
+        raise InvalidRequestError(
+            "Save: training_checkpoint is set with, and only with, kind TRAINING_CHECKPOINT"
+        )
+    if training:
+        checkpoint = training_checkpoint_from_pb(header.training_checkpoint)
+        # The header names the checkpoint's dir; the save is its prefix ckpt-<step> there.
+        export_dir = checkpoint_prefix(header.export_dir, header.step)
     return SaveRequest(
         run=header.run,
         kind=kind,
-        export_dir=header.export_dir,
+        export_dir=export_dir,
         blocking=header.blocking,
         step=header.step,
         variables=tuple(variable_from_pb(v) for v in header.variables),
         snapshot_bytes=header.snapshot_bytes,
         numpy_state=numpy_state_from_pb(header.numpy_state) if header.HasField("numpy_state") else None,
         shared_memory=header.shared_memory,
+        checkpoint=checkpoint,
     )
 
 
@@ -125,7 +146,7 @@ def run_status(view: RunView) -> pb.RunStatus:
     return status
 
 
-def latest_response(save: CommittedSave | None) -> pb.LatestResponse:
+def latest_response(save: CommittedSave | None, checkpoints: Sequence[CommittedSave] = ()) -> pb.LatestResponse:
     if save is None:
         return pb.LatestResponse(found=False)
     return pb.LatestResponse(
@@ -135,6 +156,7 @@ def latest_response(save: CommittedSave | None) -> pb.LatestResponse:
         step=save.step,
         kind=to_wire(save.kind),
         unix_seconds=save.created,
+        checkpoints=[c.export_dir for c in checkpoints],
     )
 
 
@@ -159,6 +181,10 @@ def restore_responses(
     )
     if values.numpy_state is not None:
         header.numpy_state.CopyFrom(numpy_state_to_pb(values.numpy_state))
+    # Only a training checkpoint's values describe themselves (see SaveValues).
+    checkpoint: CheckpointSpec | None = getattr(values, "checkpoint", None)
+    if checkpoint is not None:
+        header.training_checkpoint.CopyFrom(wire.training_checkpoint_to_pb(checkpoint.object_graph, checkpoint.tensors))
     yield pb.RestoreResponse(header=header)
     for chunk in wire.chunks(values.pieces(), chunk_bytes):
         yield pb.RestoreResponse(chunk=chunk)

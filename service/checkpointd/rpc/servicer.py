@@ -77,6 +77,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 header.checkpoint_object_graph,
                 header.template_bytes,
                 receive,
+                kind=messages.kind_from_pb(header.kind, "RegisterRun", optional=True),
             )
         finally:
             shutil.rmtree(staged, ignore_errors=True)
@@ -123,7 +124,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         run = check_run_name(request.run)
         kind = messages.kind_from_pb(request.kind, "GetLatest", optional=True)
         folder = self._pipeline.folder(run, request.folder)
-        return messages.latest_response(catalog.find_latest(self._pipeline.store, folder, run, kind))
+        save = catalog.find_latest(self._pipeline.store, folder, run, kind)
+        return messages.latest_response(save, self._pipeline.active_checkpoints(folder, save))
 
     @grpc_errors
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[pb.RestoreResponse]:

@@ -28,7 +28,8 @@ from checkpointd.core.config import ServeConfig
 from checkpointd.core.lane import Failed, SaveSpec, Skipped, Ticket, Written
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
-from checkpointd.core.ports import NullPhases, PhaseSink, SaveFormat, SaveMeta, Snapshot, Store
+from checkpointd.core.ports import CommittedSave, NullPhases, PhaseSink, SaveFormat, SaveMeta, Snapshot, Store
+from checkpointd.core.training import CheckpointRetention, CheckpointSpec
 from checkpointd.formats.pool import WriterPool
 from checkpointd.protocol.errors import (
     CheckpointdError,
@@ -41,6 +42,7 @@ from checkpointd.protocol.errors import (
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
 from checkpointd.saves.budget import UploadBudget
+from checkpointd.saves.checkpoint_dirs import CheckpointDirs, directory_of
 from checkpointd.saves.runs import Lanes
 from checkpointd.saves.shm import Segment, SharedMemory
 
@@ -60,6 +62,9 @@ class SaveRequest:
     snapshot_bytes: int
     numpy_state: NumpyStateSpec | None = None
     shared_memory: bool = False  # the trainer can map a segment on this host
+    # A training checkpoint's own description (its export_dir is then the
+    # checkpoint prefix <dir>/ckpt-<step>); None for policy saves.
+    checkpoint: CheckpointSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,8 @@ class SavePipeline:
         self.retention = retention
         self._shm = shared_memory
         self._phases = phases if phases is not None else NullPhases()
+        # The kinds each registered run takes: its registering format's.
+        self._run_kinds: dict[str, tuple[SaveKind, ...]] = {}
 
     @property
     def upload_timeout(self) -> float:
@@ -154,6 +161,7 @@ class SavePipeline:
         checkpoint_object_graph: bytes,
         template_bytes: int,
         receive_template: Callable[[], Path],
+        kind: SaveKind | None = None,
     ) -> Manifest:
         """Registers (or re-registers) a run from its uploaded policy template.
 
@@ -165,6 +173,9 @@ class SavePipeline:
             template_bytes: the template's announced size.
             receive_template: reads the uploaded files into a staging dir it
                 returns (deleted afterwards).
+            kind: the family of saves the run makes: None, SAVED_MODEL or
+                CHECKPOINT for a policy run (with a template),
+                TRAINING_CHECKPOINT for a training run (with nothing).
 
         Raises:
             InvalidRequestError, LimitExceededError: the request is refused;
@@ -179,14 +190,15 @@ class SavePipeline:
                 f"{self._config.max_template_bytes} (--max-template-bytes)"
             )
         started = time.monotonic()
-        # RegisterRun carries a policy template: the format of policy saves takes it.
+        # A policy run's template goes to the format of policy saves; a
+        # training run's (empty) registration to the training format.
+        fmt = self.formats(kind or SaveKind.SAVED_MODEL)
         try:
-            manifest = self.formats(SaveKind.SAVED_MODEL).register(
-                run, receive_template(), variables, checkpoint_object_graph
-            )
+            manifest = fmt.register(run, receive_template(), variables, checkpoint_object_graph)
         except OSError as e:  # the state dir: unwritable, full, gone (logged as the call ends)
             raise SaveFailedError(f"run {run!r}: could not store its template: {describe(e)}") from e
         self.runs.register(run, manifest, folder)
+        self._run_kinds[run] = tuple(fmt.kinds)
         _LOGGER.info(
             "registered run=%s folder=%s variables=%d snapshot_bytes=%d template_bytes=%d in %.3fs",
             run, folder, len(manifest.variables), manifest.nbytes, template_bytes,
@@ -202,6 +214,13 @@ class SavePipeline:
             return self.runs.folder(run)
         except RunNotFoundError:
             return run  # not registered (yet, or since a restart): its default folder
+
+    def active_checkpoints(self, folder: str, save: CommittedSave | None) -> list[CommittedSave]:
+        """A training checkpoint's dir's active set (oldest first); [] for other saves."""
+        dirs = self.retention.checkpoints
+        if save is None or not save.prefix or save.kind is not SaveKind.TRAINING_CHECKPOINT or dirs is None:
+            return []
+        return dirs.active(folder, directory_of(save.export_dir))
 
     # Saving.
 
@@ -232,9 +251,16 @@ class SavePipeline:
         manifest = self.runs.manifest(run)
         folder = self.runs.folder(run)
         self.store.target(folder, request.export_dir)  # refuses a bad export dir now
-        self.formats(request.kind).check(
+        fmt = self.formats(request.kind)
+        kinds = self._run_kinds.get(run, fmt.kinds)
+        if request.kind not in kinds:
+            raise InvalidRequestError(
+                f"run {run!r} was registered for {', '.join(k.value for k in kinds)} saves, not "
+                f"{request.kind.value}; register a run of its own for them"
+            )
+        fmt.check(
             manifest, request.variables, request.snapshot_bytes, request.numpy_state,
-            self._config.max_snapshot_bytes,
+            self._config.max_snapshot_bytes, **_own(request),
         )  # fmt: skip
         # Reserved before the lane decides: past a limit the request is refused
         # like bad input, before anything is allocated or counted.
@@ -268,8 +294,11 @@ class SavePipeline:
         transport = "none"  # until the snapshot has arrived
         segment = None
         try:
-            parts = [v.nbytes for v in manifest.variables]
-            parts.append(request.snapshot_bytes - manifest.nbytes)  # the numpy state
+            if request.checkpoint is not None:  # one part per tensor, no tail
+                parts = [t.nbytes for t in request.checkpoint.tensors] + [0]
+            else:
+                parts = [v.nbytes for v in manifest.variables]
+                parts.append(request.snapshot_bytes - manifest.nbytes)  # the numpy state
             if request.shared_memory and self._shm is not None:
                 segment = self._shm.segment(run, parts)  # safe: this save holds the lane
             yield Decision(accepted=True, segment=segment)
@@ -290,7 +319,12 @@ class SavePipeline:
             finally:
                 self._phases.observe_phase(kind, "write", time.monotonic() - writing)
             outcome = Written(path, bytes_written)
-            self.retention.after_save(run, folder)
+            if request.checkpoint is not None:
+                self.retention.after_checkpoint(
+                    folder, directory_of(request.export_dir), request.checkpoint.retention
+                )
+            else:
+                self.retention.after_save(run, folder)
         except Exception as exc:
             outcome = Failed(str(exc) or type(exc).__name__)
             raise
@@ -319,9 +353,13 @@ class SavePipeline:
         variables, tail = received[:-1], received[-1]
         numpy_state = NumpyPayload(request.numpy_state, tail) if request.numpy_state is not None else None
         meta = SaveMeta(run, request.kind, request.step, request.export_dir)
-        written = write_save(
-            self.store, self.formats(request.kind), meta, manifest, target, variables, numpy_state
-        )
+        fmt = self.formats(request.kind)
+        dirs = self.retention.checkpoints if request.checkpoint is not None else None
+        if dirs is not None:
+            dirs.replacing(folder, request.export_dir)  # the state file lets go of an old one first
+        written = write_save(self.store, fmt, meta, manifest, target, variables, numpy_state, **_own(request))
+        if dirs is not None:
+            dirs.committed(folder, request.export_dir)  # the state file names it once committed
         return str(target), written
 
     # Closing.
@@ -338,9 +376,13 @@ class SavePipeline:
 class Retainer(Protocol):
     """Retention as the pipeline uses it (`checkpointd.saves.retention.Retention`)."""
 
+    checkpoints: CheckpointDirs | None  # training checkpoint dirs' state files, if the daemon takes them
+
     def holding(self, folder: str) -> contextlib.AbstractContextManager[None]: ...
 
     def after_save(self, run: str, folder: str) -> None: ...
+
+    def after_checkpoint(self, folder: str, directory: str, rules: CheckpointRetention) -> None: ...
 
 
 def write_save(
@@ -351,6 +393,8 @@ def write_save(
     target: Path,
     snapshot: Snapshot,
     numpy_state: NumpyPayload | None = None,
+    *,
+    checkpoint: CheckpointSpec | None = None,
 ) -> int:
     """Stages, writes and commits one save at `target`; returns the bytes committed.
 
@@ -366,7 +410,7 @@ def write_save(
     except OSError as e:
         raise _write_failed(meta, target, e) from e
     try:
-        staged = fmt.write(meta.run, meta.kind, manifest, staging, snapshot, numpy_state)
+        staged = fmt.write(meta.run, meta.kind, manifest, staging, snapshot, numpy_state, **_own_spec(checkpoint))
         return store.commit(staged, target, meta)
     except BaseException as e:
         store.discard(staging)
@@ -379,6 +423,17 @@ def _write_failed(meta: SaveMeta, target: Path, e: Exception) -> SaveFailedError
     reason = f"could not write {meta.kind.value} to {target}: {describe(e)}"
     _LOGGER.warning("run %s: %s", meta.run, reason)
     return SaveFailedError(f"run {meta.run!r}: {reason}")
+
+
+def _own(request: SaveRequest) -> dict[str, CheckpointSpec]:
+    """The keyword a training checkpoint's format takes; nothing for the policy formats."""
+    return _own_spec(request.checkpoint)
+
+
+def _own_spec(checkpoint: CheckpointSpec | None) -> dict[str, CheckpointSpec]:
+    # Formats of the policy kinds (and fakes of them) predate the argument:
+    # it is passed only when there is one to pass.
+    return {} if checkpoint is None else {"checkpoint": checkpoint}
 
 
 def check_folder(folder: str) -> str:

@@ -8,6 +8,10 @@ tidied while a save is being committed into it or restored from it: those
 hold the folder shared (`holding(folder)`, many at once); the worker's
 deletions hold it exclusively. The Store deletes a save so that a reader
 sees it whole or not at all.
+
+Training checkpoints follow their own dir's CheckpointManager rules instead
+of the daemon's policy (`checkpointd.saves.checkpoint_dirs`): the same
+worker tidies their dirs, queued by `after_checkpoint`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from contextlib import contextmanager
 
 from checkpointd.core.ports import Store
 from checkpointd.core.retention import RetentionPolicy
+from checkpointd.core.training import CheckpointRetention
 from checkpointd.protocol.kinds import SaveKind
+from checkpointd.saves.checkpoint_dirs import CheckpointDirs
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -30,17 +36,25 @@ _LOGGER = logging.getLogger(__name__)
 class Retention:
     """Deletes a run's saves past its RetentionPolicy, in a thread of its own."""
 
-    def __init__(self, store: Store, policy: RetentionPolicy) -> None:
+    def __init__(self, store: Store, policy: RetentionPolicy, checkpoints: CheckpointDirs | None = None) -> None:
+        """Args:
+        store: where the saves live.
+        policy: the daemon's policy for policy saves (--keep-last, --keep-every-steps).
+        checkpoints: the training checkpoint dirs to tidy by their own rules;
+            None: the daemon takes no training checkpoints.
+        """
         self._store = store
         self.policy = policy
+        self.checkpoints = checkpoints
         self._guards: defaultdict[str, _FolderGuard] = defaultdict(_FolderGuard)
         self._locks_guard = threading.Lock()
-        self._tasks: queue.Queue[tuple[str, str] | None] = queue.Queue()
+        # (run, folder) for the policy; (folder, dir, rules) for a checkpoint dir.
+        self._tasks: queue.Queue[tuple[str, str] | tuple[str, str, CheckpointRetention] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.deleted = 0  # saves deleted so far, for logs and tests
 
     def start(self) -> None:
-        if self.policy.enabled and self._thread is None:
+        if (self.policy.enabled or self.checkpoints is not None) and self._thread is None:
             self._thread = threading.Thread(target=self._work, name="retention", daemon=True)
             self._thread.start()
 
@@ -62,8 +76,22 @@ class Retention:
 
     def after_save(self, run: str, folder: str) -> None:
         """Queues the run's folder for tidying (returns at once)."""
-        if self._thread is not None:
+        if self._thread is not None and self.policy.enabled:
             self._tasks.put((run, folder))
+
+    def after_checkpoint(self, folder: str, directory: str, rules: CheckpointRetention) -> None:
+        """Queues a training checkpoint dir for CheckpointManager's retention (returns at once)."""
+        if self._thread is not None and self.checkpoints is not None:
+            self._tasks.put((folder, directory, rules))
+
+    def tidy_checkpoints(self, folder: str, directory: str, rules: CheckpointRetention | None = None) -> int:
+        """Applies a training checkpoint dir's rules now; returns how many it deleted."""
+        if self.checkpoints is None:
+            return 0
+        with self._guard(folder).exclusive():
+            deleted = self.checkpoints.tidy(folder, directory, rules)
+        self.deleted += deleted
+        return deleted
 
     def tidy(self, run: str, folder: str) -> int:
         """Deletes the run's saves past the policy now; returns how many."""
@@ -71,6 +99,8 @@ class Retention:
         with self._guard(folder).exclusive():
             saves = self._store.committed(folder, run)
             for kind in SaveKind:
+                if kind is SaveKind.TRAINING_CHECKPOINT:
+                    continue  # its dir's own rules apply (tidy_checkpoints)
                 for save in self.policy.victims([s for s in saves if s.kind is kind]):
                     if self._store.delete(save):
                         deleted += 1
@@ -94,7 +124,10 @@ class Retention:
             try:
                 if task is None:
                     return
-                self.tidy(*task)
+                if len(task) == 3:
+                    self.tidy_checkpoints(*task)
+                else:
+                    self.tidy(*task)
             except Exception:  # noqa: BLE001 - a failed tidy must not end the worker
                 _LOGGER.exception("retention of run %s failed", task[0] if task else "?")
             finally:

@@ -5,7 +5,9 @@ written last (`checkpointd.storage.save_manifest`), the tree is fsynced and
 renamed into place. At every instant the target is the complete old tree, the complete new tree,
 or (only between the two renames of a replacement) absent with the old tree
 parked beside it as `.checkpointd-old-<name>-<hex>`. `recover` repairs that
-window and clears leftover temp dirs when the daemon starts. Stdlib only
+window and clears leftover temp dirs when the daemon starts. Saves that
+are checkpoint prefixes sharing a dir (training checkpoints) are committed
+by `checkpointd.storage.prefix` instead of the dir rename. Stdlib only
 (and crc32c, for the manifest).
 """
 
@@ -25,13 +27,14 @@ from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, S
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import (
     OLD_PREFIX,
+    RESERVED_PREFIX,
     RETIRED_PREFIX,
     SUFFIX_HEX_LEN,
     TMP_PREFIX,
     check_export_dir,
     check_run_name,
 )
-from checkpointd.storage import save_manifest
+from checkpointd.storage import prefix, save_manifest
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -159,9 +162,14 @@ def publish_dir(tmp: Path, target: Path, *, fsync: bool = True) -> None:
 
 def _split_old(name: str) -> str | None:
     """Returns `<name>` of `.checkpointd-old-<name>-<hex>`, or None."""
-    if not name.startswith(OLD_PREFIX):
+    return _split_suffixed(name, OLD_PREFIX)
+
+
+def _split_suffixed(name: str, head: str) -> str | None:
+    """Returns `<name>` of `<head><name>-<hex>`, or None."""
+    if not name.startswith(head):
         return None
-    rest = name[len(OLD_PREFIX) :]
+    rest = name[len(head) :]
     base, sep, hexpart = rest.rpartition("-")
     if not sep or not base or len(hexpart) != _HEX_LEN:
         return None
@@ -175,7 +183,8 @@ def _split_old(name: str) -> str | None:
 def recover(root: Path) -> int:
     """Repairs interrupted publications under `root` (run at daemon start).
 
-    Deletes every `.checkpointd-tmp-*` dir. Renames every
+    Deletes every `.checkpointd-tmp-*` dir, and every `.checkpointd-tmp-<name>-<hex>`
+    file (a state file being replaced, `LocalStore.write_file`). Renames every
     `.checkpointd-old-<name>-<hex>` dir back to `<name>` if `<name>` is
     absent, else deletes it. Symlinks are not followed; other names are
     never touched.
@@ -184,7 +193,12 @@ def recover(root: Path) -> int:
         The number of entries deleted or renamed.
     """
     fixed = 0
-    for dirpath, dirnames, _filenames in os.walk(root, followlinks=False):
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in filenames:
+            if _split_suffixed(name, TMP_PREFIX) is not None:
+                _LOGGER.info("recover: deleting unfinished temp file %s", Path(dirpath, name))
+                Path(dirpath, name).unlink(missing_ok=True)
+                fixed += 1
         keep = []
         for name in sorted(dirnames):
             entry = Path(dirpath, name)
@@ -271,6 +285,8 @@ class LocalStore:
         return make_temp_sibling(target)
 
     def commit(self, staged: Staged, target: Path, meta: SaveMeta) -> int:
+        if staged.files_prefix is not None:  # named as they will be, so the manifest lists them so
+            prefix.rename_staged(staged.path, staged.files_prefix, target.name)
         # The disk flushes the files while the manifest's CRCs read them
         # back from the page cache (both release the GIL); publishing then
         # fsyncs only what is still dirty: the manifest and the dirs.
@@ -289,22 +305,30 @@ class LocalStore:
         finally:
             if syncing is not None:
                 syncing.result()  # raises its OSError; the tree is not published
-        publish_dir(staged.path, target, fsync=self._fsync)
+        if staged.files_prefix is not None:
+            prefix.publish(staged.path, target, fsync=self._fsync)
+        else:
+            publish_dir(staged.path, target, fsync=self._fsync)
         return staged.bytes_written + manifest_bytes
 
     def discard(self, staged: Path) -> None:
         remove_quietly(staged)
 
-    def committed(self, folder: str, run: str) -> list[CommittedSave]:
+    def committed(self, folder: str, run: str | None) -> list[CommittedSave]:
         folder_dir = self._folder_dir(folder)
         if not folder_dir.is_dir():
             return []
-        saves = (_read(d, folder_dir) for d in save_manifest.find_save_dirs(folder_dir))
-        return [save for save in saves if save is not None and save.run == run]
+        saves = [_read(d, folder_dir) for d in save_manifest.find_save_dirs(folder_dir)]
+        saves += [_read(p, folder_dir, is_prefix=True) for p in save_manifest.find_prefixes(folder_dir)]
+        return [save for save in saves if save is not None and (run is None or save.run == run)]
 
     def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
         target = resolve_export_dir(self.root, folder, export_dir)
-        save = _read(target, self._folder_dir(folder)) if target.is_dir() else None
+        save = None
+        if target.is_dir():
+            save = _read(target, self._folder_dir(folder))
+        elif prefix.is_committed(target):
+            save = _read(target, self._folder_dir(folder), is_prefix=True)
         if save is None:
             raise RunNotFoundError(
                 f"no committed save at {export_dir!r} in folder {folder!r} (no such dir, or it has "
@@ -313,6 +337,8 @@ class LocalStore:
         return save
 
     def delete(self, save: CommittedSave) -> bool:
+        if save.prefix:
+            return prefix.delete(save.path)
         # Renamed away first (one step, so the save stops counting at once),
         # then deleted; a crash in between leaves a temp dir `recover` removes.
         path = save.path
@@ -325,6 +351,38 @@ class LocalStore:
         remove_quietly(doomed)
         return True
 
+    def folders(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            e.name
+            for e in os.scandir(self.root)
+            if e.is_dir(follow_symlinks=False) and not e.name.startswith(RESERVED_PREFIX) and _is_run_name(e.name)
+        )
+
+    def read_file(self, path: Path) -> bytes | None:
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_file(self, path: Path, data: bytes) -> None:
+        # A temp sibling (removed by `recover` if a crash leaves it), fsynced,
+        # then renamed over: readers see the old file or the new one.
+        tmp = path.parent / f"{TMP_PREFIX}{path.name}-{_suffix()}"
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self._fsync:
+            _fsync_dir(path.parent)
+
     def close(self) -> None:
         self._syncer.shutdown(wait=True)
 
@@ -333,10 +391,28 @@ class LocalStore:
         return Path(os.path.realpath(self.root / check_run_name(folder)))
 
 
-def _read(save_dir: Path, folder_dir: Path) -> CommittedSave | None:
-    """The save at `save_dir`, or None if it has no valid manifest."""
+# A manifest's own fields; the rest are its format's (Staged.extra).
+_STANDARD_FIELDS = frozenset(
+    "format format_version run kind step export_dir created_unix_seconds versions files".split()
+)
+
+
+def _is_run_name(name: str) -> bool:
     try:
-        document = save_manifest.read_manifest(save_dir)
+        check_run_name(name)
+    except InvalidRequestError:
+        return False
+    return True
+
+
+def _read(save_dir: Path, folder_dir: Path, *, is_prefix: bool = False) -> CommittedSave | None:
+    """The save at `save_dir` (a dir, or a checkpoint prefix), or None if it has no valid manifest."""
+    try:
+        if is_prefix:
+            document = save_manifest.read_manifest(save_dir.parent, prefix.manifest_path(save_dir).name)
+        else:
+            document = save_manifest.read_manifest(save_dir)
+        extra = {k: v for k, v in document.items() if k not in _STANDARD_FIELDS}
         return CommittedSave(
             path=save_dir,
             export_dir=save_dir.relative_to(folder_dir).as_posix(),
@@ -344,6 +420,8 @@ def _read(save_dir: Path, folder_dir: Path) -> CommittedSave | None:
             kind=SaveKind(document["kind"]),
             step=int(document["step"]),
             created=float(document["created_unix_seconds"]),
+            prefix=is_prefix,
+            extra=extra or None,
         )
     except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
         _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)

@@ -25,6 +25,8 @@ from typing import Any
 import crc32c
 
 MANIFEST_NAME = "checkpointd.manifest.json"
+# A checkpoint prefix's manifest beside its files: `<prefix>.checkpointd.manifest.json`.
+PREFIX_MANIFEST_SUFFIX = "." + MANIFEST_NAME
 FORMAT = "checkpointd.save-manifest"
 FORMAT_VERSION = 1
 # Dirs the daemon owns (temp, replaced, state): never published saves.
@@ -183,8 +185,14 @@ def write_manifest(
     return len(data)
 
 
-def read_manifest(save_dir: Path) -> dict[str, Any]:
+def read_manifest(save_dir: Path, name: str = MANIFEST_NAME) -> dict[str, Any]:
     """Reads and checks the shape of a save dir's manifest.
+
+    Args:
+        save_dir: the dir the manifest's paths are relative to.
+        name: the manifest's file name there: MANIFEST_NAME for a dir of its
+            own, `<prefix>` + PREFIX_MANIFEST_SUFFIX for a checkpoint prefix
+            sharing the dir (`checkpointd.storage.prefix`).
 
     Returns:
         The manifest, with "files" as a list of FileEntry.
@@ -193,29 +201,27 @@ def read_manifest(save_dir: Path) -> dict[str, Any]:
         ManifestError: it is missing, not JSON, of another format or version,
             or lists an unsafe or duplicate path.
     """
-    path = Path(save_dir) / MANIFEST_NAME
+    path = Path(save_dir) / name
     try:
         document = json.loads(path.read_bytes())
     except FileNotFoundError:
-        raise ManifestError(f"no {MANIFEST_NAME} (not a checkpointd save, or not complete)") from None
+        raise ManifestError(f"no {name} (not a checkpointd save, or not complete)") from None
     except (OSError, ValueError) as e:
-        raise ManifestError(f"{MANIFEST_NAME} is unreadable: {e}") from None
+        raise ManifestError(f"{name} is unreadable: {e}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
-        raise ManifestError(f"{MANIFEST_NAME} is not a {FORMAT}")
+        raise ManifestError(f"{name} is not a {FORMAT}")
     version = document.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ManifestError(
-            f"{MANIFEST_NAME} has format_version {version!r}; this checkpointd reads " f"up to {FORMAT_VERSION}"
-        )
+        raise ManifestError(f"{name} has format_version {version!r}; this checkpointd reads up to {FORMAT_VERSION}")
     try:
         entries = [FileEntry(str(f["path"]), int(f["size"]), str(f["crc32c"])) for f in document["files"]]
     except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{MANIFEST_NAME} has a malformed file list ({e!r})") from None
+        raise ManifestError(f"{name} has a malformed file list ({e!r})") from None
     seen: set[str] = set()
     for entry in entries:
         pure = PurePosixPath(entry.path)
-        if pure.is_absolute() or ".." in pure.parts or entry.path in seen or entry.path == MANIFEST_NAME:
-            raise ManifestError(f"{MANIFEST_NAME} lists an invalid or repeated path {entry.path!r}")
+        if pure.is_absolute() or ".." in pure.parts or entry.path in seen or entry.path == name:
+            raise ManifestError(f"{name} lists an invalid or repeated path {entry.path!r}")
         seen.add(entry.path)
     document["files"] = entries
     return document
@@ -245,9 +251,47 @@ def verify_dir(save_dir: Path, progress: Progress | None = None) -> Report:
         files=len(entries),
         bytes=sum(entry.size for entry in entries),
     )
+    problems = _entry_problems(save_dir, entries, progress)
+    listed = {entry.path for entry in entries}
+    problems.extend(f"{rel} is not in the manifest" for rel in _files(save_dir) if rel not in listed)
+    return _verdict(passed, problems)
+
+
+def verify_prefix(prefix: Path, progress: Progress | None = None) -> Report:
+    """Checks one checkpoint prefix (`<dir>/<name>.*`, a training checkpoint) against its manifest.
+
+    Every listed file must be there with the listed size and CRC32C. Other
+    files of the dir belong to other saves (or to TensorFlow's state file)
+    and are not checked here.
+    """
+    prefix = Path(prefix)
+    where = str(prefix)
+    try:
+        manifest = read_manifest(prefix.parent, prefix.name + PREFIX_MANIFEST_SUFFIX)
+    except ManifestError as e:
+        return Report(where, False, str(e))
+    entries: list[FileEntry] = manifest["files"]
+    passed = Report(
+        where,
+        True,
+        run=str(manifest.get("run", "")),
+        kind=str(manifest.get("kind", "")),
+        step=int(manifest.get("step", -1)),
+        files=len(entries),
+        bytes=sum(entry.size for entry in entries),
+    )
+    problems = _entry_problems(prefix.parent, entries, progress)
+    problems.extend(
+        f"{entry.path} is not a file of {prefix.name}" for entry in entries if not entry.path.startswith(prefix.name + ".")
+    )
+    return _verdict(passed, problems)
+
+
+def _entry_problems(base: Path, entries: list[FileEntry], progress: Progress | None) -> list[str]:
+    """What is wrong with each listed file under `base`: missing, another size or CRC32C."""
     problems = []
     for entry in entries:
-        path = save_dir / entry.path
+        path = base / entry.path
         if path.is_symlink() or not path.exists():
             problems.append(f"{entry.path} is missing")
             continue
@@ -265,8 +309,10 @@ def verify_dir(save_dir: Path, progress: Progress | None = None) -> Report:
             continue
         if _hex(value) != entry.crc32c.lower():
             problems.append(f"{entry.path} has CRC32C {_hex(value)}, the manifest says {entry.crc32c}")
-    listed = {entry.path for entry in entries}
-    problems.extend(f"{rel} is not in the manifest" for rel in _files(save_dir) if rel not in listed)
+    return problems
+
+
+def _verdict(passed: Report, problems: list[str]) -> Report:
     if problems:
         more = len(problems) - _MAX_REASONS
         reason = "; ".join(problems[:_MAX_REASONS]) + (f" (and {more} more)" if more > 0 else "")
@@ -304,4 +350,37 @@ def find_save_dirs(path: Path) -> list[Path]:
             else:
                 keep.append(name)
         dirnames[:] = keep
+    return sorted(found)
+
+
+def find_prefixes(path: Path, *, orphans: bool = False) -> list[Path]:
+    """Checkpoint prefixes (training checkpoints) at or under `path`, sorted.
+
+    Each `<prefix>` + PREFIX_MANIFEST_SUFFIX names one. With `orphans`, also
+    every `<prefix>.index` without one in a dir that holds such manifests
+    (files a save left before its manifest, reported as lacking it). Searched
+    as `find_save_dirs` searches: not `.checkpointd*` dirs, not through
+    symlinks, not inside a save dir.
+    """
+    path = Path(path)
+    if path.name.endswith(PREFIX_MANIFEST_SUFFIX) and path.is_file():
+        return [path.with_name(path.name[: -len(PREFIX_MANIFEST_SUFFIX)])]
+    if path.with_name(path.name + PREFIX_MANIFEST_SUFFIX).is_file():
+        return [path]
+    if not path.is_dir() or (path / MANIFEST_NAME).exists() or _looks_like_a_save(path):
+        return []
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if not d.startswith(_RESERVED_PREFIX)
+            and not os.path.islink(os.path.join(dirpath, d))
+            and not (Path(dirpath, d) / MANIFEST_NAME).exists()
+            and not _looks_like_a_save(Path(dirpath, d))
+        )
+        names = {f[: -len(PREFIX_MANIFEST_SUFFIX)] for f in filenames if f.endswith(PREFIX_MANIFEST_SUFFIX)}
+        if orphans and names:
+            names |= {f[: -len(".index")] for f in filenames if f.endswith(".index")}
+        found.extend(Path(dirpath, n) for n in names if n)
     return sorted(found)

@@ -11,9 +11,11 @@ class SaveKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAVE_KIND_UNSPECIFIED: _ClassVar[SaveKind]
     SAVED_MODEL: _ClassVar[SaveKind]
     CHECKPOINT: _ClassVar[SaveKind]
+    TRAINING_CHECKPOINT: _ClassVar[SaveKind]
 SAVE_KIND_UNSPECIFIED: SaveKind
 SAVED_MODEL: SaveKind
 CHECKPOINT: SaveKind
+TRAINING_CHECKPOINT: SaveKind
 
 class Variable(_message.Message):
     __slots__ = ("key", "checkpoint_key", "dtype", "shape")
@@ -40,18 +42,20 @@ class Chunk(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class RegisterRunHeader(_message.Message):
-    __slots__ = ("run", "variables", "checkpoint_object_graph", "template_bytes", "folder")
+    __slots__ = ("run", "variables", "checkpoint_object_graph", "template_bytes", "folder", "kind")
     RUN_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_OBJECT_GRAPH_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FOLDER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     run: str
     variables: _containers.RepeatedCompositeFieldContainer[Variable]
     checkpoint_object_graph: bytes
     template_bytes: int
     folder: str
-    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., checkpoint_object_graph: _Optional[bytes] = ..., template_bytes: _Optional[int] = ..., folder: _Optional[str] = ...) -> None: ...
+    kind: SaveKind
+    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., checkpoint_object_graph: _Optional[bytes] = ..., template_bytes: _Optional[int] = ..., folder: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ...) -> None: ...
 
 class RegisterRunRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -90,7 +94,7 @@ class NumpyState(_message.Message):
     def __init__(self, object_graph: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[NumpyStateEntry, _Mapping]]] = ...) -> None: ...
 
 class SaveHeader(_message.Message):
-    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state", "shared_memory")
+    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state", "shared_memory", "training_checkpoint")
     RUN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +104,7 @@ class SaveHeader(_message.Message):
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUMPY_STATE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     run: str
     kind: SaveKind
     export_dir: str
@@ -109,7 +114,32 @@ class SaveHeader(_message.Message):
     snapshot_bytes: int
     numpy_state: NumpyState
     shared_memory: bool
-    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., shared_memory: bool = ...) -> None: ...
+    training_checkpoint: TrainingCheckpoint
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., shared_memory: bool = ..., training_checkpoint: _Optional[_Union[TrainingCheckpoint, _Mapping]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("checkpoint_key", "dtype", "shape", "nbytes")
+    CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_key: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, checkpoint_key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class TrainingCheckpoint(_message.Message):
+    __slots__ = ("object_graph", "tensors", "max_to_keep", "keep_checkpoint_every_n_hours")
+    OBJECT_GRAPH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TO_KEEP_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CHECKPOINT_EVERY_N_HOURS_FIELD_NUMBER: _ClassVar[int]
+    object_graph: bytes
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    max_to_keep: int
+    keep_checkpoint_every_n_hours: float
+    def __init__(self, object_graph: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., max_to_keep: _Optional[int] = ..., keep_checkpoint_every_n_hours: _Optional[float] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("header", "chunk", "shared_memory_written")
@@ -266,20 +296,22 @@ class LatestRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., folder: _Optional[str] = ...) -> None: ...
 
 class LatestResponse(_message.Message):
-    __slots__ = ("found", "path", "export_dir", "step", "kind", "unix_seconds")
+    __slots__ = ("found", "path", "export_dir", "step", "kind", "unix_seconds", "checkpoints")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     found: bool
     path: str
     export_dir: str
     step: int
     kind: SaveKind
     unix_seconds: float
-    def __init__(self, found: bool = ..., path: _Optional[str] = ..., export_dir: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
+    checkpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, found: bool = ..., path: _Optional[str] = ..., export_dir: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., unix_seconds: _Optional[float] = ..., checkpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("run", "export_dir")
@@ -290,7 +322,7 @@ class RestoreRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ..., export_dir: _Optional[str] = ...) -> None: ...
 
 class RestoreHeader(_message.Message):
-    __slots__ = ("export_dir", "step", "kind", "variables", "snapshot_bytes", "numpy_state", "path", "unix_seconds")
+    __slots__ = ("export_dir", "step", "kind", "variables", "snapshot_bytes", "numpy_state", "path", "unix_seconds", "training_checkpoint")
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +331,7 @@ class RestoreHeader(_message.Message):
     NUMPY_STATE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     export_dir: str
     step: int
     kind: SaveKind
@@ -307,7 +340,8 @@ class RestoreHeader(_message.Message):
     numpy_state: NumpyState
     path: str
     unix_seconds: float
-    def __init__(self, export_dir: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., path: _Optional[str] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
+    training_checkpoint: TrainingCheckpoint
+    def __init__(self, export_dir: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., path: _Optional[str] = ..., unix_seconds: _Optional[float] = ..., training_checkpoint: _Optional[_Union[TrainingCheckpoint, _Mapping]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("header", "chunk")

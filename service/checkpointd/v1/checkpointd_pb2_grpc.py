@@ -143,6 +143,9 @@ class CheckpointServiceServicer(object):
         latest manifest creation time; equal times, the higher SaveHeader.step.
         Only saves whose manifest names the run count; dirs starting
         ".checkpointd", symlinks and dirs inside another save are not searched.
+        A TRAINING_CHECKPOINT save's manifest is <prefix>.checkpointd.manifest.json
+        beside its files (the dir holds many checkpoints); its export_dir and
+        path are the checkpoint prefix <dir>/ckpt-<step>.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,7 +159,10 @@ class CheckpointServiceServicer(object):
         or naming the first key where the save disagrees with the run's
         manifest. A corrupt (DATA_LOSS) or unreadable (INTERNAL) value may end
         the call after the header and some chunks: discard a payload that did
-        not reach snapshot_bytes.
+        not reach snapshot_bytes. A TRAINING_CHECKPOINT run has no manifest:
+        its save is read whole, checked against its own object graph (every
+        attribute's tensor there, nothing else: else INVALID_ARGUMENT naming the
+        first key), and the header lists its tensors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,506 @@
+"""RemoteCheckpointer: TF-Agents' `common.Checkpointer`, with the saving done by checkpointd.
+
+`tf_agents.utils.common.Checkpointer(ckpt_dir, max_to_keep, **objects)`
+wraps a `tf.train.Checkpoint(**objects)` and a `tf.train.CheckpointManager`,
+restores the newest checkpoint when it is made, and writes synchronously in
+`save(global_step)`: the trainer stalls for the whole write, optimizer
+slots, target network and replay buffer included.
+
+Here `save()` costs the trainer what a point-in-time save must: describing
+the checkpoint with TensorFlow's own saver code and copying its values to
+host memory (or into the daemon's shared memory on its host); the daemon
+writes them with SaveV2 as `<root>/<folder>/<ckpt_dir>/ckpt-<step>.*`, keeps
+the dir's `checkpoint` state file, and applies `max_to_keep` and
+`keep_checkpoint_every_n_hours` as CheckpointManager does, off the save path.
+Each save has the semantics of every checkpointd save: one in flight per run,
+a non-blocking save skipped (reported, counted) while one is in flight,
+`blocking=True` waits its turn and returns once durable, failures reach the
+ticket, and the run keeps saving.
+
+A restarted trainer restores over the daemon's Restore call, so it need not
+share the daemon's disk: build the same objects, construct the checkpointer,
+call `initialize_or_restore()`. See `checkpointd_client.training` for what
+is saved and how it is put back.
+
+Lock discipline: `_lock` guards `_busy`, `_closing`, `_closed`, `_spare` and
+`_segment` and is never held across an RPC or a TF call; `_close_lock`
+serializes close().
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import grpc
+import numpy as np
+import tensorflow as tf
+
+from checkpointd.protocol import wire
+from checkpointd.protocol.codes import error_for
+from checkpointd.protocol.credentials import open_channel, read_token
+from checkpointd.protocol.errors import CheckpointdError, DeadlineError, InvalidRequestError, RunClosedError
+from checkpointd.protocol.kinds import SaveKind, to_wire
+from checkpointd.protocol.names import check_export_dir, check_run_name, checkpoint_prefix
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import shm, training
+from checkpointd_client.restore import _fetch as fetch_restore
+from checkpointd_client.stream import SaveStream, SaveStub, rpc_error
+from checkpointd_client.ticket import SaveTicket
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class RemoteCheckpointManager:
+    """What `Checkpointer.manager` offers, answered by the daemon (`tf.train.CheckpointManager`'s view).
+
+    Paths are the daemon's: `<root>/<folder>/<ckpt_dir>/ckpt-<step>`.
+    """
+
+    def __init__(self, owner: RemoteCheckpointer) -> None:
+        self._owner = owner
+
+    @property
+    def directory(self) -> str:
+        """The checkpoint dir, relative to the run's folder on the daemon."""
+        return self._owner.ckpt_dir
+
+    @property
+    def checkpoint(self) -> tf.train.Checkpoint:
+        return self._owner.checkpoint
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest committed checkpoint's prefix on the daemon's host, or None."""
+        latest = self._owner._latest()  # noqa: SLF001 - the owner's RPC
+        return latest.path if latest is not None else None
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The active set's prefixes on the daemon's host, oldest first (CheckpointManager.checkpoints)."""
+        latest = self._owner._latest()  # noqa: SLF001
+        if latest is None:
+            return []
+        base = latest.path[: -len(latest.export_dir)] if latest.path.endswith(latest.export_dir) else ""
+        return [base + c for c in latest.checkpoints]
+
+
+class _Latest:
+    """A LatestResponse for this checkpointer's dir."""
+
+    def __init__(self, response: pb.LatestResponse) -> None:
+        self.path = response.path
+        self.export_dir = response.export_dir
+        self.step = response.step
+        self.checkpoints = list(response.checkpoints)
+
+
+class RemoteCheckpointer:
+    """Saves and restores a `tf.train.Checkpoint(**objects)` through a checkpointd daemon.
+
+    A drop-in for `tf_agents.utils.common.Checkpointer(ckpt_dir, max_to_keep,
+    **objects)`: the same properties and methods, `save()` returning a
+    `SaveTicket`, plus the connection options `RemotePolicySaver` takes.
+    """
+
+    def __init__(
+        self,
+        ckpt_dir: str,
+        address: str,
+        *,
+        run: str,
+        max_to_keep: int | None = 20,
+        keep_checkpoint_every_n_hours: float | None = None,
+        folder: str | None = None,
+        chunk_bytes: int = wire.CHUNK_BYTES,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = None,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
+        shared_memory: bool = True,
+        **objects: Any,
+    ) -> None:
+        """Registers the run and restores its newest checkpoint, as Checkpointer's constructor does.
+
+        Args:
+            ckpt_dir: the checkpoint dir, relative to the run's folder on the
+                daemon (Checkpointer's local `ckpt_dir`, e.g. "train").
+            address: the daemon's `host:port`.
+            run: this run's name on the daemon; one run per ckpt_dir.
+            max_to_keep, keep_checkpoint_every_n_hours: as for
+                tf.train.CheckpointManager (None keeps all / never preserves).
+            folder: the run's folder under the daemon's root; None: the run's name.
+            chunk_bytes, channel_credentials, timeout, token, token_file,
+                shared_memory: as for RemotePolicySaver.
+            **objects: what to save, as for tf.train.Checkpoint (agent,
+                policy, replay_buffer, global_step, metrics, NumpyState...).
+
+        Raises:
+            ValueError: an invalid run, folder, ckpt_dir (absolute, or leaving
+                the folder), max_to_keep, keep_checkpoint_every_n_hours,
+                timeout or token option.
+            CheckpointdError: the daemon refused the registration or the
+                restore (InvalidRequestError naming the first key of a
+                checkpoint saved from objects of another structure), or is
+                unreachable.
+        """
+        try:
+            self._run = check_run_name(run)
+            self._folder = check_run_name(folder) if folder is not None else None
+            self._dir = check_export_dir(ckpt_dir).as_posix()
+        except CheckpointdError as e:
+            raise ValueError(f"{e} (ckpt_dir is relative to the run's folder on the daemon)") from None
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+        if keep_checkpoint_every_n_hours is not None and not keep_checkpoint_every_n_hours > 0:
+            raise ValueError(f"keep_checkpoint_every_n_hours must be > 0 or None, got {keep_checkpoint_every_n_hours!r}")
+        wire.check_chunk_bytes(chunk_bytes)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be None or > 0 seconds, saw {timeout!r}")
+        if token is not None and token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        if token_file is not None:
+            token = read_token(Path(token_file))
+        self._max_to_keep = max_to_keep
+        self._keep_hours = keep_checkpoint_every_n_hours
+        self._checkpoint = tf.train.Checkpoint(**objects)
+        self._address = address
+        self._chunk_bytes = chunk_bytes
+        self._timeout = timeout
+        self._channel = open_channel(address, channel_credentials, token)
+        self._stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
+        self._save_stub = SaveStub(self._channel)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0
+        self._closing = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._use_shm = shared_memory
+        self._segment: shm.SegmentMap | None = None
+        # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
+        self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
+        self._copies: list[training.LocalCopy] = []  # restored checkpoints TF may still read
+        self._uploads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix=f"checkpointd-upload-{self._run}"
+        )
+        self._manager = RemoteCheckpointManager(self)
+        try:
+            self._register()
+            latest = self._latest()
+            if latest is not None:
+                _LOGGER.info("run %s: checkpoint available: %s (step %d)", self._run, latest.path, latest.step)
+                self._load_status = self._restore(latest.export_dir)
+            else:
+                _LOGGER.info("run %s: no checkpoint available in %r", self._run, self._dir)
+                self._load_status = self._checkpoint.restore(None)
+        except BaseException:
+            self._shutdown()
+            raise
+        self._checkpoint_exists = latest is not None
+
+    # Checkpointer's surface.
+
+    @property
+    def checkpoint_exists(self) -> bool:
+        """True if a checkpoint was restored at construction, or one was saved since."""
+        return self._checkpoint_exists
+
+    @property
+    def manager(self) -> RemoteCheckpointManager:
+        return self._manager
+
+    @property
+    def checkpoint(self) -> tf.train.Checkpoint:
+        return self._checkpoint
+
+    @property
+    def run(self) -> str:
+        return self._run
+
+    @property
+    def folder(self) -> str:
+        return self._folder or self._run
+
+    @property
+    def ckpt_dir(self) -> str:
+        return self._dir
+
+    def initialize_or_restore(self, session: Any = None) -> Any:
+        """Runs the restore the constructor started (or the initialization); returns its status."""
+        self._load_status.initialize_or_restore(session)
+        return self._load_status
+
+    # Saving.
+
+    def save(self, global_step: Any, blocking: bool = False) -> SaveTicket:
+        """Saves every object as `<ckpt_dir>/ckpt-<global_step>` on the daemon.
+
+        The values are those of the call: Python state is serialized before
+        the daemon decides, variables are copied after it accepts, all
+        before this returns. Without `blocking`, a save while another of the
+        run is in flight is skipped (`ticket.skipped`); an accepted one is
+        uploaded in the background and `ticket.result()` waits until it is
+        durable. With `blocking`, this waits for the in-flight save, then
+        until this one is durable.
+
+        Args:
+            global_step: the step (an int, or an integer tf.Variable/Tensor)
+                that names the checkpoint, >= 0.
+            blocking: wait for the in-flight save instead of being skipped,
+                and for this save to be durable.
+
+        Raises:
+            RunClosedError: if `close()` was called.
+            ValueError: an object holds state the daemon cannot carry (see
+                `checkpointd_client.training.describe`), or a negative step.
+            CheckpointdError: the status the daemon answered before the
+                decision (or, with `blocking`, the save's own error).
+        """
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking must be a bool, saw {type(blocking)!r} (CheckpointOptions are not taken)")
+        with self._lock:
+            if self._closing:
+                raise RunClosedError(f"run {self._run!r}: the checkpointer was closed")
+            self._busy += 1
+        handed_off = False
+        try:
+            step = int(np.asarray(global_step))
+            try:
+                export_dir = checkpoint_prefix(self._dir, step)
+            except InvalidRequestError as e:
+                raise ValueError(str(e)) from None
+            counter = self._checkpoint.save_counter
+            counter.assign_add(1)  # as CheckpointManager.save does, before the write
+            state = training.describe(self._checkpoint)
+            ticket = SaveTicket(export_dir, SaveKind.TRAINING_CHECKPOINT, step)
+            stream, offer = self._decide(ticket, state, blocking)
+            if ticket.skipped:
+                counter.assign_sub(1)  # nothing was saved
+                return ticket
+            try:
+                requests, spare = self._copy(state, offer)
+            except BaseException:
+                stream.close()
+                raise
+            self._checkpoint_exists = True
+            if blocking:
+                self._upload(stream, requests, ticket, state, spare)
+                ticket.result()
+                return ticket
+            self._uploads.submit(self._upload_then_release, stream, requests, ticket, state, spare)
+            handed_off = True
+            return ticket
+        finally:
+            if not handed_off:
+                self._release()
+
+    def _decide(
+        self, ticket: SaveTicket, state: training.TrainingState, blocking: bool
+    ) -> tuple[SaveStream, pb.SharedMemory | None]:
+        """Opens the Save call and reads the decision; registers again once on NOT_FOUND."""
+        header = pb.SaveHeader(
+            run=self._run,
+            kind=to_wire(SaveKind.TRAINING_CHECKPOINT),
+            export_dir=self._dir,
+            blocking=blocking,
+            step=ticket.step,
+            snapshot_bytes=state.nbytes,
+            shared_memory=self._use_shm,
+            training_checkpoint=state.to_proto(self._max_to_keep, self._keep_hours),
+        )
+        for attempt in (1, 2):
+            stream = SaveStream(self._save_stub, header, self._timeout)
+            try:
+                decision = stream.decision()
+            except grpc.RpcError as e:
+                stream.close()
+                code, details = rpc_error(e)
+                if code != grpc.StatusCode.NOT_FOUND or attempt == 2:
+                    raise error_for(code, details) from e
+                _LOGGER.warning("run %s: daemon lost the run (%s); registering again", self._run, details)
+                self._register()
+                continue
+            except BaseException:
+                stream.close()
+                raise
+            if not decision.accepted:
+                stream.skip(ticket, decision.reason, self._run)
+            return stream, decision.shared_memory if decision.HasField("shared_memory") else None
+        raise AssertionError("unreachable")
+
+    def _copy(
+        self, state: training.TrainingState, offer: pb.SharedMemory | None
+    ) -> tuple[Iterable[bytes], list[np.ndarray] | None]:
+        """Copies the values now: into the offered segment, else into spare buffers.
+
+        Returns the requests that complete the call, serialized, and the
+        arrays the next save may reuse (None for a segment's).
+        """
+        if offer is not None and self._use_shm:
+            with self._lock:
+                current = self._segment
+            segment = shm.open_offer(offer, current, self._run)
+            if segment is not None and len(offer.offsets) == len(state.tensors) + 1:
+                with self._lock:
+                    self._segment = segment
+                whole = memoryview(segment._map)  # noqa: SLF001 - the mapped segment, written in place
+                views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
+                state.copy(views, strings=True)
+                return [shm.WRITTEN], None
+            self._use_shm = False  # the daemon is not on this host (or not this user's)
+        with self._lock:
+            spare, self._spare = self._spare, None
+        buffers = spare[1] if spare is not None and spare[0] == state.layout else None
+        if buffers is None:  # Python state needs none: it is bytes already
+            buffers = [np.empty(0 if training.is_string(t) else t.nbytes, np.uint8) for t in state.tensors]
+        parts = state.copy([b.data for b in buffers])
+        return wire.save_request_chunks(parts, self._chunk_bytes), buffers
+
+    def _upload(
+        self,
+        stream: SaveStream,
+        requests: Iterable[bytes],
+        ticket: SaveTicket,
+        state: training.TrainingState,
+        spare: list[np.ndarray] | None,
+    ) -> None:
+        stream.finish(ticket, requests, self._run)
+        if spare is not None and ticket.done() and ticket.exception(0) is None:
+            with self._lock:  # gRPC has let go of every chunk: the next save may reuse them
+                self._spare = (state.layout, spare)
+
+    def _upload_then_release(self, *args: Any) -> None:
+        try:
+            self._upload(*args)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            if not self._busy:
+                self._idle.notify_all()
+
+    # Registration and restore.
+
+    def _register(self) -> None:
+        header = pb.RegisterRunHeader(
+            run=self._run, folder=self._folder or "", kind=to_wire(SaveKind.TRAINING_CHECKPOINT)
+        )
+        try:
+            self._stub.RegisterRun(iter([pb.RegisterRunRequest(header=header)]), timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise error_for(*rpc_error(e)) from e
+
+    def _latest(self) -> _Latest | None:
+        request = pb.LatestRequest(
+            run=self._run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), folder=self._folder or ""
+        )
+        try:
+            response = self._stub.GetLatest(request, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise error_for(*rpc_error(e)) from e
+        if not response.found:
+            return None
+        if str(PurePosixPath(response.export_dir).parent) != self._dir:
+            _LOGGER.warning(
+                "run %s: its newest checkpoint is %r, not in %r; one run per checkpoint dir",
+                self._run, response.export_dir, self._dir,
+            )  # fmt: skip
+            return None
+        return _Latest(response)
+
+    def _restore(self, export_dir: str) -> Any:
+        started = time.monotonic()
+        request = pb.RestoreRequest(run=self._run, export_dir=export_dir)
+        try:
+            header, payload = fetch_restore(self._stub, request, self._timeout)
+        except grpc.RpcError as e:
+            raise error_for(*rpc_error(e)) from e
+        if not header.HasField("training_checkpoint"):
+            raise InvalidRequestError(f"{export_dir!r} is a {header.kind} save, not a training checkpoint")
+        saved = header.training_checkpoint
+        training.check_structure(training.describe(self._checkpoint), saved, repr(export_dir))
+        copy = training.LocalCopy(saved, payload)
+        self._copies.append(copy)
+        status = self._checkpoint.restore(copy.prefix)
+        _LOGGER.info(
+            "run %s: restored %r (step %d, %d tensors, %d bytes, %.2f s)",
+            self._run, export_dir, header.step, len(saved.tensors), len(payload), time.monotonic() - started,
+        )  # fmt: skip
+        return status
+
+    # Flush and close.
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until this checkpointer's saves have ended, then until the daemon's run is idle.
+
+        Raises:
+            DeadlineError: if they did not end within `timeout` (None: the
+                checkpointer's timeout).
+            CheckpointdError: another status the daemon answered.
+        """
+        timeout = timeout if timeout is not None else self._timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                left = _left(deadline)
+                if left == 0.0:
+                    raise DeadlineError(f"run {self._run!r}: {self._busy} save(s) still running after {timeout} s")
+                self._idle.wait(left)
+        self._call_run(self._stub.Flush, pb.FlushRequest, deadline)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flushes, closes the run on the daemon and the channel; idempotent.
+
+        Restored checkpoints' local copies are deleted: objects created after
+        this are not restored any more.
+        """
+        with self._close_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closing = True
+            timeout = timeout if timeout is not None else self._timeout
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self.flush(_left(deadline))
+            self._call_run(self._stub.CloseRun, pb.CloseRunRequest, deadline)
+            with self._lock:
+                self._closed = True
+            self._shutdown()
+            _LOGGER.info("run %s: closed", self._run)
+
+    def _shutdown(self) -> None:
+        self._uploads.shutdown(wait=False)
+        self._channel.close()
+        for copy in self._copies:
+            copy.close()
+        self._copies.clear()
+
+    def _call_run(self, method: Callable[..., Any], request: type, deadline: float | None) -> None:
+        left = _left(deadline)
+        try:
+            method(request(run=self._run, timeout_seconds=left or 0.0), timeout=left)
+        except grpc.RpcError as e:
+            code, details = rpc_error(e)
+            if code != grpc.StatusCode.NOT_FOUND:  # a daemon that lost the run has nothing to do
+                raise error_for(code, details) from e
+
+    def __enter__(self) -> RemoteCheckpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+

@@ -1,0 +1,294 @@
+"""The training-checkpoint format: whatever a tf.train.Checkpoint saves, written with no template.
+
+`TrainingFormat` implements `checkpointd.core.ports.SaveFormat` for
+TRAINING_CHECKPOINT saves. The trainer's client computes, with TensorFlow's
+own saver code, what `tf.train.Checkpoint.write` would write (every tensor's
+checkpoint key, dtype, shape and bytes, in the saver's order, and the
+serialized object graph) and sends it with each save. Here:
+
+- `check` parses the object graph and refuses, before the decision, a save
+  whose tensors are not exactly the graph's attributes, whose Python state is
+  not a string, whose sizes do not add up or pass --max-snapshot-bytes;
+- `write` hands the received bytes to SaveV2 under those keys, in the order
+  sent, then the object graph, as `ckpt.index` + `ckpt.data-00000-of-00001`
+  in the staging dir; the Store commits them as `<dir>/ckpt-<step>.*` beside
+  the dir's other checkpoints (`Staged.files_prefix`). One SaveV2 call on
+  one host device is what TensorFlow's MultiDeviceSaver does for a
+  single-device trainer, so the files are byte for byte those of
+  `Checkpointer.save` for the same values;
+- `read` opens a committed checkpoint for Restore, checked against its own
+  object graph, and lists what it holds.
+
+No model code, no registration state: a new trackable type needs nothing
+here. TensorFlow is imported inside functions only, as in
+`checkpointd.formats.policy`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
+from checkpointd.core.ports import CommittedSave, Snapshot, Staged
+from checkpointd.core.training import CheckpointSpec, TensorSpec, check_dtypes, check_keys
+from checkpointd.formats import object_graph
+
+# Private to the policy format's module, shared here rather than copied: the
+# versions a save manifest records, and SaveV2 input over received memory.
+from checkpointd.formats.policy import _tensor, _versions
+from checkpointd.protocol import tensors, wire
+from checkpointd.protocol.errors import (
+    ChecksumError,
+    InvalidRequestError,
+    SaveFailedError,
+    describe,
+)
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.names import check_run_name
+
+# The staged files' stem: `ckpt.index`, `ckpt.data-00000-of-00001`. The
+# Store renames them to the save's own prefix when it commits them.
+STAGED_STEM = "ckpt"
+# The manifest field this format adds (CommittedSave.extra): the dir's
+# CheckpointManager rules as this save set them, for retention.
+EXTRA_FIELD = "training_checkpoint"
+
+
+class TrainingFormat:
+    """Training checkpoints from per-save tensor lists. Stateless, so thread-safe.
+
+    Implements `checkpointd.core.ports.SaveFormat`.
+    """
+
+    kinds = (SaveKind.TRAINING_CHECKPOINT,)
+
+    def register(
+        self,
+        run: str,
+        staged_dir: Path,
+        variables: Sequence[VariableSpec],
+        checkpoint_object_graph: bytes,
+    ) -> Manifest:
+        """Registers a training run: there is no template, so nothing may come with it.
+
+        Raises:
+            InvalidRequestError: the registration carried variables, an object
+                graph or template files.
+        """
+        try:
+            check_run_name(run)
+            if variables or checkpoint_object_graph:
+                raise InvalidRequestError(
+                    f"run {run!r}: a TRAINING_CHECKPOINT run registers no variables and no object graph; "
+                    "each save carries its own (SaveHeader.training_checkpoint)"
+                )
+            if staged_dir.exists() and any(staged_dir.iterdir()):
+                raise InvalidRequestError(f"run {run!r}: a TRAINING_CHECKPOINT run uploads no template files")
+        finally:
+            shutil.rmtree(staged_dir, ignore_errors=True)
+        return Manifest(())
+
+    def check(
+        self,
+        manifest: Manifest,
+        variables: Sequence[VariableSpec],
+        snapshot_bytes: int,
+        numpy_state: NumpyStateSpec | None,
+        max_snapshot_bytes: int,
+        *,
+        checkpoint: CheckpointSpec | None = None,
+    ) -> None:
+        """Refuses a training checkpoint header that does not add up, before the decision.
+
+        Raises:
+            InvalidRequestError: no training_checkpoint, policy fields set, a
+                size that does not add up, or tensors that are not exactly the
+                object graph's attributes (naming the first key).
+            LimitExceededError: the checkpoint is over --max-snapshot-bytes.
+        """
+        if checkpoint is None:
+            raise InvalidRequestError("a TRAINING_CHECKPOINT save needs its training_checkpoint (the tensors)")
+        if variables or numpy_state is not None:
+            raise InvalidRequestError(
+                "a TRAINING_CHECKPOINT save carries its tensors in training_checkpoint; variables must be "
+                "empty and numpy_state unset"
+            )
+        checkpoint.check(snapshot_bytes, max_snapshot_bytes)
+        pairs = graph_attributes(checkpoint.object_graph, "training_checkpoint's object graph")
+        check_keys(checkpoint.keys, pairs)
+        check_dtypes(checkpoint, pairs)
+
+    def write(
+        self,
+        run: str,
+        kind: SaveKind,
+        manifest: Manifest,
+        staging: Path,
+        snapshot: Snapshot,
+        numpy_state: NumpyPayload | None,
+        *,
+        checkpoint: CheckpointSpec | None = None,
+    ) -> Staged:
+        """Writes the checkpoint's files into the empty dir `staging` with one SaveV2.
+
+        Args:
+            snapshot: one buffer per tensor (`checkpoint.tensors` order), or
+                their concatenation.
+            checkpoint: the save's checked description.
+
+        Raises:
+            SaveFailedError: the snapshot does not fit the description.
+            OSError, tf.errors.OpError: the files could not be written.
+        """
+        import tensorflow as tf
+
+        if checkpoint is None or kind is not SaveKind.TRAINING_CHECKPOINT:
+            raise SaveFailedError(f"run {run!r}: the training format writes TRAINING_CHECKPOINT saves only")
+        parts = _parts(checkpoint, snapshot, run)
+        values = [_value(t, part) for t, part in zip(checkpoint.tensors, parts, strict=True)]
+        tf.raw_ops.SaveV2(
+            prefix=str(staging / STAGED_STEM),
+            tensor_names=[*checkpoint.keys, tensors.OBJECT_GRAPH_KEY],
+            shape_and_slices=[""] * (len(values) + 1),
+            tensors=[*values, tf.constant(checkpoint.object_graph)],
+        )
+        rules = checkpoint.retention
+        return Staged(
+            path=staging,
+            bytes_written=sum(f.stat().st_size for f in staging.iterdir()),
+            versions=_versions(),
+            extra={
+                EXTRA_FIELD: {
+                    "max_to_keep": rules.max_to_keep,
+                    "keep_checkpoint_every_n_hours": rules.keep_checkpoint_every_n_hours,
+                    "tensors": len(checkpoint.tensors),
+                }
+            },
+            files_prefix=STAGED_STEM,
+        )
+
+    def read(self, save: CommittedSave, manifest: Manifest) -> TrainingValues:
+        """Opens a committed training checkpoint for Restore.
+
+        Raises:
+            InvalidRequestError: its tensors are not exactly its object graph's,
+                or one has a dtype the wire cannot carry (naming the key).
+            ChecksumError, SaveFailedError: its files are corrupt or unreadable.
+        """
+        import tensorflow as tf
+
+        where = repr(save.export_dir)
+        try:
+            reader = tf.train.load_checkpoint(str(save.path))
+            shapes = reader.get_variable_to_shape_map()
+            dtypes = reader.get_variable_to_dtype_map()
+            graph = reader.get_tensor(tensors.OBJECT_GRAPH_KEY) if tensors.OBJECT_GRAPH_KEY in shapes else b""
+        except tf.errors.DataLossError as e:
+            raise ChecksumError(f"{where}: its checkpoint is corrupt ({describe(e)})") from None
+        except (tf.errors.OpError, ValueError) as e:
+            raise SaveFailedError(f"{where}: its checkpoint is unreadable ({describe(e)})") from None
+        if not graph:
+            raise InvalidRequestError(f"{where}: the checkpoint has no {tensors.OBJECT_GRAPH_KEY}")
+        pairs = graph_attributes(graph, f"{where}'s object graph")
+        stored = [k for k in shapes if k != tensors.OBJECT_GRAPH_KEY]
+        try:
+            check_keys(stored, pairs)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{where}: {e}") from None
+        specs, strings = [], {}
+        for key, _ in pairs:
+            dtype = dtypes[key]
+            if dtype == tf.string:
+                if shapes[key]:
+                    raise InvalidRequestError(f"{where}: {key!r} is a string tensor of shape {shapes[key]}")
+                strings[key] = _read(reader, key, where)
+                specs.append(TensorSpec(key, tensors.STRING, (), len(strings[key])))
+            elif dtype.name in tensors.ITEMSIZE:
+                shape = tuple(shapes[key])
+                specs.append(TensorSpec(key, dtype.name, shape, tensors.nbytes(dtype.name, shape)))
+            else:
+                raise InvalidRequestError(f"{where}: {key!r} has dtype {dtype.name}, which Restore cannot carry")
+        spec = CheckpointSpec(graph, tuple(specs))
+        return TrainingValues(spec, None, spec.nbytes, reader, strings, where)
+
+
+@dataclass
+class TrainingValues:
+    """A committed training checkpoint, opened: what it holds, and its values on demand."""
+
+    checkpoint: CheckpointSpec
+    numpy_state: NumpyStateSpec | None
+    nbytes: int
+    _reader: Any
+    _strings: dict[str, bytes]
+    _where: str
+
+    def pieces(self) -> Iterator[memoryview]:
+        """Each tensor's bytes in `checkpoint.tensors` order, one tensor in memory at a time.
+
+        Raises:
+            ChecksumError, SaveFailedError: a tensor is corrupt or unreadable.
+        """
+        import numpy as np
+
+        for t in self.checkpoint.tensors:
+            if tensors.is_string(t.dtype):
+                yield memoryview(self._strings[t.checkpoint_key])
+            else:
+                yield wire.byte_view(np.ascontiguousarray(_read(self._reader, t.checkpoint_key, self._where)))
+
+
+def graph_attributes(data: bytes, what: str) -> list[tuple[str, str]]:
+    """(checkpoint key, attribute name) of every attribute of a serialized object graph, in node order.
+
+    Raises:
+        InvalidRequestError: the graph does not parse.
+    """
+    graph = object_graph.parse(data, what)
+    return [(key, name) for node in graph.nodes for name, key in node.attributes]
+
+
+def _parts(checkpoint: CheckpointSpec, snapshot: Snapshot, run: str) -> Sequence[Any]:
+    sizes = [t.nbytes for t in checkpoint.tensors]
+    if isinstance(snapshot, (bytes, bytearray, memoryview)):
+        whole = memoryview(snapshot)
+        if whole.nbytes != sum(sizes):
+            raise SaveFailedError(f"run {run!r}: snapshot has {whole.nbytes} bytes; the tensors take {sum(sizes)}")
+        parts, at = [], 0
+        for size in sizes:
+            parts.append(whole[at : at + size])
+            at += size
+        return parts
+    got = [memoryview(p).nbytes for p in snapshot]
+    if got != sizes:
+        raise SaveFailedError(f"run {run!r}: snapshot parts do not match the training checkpoint's tensors")
+    return snapshot
+
+
+def _value(t: TensorSpec, part: Any) -> Any:
+    """A tensor's SaveV2 input from its received bytes (without a copy where TF allows)."""
+    import numpy as np
+    import tensorflow as tf
+
+    if tensors.is_string(t.dtype):
+        return tf.constant(bytes(part))
+    dtype = np.dtype(tf.as_dtype(t.dtype).as_numpy_dtype)  # native order is the wire's little-endian
+    if t.nbytes == 0:
+        return np.zeros(t.shape, dtype)
+    return _tensor(np.frombuffer(part, dtype=dtype).reshape(t.shape))
+
+
+def _read(reader: Any, key: str, where: str) -> Any:
+    import tensorflow as tf
+
+    try:
+        return reader.get_tensor(key)
+    except tf.errors.DataLossError as e:
+        raise ChecksumError(f"{where}: {key!r} is corrupt ({describe(e)})") from None
+    except tf.errors.OpError as e:
+        raise SaveFailedError(f"{where}: could not read {key!r} ({describe(e)})") from None

@@ -1,0 +1,71 @@
+"""RemoteCheckpointer against a real daemon: a tf.train.Checkpoint saved, laid out and restored.
+
+The smallest objects that exercise the path end to end (a variable, a step,
+a NumpyState); the TF-Agents fidelity tests (DQN, Adam, replay buffer,
+metrics) are in test_training_fidelity.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tf_agents.utils import numpy_storage
+
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd_client import RemoteCheckpointer
+from tests.integration.daemon import Daemon
+
+LIMIT = 60.0
+
+
+def _objects(seed: int = 0) -> dict[str, object]:
+    rng = np.random.default_rng(seed)
+    state = numpy_storage.NumpyState()
+    state.counts = rng.integers(0, 100, size=(7,), dtype=np.int64)
+    return {
+        "weights": tf.Variable(rng.standard_normal((3, 4)).astype(np.float32)),
+        "global_step": tf.Variable(0, dtype=tf.int64),
+        "state": state,
+    }
+
+
+def test_a_checkpoint_saved_through_the_daemon_restores_into_fresh_objects(daemon: Daemon) -> None:
+    saved = _objects(seed=1)
+    saved["global_step"].assign(12)  # type: ignore[attr-defined]
+    with RemoteCheckpointer("train", daemon.address, run="tc-basic", timeout=LIMIT, **saved) as ckpt:
+        assert not ckpt.checkpoint_exists
+        ticket = ckpt.save(saved["global_step"], blocking=True)
+        result = ticket.result()
+        assert result is not None and result.kind is SaveKind.TRAINING_CHECKPOINT
+        assert ticket.export_dir == "train/ckpt-12" and result.step == 12
+        assert result.path == str(daemon.root.resolve() / "tc-basic" / "train" / "ckpt-12")
+    files = sorted(os.listdir(daemon.root / "tc-basic" / "train"))
+    assert files == ["checkpoint", "ckpt-12.checkpointd.manifest.json", "ckpt-12.data-00000-of-00001", "ckpt-12.index"]
+
+    fresh = _objects(seed=2)
+    with RemoteCheckpointer("train", daemon.address, run="tc-basic", timeout=LIMIT, **fresh) as again:
+        assert again.checkpoint_exists
+        again.initialize_or_restore()
+        assert again.manager.latest_checkpoint == result.path
+    np.testing.assert_array_equal(fresh["weights"].numpy(), saved["weights"].numpy())  # type: ignore[attr-defined]
+    assert fresh["global_step"].numpy() == 12  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(fresh["state"].counts, saved["state"].counts)  # type: ignore[attr-defined]
+
+
+def test_tensorflow_reads_the_daemons_checkpoint_dir_on_its_own(daemon: Daemon, tmp_path: Path) -> None:
+    objects = _objects(seed=3)
+    with RemoteCheckpointer("ckpts", daemon.address, run="tc-tf", timeout=LIMIT, **objects) as ckpt:
+        for step in (1, 2):
+            objects["global_step"].assign(step)  # type: ignore[attr-defined]
+            ckpt.save(objects["global_step"], blocking=True)
+    directory = str(daemon.root / "tc-tf" / "ckpts")
+    latest = tf.train.latest_checkpoint(directory)
+    assert latest is not None and latest.endswith("ckpt-2")
+    fresh = _objects(seed=4)
+    tf.train.Checkpoint(**fresh).restore(latest).assert_consumed()
+    assert fresh["global_step"].numpy() == 2  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(fresh["weights"].numpy(), objects["weights"].numpy())  # type: ignore[attr-defined]
