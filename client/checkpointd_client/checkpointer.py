@@ -160,7 +160,9 @@ class RemoteCheckpointer:
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         if keep_checkpoint_every_n_hours is not None and not keep_checkpoint_every_n_hours > 0:
-            raise ValueError(f"keep_checkpoint_every_n_hours must be > 0 or None, got {keep_checkpoint_every_n_hours!r}")
+            raise ValueError(
+                f"keep_checkpoint_every_n_hours must be > 0 or None, got {keep_checkpoint_every_n_hours!r}"
+            )
         wire.check_chunk_bytes(chunk_bytes)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be None or > 0 seconds, saw {timeout!r}")
@@ -401,9 +403,7 @@ class RemoteCheckpointer:
             raise error_for(*rpc_error(e)) from e
 
     def _latest(self) -> _Latest | None:
-        request = pb.LatestRequest(
-            run=self._run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), folder=self._folder or ""
-        )
+        request = pb.LatestRequest(run=self._run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), folder=self._folder or "")
         try:
             response = self._stub.GetLatest(request, timeout=self._timeout)
         except grpc.RpcError as e:
@@ -503,4 +503,3 @@ class RemoteCheckpointer:
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-

@@ -134,7 +134,9 @@ def describe(root: tf.train.Checkpoint) -> TrainingState:
         for key, maybe in tensor_dict.items():
             if isinstance(maybe, dict):
                 if list(maybe) != [""]:
-                    raise ValueError(f"{key!r} is saved in slices ({list(maybe)}); partitioned variables are not supported")
+                    raise ValueError(
+                        f"{key!r} is saved in slices ({list(maybe)}); partitioned variables are not supported"
+                    )
                 maybe = maybe[""]
             described.append(_tensor(key, trackable, maybe))
     return TrainingState(graph.SerializeToString(), tuple(described))
@@ -221,7 +223,9 @@ class LocalCopy:
                 values.append(tf.constant(bytes(data)))
             else:
                 dtype = np.dtype(tf.as_dtype(t.dtype).as_numpy_dtype)  # wire order is native on TF's platforms
-                values.append(np.frombuffer(data, dtype).reshape(tuple(t.shape)) if t.nbytes else np.zeros(tuple(t.shape), dtype))
+                values.append(
+                    np.frombuffer(data, dtype).reshape(tuple(t.shape)) if t.nbytes else np.zeros(tuple(t.shape), dtype)
+                )
         tf.raw_ops.SaveV2(
             prefix=self.prefix,
             tensor_names=[*names, tensor_names.OBJECT_GRAPH_KEY],

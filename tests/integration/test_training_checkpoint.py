@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pytest
 import tensorflow as tf
 from tf_agents.utils import numpy_storage
 

@@ -16,27 +16,36 @@ from typing import IO
 
 from checkpointd.storage.save_manifest import (
     MANIFEST_NAME,
+    PREFIX_MANIFEST_SUFFIX,
     ManifestError,
     Progress,
     Report,
+    find_prefixes,
     find_save_dirs,
     read_manifest,
     verify_dir,
+    verify_prefix,
 )
 
 
 def verify_paths(paths: Iterable[Path], progress: Progress | None = None) -> list[Report]:
-    """Verifies every save dir at or under each path, in order."""
+    """Verifies every save at or under each path, in order: save dirs, then checkpoint prefixes.
+
+    A checkpoint prefix (a training checkpoint, `<dir>/ckpt-<step>`) may be
+    named itself; its files without a manifest beside them fail.
+    """
     reports = []
     for path in paths:
         path = Path(path)
-        if not path.exists():
+        prefixes = find_prefixes(path, orphans=True)
+        if not path.exists() and not prefixes:
             reports.append(Report(str(path), False, "does not exist"))
             continue
-        dirs = find_save_dirs(path)
-        if not dirs:
+        dirs = find_save_dirs(path) if path.is_dir() else []
+        if not dirs and not prefixes:
             reports.append(Report(str(path), False, f"no save dirs ({MANIFEST_NAME}) found here"))
         reports.extend(verify_dir(d, progress) for d in dirs)
+        reports.extend(verify_prefix(p, progress) for p in prefixes)
     return reports
 
 
@@ -61,11 +70,12 @@ class _ProgressLine:
             self._stream.flush()
 
 
-def _listed_bytes(dirs: Iterable[Path]) -> int:
+def _listed_bytes(dirs: Iterable[Path], prefixes: Iterable[Path] = ()) -> int:
     total = 0
-    for d in dirs:
+    manifests = [(d, MANIFEST_NAME) for d in dirs] + [(p.parent, p.name + PREFIX_MANIFEST_SUFFIX) for p in prefixes]
+    for where, name in manifests:
         try:
-            total += sum(e.size for e in read_manifest(d)["files"])
+            total += sum(e.size for e in read_manifest(where, name)["files"])
         except ManifestError:
             pass
     return total
@@ -96,8 +106,9 @@ def run(
         progress = err.isatty()
     line = None
     if progress:
-        dirs = [d for p in paths if Path(p).exists() for d in find_save_dirs(Path(p))]
-        line = _ProgressLine(err, _listed_bytes(dirs))
+        dirs = [d for p in paths if Path(p).is_dir() for d in find_save_dirs(Path(p))]
+        prefixes = [x for p in paths for x in find_prefixes(Path(p))]
+        line = _ProgressLine(err, _listed_bytes(dirs, prefixes))
     reports = verify_paths(paths, line)
     if line is not None:
         line.end()

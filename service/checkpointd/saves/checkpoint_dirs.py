@@ -128,7 +128,8 @@ class CheckpointDirs:
             for name in swept.preserved:
                 _LOGGER.info(
                     "retention: keeping %r for good (keep_checkpoint_every_n_hours=%s)",
-                    posixpath.join(directory, name), rules.keep_checkpoint_every_n_hours,
+                    posixpath.join(directory, name),
+                    rules.keep_checkpoint_every_n_hours,
                 )
             if victims or swept.state.last_preserved != mark:
                 self._write(folder, directory, self._checkpoints(folder, directory), swept.state.last_preserved)
@@ -139,7 +140,10 @@ class CheckpointDirs:
         """The dir's active set, oldest first: what its state file names (CheckpointManager.checkpoints)."""
         with self._lock(folder, directory):
             checkpoints = self._checkpoints(folder, directory)
-            names = [name for name, _ in checkpoint_state.current(checkpoints, self._mark(folder, directory, checkpoints)).active]
+            names = [
+                name
+                for name, _ in checkpoint_state.current(checkpoints, self._mark(folder, directory, checkpoints)).active
+            ]
         by_name = {c.name: c for c in checkpoints}
         return [by_name[n] for n in names]
 
