@@ -361,16 +361,22 @@ def _random_policy() -> tf_policy.TFPolicy:
 def test_random_policy_save_loads_and_acts_as_policy_saver_output(daemon: Daemon, tmp_path: Path) -> None:
     policy = _random_policy()
     step = tf.Variable(17, dtype=tf.int64)
-    reference = policy_saver.PolicySaver(policy, train_step=step)
+    meta = {"env_steps": tf.Variable(5, dtype=tf.int64)}  # the template's only other variable
+    reference = policy_saver.PolicySaver(policy, train_step=step, metadata=meta)
     reference.save(str(tmp_path / "ref"))
-    with RemotePolicySaver(policy, daemon.address, run="fid-random", train_step=step, timeout=TIMEOUT) as saver:
+    with RemotePolicySaver(
+        policy, daemon.address, run="fid-random", train_step=step, metadata=meta, timeout=TIMEOUT
+    ) as saver:
         result = saver.save("policy", blocking=True).result()
     assert result is not None and result.step == 17
     out = daemon.root / "fid-random" / "policy"
     assert files_under(out) == files_under(tmp_path / "ref") | {MANIFEST_NAME}
-    assert read_checkpoint(out).keys() == read_checkpoint(tmp_path / "ref").keys() >= {TRAIN_STEP_KEY}
+    got, want = read_checkpoint(out), read_checkpoint(tmp_path / "ref")
+    assert got.keys() == want.keys() and len(got) == 3  # train step, metadata, object graph
+    assert all(got[k].tobytes() == want[k].tobytes() for k in want)
     loaded, ref = tf.saved_model.load(str(out)), tf.saved_model.load(str(tmp_path / "ref"))
     assert int(loaded.get_train_step()) == int(ref.get_train_step()) == 17
+    assert int(loaded.get_metadata()["env_steps"]) == 5
     assert set(loaded.signatures) == set(ref.signatures) >= policies.SIGNATURES
     actions = loaded.action(policies.time_steps(64, seed=1)).action.numpy()
     assert actions.shape == (64,) and actions.min() >= 0 and actions.max() <= 2
