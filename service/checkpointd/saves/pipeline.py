@@ -45,6 +45,7 @@ from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs, directory_of
 from checkpointd.saves.runs import Lanes
 from checkpointd.saves.shm import Segment, SharedMemory
+from checkpointd.saves.skip_log import SkipLog
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -143,6 +144,8 @@ class SavePipeline:
         self.retention = retention
         self._shm = shared_memory
         self._phases = phases if phases is not None else NullPhases()
+        # A run's first skip at WARNING, later ones at DEBUG with a periodic count.
+        self._skips = SkipLog(_LOGGER)
         # The kinds each registered run takes: its registering format's.
         self._run_kinds: dict[str, tuple[SaveKind, ...]] = {}
 
@@ -198,6 +201,7 @@ class SavePipeline:
         except OSError as e:  # the state dir: unwritable, full, gone (logged as the call ends)
             raise SaveFailedError(f"run {run!r}: could not store its template: {describe(e)}") from e
         self.runs.register(run, manifest, folder)
+        self._skips.forget(run)  # a restarted trainer's first skip is logged as a first again
         self._run_kinds[run] = tuple(fmt.kinds)
         _LOGGER.info(
             "registered run=%s folder=%s variables=%d snapshot_bytes=%d template_bytes=%d in %.3fs",
@@ -269,10 +273,7 @@ class SavePipeline:
             asked = time.monotonic()
             decision = self.runs.begin(run, spec, timeout=timeout, is_active=is_active)
             if isinstance(decision, Skipped):
-                _LOGGER.warning(
-                    "skipped run=%s kind=%s export_dir=%s step=%d: %s",
-                    run, request.kind.value, request.export_dir, request.step, decision.reason,
-                )  # fmt: skip
+                self._skips.skipped(run, request.kind.value, request.export_dir, request.step, decision.reason)
                 yield Decision(accepted=False, reason=decision.reason)
                 return
             self._phases.observe_phase(request.kind.value, "queue", time.monotonic() - asked)
