@@ -8,6 +8,8 @@ metrics) are in test_training_fidelity.py.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +19,10 @@ from tf_agents.utils import numpy_storage
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client import RemoteCheckpointer
 from tests.integration.daemon import Daemon
+from tests.integration.scrape import Metrics
 
 LIMIT = 60.0
+CHECKPOINTD = str(Path(sys.executable).with_name("checkpointd"))
 
 
 def _objects(seed: int = 0) -> dict[str, object]:
@@ -68,3 +72,32 @@ def test_tensorflow_reads_the_daemons_checkpoint_dir_on_its_own(daemon: Daemon, 
     tf.train.Checkpoint(**fresh).restore(latest).assert_consumed()
     assert fresh["global_step"].numpy() == 2  # type: ignore[attr-defined]
     np.testing.assert_array_equal(fresh["weights"].numpy(), objects["weights"].numpy())  # type: ignore[attr-defined]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CHECKPOINTD, *args], capture_output=True, text=True, timeout=LIMIT, check=False)
+
+
+def test_metrics_status_and_verify_cover_the_training_checkpoint_kind(daemon: Daemon) -> None:
+    before = Metrics(daemon.metrics_url)
+    assert before("checkpointd_saves_total", kind="training_checkpoint", outcome="ok") >= 0  # exists from the start
+    objects = _objects(seed=5)
+    with RemoteCheckpointer("train", daemon.address, run="tc-ops", timeout=LIMIT, **objects) as ckpt:
+        ckpt.save(1, blocking=True)
+        status = _cli("status", "--address", daemon.address, "--run", "tc-ops")
+        assert status.returncode == 0, status.stderr
+        assert "tc-ops" in status.stdout and "step 1" in status.stdout
+        ckpt.save(2, blocking=True)
+    after = Metrics(daemon.metrics_url)
+    ok = after("checkpointd_saves_total", kind="training_checkpoint", outcome="ok")
+    assert ok - before("checkpointd_saves_total", kind="training_checkpoint", outcome="ok") == 2
+    assert after("checkpointd_save_duration_seconds_count", kind="training_checkpoint") >= 2
+    assert after("checkpointd_written_bytes_total", kind="training_checkpoint") > 0
+
+    directory = daemon.root / "tc-ops" / "train"
+    verified = _cli("verify", str(directory))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "training_checkpoint, step 2" in verified.stdout and "2 OK, 0 FAILED" in verified.stdout
+    (directory / "ckpt-2.data-00000-of-00001").write_bytes(b"torn")
+    broken = _cli("verify", str(directory / "ckpt-2"))
+    assert broken.returncode == 1 and "FAILED" in broken.stdout and "ckpt-2.data-00000-of-00001" in broken.stdout

@@ -22,6 +22,7 @@ from checkpointd.cli.parse import OpsCommand
 from checkpointd.protocol import credentials
 from checkpointd.protocol.address import with_default_port
 from checkpointd.protocol.codes import error_for
+from checkpointd.protocol.kinds import from_wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
@@ -151,13 +152,13 @@ def _ago(unix_seconds: float, now: float) -> str:
 def format_status(reply: pb.StatusResponse, now: float | None = None) -> str:
     """A table of runs for people."""
     now = time.time() if now is None else now
-    kinds = {pb.SAVED_MODEL: "saved_model", pb.CHECKPOINT: "checkpoint"}
     header = ("RUN", "STATE", "IN FLIGHT", "OK", "SKIPPED", "FAILED", "LAST SUCCESS")
     rows = [header]
     for r in reply.runs:
         if r.HasField("in_flight"):
             f = r.in_flight
-            flight = f"{kinds.get(f.kind, '?')} {f.export_dir} (step {f.step}, {_ago(f.started_unix_seconds, now)})"
+            kind = from_wire(f.kind)
+            flight = f"{kind.value if kind else '?'} {f.export_dir} (step {f.step}, {_ago(f.started_unix_seconds, now)})"
             if f.waiting:
                 flight += f" +{f.waiting} waiting"
         else:
