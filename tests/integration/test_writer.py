@@ -427,3 +427,36 @@ def test_a_snapshot_of_the_wrong_size_fails_before_writing(
 def test_an_unknown_run_is_not_found(writer: TfWriter, tmp_path: Path) -> None:
     with pytest.raises(RunNotFoundError, match="run2"):
         writer.write("run2", SaveKind.SAVED_MODEL, tmp_path / "out", b"")
+
+
+def test_a_save_accepted_before_the_run_registered_again_is_written_with_its_own_template(
+    writer: TfWriter, q_case: tuple[Path, list[VariableSpec], bytes, bytes], tmp_path: Path
+) -> None:
+    template, specs, graph, snap = q_case
+    first = writer._manifests["run1"]  # the manifest a save in flight was checked against
+    staged = _staged(tmp_path, template)
+    (staged / "assets").mkdir(exist_ok=True)
+    (staged / "assets" / "vocab.txt").write_text("the second template's asset")
+    second = writer.register("run1", staged, specs, graph)  # same variables, other files
+
+    store = LocalStore(tmp_path, fsync=False)
+    for name, manifest in (("old", first), ("new", second)):
+        meta = SaveMeta("run1", SaveKind.SAVED_MODEL, 7, name)
+        write_save(store, writer.format, meta, manifest, tmp_path / name, snap)
+
+    assert not (tmp_path / "old" / "assets" / "vocab.txt").exists()
+    assert (tmp_path / "new" / "assets" / "vocab.txt").read_text() == "the second template's asset"
+    # Past what the format keeps, an old accept fails instead of borrowing a newer template.
+    for _ in range(4):
+        writer.register("run1", _staged_again(tmp_path, template), specs, graph)
+    with pytest.raises(SaveFailedError, match="registered again"):
+        write_save(
+            store, writer.format, SaveMeta("run1", SaveKind.SAVED_MODEL, 7, "gone"), first, tmp_path / "gone", snap
+        )
+    assert not (tmp_path / "gone").exists()
+
+
+def _staged_again(tmp_path: Path, template: Path) -> Path:
+    staged = tmp_path / "upload" / "staged"
+    shutil.rmtree(staged, ignore_errors=True)
+    return _staged(tmp_path, template)

@@ -16,11 +16,12 @@ The Store then commits the staged files with `checkpointd.manifest.json`
 listing each with its size and CRC32C (template files' sums are known here),
 so a crash or a bad disk can be told from a complete save without TensorFlow.
 
-Lock discipline: `_lock` guards `_templates` only. A write takes the run's
-`Template` (immutable, its files held in memory) under the lock and then works
-without it, so registering a new template never disturbs a write in progress;
-a write whose snapshot was checked against an older registration fails
-instead of writing its values under the new template's keys.
+Lock discipline: `_lock` guards `_templates` only. A write takes the
+`Template` its snapshot was checked against (immutable, its files held in
+memory) under the lock and then works without it, so registering a new
+template never disturbs a write in progress: a save accepted before a run
+registered again is written with the template of its accept, never with the
+new one's graph or keys. The last few templates of a run are kept for that.
 `_register_lock` serializes the on-disk swap of template directories.
 """
 
@@ -54,6 +55,11 @@ from checkpointd.storage import local
 _LOGGER = logging.getLogger(__name__)
 
 
+# Templates kept per run, so a save accepted before the run registered again is
+# written with its own; a handful covers any real re-registration burst.
+_KEPT_TEMPLATES = 4
+
+
 class PolicyFormat:
     """SavedModels and checkpoints from run templates and snapshots.
 
@@ -74,7 +80,8 @@ class PolicyFormat:
         self._fsync = fsync
         self._lock = threading.Lock()
         self._register_lock = threading.Lock()
-        self._templates: dict[str, Template] = {}
+        # Each run's recent templates, newest last (see _KEPT_TEMPLATES).
+        self._templates: dict[str, list[Template]] = {}
 
     def register(
         self,
@@ -119,7 +126,9 @@ class PolicyFormat:
                     local.remove_quietly(tmp)
                     raise
                 with self._lock:
-                    self._templates[run] = template
+                    kept = self._templates.setdefault(run, [])
+                    kept.append(template)
+                    del kept[:-_KEPT_TEMPLATES]
         except BaseException:
             local.remove_quietly(staged_dir)
             raise
@@ -163,12 +172,14 @@ class PolicyFormat:
                 pipeline reports them as SaveFailedError with the reason).
         """
         with self._lock:
-            template = self._templates.get(run)
-        if template is None:
+            kept = list(self._templates.get(run, ()))
+        if not kept:
             raise RunNotFoundError(f"run {run!r} has no template on this daemon; register it first")
-        if template.manifest is not manifest and template.manifest != manifest:
+        # The template of this save's accept: the registration whose manifest it was checked against.
+        template = next((t for t in reversed(kept) if t.manifest is manifest), None)
+        if template is None:
             raise SaveFailedError(
-                f"run {run!r} was registered again with other variables while this save was " "in flight; save again"
+                f"run {run!r} was registered again {_KEPT_TEMPLATES} times while this save was in flight; save again"
             )
         if isinstance(snapshot, (bytes, bytearray, memoryview)):
             size = memoryview(snapshot).nbytes
