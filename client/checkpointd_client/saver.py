@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,10 @@ from tf_agents.typing import types
 from tf_agents.utils import numpy_storage
 
 from checkpointd.protocol import wire
+from checkpointd.protocol.address import with_default_port
 from checkpointd.protocol.codes import error_for
 from checkpointd.protocol.credentials import open_channel, read_token
-from checkpointd.protocol.errors import CheckpointdError, DeadlineError, RunClosedError
+from checkpointd.protocol.errors import CheckpointdError, DeadlineError, RunClosedError, UnavailableError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, check_run_name
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -162,7 +163,7 @@ class RemotePolicySaver(PolicySaverFacade):
             raise ValueError("session= is for a policy built in graph mode; this one was built eagerly")
         train_step_variable = self._saver._train_step  # noqa: SLF001 - PolicySaver exposes no other way
         self._graph_reads = graph_mode.GraphReads(graph, train_step_variable, session) if graph else None
-        self._address = address
+        self._address = with_default_port(address)  # what is dialled: a bare host gets 7431
         self._chunk_bytes = chunk_bytes
         self._timeout = timeout
         self._channel = open_channel(address, channel_credentials, token)
@@ -348,7 +349,8 @@ class RemotePolicySaver(PolicySaverFacade):
                 stream.close()
                 code, details = rpc_error(e)
                 if code != grpc.StatusCode.NOT_FOUND or attempt == 2:
-                    raise error_for(code, details) from e
+                    doing = f"saving run {self._run!r} step {ticket.step} to {ticket.export_dir!r}"
+                    raise self._named(error_for(code, details), doing) from e
                 msg = "run %s: daemon lost the run (%s); registering again, then step %s"
                 _LOGGER.warning(msg, self._run, details, ticket.step)
                 bindings = self._registered(stale=bindings)
@@ -460,7 +462,8 @@ class RemotePolicySaver(PolicySaverFacade):
             CheckpointdError: a subclass for the status the daemon answered.
         """
         self._check_open()
-        return restore_lib.latest(self._stub, self._run, kind, self._folder, self._timeout)
+        with self._naming(f"looking up run {self._run!r}'s newest save"):
+            return restore_lib.latest(self._stub, self._run, kind, self._folder, self._timeout)
 
     def restore(self, export_dir: str | None = None) -> restore_lib.LatestSave:
         """Assigns a committed save's values into the live policy, train_step and metadata.
@@ -487,10 +490,11 @@ class RemotePolicySaver(PolicySaverFacade):
         """
         self._check_open()
         reads = self._graph_reads
-        return restore_lib.restore(
-            self._stub, self._run, export_dir, self._registered, self._numpy, self._folder,
-            self._timeout, assign=reads.assign if reads is not None else None,
-        )  # fmt: skip
+        with self._naming(f"restoring run {self._run!r}"):
+            return restore_lib.restore(
+                self._stub, self._run, export_dir, self._registered, self._numpy, self._folder,
+                self._timeout, assign=reads.assign if reads is not None else None,
+            )  # fmt: skip
 
     def _check_open(self) -> None:
         with self._lock:
@@ -532,17 +536,18 @@ class RemotePolicySaver(PolicySaverFacade):
                 self._dirty = False  # a register_function() from now on dirties it again
                 try:
                     reads = self._graph_reads
-                    self._bindings = template.register(
-                        self._stub,
-                        self._saver,
-                        self._run,
-                        chunk_bytes=self._chunk_bytes,
-                        timeout=self._timeout,
-                        folder=self._folder,
-                        options=export_options,
-                        step=self._last_step,
-                        exporting=reads.exporting if reads is not None else contextlib.nullcontext,
-                    )
+                    with self._naming(f"registering run {self._run!r}"):
+                        self._bindings = template.register(
+                            self._stub,
+                            self._saver,
+                            self._run,
+                            chunk_bytes=self._chunk_bytes,
+                            timeout=self._timeout,
+                            folder=self._folder,
+                            options=export_options,
+                            step=self._last_step,
+                            exporting=reads.exporting if reads is not None else contextlib.nullcontext,
+                        )
                 except BaseException:
                     self._dirty = True
                     raise
@@ -621,7 +626,34 @@ class RemotePolicySaver(PolicySaverFacade):
         except grpc.RpcError as e:
             code, details = rpc_error(e)
             if code != grpc.StatusCode.NOT_FOUND:
-                raise error_for(code, details) from e
+                doing = "flushing" if request is pb.FlushRequest else "closing"
+                raise self._named(error_for(code, details), f"{doing} run {self._run!r}") from e
+
+    def _named(self, error: CheckpointdError, doing: str) -> CheckpointdError:
+        """`error`, saying what was being done and where, if it is one of reaching the daemon.
+
+        UnavailableError and DeadlineError say nothing of the address in gRPC's
+        words ("failed to connect to all addresses", "Deadline Exceeded"); a
+        trainer with several daemons or runs must see which call failed, e.g.
+        "registering run 'r' at ckpt-host:7431: ...". Named once: an inner
+        call's naming is kept.
+        """
+        if not isinstance(error, (UnavailableError, DeadlineError)) or getattr(error, "_named", False):
+            return error
+        named = type(error)(f"{doing} at {self._address}: {error}")
+        setattr(named, "_named", True)  # noqa: B010 - a marker, not an attribute of the class
+        return named
+
+    @contextlib.contextmanager
+    def _naming(self, doing: str) -> Iterator[None]:
+        """Names the call and the address in an UnavailableError or DeadlineError raised inside."""
+        try:
+            yield
+        except CheckpointdError as e:
+            named = self._named(e, doing)
+            if named is e:
+                raise
+            raise named from e
 
     def __enter__(self) -> RemotePolicySaver:
         return self

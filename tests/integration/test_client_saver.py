@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import socket
 import threading
 from concurrent import futures
 
@@ -335,6 +336,29 @@ def test_unreachable_daemon_raises_draining_error(policy) -> None:
     with pytest.raises(UnavailableError):
         remote.save("p")
     remote.close(timeout=WAIT)  # never registered: nothing to flush or close remotely
+
+
+def test_unreachable_and_silent_daemons_are_named_with_what_was_being_done(policy) -> None:
+    remote = RemotePolicySaver(policy, "127.0.0.1:1", run="nowhere", timeout=WAIT)
+    with pytest.raises(UnavailableError, match=r"^registering run 'nowhere' at 127\.0\.0\.1:1: "):
+        remote.save("p")
+    with pytest.raises(UnavailableError, match=r"^looking up run 'nowhere'.s newest save at 127\.0\.0\.1:1: "):
+        remote.latest()
+    remote.close(timeout=WAIT)
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        quiet = RemotePolicySaver(policy, address, run="quiet", timeout=1.0)
+        with pytest.raises(DeadlineError, match=rf"^registering run 'quiet' at {address}: "):
+            quiet.register()
+        quiet.close(timeout=WAIT)
+
+
+def test_an_address_without_a_port_is_the_daemons_default_port(policy) -> None:
+    remote = RemotePolicySaver(policy, "localhost", run="default-port", timeout=WAIT)
+    assert remote.address == "localhost:7431"  # gRPC alone would have dialled 443
+    remote.close(timeout=WAIT)
 
 
 def test_attributes_forward_to_policy_saver(saver) -> None:
