@@ -1,4 +1,4 @@
-"""checkpointd_client: save TF-Agents policies through a checkpointd daemon."""
+"""checkpointd_client: save TF-Agents policies and training state through a checkpointd daemon."""
 
 from checkpointd.protocol.credentials import credentials
 from checkpointd.protocol.errors import (
@@ -15,6 +15,7 @@ from checkpointd.protocol.errors import (
 )
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client.checkpointer import RemoteCheckpointer
+from checkpointd_client.learner import RemoteLearner, train_modules
 from checkpointd_client.restore import LatestSave
 from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.ticket import SaveResult, SaveTicket
@@ -29,6 +30,7 @@ __all__ = [
     "LatestSave",
     "LimitExceededError",
     "RemoteCheckpointer",
+    "RemoteLearner",
     "RemotePolicySaver",
     "RemotePolicySavedModelTrigger",
     "RunClosedError",
@@ -39,4 +41,5 @@ __all__ = [
     "SaveTicket",
     "UnauthenticatedError",
     "credentials",
+    "train_modules",
 ]

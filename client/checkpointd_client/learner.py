@@ -1,0 +1,182 @@
+"""A `tf_agents.train.Learner` script saving through checkpointd: the Learner and the policy trigger, together.
+
+`tf_agents.train.Learner` builds `common.Checkpointer(root_dir/train/checkpoints,
+max_to_keep, agent=agent, train_step=train_step)`, restores it, and saves it
+synchronously every `checkpoint_interval` steps from an interval trigger;
+`tf_agents.train.triggers.PolicySavedModelTrigger` writes the policies'
+SavedModels and checkpoints under `root_dir/policies`. Here both go to one
+daemon, under one folder named after the job (`run`):
+
+| what | daemon run | where, under `<root>/<run>/` |
+|---|---|---|
+| the Learner's checkpoints | `<run>.train` | `train/checkpoints/ckpt-<step>.*` + `checkpoint` |
+| the policy trigger's saves | `<run>`, `<run>.collect_policy`, `<run>.greedy_policy` | `policies/...` |
+
+A Learner-based script swaps to checkpointd in one line, its import::
+
+    from tf_agents.train import learner, triggers              # before
+    learner, triggers = checkpointd_client.train_modules(        # after
+        "localhost:7431", run="cartpole-dqn", root_dir=root_dir)
+
+and keeps every other line: `learner.Learner(root_dir, train_step, agent, ...)`
+restores from the daemon on start and saves its interval checkpoints as
+non-blocking `RemoteCheckpointer` saves; `triggers.PolicySavedModelTrigger(
+os.path.join(root_dir, "policies"), agent, train_step, interval=...)` is a
+`RemotePolicySavedModelTrigger`. Paths under `root_dir` become the same
+paths under the daemon's `<root>/<run>/`; everything else of the two
+modules (`StepPerSecondLogTrigger`, the dir names) is TF-Agents' own.
+Summaries stay in the local `root_dir`.
+
+`RemoteLearner` is the Learner alone, for scripts that build their triggers
+themselves. Optimizer slots: Learner creates them before it restores
+(`run_optimizer_variable_init`, on by default), so they are restored at once.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+import types
+from typing import Any
+
+from tf_agents.train import learner as tf_learner
+from tf_agents.train import triggers as tf_triggers
+from tf_agents.utils import common
+
+from checkpointd_client.checkpointer import RemoteCheckpointer
+from checkpointd_client.trigger import RemotePolicySavedModelTrigger
+
+# Learner builds its Checkpointer through `tf_agents.train.learner.common`;
+# swapping that name for the length of one constructor is the only seam it
+# offers, so constructions are serialized.
+_SWAP = threading.Lock()
+
+
+def relative_to(path: str, root_dir: str | os.PathLike[str] | None) -> str:
+    """`path` as the daemon names it: relative to `root_dir` (when given), '/'-separated.
+
+    Raises:
+        ValueError: `path` is absolute and not under `root_dir`, or leaves it.
+    """
+    if root_dir is not None and os.path.isabs(path) == os.path.isabs(os.fspath(root_dir)):
+        path = os.path.relpath(path, root_dir)
+    relative = path.replace(os.sep, "/")
+    if posixpath.isabs(relative) or relative.split("/")[0] == "..":
+        raise ValueError(
+            f"{path!r} is not under root_dir {os.fspath(root_dir) if root_dir else None!r}: checkpointd saves "
+            "under the run's folder on the daemon, so give paths relative to it (or under root_dir)"
+        )
+    return relative
+
+
+class _Common(types.ModuleType):
+    """`tf_agents.utils.common` whose Checkpointer is a RemoteCheckpointer."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__(common.__name__)
+        self.Checkpointer = make  # noqa: N815 - the name Learner calls
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(common, name)
+
+
+class RemoteLearner(tf_learner.Learner):
+    """`tf_agents.train.Learner` whose checkpoints go through checkpointd (see the module docstring).
+
+    Takes Learner's arguments, plus the daemon's address, the job's `run`
+    and RemoteCheckpointer's connection options. Restores on construction as
+    Learner does; `checkpointer` is its RemoteCheckpointer (tickets, flush).
+    """
+
+    def __init__(
+        self, root_dir: str, train_step: Any, agent: Any, *args: Any, address: str, run: str, **kwargs: Any
+    ) -> None:
+        connection = {k: kwargs.pop(k) for k in _CONNECTION if k in kwargs}
+        made: list[RemoteCheckpointer] = []
+
+        def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
+            checkpointer = RemoteCheckpointer(
+                relative_to(ckpt_dir, root_dir), address, run=f"{run}.{tf_learner.TRAIN_DIR}", folder=run,
+                max_to_keep=max_to_keep, **connection, **objects,
+            )  # fmt: skip
+            made.append(checkpointer)
+            return checkpointer
+
+        with _SWAP:
+            original = tf_learner.common
+            tf_learner.common = _Common(make)
+            try:
+                super().__init__(root_dir, train_step, agent, *args, **kwargs)
+            except BaseException:
+                for c in made:
+                    c.close()
+                raise
+            finally:
+                tf_learner.common = original
+        self.checkpointer: RemoteCheckpointer = made[-1]
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until every checkpoint this Learner started is durable."""
+        self.checkpointer.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flushes and closes the Learner's checkpoint run."""
+        self.checkpointer.close(timeout)
+
+    def __enter__(self) -> RemoteLearner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# RemoteCheckpointer's connection options, which RemoteLearner passes on.
+_CONNECTION = ("chunk_bytes", "channel_credentials", "timeout", "token", "token_file", "shared_memory")
+
+
+class _Proxy(types.ModuleType):
+    """A module that is `real` but for `overrides`."""
+
+    def __init__(self, real: types.ModuleType, **overrides: Any) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self._real = real
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def train_modules(
+    address: str, *, run: str, root_dir: str | os.PathLike[str] | None = None, **connection: Any
+) -> tuple[types.ModuleType, types.ModuleType]:
+    """`learner, triggers` as a Learner script imports them from `tf_agents.train`, saving through checkpointd.
+
+    Args:
+        address: the daemon's `host:port`.
+        run: the job's name: the daemon folder of everything it saves, and
+            the base of its runs' names (see the module docstring).
+        root_dir: the script's root_dir: its paths below it are saved at the
+            same paths under `<root>/<run>/` on the daemon. None: paths must
+            already be relative.
+        **connection: RemoteCheckpointer's and RemotePolicySaver's
+            connection options (channel_credentials, timeout, token, ...).
+
+    Returns:
+        Stand-ins for `tf_agents.train.learner` and `tf_agents.train.triggers`.
+    """
+
+    class Learner(RemoteLearner):
+        def __init__(self, root_dir_: str, train_step: Any, agent: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(root_dir_, train_step, agent, *args, address=address, run=run, **connection, **kwargs)
+
+    policy_options = {
+        k: v for k, v in connection.items() if k in ("channel_credentials", "timeout", "token", "token_file")
+    }
+
+    class PolicySavedModelTrigger(RemotePolicySavedModelTrigger):
+        def __init__(self, saved_model_dir: str, *args: Any, **kwargs: Any) -> None:
+            init: Any = super().__init__  # upstream's signature, positionally: mypy cannot follow *args
+            init(relative_to(saved_model_dir, root_dir), *args, address=address, run=run, **policy_options, **kwargs)
+
+    return _Proxy(tf_learner, Learner=Learner), _Proxy(tf_triggers, PolicySavedModelTrigger=PolicySavedModelTrigger)
