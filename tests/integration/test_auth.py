@@ -321,11 +321,12 @@ def test_tls_and_token_work_end_to_end_with_the_client_and_the_cli(tls: Daemon, 
 
     # The same CLI without the token, or without TLS, is refused.
     no_token = cli("status", "--address", tls.address, "--tls-ca", ca)
-    assert no_token.returncode == 1 and "UnauthenticatedError" in no_token.stderr
+    # Exit 2: the command could not do its job; the message names the fix.
+    assert no_token.returncode == 2 and "--token-file" in no_token.stderr and "CHECKPOINTD_TOKEN" in no_token.stderr
     no_tls = cli("status", "--address", tls.address, "--token-file", str(files.client_token), "--timeout", "10")
     assert no_tls.returncode == 2 and "cannot reach" in no_tls.stderr
     wrong = cli("flush", "--address", tls.address, "--tls-ca", ca, env={"CHECKPOINTD_TOKEN": WRONG_TOKEN})
-    assert wrong.returncode == 1 and "invalid bearer token" in wrong.stderr
+    assert wrong.returncode == 2 and "invalid bearer token" in wrong.stderr and "use one of its tokens" in wrong.stderr
     assert WRONG_TOKEN not in wrong.stderr + wrong.stdout
 
 
@@ -466,7 +467,8 @@ def test_a_plaintext_loopback_daemon_takes_tokens_from_the_environment(plain: Da
     status = cli("status", "--address", plain.address, "--json", env={"CHECKPOINTD_TOKEN": OTHER_TOKEN})
     assert status.returncode == 0, status.stderr
     assert [int(r["saves_ok"]) for r in json.loads(status.stdout)["runs"]] == [1]
-    assert cli("status", "--address", plain.address).returncode == 1
+    no_token = cli("status", "--address", plain.address)
+    assert no_token.returncode == 2 and "--token-file" in no_token.stderr
     assert "auth bearer tokens (2)" in plain.log()
     assert TOKEN not in plain.log() and WRONG_TOKEN not in plain.log()
 
