@@ -38,6 +38,9 @@ _DAEMON_MODULES = frozenset({"grpc_health", "grpc_reflection", "prometheus_clien
 
 def serve(config: ServeConfig) -> int:
     """Runs the daemon until SIGTERM or SIGINT; returns the exit code (0, 1 or 2)."""
+    # TensorFlow's C++ INFO lines (oneDNN, CPU features) say nothing an operator
+    # can act on; its warnings and errors still show. An explicit setting wins.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     try:
         return _serve(config)
     except ModuleNotFoundError as exc:
