@@ -43,6 +43,9 @@ CLOSED = "fz-closed"  # registered, then closed: saves get FAILED_PRECONDITION
 CLOSABLE = ("fz-c0", "fz-c1")  # CloseRun targets; re-registered when closed
 REG_POOL = ("fz-r0", "fz-r1", "fz-r2")  # what fuzzed RegisterRun calls may register
 UNKNOWN = ("fz-never", "x", "A" * 128)
+# A training run (RegisterRun kind TRAINING_CHECKPOINT): its saves carry their own tensors.
+MAIN_TRAINING = "fz-t"
+TRAINING_DIRS = ("t0", "t1", "nest/t2", "./t3")
 
 # Bad run names and folders (valid ones are above).
 BAD_NAMES = (
@@ -267,11 +270,13 @@ class World:
         good_chunks: tuple[pb.Chunk, ...],
         template_chunks: tuple[pb.Chunk, ...],
         template_bytes: int,
+        training: tuple[pb.TrainingCheckpoint, tuple[pb.Chunk, ...], int] | None = None,
     ) -> None:
         self.root, self.outside, self.template = root, outside, template
         self.variables, self.graph, self.nbytes, self.step = variables, graph, nbytes, step
         self.good_chunks, self.template_chunks = good_chunks, template_chunks
         self.template_bytes = template_bytes
+        self.training = training or training_checkpoint()
 
     def __repr__(self) -> str:  # hypothesis prints the strategies that hold it
         return f"World({self.root})"
@@ -295,6 +300,31 @@ def numpy_graph(keys: Sequence[str], attribute: str = "py_state") -> bytes:
         node = graph.nodes.add()
         node.attributes.add(name=attribute, full_name=key, checkpoint_key=key)
     return graph.SerializeToString()
+
+
+def training_checkpoint() -> tuple[pb.TrainingCheckpoint, tuple[pb.Chunk, ...], int]:
+    """A good training checkpoint: two variables and one Python state, its object graph and chunks.
+
+    Built by hand as TensorFlow's saver lays one out (a root with children
+    w, b, s; their attributes VARIABLE_VALUE, VARIABLE_VALUE, py_state).
+    max_to_keep stays 0 (keep all): a fuzzed save never retires another.
+    """
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    root = graph.nodes.add()
+    tensors = [("w", "VARIABLE_VALUE", "float32", [4], 16), ("b", "VARIABLE_VALUE", "int64", [2], 16), ("s", "py_state", "string", [], 10)]
+    for i, (name, attribute, _, _, _) in enumerate(tensors):
+        root.children.add(node_id=i + 1, local_name=name)
+        graph.nodes.add().attributes.add(name=attribute, full_name=name, checkpoint_key=f"{name}/.ATTRIBUTES/{attribute}")
+    message = pb.TrainingCheckpoint(
+        object_graph=graph.SerializeToString(),
+        tensors=[
+            pb.Tensor(checkpoint_key=f"{name}/.ATTRIBUTES/{attribute}", dtype=dtype, shape=shape, nbytes=nbytes)
+            for name, attribute, dtype, shape, nbytes in tensors
+        ],
+    )
+    payload = bytes(range(32)) + b"\x93NUMPY\x00\x00\x00\x00"
+    chunks = tuple(crc_chunk(payload[i : i + 16], i) for i in range(0, len(payload), 16))
+    return message, chunks, len(payload)
 
 
 # --- Strategies ---
@@ -575,6 +605,124 @@ def save_scenarios(draw: Callable, world: World) -> Scenario:
     return scenario
 
 
+_TRAINING_MUTATIONS = (
+    "drop-tensor",
+    "add-tensor",
+    "rename",
+    "dtype",
+    "nbytes",
+    "shape",
+    "graph-garbage",
+    "graph-extra",
+    "py-state-numeric",
+    "snapshot_bytes",
+    "kind",
+    "variables",
+    "numpy_state",
+    "hours",
+    "no-checkpoint",
+)
+
+
+def _training_mutation(header: pb.SaveHeader, draw: Callable) -> bool:
+    """Breaks a training header one way (in place); returns whether it is still valid."""
+    before = header.SerializeToString(deterministic=True)
+    valid = _break_training(header, draw)
+    return valid or header.SerializeToString(deterministic=True) == before  # drew what was there
+
+
+def _break_training(header: pb.SaveHeader, draw: Callable) -> bool:
+    what = draw(st.sampled_from(_TRAINING_MUTATIONS))
+    t = header.training_checkpoint
+    i = draw(st.integers(0, len(t.tensors) - 1)) if t.tensors else 0
+    if what == "drop-tensor" and t.tensors:
+        header.snapshot_bytes -= t.tensors[i].nbytes
+        del t.tensors[i]
+    elif what == "add-tensor":
+        t.tensors.add(checkpoint_key=draw(st.text(max_size=30)), dtype="float32", shape=[1], nbytes=4)
+        header.snapshot_bytes += 4
+    elif what == "rename" and t.tensors:
+        t.tensors[i].checkpoint_key = draw(st.one_of(st.text(max_size=30), st.just(t.tensors[-1].checkpoint_key)))
+    elif what == "dtype" and t.tensors:
+        t.tensors[i].dtype = draw(st.one_of(st.sampled_from(DTYPES), st.text(max_size=12)))
+    elif what == "nbytes" and t.tensors:
+        t.tensors[i].nbytes = draw(st.sampled_from([n for n in SIZES if n != t.tensors[i].nbytes]))
+    elif what == "shape" and t.tensors:
+        del t.tensors[i].shape[:]
+        t.tensors[i].shape.extend(draw(st.lists(st.sampled_from(DIMS), min_size=1, max_size=4)))
+    elif what == "graph-garbage":
+        t.object_graph = draw(st.binary(max_size=64))
+    elif what == "graph-extra":
+        try:
+            graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(t.object_graph)
+        except pb_message.DecodeError:
+            graph = trackable_object_graph_pb2.TrackableObjectGraph()  # an earlier mutation made garbage
+        node = graph.nodes[0] if graph.nodes else graph.nodes.add()
+        node.attributes.add(name="VARIABLE_VALUE", checkpoint_key=draw(st.text(min_size=1, max_size=20)))
+        t.object_graph = graph.SerializeToString()
+    elif what == "py-state-numeric" and t.tensors:
+        s = t.tensors[-1]
+        if s.dtype == "string":
+            header.snapshot_bytes += 4 - s.nbytes
+            s.dtype, s.nbytes = "float32", 4
+            s.shape[:] = [1]
+    elif what == "snapshot_bytes":
+        header.snapshot_bytes = draw(st.sampled_from([n for n in SIZES if n != header.snapshot_bytes]))
+    elif what == "kind":
+        header.kind = draw(st.sampled_from([pb.SAVED_MODEL, pb.CHECKPOINT, 0, 99]))
+    elif what == "variables":
+        header.variables.add(key="k", checkpoint_key="k", dtype="float32", shape=[1])
+    elif what == "numpy_state":
+        header.numpy_state.CopyFrom(pb.NumpyState(object_graph=numpy_graph([])))
+    elif what == "hours":
+        t.keep_checkpoint_every_n_hours = draw(st.sampled_from([0.5, 1e-9, 1e300, 0.0, -1.0, math.nan, math.inf]))
+        hours = t.keep_checkpoint_every_n_hours
+        return hours == 0 or (math.isfinite(hours) and hours > 0)
+    elif what == "no-checkpoint":
+        header.ClearField("training_checkpoint")
+    else:
+        return True  # nothing to break in this header
+    return False
+
+
+@st.composite
+def training_scenarios(draw: Callable, world: World) -> Scenario:
+    """A training run's save: a good header and payload, maybe broken, into a few dirs."""
+    message, chunks, total = world.training
+    header = pb.SaveHeader(
+        run=MAIN_TRAINING,
+        kind=pb.TRAINING_CHECKPOINT,
+        export_dir=draw(st.one_of(st.sampled_from(TRAINING_DIRS), st.sampled_from(TRAINING_DIRS), _export_dirs(world))),
+        blocking=draw(st.booleans()),
+        step=draw(st.one_of(st.integers(0, 50), st.integers(0, 50), st.integers(-(2**63), 2**63 - 1))),
+        snapshot_bytes=total,
+        training_checkpoint=message,
+    )
+    valid, mutated = True, []
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 1, 2]))):
+        ok = _training_mutation(header, draw)
+        mutated.append("ok" if ok else "broken")
+        valid = valid and ok
+    after, broke = _chunk_stream(draw, list(chunks), header.snapshot_bytes)
+    scenario = Scenario(
+        f"train/{broke}/{'+'.join(mutated) or 'header-ok'}", "Save", [pb.SaveRequest(header=header), *after]
+    )
+    prefix = f"{header.export_dir}/ckpt-{header.step}"
+    if not (header.step >= 0 and _valid_export_dir(world, MAIN_TRAINING, header.export_dir)):
+        valid = False
+    if valid and not _valid_export_dir(world, MAIN_TRAINING, prefix):
+        valid = False
+    if not valid:
+        scenario.exact = Code.INVALID_ARGUMENT
+    elif _collides(world.root, MAIN_TRAINING, header.export_dir) or _collides(world.root, MAIN_TRAINING, prefix):
+        scenario.internal = "a checkpoint dir through a file: SaveFailedError, INTERNAL by the table"
+    else:
+        scenario.exact = chunk_oracle(after, total)
+        if scenario.exact is Code.OK:
+            scenario.expect_ok_path = str(world.root / MAIN_TRAINING / _normalized(prefix))
+    return scenario
+
+
 def _normalized(export_dir: str) -> str:
     return str(PurePosixPath(*[p for p in PurePosixPath(export_dir).parts if p != "."]))
 
@@ -852,6 +1000,7 @@ def scenarios(world: World) -> st.SearchStrategy[Scenario]:
         save_scenarios(world),
         save_scenarios(world),
         save_scenarios(world),
+        training_scenarios(world),
         register_scenarios(world),
         unary_scenarios(world),
         random_proto_scenarios(world),

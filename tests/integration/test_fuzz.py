@@ -8,7 +8,9 @@ huge declared sizes, bad dtypes and shapes, path tricks (absolute, `..`, NUL,
 RTL and zero-width characters, reserved names, very long names, planted
 symlinks, files where a directory should be), unknown and closed runs,
 garbage chunk data, random protobuf field combinations and undecodable wire
-bytes. After every request:
+bytes; and training checkpoints (a TRAINING_CHECKPOINT run, `fz-t`) whose
+tensor lists, object graphs, dtypes, sizes, steps and retention knobs are
+broken the same way. After every request:
 - the daemon process is alive and the call ended with a code from the
   errors table (or OK); INTERNAL only where the table documents it and the
   test can show why (see `Scenario.internal`), never UNKNOWN;
@@ -70,6 +72,7 @@ from tests.integration.fuzz_requests import (
     MAIN,
     MAIN_FOLDER,
     MAIN_FOLDERED,
+    MAIN_TRAINING,
     MAX_SNAPSHOT,
     MAX_TEMPLATE,
     PLANTED_DIRS,
@@ -139,11 +142,13 @@ class Fuzzer:
         self.known_bugs: collections.Counter[str] = collections.Counter()
         self.accepted_ok: dict[str, int] = {}  # export dir path -> step of its last good save
         # What the fuzzer saw for the main runs: ok, skipped, failed.
-        self.seen = {MAIN: [0, 0, 0], MAIN_FOLDERED: [0, 0, 0]}
+        self.seen = {MAIN: [0, 0, 0], MAIN_FOLDERED: [0, 0, 0], MAIN_TRAINING: [0, 0, 0]}
+        # Training checkpoints written, by real prefix (their files share dirs).
+        self.accepted_prefixes: dict[str, int] = {}
         self.planted = planted_paths(world)
         self.beside_root = sorted(p.name for p in world.root.parent.iterdir())
         self.slowest = (0.0, "")
-        self.registered = {MAIN, MAIN_FOLDERED, CLOSED, *CLOSABLE}
+        self.registered = {MAIN, MAIN_FOLDERED, CLOSED, *CLOSABLE}  # runs with templates
 
     # Calls.
 
@@ -247,7 +252,11 @@ class Fuzzer:
         if run in self.seen and d is not None:
             slot = 1 if not d.accepted else (0 if r is not None else 2)
             self.seen[run][slot] += 1
-        if r is not None:
+        if r is not None and r.kind == pb.TRAINING_CHECKPOINT:
+            assert Path(r.path + ".index").is_file() and Path(r.path).is_relative_to(self.world.root), r.path
+            assert r.step == header.step, r
+            self.accepted_prefixes[os.path.realpath(r.path)] = header.step
+        elif r is not None:
             assert Path(r.path).is_dir() and Path(r.path).is_relative_to(self.world.root), r.path
             assert r.step == header.step and r.duration_seconds >= 0, r
             # Kept by real path: a save through a planted in-folder link
@@ -366,7 +375,8 @@ class Fuzzer:
     def check_disk(self, scenario: Scenario) -> None:
         root = self.world.root
         accepted = set(self.accepted_ok)
-        parents = {str(p) for ok in accepted for p in Path(ok).parents}
+        parents = {str(p) for ok in [*accepted, *self.accepted_prefixes] for p in Path(ok).parents}
+        prefix_dirs = {str(Path(p).parent) for p in self.accepted_prefixes}
         stray = []
         for dirpath, dirnames, filenames in os.walk(root):
             if dirpath == str(root):
@@ -374,6 +384,11 @@ class Fuzzer:
             for name in dirnames + filenames:
                 path = os.path.join(dirpath, name)
                 if Path(path) in self.planted or path in parents:
+                    continue
+                # A training checkpoint's files, and its dir's state file.
+                if any(path.startswith(p + ".") for p in self.accepted_prefixes):
+                    continue
+                if name == "checkpoint" and dirpath in prefix_dirs:
                     continue
                 # Inside an accepted save: the path or one of its parents is accepted.
                 if path in accepted or any(str(p) in accepted for p in Path(path).parents):
@@ -404,6 +419,15 @@ class Fuzzer:
                 continue  # a later save inside it replaced one of its dirs
             report = save_manifest.verify_dir(Path(path))
             assert report.ok and report.step == step, report
+        # Every training checkpoint verifies, and each dir's state file names exactly its committed ones.
+        for prefix, step in self.accepted_prefixes.items():
+            report = save_manifest.verify_prefix(Path(prefix))
+            assert report.ok and report.step == step, report
+        for directory in {Path(p).parent for p in self.accepted_prefixes}:
+            committed = {p.name[: -len(save_manifest.PREFIX_MANIFEST_SUFFIX)] for p in directory.glob("*" + save_manifest.PREFIX_MANIFEST_SUFFIX)}
+            listed = (directory / "checkpoint").read_text().count("all_model_checkpoint_paths")
+            assert committed == {Path(p).name for p in self.accepted_prefixes if Path(p).parent == directory}
+            assert listed == len(committed), (directory, listed, committed)
         assert_serving(self.daemon, self.stub, self.world)
 
 
@@ -508,6 +532,8 @@ def fuzzer(fuzz_daemon: Daemon, world: World) -> Iterator[Fuzzer]:
         for run in (MAIN, CLOSED, *CLOSABLE):
             register(stub, run, world)
         register(stub, MAIN_FOLDERED, world, folder=MAIN_FOLDER)
+        training = pb.RegisterRunHeader(run=MAIN_TRAINING, kind=pb.TRAINING_CHECKPOINT)
+        stub.RegisterRun(iter([pb.RegisterRunRequest(header=training)]), timeout=RPC_TIMEOUT)
         stub.CloseRun(pb.CloseRunRequest(run=CLOSED), timeout=RPC_TIMEOUT)
         good_save(stub, world, "p0")  # so "p0/..." tricks meet a real save's files
         plant(world)

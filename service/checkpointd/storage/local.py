@@ -324,10 +324,8 @@ class LocalStore:
 
     def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
         target = resolve_export_dir(self.root, folder, export_dir)
-        save = None
-        if target.is_dir():
-            save = _read(target, self._folder_dir(folder))
-        elif prefix.is_committed(target):
+        save = _read(target, self._folder_dir(folder)) if target.is_dir() else None
+        if save is None and prefix.is_committed(target):  # a dir of that name may be there too
             save = _read(target, self._folder_dir(folder), is_prefix=True)
         if save is None:
             raise RunNotFoundError(
