@@ -47,6 +47,11 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--large-reps", type=int, help="repetitions for large (default min(reps, 3))")
     p.add_argument("--fanin-procs", type=int, help="fan-in trainer processes (default 8; quick 2)")
     p.add_argument("--fanin-seconds", type=float, help="fan-in duration (default 30; quick 3)")
+    p.add_argument(
+        "--training-cases",
+        help="section 7's cases, of small,medium,large (default: medium, and large if memory allows; quick: small; "
+        "'none' skips it)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
     p.add_argument(
         "--workdir", type=Path, help="scratch directory, kept (default: a new temp dir, removed after success)"
@@ -68,6 +73,7 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
             fanin_seconds=a.fanin_seconds if a.fanin_seconds is not None else (3.0 if quick else 30.0),
             limit_bytes=(32 << 20) if quick else (512 << 20),
             quick=quick,
+            training_cases=_training_cases(a.training_cases, quick),
             workdir=workdir,
             keep_workdir=a.workdir is not None,
             out=a.out,
@@ -75,6 +81,42 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: error() exits
+
+
+def _training_cases(asked: str | None, quick: bool) -> tuple[str, ...]:
+    from bench.checkpointer import CASES, NEEDS, available_bytes
+
+    if asked == "none":
+        return ()
+    if asked:
+        cases = tuple(asked.split(","))
+        if not set(cases) <= set(CASES):
+            raise ValueError(f"--training-cases takes {','.join(CASES)} or none, saw {asked}")
+        return cases
+    if quick:
+        return ("small",)
+    # The ~1 GB case only where the machine has the memory for it.
+    return ("medium", "large") if available_bytes() >= NEEDS["large"] else ("medium",)
+
+
+def run_training_case(config: BenchConfig, case: str) -> dict[str, Any]:
+    """Section 7 for one case, in a worker process (bench.checkpointer)."""
+    out = config.workdir / f"training-{case}.json"
+    log = config.workdir / f"training-{case}-worker.log"
+    reps = 2 if config.quick else 3
+    window = QUICK_WINDOW if config.quick else 6.0
+    cmd = [sys.executable, "-m", "bench.checkpointer", "--case", case, "--reps", str(reps), "--window", str(window)]
+    cmd += ["--min-steps", str(config.min_window_steps), "--workdir", str(config.workdir), "--out", str(out)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    with open(log, "wb") as err:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=err, timeout=600 if config.quick else 2400, check=False
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"the training {case} worker exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
+        )
+    return json.loads(out.read_text())
 
 
 def machine() -> dict[str, Any]:
@@ -198,6 +240,11 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
     finally:
         code = daemon.terminate()
     results["fanin"]["daemon_exit_code"] = code
+    results["config"]["training_cases"] = list(config.training_cases)
+    results["training_checkpoint"] = {}
+    for case in config.training_cases:
+        progress(f"7. training checkpoints, {case}: Checkpointer, TF async, RemoteCheckpointer")
+        results["training_checkpoint"][case] = run_training_case(config, case)
     results["targets"] = report.targets(results)
     return results
 

@@ -59,6 +59,7 @@ class BenchConfig:
         keep_workdir: keep `workdir` after a successful run (it is always
             kept after a failure, for the logs).
         out: the JSON file written at the end.
+        training_cases: section 7's cases (bench.checkpointer.CASES).
     """
 
     sizes: tuple[str, ...]
@@ -73,6 +74,7 @@ class BenchConfig:
     workdir: Path
     keep_workdir: bool
     out: Path
+    training_cases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sizes if s not in SIZES]

@@ -156,6 +156,9 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             f"peak {peak / 1e6:.0f} MB, idle {idle / 1e6:.0f} MB, payload {payload / 1e6:.1f} MB",
         )
     )
+    from bench import checkpointer  # section 7's targets (issue 10)
+
+    out.extend(checkpointer.targets(r))
     return out
 
 
@@ -340,6 +343,10 @@ def table(r: dict[str, Any]) -> str:
             else "- (payload < 1 MB)"
         ),
     )
+
+    from bench import checkpointer  # section 7, whose rows and targets live with it
+
+    lines.extend(checkpointer.table(r))
 
     head("targets (from this run's medians)")
     for t in r["targets"]:

@@ -19,7 +19,17 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("inprocess", "async", "remote", "remote_wire", "training", "limits", "fanin", "memory")
+SECTIONS = (
+    "inprocess",
+    "async",
+    "remote",
+    "remote_wire",
+    "training",
+    "limits",
+    "fanin",
+    "memory",
+    "training_checkpoint",
+)
 TIMEOUT = 300  # quick mode takes ~45 s on 2 idle cores; leave room for a busy CI box
 
 
@@ -54,7 +64,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_every_section_is_measured(result: dict[str, Any]) -> None:
     for section in SECTIONS:
         assert result.get(section), f"section {section} is missing or empty"
-    for section in ("inprocess", "async", "remote", "remote_wire", "training", "memory"):
+    for section in ("inprocess", "async", "remote", "remote_wire", "training", "memory", "training_checkpoint"):
         assert list(result[section]) == ["small"]
     found = dict(_stats({s: result[s] for s in SECTIONS}))
     for section in SECTIONS:
@@ -83,6 +93,12 @@ def test_key_measurements_are_positive(result: dict[str, Any]) -> None:
     assert limits["memcpy"][small]["seconds"]["median"] > 0
     memory = result["memory"][small]
     assert memory["idle_rss_bytes"] > 0 and memory["first_save_peak_bytes"] > 0
+    # Section 7: the whole training state, with each of the three savers.
+    state = result["training_checkpoint"][small]
+    assert state["remote"]["save_stall"]["median"] > 0 and state["inprocess"]["save"]["median"] > 0
+    for saver in ("baseline", "checkpointer", "tf_async_checkpoint", "checkpointd"):
+        assert state["training"]["steps_per_second"][saver]["median"] > 0
+    assert state["training"]["saves"]["checkpointd"]["failed"] == 0
 
 
 @pytest.mark.slow
