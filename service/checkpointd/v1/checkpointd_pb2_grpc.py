@@ -68,6 +68,8 @@ class CheckpointServiceServicer(object):
         closed; its counters stay. It does not wait for the run's in-flight save,
         which is written with the template current at write time (INTERNAL if
         its layout no longer fits). A failed registration changes nothing.
+        RegisterRunHeader.kind TRAINING_CHECKPOINT registers a training run
+        instead: no template, nothing checked but the run and folder names.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -88,7 +90,9 @@ class CheckpointServiceServicer(object):
         Errors before the decision (no decision sent; nothing written or
         counted): INVALID_ARGUMENT (first message not a header; kind unset; bad
         run name or export_dir; variables, snapshot_bytes or numpy_state not
-        matching the manifest), NOT_FOUND (run not registered),
+        matching the manifest; a kind of the other family than the run's; a
+        training_checkpoint whose tensors, object graph or sizes do not agree),
+        NOT_FOUND (run not registered),
         FAILED_PRECONDITION (run closing or closed), RESOURCE_EXHAUSTED
         (snapshot_bytes over --max-snapshot-bytes; daemon at
         --max-concurrent-uploads or --max-staging-bytes), UNAVAILABLE (draining),
