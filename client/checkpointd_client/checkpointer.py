@@ -281,9 +281,13 @@ class RemoteCheckpointer:
                 raise ValueError(str(e)) from None
             counter = self._checkpoint.save_counter
             counter.assign_add(1)  # as CheckpointManager.save does, before the write
-            state = training.describe(self._checkpoint)
-            ticket = SaveTicket(export_dir, SaveKind.TRAINING_CHECKPOINT, step)
-            stream, offer = self._decide(ticket, state, blocking)
+            try:
+                state = training.describe(self._checkpoint)
+                ticket = SaveTicket(export_dir, SaveKind.TRAINING_CHECKPOINT, step)
+                stream, offer = self._decide(ticket, state, blocking)
+            except BaseException:
+                counter.assign_sub(1)  # refused before a decision: nothing was saved
+                raise
             if ticket.skipped:
                 counter.assign_sub(1)  # nothing was saved
                 return ticket

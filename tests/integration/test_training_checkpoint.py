@@ -10,15 +10,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import grpc
 import numpy as np
 import tensorflow as tf
 from tf_agents.utils import numpy_storage
 
+from checkpointd.protocol import wire
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd_client import RemoteCheckpointer
-from tests.integration.daemon import Daemon
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd_client import RemoteCheckpointer, SaveTicket
+from checkpointd_client import training as client_training
+from tests.integration.daemon import Daemon, wait_until
+from tests.integration.raw import RawSave, Stub, counts, run_status
 from tests.integration.scrape import Metrics
 
 LIMIT = 60.0
@@ -101,3 +107,35 @@ def test_metrics_status_and_verify_cover_the_training_checkpoint_kind(daemon: Da
     (directory / "ckpt-2.data-00000-of-00001").write_bytes(b"torn")
     broken = _cli("verify", str(directory / "ckpt-2"))
     assert broken.returncode == 1 and "FAILED" in broken.stdout and "ckpt-2.data-00000-of-00001" in broken.stdout
+
+
+def test_a_save_while_one_is_in_flight_is_skipped_and_a_blocking_one_waits_its_turn(daemon: Daemon) -> None:
+    objects = _objects(seed=6)
+    run = "tc-lane"
+    with RemoteCheckpointer("train", daemon.address, run=run, timeout=LIMIT, **objects) as ckpt:
+        # A save of the same run, accepted and then silent: the lane is busy for as long as the test says.
+        state = client_training.describe(ckpt.checkpoint)
+        header = pb.SaveHeader(
+            run=run, kind=pb.TRAINING_CHECKPOINT, export_dir="train", step=1,
+            snapshot_bytes=state.nbytes, training_checkpoint=state.to_proto(20, None),
+        )  # fmt: skip
+        with (
+            grpc.insecure_channel(daemon.address) as channel,
+            RawSave(Stub(channel), pb.SaveRequest(header=header)) as held,
+        ):
+            assert held.decision().accepted
+            counter = int(ckpt.checkpoint.save_counter.numpy())
+            skipped = ckpt.save(2)
+            assert skipped.skipped and skipped.result() is None and skipped.reason
+            assert int(ckpt.checkpoint.save_counter.numpy()) == counter  # nothing was saved
+            waiting: list[SaveTicket] = []
+            blocked = threading.Thread(target=lambda: waiting.append(ckpt.save(3, blocking=True)))
+            blocked.start()
+            wait_until(lambda: run_status(daemon, run).in_flight.waiting == 1, "the blocking save queued")
+            assert not waiting
+            held.finish(list(wire.chunks(state.copy(), 1 << 20)))
+            blocked.join(LIMIT)
+        (ticket,) = waiting
+        assert ticket.result() is not None and ticket.step == 3
+    assert counts(daemon, run) == (2, 1, 0)
+    assert tf.train.latest_checkpoint(str(daemon.root / run / "train")).endswith("ckpt-3")
