@@ -4,6 +4,7 @@
 #   scripts/rgw.sh start DIR [MON_PORT [RGW_PORT]]   # installs Ceph if missing (root), starts, prints env lines
 #   scripts/rgw.sh env DIR                           # prints the env lines of a started one
 #   scripts/rgw.sh stop DIR                          # stops radosgw, then the OSD, then the mon, by PID
+#   scripts/rgw.sh stop-gw DIR / start-gw DIR        # kills / restarts the gateway alone (fault tests)
 #
 # mon + memstore OSD + radosgw, auth none, no ceph-mgr. The env lines are
 # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION,
@@ -185,11 +186,33 @@ stop() {
   done
 }
 
+# The gateway alone, for tests of the S3 server going away and coming back
+# (the mon and the OSD keep the data meanwhile).
+stop_gw() {
+  local dir=$1 pid
+  [ -f "$dir/rgw.pid" ] || return 0
+  pid=$(cat "$dir/rgw.pid")
+  kill -KILL "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  rm -f "$dir/rgw.pid"
+}
+
+start_gw() {
+  local dir=$1 port
+  port=$(cat "$dir/rgw.port")
+  port_busy "$port" && die "port $port (radosgw) is in use"
+  setsid radosgw -c "$dir/ceph.conf" -n client.rgw.a -f >>"$dir/log/rgw.stdout" 2>&1 &
+  echo $! >"$dir/rgw.pid"
+  wait_for 60 "radosgw to answer" port_busy "$port" || { show_logs "$dir"; exit 1; }
+}
+
 cmd=${1:-}
 [ $# -ge 2 ] || { echo "usage: $0 start|stop|env DIR [MON_PORT [RGW_PORT]]" >&2; exit 2; }
 case "$cmd" in
   start) start "$2" "${3:-}" "${4:-}" ;;
   env) print_env "$2" ;;
   stop) stop "$2" ;;
+  stop-gw) stop_gw "$2" ;;
+  start-gw) start_gw "$2" ;;
   *) echo "usage: $0 start|stop|env DIR [MON_PORT [RGW_PORT]]" >&2; exit 2 ;;
 esac

@@ -126,7 +126,7 @@ class Server:
         _check_writable_dir(config.state_dir, "the daemon's state dir")
         self._pool = WriterPool(config.write_nice)
         if self._store is None:
-            self._store = LocalStore(config.root, fsync=config.fsync, thread_initializer=self._pool.initializer)
+            self._store = _make_store(config, self._pool)
         fixed = self._store.recover()
         if fixed:
             _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, self._store.describe())
@@ -268,12 +268,35 @@ class Server:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
-        if self._owns_store and isinstance(self._store, LocalStore):
-            self._store.close()
+        if self._owns_store and self._store is not None:
+            close = getattr(self._store, "close", None)  # LocalStore's fsync threads, S3Store's transfers
+            if close is not None:
+                close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until stop() has finished."""
         return self._stopped.wait(timeout)
+
+
+def _make_store(config: ServeConfig, pool: WriterPool) -> Store:
+    """The Store for --root: the local disk, or an object store for s3:// (checked before serving)."""
+    if config.s3_url is None:
+        return LocalStore(config.root, fsync=config.fsync, thread_initializer=pool.initializer)
+    from checkpointd.storage.s3 import S3Store  # boto3 loads only for an s3:// root
+
+    store = S3Store(
+        config.s3_url,
+        config.state_dir / "s3-staging",
+        endpoint_url=config.s3_endpoint_url,
+        region=config.s3_region,
+        grace_seconds=config.s3_grace_seconds,
+    )
+    try:
+        store.check()  # wrong credentials or a missing bucket refuse the start (OSError: exit 2)
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 def _shared_memory(root: Path | None, max_bytes: int) -> SharedMemory | None:

@@ -100,7 +100,29 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         description="Run the daemon until SIGTERM/SIGINT, then drain.",
         allow_abbrev=False,
     )
-    serve.add_argument("--root", type=Path, default=_D.root, help=f"where runs are written (default: ./{_D.root})")
+    serve.add_argument(
+        "--root",
+        default=str(_D.root),
+        help=f"where runs are written: a local dir, or s3://BUCKET[/PREFIX] (default: ./{_D.root})",
+    )
+    serve.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path("checkpointd-work"),
+        help="with an s3:// --root, the local dir for templates and staging (default: ./checkpointd-work)",
+    )
+    serve.add_argument(
+        "--s3-endpoint-url", help="with an s3:// --root, the S3 server (default: AWS's); credentials come from "
+        "the standard AWS environment variables or config files, never from flags",
+    )  # fmt: skip
+    serve.add_argument("--s3-region", help="with an s3:// --root, the bucket's region (default: the AWS config's)")
+    serve.add_argument(
+        "--s3-grace-seconds",
+        type=float,
+        default=_D.s3_grace_seconds,
+        help="with an s3:// --root, how old uncommitted objects must be before recovery at start deletes them "
+        f"(default: {_D.s3_grace_seconds:g})",
+    )
     serve.add_argument(
         "--host", default=_D.host, help=f"gRPC bind address (default: {_D.host}; 0.0.0.0 or [::] for remote trainers)"
     )
@@ -297,7 +319,11 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
     if args.command == "serve":
         try:
             config = ServeConfig(
-                root=args.root,
+                root=args.work_dir if args.root.startswith("s3://") else Path(args.root),
+                s3_url=args.root if args.root.startswith("s3://") else None,
+                s3_endpoint_url=args.s3_endpoint_url,
+                s3_region=args.s3_region,
+                s3_grace_seconds=args.s3_grace_seconds,
                 host=args.host,
                 port=args.port,
                 port_file=args.port_file,

@@ -19,7 +19,15 @@ class ServeConfig:
 
     Attributes:
         root: where run folders are written; `<root>/.checkpointd/` holds the
-            daemon's own state (templates, staging).
+            daemon's own state (templates, staging). With `s3_url`, a local
+            work dir for that state only.
+        s3_url: `s3://BUCKET[/PREFIX]` to commit saves to an object store
+            (`checkpointd.storage.s3`); None: saves go under `root`.
+        s3_endpoint_url: another S3 server than AWS's (e.g. radosgw's).
+        s3_region: the bucket's region; None: the AWS config's.
+        s3_grace_seconds: how old an uncommitted object or multipart upload
+            must be before recovery at start deletes it (a peer's save in
+            progress is younger).
         host: gRPC bind address.
         port: gRPC port; 0 picks a free one.
         metrics_host: bind address of the /metrics endpoint.
@@ -81,6 +89,10 @@ class ServeConfig:
     keep_every_steps: int | None = None
     shm_root: Path | None = None  # the CLI defaults it to /dev/shm (checkpointd.saves.shm)
     write_nice: int = 10
+    s3_url: str | None = None
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_grace_seconds: float = 3600.0
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -105,6 +117,12 @@ class ServeConfig:
             raise ValueError("host must not be empty")
         if not 0 <= self.write_nice <= 19:
             raise ValueError(f"write_nice must be in 0..19, got {self.write_nice}")
+        if self.s3_url is not None and not (self.s3_url.startswith("s3://") and len(self.s3_url) > len("s3://")):
+            raise ValueError(f"root {self.s3_url!r} is not s3://BUCKET[/PREFIX]")
+        if self.s3_url is None and (self.s3_endpoint_url is not None or self.s3_region is not None):
+            raise ValueError("s3_endpoint_url and s3_region need an s3:// root")
+        if not 0 <= self.s3_grace_seconds < math.inf:
+            raise ValueError(f"s3_grace_seconds must be >= 0 and finite, got {self.s3_grace_seconds}")
 
     @property
     def retention(self) -> RetentionPolicy:

@@ -15,9 +15,10 @@ The two seams a new backend or save kind plugs into:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from checkpointd.core.manifest import Manifest, VariableSpec
@@ -127,7 +128,9 @@ class CommittedSave:
     """One committed save, as its manifest describes it.
 
     Attributes:
-        path: where it lives (a dir on the daemon's host for the local store).
+        path: where it lives: a dir on the daemon's host for the local store
+            (a `Path`), an object key for the object store (a
+            `PurePosixPath` relative to the bucket).
         export_dir: the save relative to its folder, '/'-separated.
         run: the run that wrote it.
         kind: its kind.
@@ -138,7 +141,7 @@ class CommittedSave:
         extra: the format's fields of its manifest (Staged.extra), if any.
     """
 
-    path: Path
+    path: PurePath
     export_dir: str
     run: str
     kind: SaveKind
@@ -182,15 +185,15 @@ class Store(Protocol):
         """Cleans up what interrupted saves left behind (at start); returns how many."""
         ...
 
-    def target(self, folder: str, export_dir: str) -> Path:
-        """Where a save to `export_dir` in `folder` is committed.
+    def target(self, folder: str, export_dir: str) -> PurePath:
+        """Where a save to `export_dir` in `folder` is committed (a path or an object key).
 
         Raises:
             InvalidRequestError: the export dir is invalid or leads out of the folder.
         """
         ...
 
-    def stage(self, target: Path) -> Path:
+    def stage(self, target: PurePath) -> Path:
         """An empty private local dir to write a save for `target` into.
 
         Raises:
@@ -198,7 +201,7 @@ class Store(Protocol):
         """
         ...
 
-    def commit(self, staged: Staged, target: Path, meta: SaveMeta) -> int:
+    def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         """Makes a staged save durable at `target`, its manifest last; returns its bytes.
 
         A save already at `target` is replaced. On failure nothing new is
@@ -234,15 +237,34 @@ class Store(Protocol):
         """Every run folder that may hold saves (for recovery at start)."""
         ...
 
-    def read_file(self, path: Path) -> bytes | None:
+    def read_file(self, path: PurePath) -> bytes | None:
         """A small file's content beside the saves (a state file), or None if absent."""
         ...
 
-    def write_file(self, path: Path, data: bytes) -> None:
+    def write_file(self, path: PurePath, data: bytes) -> None:
         """Replaces a small file beside the saves (a state file) atomically and durably.
 
         Raises:
             OSError: it could not be written; the old content stays.
+        """
+        ...
+
+
+@runtime_checkable
+class LocalCopies(Protocol):
+    """A Store whose saves are not local files (an object store) gives readers local copies.
+
+    SaveFormat.read needs a save's files on a filesystem; Restore opens a
+    save of such a store through `local_copy`.
+    """
+
+    def local_copy(self, save: CommittedSave) -> AbstractContextManager[CommittedSave]:
+        """Brings a committed save's files to a private local dir, checked against its manifest.
+
+        Yields the save with `path` local; the copy is deleted on exit.
+
+        Raises:
+            ChecksumError, SaveFailedError: a file is missing, corrupt or unreadable.
         """
         ...
 

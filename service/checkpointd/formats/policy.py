@@ -225,7 +225,7 @@ class PolicyFormat:
 
     def read(self, save: CommittedSave, manifest: Manifest) -> SaveValues:
         """Opens a committed policy save for Restore (see `checkpointd.formats.reader`)."""
-        return reader.open_save(save.path, save.kind, manifest, repr(save.export_dir))
+        return reader.open_save(Path(save.path), save.kind, manifest, repr(save.export_dir))
 
 
 @functools.cache

@@ -132,9 +132,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         run = check_run_name(request.run)
         manifest, folder = self._runs.manifest(run), self._runs.folder(run)
         with self._pipeline.retention.holding(folder):  # retention must not delete it mid-stream
-            opened = restore.open_committed(
+            with restore.opening(
                 self._pipeline.store, self._pipeline.formats, folder, run, request.export_dir, manifest
-            )
-            started = time.monotonic()
-            yield from messages.restore_responses(opened, manifest)
+            ) as opened:  # an object store's save: a local copy until the stream ends
+                started = time.monotonic()
+                yield from messages.restore_responses(opened, manifest)
         restore.log_restored(run, opened, time.monotonic() - started)

@@ -34,7 +34,7 @@ import posixpath
 import threading
 from collections import defaultdict
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import PurePath
 
 from checkpointd.core import checkpoint_state
 from checkpointd.core.ports import CommittedSave, Store
@@ -178,7 +178,7 @@ class CheckpointDirs:
             if s.kind is SaveKind.TRAINING_CHECKPOINT and s.prefix
         }
 
-    def _state_file(self, folder: str, directory: str) -> Path:
+    def _state_file(self, folder: str, directory: str) -> PurePath:
         return self._store.target(folder, posixpath.join(directory, checkpoint_state.STATE_FILE))
 
     def _mark(self, folder: str, directory: str, checkpoints: list[CommittedSave]) -> float:

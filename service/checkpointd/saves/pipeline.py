@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Protocol
 
 from checkpointd.core.config import ServeConfig
@@ -391,7 +391,7 @@ def write_save(
     fmt: SaveFormat,
     meta: SaveMeta,
     manifest: Manifest,
-    target: Path,
+    target: PurePath,
     snapshot: Snapshot,
     numpy_state: NumpyPayload | None = None,
     *,
@@ -420,7 +420,7 @@ def write_save(
         raise _write_failed(meta, target, e) from e
 
 
-def _write_failed(meta: SaveMeta, target: Path, e: Exception) -> SaveFailedError:
+def _write_failed(meta: SaveMeta, target: PurePath, e: Exception) -> SaveFailedError:
     reason = f"could not write {meta.kind.value} to {target}: {describe(e)}"
     _LOGGER.warning("run %s: %s", meta.run, reason)
     return SaveFailedError(f"run {meta.run!r}: {reason}")

@@ -7,12 +7,13 @@ corrupt while it is read is raised from `SaveValues.pieces()`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from checkpointd.core.manifest import Manifest
-from checkpointd.core.ports import CommittedSave, SaveFormat, SaveValues, Store
+from checkpointd.core.ports import CommittedSave, LocalCopies, SaveFormat, SaveValues, Store
 from checkpointd.protocol.errors import RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves import catalog
@@ -53,16 +54,38 @@ def open_committed(
             not match the manifest (the message names the first one).
         ChecksumError, SaveFailedError: the save is corrupt or unreadable.
     """
-    if export_dir:
-        save = store.committed_at(folder, export_dir)
-    else:
-        found = catalog.find_latest(store, folder, run)
-        if found is None:
-            raise RunNotFoundError(
-                f"run {run!r} has no committed save in folder {folder!r} of {store.describe()} to restore"
-            )
-        save = found
+    save = _find(store, folder, run, export_dir)
     return Opened(save, format_for(save.kind).read(save, manifest))
+
+
+def _find(store: Store, folder: str, run: str, export_dir: str) -> CommittedSave:
+    if export_dir:
+        return store.committed_at(folder, export_dir)
+    found = catalog.find_latest(store, folder, run)
+    if found is None:
+        raise RunNotFoundError(
+            f"run {run!r} has no committed save in folder {folder!r} of {store.describe()} to restore"
+        )
+    return found
+
+
+@contextlib.contextmanager
+def opening(
+    store: Store,
+    format_for: Callable[[SaveKind], SaveFormat],
+    folder: str,
+    run: str,
+    export_dir: str,
+    manifest: Manifest,
+) -> Iterator[Opened]:
+    """As `open_committed`, for the duration of a `with`: a store whose saves are not local
+    files (`LocalCopies`, the object store) lends a checked local copy until the block ends."""
+    if not isinstance(store, LocalCopies):
+        yield open_committed(store, format_for, folder, run, export_dir, manifest)
+        return
+    save = _find(store, folder, run, export_dir)
+    with store.local_copy(save) as local:
+        yield Opened(save, format_for(save.kind).read(local, manifest))
 
 
 def log_restored(run: str, opened: Opened, seconds: float) -> None:

@@ -20,7 +20,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
@@ -281,10 +281,11 @@ class LocalStore:
     def target(self, folder: str, export_dir: str) -> Path:
         return resolve_export_dir(self.root, folder, export_dir)
 
-    def stage(self, target: Path) -> Path:
-        return make_temp_sibling(target)
+    def stage(self, target: PurePath) -> Path:
+        return make_temp_sibling(Path(target))
 
-    def commit(self, staged: Staged, target: Path, meta: SaveMeta) -> int:
+    def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
+        target = Path(target)
         if staged.files_prefix is not None:  # named as they will be, so the manifest lists them so
             prefix.rename_staged(staged.path, staged.files_prefix, target.name)
         # The disk flushes the files while the manifest's CRCs read them
@@ -336,10 +337,10 @@ class LocalStore:
 
     def delete(self, save: CommittedSave) -> bool:
         if save.prefix:
-            return prefix.delete(save.path)
+            return prefix.delete(Path(save.path))
         # Renamed away first (one step, so the save stops counting at once),
         # then deleted; a crash in between leaves a temp dir `recover` removes.
-        path = save.path
+        path = Path(save.path)
         doomed = path.parent / f"{RETIRED_PREFIX}{path.name}-{_suffix()}"
         try:
             os.rename(path, doomed)
@@ -358,13 +359,14 @@ class LocalStore:
             if e.is_dir(follow_symlinks=False) and not e.name.startswith(RESERVED_PREFIX) and _is_run_name(e.name)
         )
 
-    def read_file(self, path: Path) -> bytes | None:
+    def read_file(self, path: PurePath) -> bytes | None:
         try:
-            return path.read_bytes()
+            return Path(path).read_bytes()
         except FileNotFoundError:
             return None
 
-    def write_file(self, path: Path, data: bytes) -> None:
+    def write_file(self, path: PurePath, data: bytes) -> None:
+        path = Path(path)
         # A temp sibling (removed by `recover` if a crash leaves it), fsynced,
         # then renamed over: readers see the old file or the new one.
         tmp = path.parent / f"{TMP_PREFIX}{path.name}-{_suffix()}"

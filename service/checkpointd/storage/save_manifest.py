@@ -203,10 +203,19 @@ def read_manifest(save_dir: Path, name: str = MANIFEST_NAME) -> dict[str, Any]:
     """
     path = Path(save_dir) / name
     try:
-        document = json.loads(path.read_bytes())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"no {name} (not a checkpointd save, or not complete)") from None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise ManifestError(f"{name} is unreadable: {e}") from None
+    return parse_manifest(data, name)
+
+
+def parse_manifest(data: bytes, name: str = MANIFEST_NAME) -> dict[str, Any]:
+    """Checks the shape of a manifest's bytes (read from a file or an object store); as `read_manifest`."""
+    try:
+        document = json.loads(data)
+    except ValueError as e:
         raise ManifestError(f"{name} is unreadable: {e}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ManifestError(f"{name} is not a {FORMAT}")

@@ -1,0 +1,242 @@
+"""The object store behind the Store seam, against a real S3 server (Ceph's radosgw, tests/integration/rgw.py).
+
+What the local store guarantees, on S3: the same bytes, the manifest as
+the commit marker (written last, listing every object with its ETag),
+skip-if-busy and blocking through the upload, failure then recovery with
+the server gone mid-save, retention, restore after a daemon restart, and a
+start refused for wrong credentials or a missing bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tensorflow as tf
+
+from checkpointd_client import RemotePolicySaver, SaveFailedError
+from tests.integration import policies
+from tests.integration.daemon import Daemon, start_daemon, wait_until
+from tests.integration.raw import TIMEOUT
+from tests.integration.rgw import Rgw, rgw  # noqa: F401  (the session fixture)
+
+MANIFEST = "checkpointd.manifest.json"
+
+
+def _objects(client: Any, bucket: str, prefix: str) -> dict[str, bytes]:
+    """Every object under `prefix`, by key relative to it."""
+    found = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            found[obj["Key"][len(prefix) :]] = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+    return found
+
+
+def _local_files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+class S3:
+    """One test's daemons on its own prefix of the bucket, and its savers; all closed at teardown."""
+
+    def __init__(self, server: Rgw, tmp_path: Path) -> None:
+        self.rgw = server
+        self.tmp = tmp_path
+        self.prefix = f"t-{secrets.token_hex(4)}"
+        self.client: Any = server.client()
+        self.daemons: list[Daemon] = []
+        self.savers: list[RemotePolicySaver] = []
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.rgw.bucket}/{self.prefix}"
+
+    def args(self) -> list[str]:
+        return ["--s3-endpoint-url", self.rgw.endpoint, "--s3-region", "us-east-1"]
+
+    def daemon(self, *extra: str) -> Daemon:
+        n = len(self.daemons)
+        d = start_daemon(
+            self.url,  # type: ignore[arg-type]  # passed to --root as str(root)
+            self.tmp / f"work{n}",
+            "--work-dir",
+            str(self.tmp / f"state{n}"),
+            *self.args(),
+            *extra,
+            env=self.rgw.daemon_env(),
+        )
+        self.daemons.append(d)
+        return d
+
+    def saver(self, d: Daemon, policy: object, run: str, **kwargs: Any) -> tuple[RemotePolicySaver, tf.Variable]:
+        step = tf.Variable(0, dtype=tf.int64)
+        saver = RemotePolicySaver(policy, d.address, run=run, train_step=step, timeout=TIMEOUT, **kwargs)
+        self.savers.append(saver)
+        return saver, step
+
+    def keys(self, under: str = "") -> set[str]:
+        return set(_keys(self.client, self.rgw.bucket, f"{self.prefix}/{under}"))
+
+    def close(self) -> None:
+        for s in self.savers:
+            try:
+                s.close(timeout=10)
+            except Exception:  # a test may have closed it, or its daemon be gone
+                pass
+        for d in self.daemons:
+            if d.proc.poll() is None:
+                d.terminate()
+
+
+def _keys(client: Any, bucket: str, prefix: str) -> Iterator[str]:
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            yield obj["Key"][len(prefix) :]
+
+
+@pytest.fixture
+def s3(rgw: Rgw, tmp_path: Path) -> Iterator[S3]:  # noqa: F811
+    env = S3(rgw, tmp_path)
+    try:
+        yield env
+    finally:
+        env.close()
+
+
+@pytest.fixture(scope="module")
+def policy() -> object:
+    return policies.build(policies.q(hidden=(8,)))
+
+
+def test_a_policy_save_on_s3_is_byte_identical_to_the_local_stores(
+    s3: S3, policy: object, fresh_daemon: Callable[..., Daemon]
+) -> None:
+    local = fresh_daemon()
+    remote = s3.daemon()
+    for d, root in ((local, "local"), (remote, "s3")):
+        saver, step = s3.saver(d, policy, "same")
+        step.assign(7)
+        saver.save("policies/policy", blocking=True).result()
+        saver.save_checkpoint("policies/checkpoints/policy_checkpoint_0000000007", blocking=True).result()
+        del root
+    on_disk = _local_files(local.root / "same")
+    in_bucket = _objects(s3.client, s3.rgw.bucket, f"{s3.prefix}/same/")
+    assert set(on_disk) == set(in_bucket)
+    # Each daemon got its own export of the graph (TensorFlow numbers its
+    # functions per export), so the SavedModel's graph is compared with the
+    # S3 daemon's template, and every other file with the local store's.
+    template = sorted((s3.tmp / "state0" / ".checkpointd" / "templates" / "same").rglob("saved_model.pb"))[-1]
+    assert in_bucket["policies/policy/saved_model.pb"] == template.read_bytes()
+    graph_bound = {"policies/policy/saved_model.pb", "policies/policy/fingerprint.pb", f"policies/policy/{MANIFEST}"}
+    for rel, data in on_disk.items():
+        if rel.endswith(MANIFEST):  # created_unix_seconds differs; the file list must not
+            local_doc, remote_doc = json.loads(data), json.loads(in_bucket[rel])
+            assert set(remote_doc["s3_etags"]) == {f["path"] for f in remote_doc["files"]}
+            if rel not in graph_bound:
+                assert local_doc["files"] == remote_doc["files"]
+        elif rel not in graph_bound:
+            assert in_bucket[rel] == data, rel
+    assert sum(rel.startswith("policies/policy/variables/") for rel in on_disk) >= 2
+
+
+def test_restore_and_latest_after_a_daemon_restart(s3: S3, policy: object) -> None:
+    first = s3.daemon()
+    saver, step = s3.saver(first, policy, "rs")
+    values = []
+    for n in (3, 4):
+        policies.perturb(policy, seed=n)
+        step.assign(n)
+        saver.save_checkpoint(f"ckpt_{n}", blocking=True).result()
+        values.append(policies.values(policy))
+    saver.close(timeout=10)
+    first.terminate()
+
+    second = s3.daemon()
+    again, step = s3.saver(second, policy, "rs")
+    policies.perturb(policy, seed=99)
+    latest = again.latest()
+    assert latest is not None and (latest.export_dir, latest.step) == ("ckpt_4", 4)
+    restored = again.restore()
+    assert restored.step == 4 and int(step.numpy()) == 4
+    for got, want in zip(policies.values(policy), values[1], strict=True):
+        assert got.tobytes() == want.tobytes()
+    assert again.restore("ckpt_3").step == 3
+    for got, want in zip(policies.values(policy), values[0], strict=True):
+        assert got.tobytes() == want.tobytes()
+
+
+def test_retention_deletes_manifest_and_objects_of_old_saves(s3: S3, policy: object) -> None:
+    d = s3.daemon("--keep-last", "2")
+    saver, step = s3.saver(d, policy, "ret")
+    for n in range(1, 5):
+        step.assign(n)
+        saver.save_checkpoint(f"ckpt_{n}", blocking=True).result()
+
+    def kept() -> set[str]:
+        return {k.split("/")[0] for k in s3.keys("ret/")}
+
+    wait_until(lambda: kept() == {"ckpt_3", "ckpt_4"}, "retention to keep the 2 newest")
+    assert f"ckpt_4/{MANIFEST}" in s3.keys("ret/")
+
+
+def test_the_s3_server_gone_mid_save_fails_it_without_a_manifest_then_saves_resume(s3: S3) -> None:
+    big = policies.build(policies.q(hidden=(1200, 1200)))  # about 6 MiB of variables
+    d = s3.daemon()
+    saver, step = s3.saver(d, big, "gone")
+    step.assign(1)
+    saver.save_checkpoint("ckpt_1", blocking=True).result()
+    s3.rgw.stop_gateway()
+    try:
+        step.assign(2)
+        with pytest.raises(SaveFailedError, match="ckpt_2"):
+            saver.save_checkpoint("ckpt_2", blocking=True).result()
+    finally:
+        s3.rgw.start_gateway()
+    assert not any(k.endswith(MANIFEST) for k in s3.keys("gone/ckpt_2"))
+    step.assign(3)
+    saver.save_checkpoint("ckpt_3", blocking=True).result()
+    assert f"ckpt_3/{MANIFEST}" in s3.keys("gone/")
+    latest = saver.latest()
+    assert latest is not None and latest.step == 3
+
+
+def test_recovery_deletes_uncommitted_objects_it_made_after_the_grace_age(s3: S3, policy: object) -> None:
+    bucket, base = s3.rgw.bucket, f"{s3.prefix}/rec/"
+    for key in ("torn/variables/variables.index", "torn/saved_model.pb", "ckpts/ckpt-9.index", "notes.txt"):
+        s3.client.put_object(Bucket=bucket, Key=base + key, Body=b"x")
+    young = s3.daemon("--s3-grace-seconds", "3600")
+    young.terminate()
+    assert len(s3.keys("rec/")) == 4  # younger than the grace age: perhaps a peer's save in progress
+    old = s3.daemon("--s3-grace-seconds", "0")
+    assert s3.keys("rec/") == {"notes.txt"}  # not a name checkpointd writes: never touched
+    old.terminate()
+
+
+@pytest.mark.parametrize("case", ["wrong-keys", "no-bucket"])
+def test_wrong_credentials_or_a_missing_bucket_refuse_the_start(s3: S3, case: str) -> None:
+    env = dict(s3.rgw.daemon_env())
+    url = s3.url
+    if case == "wrong-keys":
+        env["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    else:
+        url = "s3://no-such-bucket-here/x"
+    proc = subprocess.run(
+        [sys.executable, "-m", "checkpointd", "serve", "--root", url, "--port", "0", "--metrics-port", "-1",
+         "--work-dir", str(s3.tmp / "w"), *s3.args()],
+        capture_output=True, text=True, timeout=60, env={**_base_env(), **env},
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert ("refused" if case == "wrong-keys" else "does not exist") in proc.stderr
+    assert "not-the-secret" not in proc.stderr
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
