@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from checkpointd_client import RemotePolicySaver, SaveFailedError
+from checkpointd_client import RemoteCheckpointer, RemotePolicySaver, SaveFailedError
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon, wait_until
 from tests.integration.raw import TIMEOUT
@@ -204,6 +205,53 @@ def test_the_s3_server_gone_mid_save_fails_it_without_a_manifest_then_saves_resu
     assert f"ckpt_3/{MANIFEST}" in s3.keys("gone/")
     latest = saver.latest()
     assert latest is not None and latest.step == 3
+
+
+def test_flush_and_a_blocking_save_return_once_the_manifest_is_in_the_bucket(s3: S3, policy: object) -> None:
+    d = s3.daemon()
+    saver, step = s3.saver(d, policy, "fl")
+    step.assign(1)
+    ticket = saver.save("model")  # not blocking: accepted, uploaded in the background
+    saver.flush(timeout=TIMEOUT)
+    assert ticket.done() and f"model/{MANIFEST}" in s3.keys("fl/")
+    step.assign(2)
+    saver.save_checkpoint("ckpt", blocking=True).result()
+    assert f"ckpt/{MANIFEST}" in s3.keys("fl/")
+
+
+def test_training_checkpoints_on_s3_keep_max_to_keep_and_restore_on_a_new_daemon(s3: S3) -> None:
+    rng = np.random.default_rng(3)
+    weights = tf.Variable(rng.standard_normal((3, 4)).astype(np.float32))
+    global_step = tf.Variable(0, dtype=tf.int64)
+    d = s3.daemon()
+    with RemoteCheckpointer(
+        "train", d.address, run="tc", timeout=TIMEOUT, max_to_keep=2, weights=weights, global_step=global_step
+    ) as ckpt:
+        for n in (1, 2, 3):
+            global_step.assign(n)
+            weights.assign_add(tf.ones_like(weights))
+            ckpt.save(global_step, blocking=True).result()
+    saved = weights.numpy().copy()
+    wait_until(
+        lambda: {k.split(".")[0] for k in s3.keys("tc/train/")} == {"checkpoint", "ckpt-2", "ckpt-3"},
+        "max_to_keep=2 to delete ckpt-1",
+    )
+    keys = s3.keys("tc/train/")
+    assert {"ckpt-3.checkpointd.manifest.json", "ckpt-3.index", "ckpt-3.data-00000-of-00001"} <= keys
+    state = s3.client.get_object(Bucket=s3.rgw.bucket, Key=f"{s3.prefix}/tc/train/checkpoint")["Body"].read()
+    assert b'model_checkpoint_path: "ckpt-3"' in state
+    d.terminate()
+
+    weights.assign(tf.zeros_like(weights))
+    global_step.assign(0)
+    again = s3.daemon()
+    with RemoteCheckpointer(
+        "train", again.address, run="tc", timeout=TIMEOUT, max_to_keep=2, weights=weights, global_step=global_step
+    ) as ckpt:
+        assert ckpt.checkpoint_exists
+        ckpt.initialize_or_restore()
+    assert int(global_step.numpy()) == 3
+    np.testing.assert_array_equal(weights.numpy(), saved)
 
 
 def test_recovery_deletes_uncommitted_objects_it_made_after_the_grace_age(s3: S3, policy: object) -> None:
