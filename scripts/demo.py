@@ -1,9 +1,11 @@
 """The main job: a DQN CartPole trainer saving through a local checkpointd.
 
 Starts `checkpointd serve` on a local root, trains a real TF-Agents DqnAgent on
-CartPole, saves the greedy policy through RemotePolicySaver every N steps
-(non-blocking: the trainer never waits for disk), flushes and closes, stops
-the daemon with SIGTERM, then loads the newest SavedModel and runs it.
+CartPole and saves through RemotePolicySavedModelTrigger: the raw, collect and
+greedy SavedModels at the start, then a non-blocking checkpoint every N steps
+(the trainer never waits for disk). Closes the trigger (every save durable),
+stops the daemon with SIGTERM, then loads the greedy SavedModel updated from
+the newest checkpoint and runs one episode with it.
 """
 
 from __future__ import annotations
