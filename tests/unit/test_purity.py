@@ -79,7 +79,6 @@ def _probe(target: str, *, walk: bool) -> Probe:
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     if done.returncode != 0:
-        # Not an AssertionError, so that the xfail below cannot take it for the finding.
         pytest.fail(f"importing {target} failed:\n{done.stderr[-4000:]}")  # the traceback, past TF's warnings
     return Probe(**json.loads(done.stdout.splitlines()[-1]))
 

@@ -35,9 +35,6 @@ from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY, VARIABLE_ATTRIBUTE
 
 _LOGGER = logging.getLogger(__name__)
 
-# checkpointd.formats.policy imports OBJECT_GRAPH_KEY (defined in protocol.tensors)
-# from here, with VARIABLES_PREFIX.
-
 VARIABLES_PREFIX = os.path.join("variables", "variables")
 _REQUIRED_SIGNATURES = ("action", "get_initial_state", "get_train_step", "get_metadata")
 # Written anew for every SAVED_MODEL save, never copied from the template.
