@@ -200,6 +200,19 @@ def test_cli_exits_0_when_all_ok_and_takes_several_paths(root: Path, capsys: pyt
     assert capsys.readouterr().out.endswith("2 OK, 0 FAILED\n")
 
 
+def test_cli_takes_the_working_dir_as_dot(
+    root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `cd <root>/<run> && checkpointd verify .`: "." has no name of its own to look beside.
+    monkeypatch.chdir(root / "runA")
+    assert main(["verify", "."]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "OK      nested/policy_2 (saved_model, step 7, 5 files, 10752 bytes)",
+        "OK      policy_1 (saved_model, step 7, 5 files, 10752 bytes)",
+        "2 OK, 0 FAILED",
+    ]
+
+
 def test_cli_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "--json", str(root / "runA"), str(root / "missing")]) == 1
     document = json.loads(capsys.readouterr().out)

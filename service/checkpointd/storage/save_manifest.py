@@ -291,7 +291,9 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> Report:
     )
     problems = _entry_problems(prefix.parent, entries, progress)
     problems.extend(
-        f"{entry.path} is not a file of {prefix.name}" for entry in entries if not entry.path.startswith(prefix.name + ".")
+        f"{entry.path} is not a file of {prefix.name}"
+        for entry in entries
+        if not entry.path.startswith(prefix.name + ".")
     )
     return _verdict(passed, problems)
 
@@ -374,7 +376,8 @@ def find_prefixes(path: Path, *, orphans: bool = False) -> list[Path]:
     path = Path(path)
     if path.name.endswith(PREFIX_MANIFEST_SUFFIX) and path.is_file():
         return [path.with_name(path.name[: -len(PREFIX_MANIFEST_SUFFIX)])]
-    if path.with_name(path.name + PREFIX_MANIFEST_SUFFIX).is_file():
+    # "." and "/" have no name, so no manifest can sit beside them: search them as dirs.
+    if path.name and path.with_name(path.name + PREFIX_MANIFEST_SUFFIX).is_file():
         return [path]
     if not path.is_dir() or (path / MANIFEST_NAME).exists() or _looks_like_a_save(path):
         return []
