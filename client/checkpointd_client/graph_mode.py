@@ -36,9 +36,7 @@ class GraphReads:
     lock); reads may run from any thread, as `Session.run` may.
     """
 
-    def __init__(
-        self, graph: tf.Graph, train_step: tf.Variable, session: tf.compat.v1.Session | None
-    ) -> None:
+    def __init__(self, graph: tf.Graph, train_step: tf.Variable, session: tf.compat.v1.Session | None) -> None:
         """Builds the train step's read op in `graph`.
 
         Args:
@@ -107,4 +105,3 @@ class GraphReads:
                     op = tf.identity(variable)
             self._ops[variable] = op
         return self._ops[variable]
-

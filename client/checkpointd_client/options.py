@@ -125,9 +125,7 @@ def call_write_callbacks(callbacks: Sequence[WriteCallback], export_path: str) -
             callback()
 
 
-def _refuse(
-    options: object, default: object, what: str, refused: dict[str, str], accepted: Sequence[str]
-) -> None:
+def _refuse(options: object, default: object, what: str, refused: dict[str, str], accepted: Sequence[str]) -> None:
     """Raises ValueError for a refused option that is set, or an unknown one that differs from its default."""
     for name in type(options).__slots__:  # type: ignore[attr-defined]
         value = getattr(options, name)

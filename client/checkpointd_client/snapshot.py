@@ -258,9 +258,7 @@ def take_snapshot(
     return Snapshot(tuple(b.key for b in bindings.variables), arrays, step, numpy_state)
 
 
-def _target(
-    binding: Binding, into: np.ndarray | None, read: np.ndarray | None
-) -> tuple[np.ndarray, np.ndarray]:
+def _target(binding: Binding, into: np.ndarray | None, read: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """(where to copy, the variable's value now) for one binding; `read`: the value already read."""
     # The read tensor's own memory, without the copy .numpy() makes; it is
     # released after the copy, so the trainer's next update writes in place.

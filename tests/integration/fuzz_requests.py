@@ -311,10 +311,16 @@ def training_checkpoint() -> tuple[pb.TrainingCheckpoint, tuple[pb.Chunk, ...], 
     """
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     root = graph.nodes.add()
-    tensors = [("w", "VARIABLE_VALUE", "float32", [4], 16), ("b", "VARIABLE_VALUE", "int64", [2], 16), ("s", "py_state", "string", [], 10)]
+    tensors = [
+        ("w", "VARIABLE_VALUE", "float32", [4], 16),
+        ("b", "VARIABLE_VALUE", "int64", [2], 16),
+        ("s", "py_state", "string", [], 10),
+    ]
     for i, (name, attribute, _, _, _) in enumerate(tensors):
         root.children.add(node_id=i + 1, local_name=name)
-        graph.nodes.add().attributes.add(name=attribute, full_name=name, checkpoint_key=f"{name}/.ATTRIBUTES/{attribute}")
+        graph.nodes.add().attributes.add(
+            name=attribute, full_name=name, checkpoint_key=f"{name}/.ATTRIBUTES/{attribute}"
+        )
     message = pb.TrainingCheckpoint(
         object_graph=graph.SerializeToString(),
         tensors=[

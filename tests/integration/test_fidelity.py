@@ -118,7 +118,9 @@ def _graph_case(daemon: Daemon, tmp: Path, kind: str, nest: bool) -> GraphCase:
         assert saver.get_train_step() is not None
         saver.close(timeout=TIMEOUT)  # its log line once raised TypeError in graph mode
     run_dir = daemon.root / run
-    return GraphCase(run, kind, expected, later, results, run_dir / "sm", run_dir / "ck", tmp / "ref_sm", tmp / "ref_ck")
+    return GraphCase(
+        run, kind, expected, later, results, run_dir / "sm", run_dir / "ck", tmp / "ref_sm", tmp / "ref_ck"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +294,7 @@ def test_graph_mode_flush_waits_until_no_save_is_in_flight(graph_env: GraphEnv) 
     held = graph_env.hold(saver, step, "held")
     with pytest.raises(DeadlineError):
         saver.flush(timeout=0.3)
+
     def flush() -> bool:
         saver.flush(timeout=TIMEOUT)
         return held.path.is_dir()
@@ -486,7 +489,9 @@ def test_checkpoint_options_write_callbacks_run_once_durable(daemon: Daemon) -> 
         assert seen == [(str(daemon.root / "fid-ck-options" / "blocking" / "variables" / "variables"), True)]
         saver.save_checkpoint("background", options=options)
         saver.flush(timeout=TIMEOUT)
-    assert [path for path, _ in seen][1:] == [str(daemon.root / "fid-ck-options" / "background" / "variables" / "variables")]
+    assert [path for path, _ in seen][1:] == [
+        str(daemon.root / "fid-ck-options" / "background" / "variables" / "variables")
+    ]
     assert all(exists for _, exists in seen) and calls == ["no-arg", "no-arg"]
 
 

@@ -424,7 +424,10 @@ class Fuzzer:
             report = save_manifest.verify_prefix(Path(prefix))
             assert report.ok and report.step == step, report
         for directory in {Path(p).parent for p in self.accepted_prefixes}:
-            committed = {p.name[: -len(save_manifest.PREFIX_MANIFEST_SUFFIX)] for p in directory.glob("*" + save_manifest.PREFIX_MANIFEST_SUFFIX)}
+            committed = {
+                p.name[: -len(save_manifest.PREFIX_MANIFEST_SUFFIX)]
+                for p in directory.glob("*" + save_manifest.PREFIX_MANIFEST_SUFFIX)
+            }
             listed = (directory / "checkpoint").read_text().count("all_model_checkpoint_paths")
             assert committed == {Path(p).name for p in self.accepted_prefixes if Path(p).parent == directory}
             assert listed == len(committed), (directory, listed, committed)

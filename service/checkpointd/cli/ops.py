@@ -158,7 +158,9 @@ def format_status(reply: pb.StatusResponse, now: float | None = None) -> str:
         if r.HasField("in_flight"):
             f = r.in_flight
             kind = from_wire(f.kind)
-            flight = f"{kind.value if kind else '?'} {f.export_dir} (step {f.step}, {_ago(f.started_unix_seconds, now)})"
+            flight = (
+                f"{kind.value if kind else '?'} {f.export_dir} (step {f.step}, {_ago(f.started_unix_seconds, now)})"
+            )
             if f.waiting:
                 flight += f" +{f.waiting} waiting"
         else:

@@ -253,8 +253,7 @@ def training_checkpoint_to_pb(
     return pb.TrainingCheckpoint(
         object_graph=object_graph,
         tensors=[
-            pb.Tensor(checkpoint_key=t.checkpoint_key, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
-            for t in tensors
+            pb.Tensor(checkpoint_key=t.checkpoint_key, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes) for t in tensors
         ],
         max_to_keep=max_to_keep or 0,
         keep_checkpoint_every_n_hours=keep_checkpoint_every_n_hours or 0.0,

@@ -63,9 +63,7 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
     checkpoint, export_dir = None, header.export_dir
     training = kind is SaveKind.TRAINING_CHECKPOINT
     if header.HasField("training_checkpoint") != training:
-        raise InvalidRequestError(
-            "Save: training_checkpoint is set with, and only with, kind TRAINING_CHECKPOINT"
-        )
+        raise InvalidRequestError("Save: training_checkpoint is set with, and only with, kind TRAINING_CHECKPOINT")
     if training:
         checkpoint = training_checkpoint_from_pb(header.training_checkpoint)
         # The header names the checkpoint's dir; the save is its prefix ckpt-<step> there.

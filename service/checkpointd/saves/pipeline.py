@@ -305,25 +305,19 @@ class SavePipeline:
             yield Decision(accepted=True, segment=segment)
             # A phase is timed when it ends, failed or not, as save_duration is.
             try:
-                received, transport = receive(
-                    parts, segment, accepted + self.upload_timeout
-                )
+                received, transport = receive(parts, segment, accepted + self.upload_timeout)
                 self._phases.snapshot_received(kind, transport)
             finally:
                 self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted)
             writing = time.monotonic()
             try:
                 with self.retention.holding(folder):  # no deletions in the folder meanwhile
-                    path, bytes_written = self._pool.run(
-                        lambda: self._write(request, run, folder, manifest, received)
-                    )
+                    path, bytes_written = self._pool.run(lambda: self._write(request, run, folder, manifest, received))
             finally:
                 self._phases.observe_phase(kind, "write", time.monotonic() - writing)
             outcome = Written(path, bytes_written)
             if request.checkpoint is not None:
-                self.retention.after_checkpoint(
-                    folder, directory_of(request.export_dir), request.checkpoint.retention
-                )
+                self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
             else:
                 self.retention.after_save(run, folder)
         except Exception as exc:
@@ -448,9 +442,7 @@ def check_folder(folder: str) -> str:
         ) from None
 
 
-def _log_outcome(
-    request: SaveRequest, run: str, outcome: Written | Failed, seconds: float, transport: str
-) -> None:
+def _log_outcome(request: SaveRequest, run: str, outcome: Written | Failed, seconds: float, transport: str) -> None:
     if isinstance(outcome, Written):
         _LOGGER.info(
             "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs transport=%s",
