@@ -254,6 +254,39 @@ def test_training_checkpoints_on_s3_keep_max_to_keep_and_restore_on_a_new_daemon
     np.testing.assert_array_equal(weights.numpy(), saved)
 
 
+def _cli(s3: S3, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "checkpointd", *args, *s3.args()],
+        capture_output=True, text=True, timeout=120, env={**_base_env(), **s3.rgw.daemon_env()},
+    )  # fmt: skip
+
+
+def test_fetch_brings_the_newest_save_down_loadable_and_verify_reports_tampering(s3: S3, policy: object) -> None:
+    d = s3.daemon()
+    saver, step = s3.saver(d, policy, "fe")
+    step.assign(5)
+    saver.save("model", blocking=True).result()
+    step.assign(6)
+    saver.save_checkpoint("ckpt", blocking=True).result()
+
+    fetched = _cli(s3, "fetch", "--root", s3.url, "fe/model", str(s3.tmp / "model"))
+    assert fetched.returncode == 0, fetched.stderr
+    loaded = tf.saved_model.load(str(s3.tmp / "model"))
+    assert int(loaded.get_train_step().numpy()) == 5
+    newest = _cli(s3, "fetch", "--root", s3.url, "fe", str(s3.tmp / "newest"))
+    assert newest.returncode == 0, newest.stderr
+    assert (s3.tmp / "newest" / "variables" / "variables.index").is_file() and "step 6" in newest.stderr
+    assert _cli(s3, "fetch", "--root", s3.url, "fe/nothing", str(s3.tmp / "n")).returncode == 1
+
+    ok = _cli(s3, "verify", f"{s3.url}/fe")
+    assert ok.returncode == 0 and "2 OK, 0 FAILED" in ok.stdout, ok.stdout + ok.stderr
+    key = f"{s3.prefix}/fe/ckpt/variables/variables.index"
+    original = s3.client.get_object(Bucket=s3.rgw.bucket, Key=key)["Body"].read()
+    s3.client.put_object(Bucket=s3.rgw.bucket, Key=key, Body=bytes([original[0] ^ 1]) + original[1:])
+    bad = _cli(s3, "verify", f"{s3.url}/fe")
+    assert bad.returncode == 1 and "FAILED" in bad.stdout and "variables/variables.index has CRC32C" in bad.stdout
+
+
 def test_recovery_deletes_uncommitted_objects_it_made_after_the_grace_age(s3: S3, policy: object) -> None:
     bucket, base = s3.rgw.bucket, f"{s3.prefix}/rec/"
     for key in ("torn/variables/variables.index", "torn/saved_model.pb", "ckpts/ckpt-9.index", "notes.txt"):

@@ -49,6 +49,21 @@ class VerifyCommand:
     paths: tuple[Path, ...]
     as_json: bool = False
     progress: bool | None = None  # None: only when stderr is a terminal
+    urls: tuple[str, ...] = ()  # s3://BUCKET[/PREFIX[/RUN]]: committed saves in an object store
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+
+
+@dataclass(frozen=True)
+class FetchCommand:
+    """fetch: copy a committed save from an object store to a local dir, checked."""
+
+    root: str
+    save: str  # RUN[/EXPORT_DIR]
+    dest: Path
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    progress: bool | None = None
 
 
 # The defaults, written once: ServeConfig's (the help text quotes them).
@@ -296,8 +311,26 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "other file. Exit 0 if all are OK, 1 if any is not.",
     )
     verify.add_argument(
-        "paths", nargs="+", type=Path, metavar="PATH", help="a save dir, or a dir to search for save dirs"
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="a save dir, or a dir to search for save dirs, or s3://BUCKET[/PREFIX[/RUN]] (every object read back)",
     )
+    fetch = sub.add_parser(
+        "fetch",
+        help="copy a committed save from an s3:// root to a local dir, checked against its manifest",
+        description="Copy RUN's newest committed save (or RUN/EXPORT_DIR) from --root s3://BUCKET[/PREFIX] "
+        "to DEST, checked against its manifest. Credentials come from the standard AWS environment "
+        "variables or config files. Exit 0 when fetched, 1 if there is no such save or it is corrupt, "
+        "2 for bad arguments, credentials or bucket.",
+    )
+    fetch.add_argument("--root", required=True, help="the daemons' s3://BUCKET[/PREFIX]")
+    fetch.add_argument("save", metavar="RUN[/EXPORT_DIR]")
+    fetch.add_argument("dest", type=Path, metavar="DEST", help="a new (or empty) local dir")
+    fetch.add_argument("--progress", action="store_true", default=None, help="show bytes fetched on stderr")
+    for cmd in (verify, fetch):
+        cmd.add_argument("--s3-endpoint-url", help="another S3 server than AWS's")
+        cmd.add_argument("--s3-region", help="the bucket's region (default: the AWS config's)")
     verify.add_argument("--json", action="store_true", dest="as_json", help="machine-readable output")
     verify.add_argument(
         "--progress",
@@ -308,7 +341,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     return parser, dict(sub.choices)
 
 
-def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | VerifyCommand, str]:
+def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | VerifyCommand | FetchCommand, str]:
     """Parses a command line; no side effects.
 
     Returns:
@@ -352,7 +385,20 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
             commands["serve"].error(_with_flags(str(exc), commands["serve"]))
         return config, args.log_level
     if args.command == "verify":
-        return VerifyCommand(tuple(args.paths), args.as_json, args.progress), "WARNING"
+        return VerifyCommand(
+            tuple(Path(p) for p in args.paths if not p.startswith("s3://")),
+            args.as_json,
+            args.progress,
+            urls=tuple(p for p in args.paths if p.startswith("s3://")),
+            s3_endpoint_url=args.s3_endpoint_url,
+            s3_region=args.s3_region,
+        ), "WARNING"
+    if args.command == "fetch":
+        if not args.root.startswith("s3://"):
+            commands["fetch"].error("--root must be s3://BUCKET[/PREFIX] (a local root is read where it is)")
+        return FetchCommand(
+            args.root, args.save, args.dest, args.s3_endpoint_url, args.s3_region, args.progress
+        ), "WARNING"
     if args.timeout is not None and not 0 < args.timeout < math.inf:
         commands[args.command].error("--timeout must be a positive number of seconds")
     if (args.tls_cert is None) != (args.tls_key is None):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -44,7 +45,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
@@ -409,7 +410,7 @@ class S3Store:
         return f"{key}/", f"{key}/{MANIFEST}"
 
     @contextlib.contextmanager
-    def local_copy(self, save: CommittedSave) -> Iterator[CommittedSave]:
+    def local_copy(self, save: CommittedSave, progress: Callable[[int], None] | None = None) -> Iterator[CommittedSave]:
         files_base, manifest_key = self._layout(save)
         with self._reading(f"reading {save.path}"):
             document = self._manifest(manifest_key, None)
@@ -427,7 +428,12 @@ class S3Store:
                 for entry in entries:
                     (base / entry.path).parent.mkdir(parents=True, exist_ok=True)
                     futures.append(
-                        self._transfer.download(self.bucket, files_base + entry.path, str(base / entry.path))
+                        self._transfer.download(
+                            self.bucket,
+                            files_base + entry.path,
+                            str(base / entry.path),
+                            subscribers=[_Progress(progress)] if progress is not None else None,
+                        )
                     )
                 for future in futures:
                     future.result()
@@ -579,9 +585,78 @@ def _unavailable_on_error(what: str) -> Iterator[None]:
         raise UnavailableError(f"the object store failed {what}: {e}") from e
 
 
+class _Progress:
+    """An s3transfer subscriber that reports bytes as they arrive."""
+
+    def __init__(self, report: Callable[[int], None]) -> None:
+        self._report = report
+
+    def on_queued(self, **_: Any) -> None:
+        pass
+
+    def on_progress(self, bytes_transferred: int, **_: Any) -> None:
+        self._report(bytes_transferred)
+
+    def on_done(self, **_: Any) -> None:
+        pass
+
+
 def _is_run_name(name: str) -> bool:
     try:
         check_run_name(name)
     except Exception:
         return False
     return True
+
+
+def verify_bucket(store: S3Store, folders: list[str] | None = None) -> list[save_manifest.Report]:
+    """Checks every committed save under the store's prefix (or in `folders`) against its manifest.
+
+    Every listed object must be there with the listed size, ETag and CRC32C
+    (read back in full). Objects no manifest lists are not saves and are
+    not reported (recovery deletes checkpointd's own after the grace age).
+    """
+    reports = []
+    for folder in store.folders() if folders is None else folders:
+        for save in sorted(store.committed(folder, None), key=lambda s: str(s.path)):
+            reports.append(_verify_save(store, save))
+    return reports
+
+
+def _verify_save(store: S3Store, save: CommittedSave) -> save_manifest.Report:
+    import crc32c
+
+    files_base, manifest_key = store._layout(save)
+    where = f"s3://{store.bucket}/{save.path}"
+    document = store._manifest(manifest_key, None)
+    if document is None:
+        return save_manifest.Report(where, False, "its manifest is gone")
+    entries: list[save_manifest.FileEntry] = document["files"]
+    etags = document.get(_ETAGS) or {}
+    problems = []
+    for entry in entries:
+        key = files_base + entry.path
+        try:
+            response = store.client.get_object(Bucket=store.bucket, Key=key)
+        except Exception as e:
+            problems.append(f"{entry.path} is missing" if _code(e) in ("NoSuchKey", "404") else f"{entry.path}: {e}")
+            continue
+        size, value, body = 0, 0, response["Body"]
+        for block in iter(functools.partial(body.read, 4 << 20), b""):
+            size += len(block)
+            value = crc32c.crc32c(block, value)
+        etag = str(response.get("ETag", "")).strip('"')
+        if size != entry.size:
+            problems.append(f"{entry.path} has {size} bytes, the manifest says {entry.size}")
+        elif f"{value:08x}" != entry.crc32c.lower():
+            problems.append(f"{entry.path} has CRC32C {value:08x}, the manifest says {entry.crc32c}")
+        elif entry.path in etags and etags[entry.path] != etag:
+            problems.append(f"{entry.path} has ETag {etag}, the manifest says {etags[entry.path]} (rewritten)")
+    passed = save_manifest.Report(
+        where, True, run=save.run, kind=save.kind.value, step=save.step, files=len(entries),
+        bytes=sum(e.size for e in entries),
+    )  # fmt: skip
+    if problems:
+        more = len(problems) - 3
+        return replace(passed, ok=False, reason="; ".join(problems[:3]) + (f" (and {more} more)" if more > 0 else ""))
+    return passed

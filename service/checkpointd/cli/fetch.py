@@ -1,0 +1,176 @@
+"""`checkpointd fetch` and `checkpointd verify s3://...`: committed saves in an object store, offline.
+
+`fetch` brings one committed save (a run's newest by default) down to a
+local dir, checked against its manifest (sizes and CRC32C), with a progress
+line: TensorFlow 2.15 cannot read s3:// itself (the tensorflow-io release
+that matches it crashes on S3), so `tf.saved_model.load`, `policy_loader`
+and `tf.train.latest_checkpoint` read the fetched copy. `verify` reads every
+object of every committed save back and checks size, CRC32C and ETag.
+No daemon and no TensorFlow: boto3 and crc32c only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+from checkpointd.core.ports import CommittedSave
+from checkpointd.core.retention import age
+from checkpointd.protocol.errors import CheckpointdError
+from checkpointd.protocol.names import check_run_name
+from checkpointd.storage import s3
+
+
+class _Progress:
+    """Bytes fetched so far on one rewritten stderr line, at most 5 times a second."""
+
+    def __init__(self, stream: IO[str], total: int) -> None:
+        self._stream, self._total, self._done, self._shown = stream, total, 0, 0.0
+
+    def __call__(self, n: int) -> None:
+        self._done += n
+        now = time.monotonic()
+        if now - self._shown >= 0.2:
+            self._shown = now
+            self._stream.write(f"\rfetched {self._done / (1 << 20):,.1f} of {self._total / (1 << 20):,.1f} MiB")
+            self._stream.flush()
+
+    def end(self) -> None:
+        self._stream.write(f"\rfetched {self._done / (1 << 20):,.1f} MiB\n")
+        self._stream.flush()
+
+
+def _store(root: str, endpoint_url: str | None, region: str | None, work: Path) -> s3.S3Store:
+    store = s3.S3Store(root, work, endpoint_url=endpoint_url, region=region)
+    try:
+        store.check()
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def fetch(
+    root: str,
+    save: str,
+    dest: Path,
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    progress: bool | None = None,
+    err: IO[str] | None = None,
+) -> int:
+    """`checkpointd fetch`: copies RUN[/EXPORT_DIR] from `root` to `dest`; returns the exit code.
+
+    A save that is a dir of its own becomes `dest` (which must not exist); a
+    training checkpoint's files `<name>.*` go into the dir `dest`, with a
+    `checkpoint` state file naming it, so `tf.train.latest_checkpoint(dest)` finds it.
+    Exit 0 when fetched and checked, 1 when no such save or a file is corrupt, 2 for setup errors.
+    """
+    err = err or sys.stderr
+    folder, _, export_dir = save.partition("/")
+    try:
+        check_run_name(folder)
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            err.write(f"checkpointd fetch: {dest} exists and is not an empty dir\n")
+            return 2
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        store = _store(root, endpoint_url, region, dest.parent)
+    except (CheckpointdError, OSError, ValueError) as e:
+        err.write(f"checkpointd fetch: {e}\n")
+        return 2
+    try:
+        chosen: CommittedSave | None
+        if export_dir:
+            chosen = store.committed_at(folder, export_dir)
+        else:
+            saves = store.committed(folder, None)
+            chosen = max(saves, key=age) if saves else None
+        if chosen is None:
+            err.write(f"checkpointd fetch: no committed save in {root}/{folder}\n")
+            return 1
+        total = _listed_bytes(store, chosen)
+        line = _Progress(err, total) if (err.isatty() if progress is None else progress) else None
+        with store.local_copy(chosen, line) as local:
+            _place(Path(local.path), chosen, dest)
+        if line is not None:
+            line.end()
+        err.write(f"fetched s3://{store.bucket}/{chosen.path} ({chosen.kind.value}, step {chosen.step}) to {dest}\n")
+        return 0
+    except CheckpointdError as e:
+        err.write(f"checkpointd fetch: {e}\n")
+        return 1
+    finally:
+        store.close()
+
+
+def _listed_bytes(store: s3.S3Store, save: CommittedSave) -> int:
+    document = store._manifest(store._layout(save)[1], None) or {"files": []}
+    return sum(e.size for e in document["files"])
+
+
+def _place(local: Path, save: CommittedSave, dest: Path) -> None:
+    if not save.prefix:
+        if dest.exists():
+            dest.rmdir()
+        shutil.move(str(local), dest)
+        return
+    dest.mkdir(parents=True, exist_ok=True)
+    name = PurePosixPath(save.path).name
+    for entry in os.listdir(local.parent):
+        if entry.startswith(name + "."):
+            shutil.move(str(local.parent / entry), dest / entry)
+    state = f'model_checkpoint_path: "{name}"\nall_model_checkpoint_paths: "{name}"\n'
+    (dest / "checkpoint").write_text(state)
+
+
+def verify(
+    urls: Sequence[str],
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    as_json: bool = False,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+) -> int:
+    """`checkpointd verify s3://BUCKET[/PREFIX[/RUN]]`: 0 if every committed save is intact, 1 if not, 2 on setup errors."""
+    out, err = out or sys.stdout, err or sys.stderr
+    reports = []
+    for url in urls:
+        parsed = s3.S3Url.parse(url)
+        # s3://BUCKET/PREFIX/RUN checks one run folder: try it as a folder first.
+        base, _, last = parsed.prefix.rpartition("/")
+        try:
+            store = _store(f"s3://{parsed.bucket}/{base}", endpoint_url, region, Path.cwd())
+        except (OSError, ValueError) as e:
+            err.write(f"checkpointd verify: {e}\n")
+            return 2
+        try:
+            if last and last in store.folders():
+                reports.extend(s3.verify_bucket(store, [last]))
+            else:
+                store.close()
+                store = _store(url, endpoint_url, region, Path.cwd())
+                reports.extend(s3.verify_bucket(store))
+        finally:
+            store.close()
+    ok = all(r.ok for r in reports)
+    if as_json:
+        json.dump({"ok": ok, "dirs": [asdict(r) for r in reports]}, out, indent=1)
+        out.write("\n")
+    else:
+        for r in reports:
+            if r.ok:
+                out.write(f"OK      {r.path} ({r.kind}, step {r.step}, {r.files} files, {r.bytes} bytes)\n")
+            else:
+                out.write(f"FAILED  {r.path}: {r.reason}\n")
+        failed = sum(not r.ok for r in reports)
+        out.write(f"{len(reports) - failed} OK, {failed} FAILED\n")
+    return 0 if ok else 1
