@@ -287,6 +287,54 @@ def test_fetch_brings_the_newest_save_down_loadable_and_verify_reports_tampering
     assert bad.returncode == 1 and "FAILED" in bad.stdout and "variables/variables.index has CRC32C" in bad.stdout
 
 
+def test_a_big_file_goes_up_in_parallel_parts_each_checked_by_content_md5(s3: S3, tmp_path: Path) -> None:
+    from checkpointd.core.ports import SaveMeta, Staged
+    from checkpointd.protocol.kinds import SaveKind
+    from checkpointd.storage.s3 import S3Store
+
+    store = S3Store(s3.url, tmp_path / "staging", part_bytes=5 << 20, client=s3.client)
+    try:
+        target = store.target("mp", "big")
+        staging = store.stage(target)
+        (staging / "variables").mkdir()
+        data = np.random.default_rng(0).bytes(23 << 20)
+        (staging / "variables" / "variables.data-00000-of-00001").write_bytes(data)
+        (staging / "variables" / "variables.index").write_bytes(b"index")
+        sent: list[str] = []
+        s3.client.meta.events.register(
+            "before-send.s3.UploadPart", lambda request, **_: sent.append(request.headers.get("Content-MD5"))
+        )
+        staged = Staged(staging, len(data) + 5, {})
+        store.commit(staged, target, SaveMeta("mp", SaveKind.CHECKPOINT, 1, "big"))
+        assert len(sent) == 5 and all(sent)  # 23 MiB in 5 MiB parts, each with its MD5
+        manifest = json.loads(
+            s3.client.get_object(Bucket=s3.rgw.bucket, Key=f"{s3.prefix}/mp/big/{MANIFEST}")["Body"].read()
+        )
+        assert manifest["s3_etags"]["variables/variables.data-00000-of-00001"].endswith("-5")  # a multipart ETag
+        [save] = store.committed("mp", None)
+        with store.local_copy(save) as local:
+            assert (Path(local.path) / "variables" / "variables.data-00000-of-00001").read_bytes() == data
+
+        # A body that does not match its Content-MD5 is refused by the server, not stored.
+        def corrupt(params: dict[str, Any], **_: Any) -> None:
+            params["headers"]["Content-MD5"] = "1B2M2Y8AsgTpgAmY7PhCfg=="  # the MD5 of b""
+
+        s3.client.meta.events.register_last("before-call.s3.PutObject", corrupt)
+        with pytest.raises(Exception, match="BadDigest|InvalidDigest"):
+            s3.client.put_object(Bucket=s3.rgw.bucket, Key=f"{s3.prefix}/mp/x", Body=b"x")
+        s3.client.meta.events.unregister("before-call.s3.PutObject", corrupt)
+        assert not s3.keys("mp/x")
+
+        # A multipart upload left by a crash is aborted by recovery once past the grace age.
+        stale = s3.client.create_multipart_upload(Bucket=s3.rgw.bucket, Key=f"{s3.prefix}/mp/big2/variables/v")
+        store.grace_seconds = 0
+        store.recover()
+        uploads = s3.client.list_multipart_uploads(Bucket=s3.rgw.bucket, Prefix=f"{s3.prefix}/").get("Uploads", [])
+        assert stale["UploadId"] not in {u["UploadId"] for u in uploads}
+    finally:
+        store.close()
+
+
 def test_recovery_deletes_uncommitted_objects_it_made_after_the_grace_age(s3: S3, policy: object) -> None:
     bucket, base = s3.rgw.bucket, f"{s3.prefix}/rec/"
     for key in ("torn/variables/variables.index", "torn/saved_model.pb", "ckpts/ckpt-9.index", "notes.txt"):
