@@ -21,13 +21,17 @@ PACKAGES=(ceph-mon ceph-osd radosgw ceph-common)
 
 die() { echo "rgw.sh: $*" >&2; exit 1; }
 
+# The repo's venv has boto3 (for the bucket); any python3 does for the rest.
+PY=${CHECKPOINTD_PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+
 port_busy() {
   # Anything listening there (the ceph CLI would silently join another cluster).
   (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
 free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+  "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
 
 install_ceph() {
@@ -91,7 +95,7 @@ start() {
   mkdir -p "$dir"/{mon,osd,log,run,rgw}
   dir=$(cd "$dir" && pwd)
   local fsid conf=$dir/ceph.conf
-  fsid=$(python3 -c 'import uuid; print(uuid.uuid4())')
+  fsid=$(cat /proc/sys/kernel/random/uuid 2>/dev/null || "$PY" -c 'import uuid; print(uuid.uuid4())')
   cat >"$conf" <<EOF
 [global]
 fsid = $fsid
@@ -163,8 +167,7 @@ EOF
     --access-key="$ACCESS_KEY" --secret="$SECRET_KEY" >/dev/null
   print_env "$dir" >"$dir/env"
   # The bucket, through the S3 API (radosgw-admin cannot create one).
-  local py=${CHECKPOINTD_PYTHON:-$(dirname "$0")/../.venv/bin/python}
-  (set -a; . "$dir/env"; "$py" - <<'PY') || { show_logs "$dir"; die "could not create the bucket (boto3 in $py?)"; }
+  (set -a; . "$dir/env"; "$PY" - <<'PY') || { show_logs "$dir"; die "could not create the bucket (boto3 in $PY?)"; }
 import os, boto3
 s3 = boto3.client("s3", endpoint_url=os.environ["CHECKPOINTD_TEST_S3_ENDPOINT"])
 s3.create_bucket(Bucket=os.environ["CHECKPOINTD_TEST_S3_BUCKET"])

@@ -37,5 +37,11 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   fi
 fi
 
+# tests/integration/test_s3.py runs against a real S3 server, Ceph's radosgw on
+# loopback: its session fixture (tests/integration/rgw.py) runs scripts/rgw.sh,
+# which installs Debian's ceph-mon, ceph-osd, radosgw and ceph-common when they
+# are missing (as root, ~30 s the first time), starts it (~3-4 s) and stops it at
+# the end. If Ceph cannot be installed (not root, apt unreachable) those tests
+# skip; -rs prints every skip's reason in the summary, so that is never silent.
 export TF_CPP_MIN_LOG_LEVEL=2
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest tests -q -rs -p no:cacheprovider "$@"
