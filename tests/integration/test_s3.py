@@ -335,6 +335,51 @@ def test_a_big_file_goes_up_in_parallel_parts_each_checked_by_content_md5(s3: S3
         store.close()
 
 
+def test_the_s3_server_killed_mid_multipart_upload_leaves_no_manifest_and_recovery_aborts_the_upload(
+    s3: S3, tmp_path: Path
+) -> None:
+    from checkpointd.core.ports import SaveMeta, Staged
+    from checkpointd.protocol.kinds import SaveKind
+    from checkpointd.storage.s3 import S3Store
+
+    store = S3Store(s3.url, tmp_path / "staging", part_bytes=5 << 20, max_concurrency=1, client=s3.client)
+    meta = SaveMeta("mid", SaveKind.CHECKPOINT, 1, "big")
+    data = np.random.default_rng(1).bytes(30 << 20)
+
+    def staged() -> Staged:
+        staging = store.stage(store.target("mid", "big"))
+        (staging / "variables").mkdir()
+        (staging / "variables" / "variables.data-00000-of-00001").write_bytes(data)
+        return Staged(staging, len(data), {})
+
+    def kill_after_the_first_part(**_: Any) -> None:
+        s3.client.meta.events.unregister("after-call.s3.UploadPart", kill_after_the_first_part)
+        s3.rgw.stop_gateway()
+
+    try:
+        first = staged()
+        s3.client.meta.events.register("after-call.s3.UploadPart", kill_after_the_first_part)
+        try:
+            with pytest.raises(Exception, match="(?i)connect|endpoint|upload"):
+                store.commit(first, store.target("mid", "big"), meta)
+        finally:
+            s3.client.meta.events.unregister("after-call.s3.UploadPart", kill_after_the_first_part)
+            s3.rgw.start_gateway()
+        store.discard(first.path)
+        assert not any(k.endswith(MANIFEST) for k in s3.keys("mid/"))
+        store.grace_seconds = 0
+        store.recover()  # the upload the kill cut short is aborted
+        uploads = s3.client.list_multipart_uploads(Bucket=s3.rgw.bucket, Prefix=f"{s3.prefix}/mid/")
+        assert not uploads.get("Uploads")
+
+        store.commit(staged(), store.target("mid", "big"), meta)  # the server is back: the next save commits
+        [save] = store.committed("mid", None)
+        with store.local_copy(save) as local:
+            assert (Path(local.path) / "variables" / "variables.data-00000-of-00001").read_bytes() == data
+    finally:
+        store.close()
+
+
 def test_recovery_deletes_uncommitted_objects_it_made_after_the_grace_age(s3: S3, policy: object) -> None:
     bucket, base = s3.rgw.bucket, f"{s3.prefix}/rec/"
     for key in ("torn/variables/variables.index", "torn/saved_model.pb", "ckpts/ckpt-9.index", "notes.txt"):
