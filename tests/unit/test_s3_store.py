@@ -1,0 +1,86 @@
+"""The object store's pure parts, without a server: URLs, keys, Content-MD5, the CLI's s3:// arguments."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from checkpointd.cli.parse import FetchCommand, VerifyCommand, config_from_args
+from checkpointd.core.config import ServeConfig
+from checkpointd.storage.s3 import S3Url, _content_md5
+
+
+@pytest.mark.parametrize(
+    ("url", "bucket", "prefix"),
+    [("s3://bkt", "bkt", ""), ("s3://bkt/", "bkt", ""), ("s3://my.bucket-1/a/b/", "my.bucket-1", "a/b")],
+)
+def test_an_s3_url_names_a_bucket_and_a_prefix(url: str, bucket: str, prefix: str) -> None:
+    parsed = S3Url.parse(url)
+    assert (parsed.bucket, parsed.prefix) == (bucket, prefix)
+
+
+@pytest.mark.parametrize("url", ["/local/dir", "s3://", "s3://UPPER/x", "s3://b/a//c", "s3://bkt/../x", "s3://x"])
+def test_a_bad_s3_url_is_refused(url: str) -> None:
+    with pytest.raises(ValueError):
+        S3Url.parse(url)
+
+
+@pytest.mark.parametrize("body", [b"some bytes", io.BytesIO(b"x" * (3 << 20))])
+def test_content_md5_is_the_bodys_and_a_file_body_is_rewound(body: bytes | io.BytesIO) -> None:
+    data = body if isinstance(body, bytes) else body.getvalue()
+    if isinstance(body, io.BytesIO):
+        body.seek(5)
+        data = data[5:]
+    params: dict[str, object] = {"headers": {}, "body": body}
+    _content_md5(params)
+    assert params["headers"] == {"Content-MD5": base64.b64encode(hashlib.md5(data).digest()).decode()}
+    if isinstance(body, io.BytesIO):
+        assert body.tell() == 5
+
+
+def test_serve_with_an_s3_root_keeps_state_in_the_work_dir() -> None:
+    config, _ = config_from_args(
+        ["serve", "--root", "s3://bkt/pre", "--work-dir", "/w", "--s3-endpoint-url", "http://h:1", "--s3-region", "r"]
+    )
+    assert isinstance(config, ServeConfig)
+    assert (config.s3_url, config.root, config.s3_endpoint_url, config.s3_region) == (
+        "s3://bkt/pre", Path("/w"), "http://h:1", "r",
+    )  # fmt: skip
+    local, _ = config_from_args(["serve", "--root", "here"])
+    assert isinstance(local, ServeConfig) and (local.s3_url, local.root) == (None, Path("here"))
+
+
+def test_an_endpoint_without_an_s3_root_is_refused() -> None:
+    with pytest.raises(ValueError, match="s3:// root"):
+        ServeConfig(s3_endpoint_url="http://h:1")
+
+
+def test_fetch_and_verify_take_s3_urls() -> None:
+    fetch, _ = config_from_args(["fetch", "--root", "s3://b/p", "run/ckpt", "out"])
+    assert fetch == FetchCommand("s3://b/p", "run/ckpt", Path("out"))
+    verify, _ = config_from_args(["verify", "s3://b/p/run", "local"])
+    assert isinstance(verify, VerifyCommand)
+    assert (verify.urls, verify.paths) == (("s3://b/p/run",), (Path("local"),))
+    with pytest.raises(SystemExit):
+        config_from_args(["fetch", "--root", "/local", "run", "out"])
+
+
+def test_keys_are_under_the_prefix_and_checked_like_local_paths(tmp_path: Path) -> None:
+    pytest.importorskip("boto3")
+    from checkpointd.protocol.errors import InvalidRequestError
+    from checkpointd.storage.s3 import S3Store
+
+    store = S3Store("s3://bkt/pre", tmp_path, endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    try:
+        assert store.target("run", "policies/p") == PurePosixPath("pre/run/policies/p")
+        assert store.describe() == "s3://bkt/pre"
+        with pytest.raises(InvalidRequestError):
+            store.target("run", "../other")
+        staging = store.stage(store.target("run", "p"))
+        assert staging.parent == tmp_path and staging.name.startswith(".checkpointd-tmp-p-")
+    finally:
+        store.close()
