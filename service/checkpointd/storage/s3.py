@@ -20,6 +20,10 @@ Rename is not atomic in an object store, so a save is committed thus:
 5. Objects under the save that the new manifest does not list (a replaced
    save's) are deleted.
 
+Objects are overwritten in place, so a replacement that fails after step 2
+leaves no save at that place (the local store keeps the old tree); saves to
+new names (checkpoint steps, numbered export dirs) never meet this.
+
 Readers trust manifests only; a save without one never counts. Delete: the
 manifest first, then the objects it lists. `recover` (at start) aborts
 multipart uploads under the prefix and deletes objects no manifest lists,
