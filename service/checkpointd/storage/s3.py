@@ -512,6 +512,25 @@ class S3Store:
                     shutil.rmtree(entry, ignore_errors=True)
                     fixed += 1
         cutoff = time.time() - self.grace_seconds
+        # Tidying only: a bucket policy that denies listing uploads or
+        # deleting must not stop the daemon from serving (leftovers are not saves).
+        try:
+            fixed += self._abort_stale_uploads(cutoff)
+        except Exception as e:
+            _LOGGER.warning("recover: could not abort stale multipart uploads under %s: %s", self.url, e)
+        try:
+            for folder in self.folders():
+                doomed = self._uncommitted(self._folder_key(folder), cutoff)
+                for key in doomed:
+                    _LOGGER.info("recover: deleting %s, of no committed save", key)
+                self._delete_keys(doomed)
+                fixed += len(doomed)
+        except Exception as e:
+            _LOGGER.warning("recover: could not delete uncommitted objects under %s: %s", self.url, e)
+        return fixed
+
+    def _abort_stale_uploads(self, cutoff: float) -> int:
+        aborted = 0
         paginator = self.client.get_paginator("list_multipart_uploads")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self._base()):
             for upload in page.get("Uploads", []):
@@ -520,14 +539,8 @@ class S3Store:
                     self.client.abort_multipart_upload(
                         Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )
-                    fixed += 1
-        for folder in self.folders():
-            doomed = self._uncommitted(self._folder_key(folder), cutoff)
-            for key in doomed:
-                _LOGGER.info("recover: deleting %s, of no committed save", key)
-            self._delete_keys(doomed)
-            fixed += len(doomed)
-        return fixed
+                    aborted += 1
+        return aborted
 
     def _uncommitted(self, folder_key: str, cutoff: float) -> list[str]:
         """Keys under a folder that no manifest lists, that checkpointd writes, older than `cutoff`."""
