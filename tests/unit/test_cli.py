@@ -99,6 +99,8 @@ def test_sizes_take_units(text: str, size: int) -> None:
         ["--max-snapshot-bytes", "lots"],
         ["--max-snapshot-bytes", "0"],
         ["--grace-seconds", "-1"],
+        ["--grace-seconds", "nan"],
+        ["--grace-seconds", "inf"],
         ["--max-workers", "0"],
         ["--log-level", "LOUD"],
         ["--write-nice", "20"],

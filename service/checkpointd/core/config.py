@@ -103,8 +103,8 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in 0..65535, got {value}")
-        if self.grace_seconds < 0:
-            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        if not 0 <= self.grace_seconds < math.inf:  # NaN would wait forever, inf overflows the wait
+            raise ValueError(f"grace_seconds must be >= 0 and finite, got {self.grace_seconds}")
         for name in ("max_snapshot_bytes", "max_template_bytes", "max_workers", "max_concurrent_uploads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
