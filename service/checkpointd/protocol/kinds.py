@@ -20,21 +20,8 @@ class SaveKind(enum.Enum):
     # tf.train.CheckpointManager.save (common.Checkpointer): a whole training state
     TRAINING_CHECKPOINT = "training_checkpoint"
 
-    @property
-    def label(self) -> str:
-        """The kind's name in metrics, manifests and logs."""
-        return self.value
-
-    @classmethod
-    def from_label(cls, label: str) -> SaveKind:
-        """The kind a label names; ValueError for another text."""
-        return cls(label)
-
 
 LABELS: tuple[str, ...] = tuple(k.value for k in SaveKind)
-# The kinds of a policy run (RegisterRun with a template); a training run
-# takes TRAINING_CHECKPOINT only.
-POLICY_KINDS: tuple[SaveKind, ...] = (SaveKind.SAVED_MODEL, SaveKind.CHECKPOINT)
 
 
 def to_wire(kind: SaveKind) -> pb.SaveKind:
