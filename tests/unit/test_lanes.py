@@ -159,6 +159,21 @@ def test_blocking_begin_past_its_timeout_is_withdrawn(lanes: Lanes) -> None:
     assert view.stats.ok == 1
 
 
+@pytest.mark.parametrize("timeout", [threading.TIMEOUT_MAX, 2 * threading.TIMEOUT_MAX, float("inf")])
+def test_a_waiter_without_a_real_deadline_waits_for_its_turn(
+    lanes: Lanes, pool: ThreadPoolExecutor, timeout: float
+) -> None:
+    # gRPC reports a call without a deadline as ~292 years left: more than a
+    # lock can wait. The waiter must treat it as no deadline, not overflow.
+    first = start(lanes)
+    queued, is_active = queued_signal()
+    waiter = pool.submit(lanes.begin, "a", spec("second", blocking=True), timeout=timeout, is_active=is_active)
+    assert queued.wait(LIMIT)
+    lanes.finish("a", first, Written("/r/a/first", 1))
+    ticket = waiter.result(timeout=LIMIT)
+    assert ticket.state is TicketState.ACTIVE and ticket.spec.export_dir == "second"
+
+
 def test_waiter_whose_caller_went_away_gives_up(lanes: Lanes, pool: ThreadPoolExecutor) -> None:
     first = start(lanes)
     queued, gone = threading.Event(), threading.Event()

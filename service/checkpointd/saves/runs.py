@@ -130,7 +130,9 @@ class Lanes:
             DeadlineError: a blocking save waited longer than `timeout`, or
                 its caller went away.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        # gRPC reports a call without a deadline as ~292 years left, past what a
+        # lock can wait (threading.TIMEOUT_MAX): that is no deadline.
+        deadline = None if timeout is None or timeout >= threading.TIMEOUT_MAX else time.monotonic() + timeout
         with self._cond:
             decision = self._get(run).lane.request(spec, draining=self._draining)
             if isinstance(decision, Skipped) or decision.state is TicketState.ACTIVE:
@@ -141,7 +143,7 @@ class Lanes:
                     self._runs[run].lane.withdraw(decision)
                     self._cond.notify_all()
                     raise DeadlineError(
-                        f"blocking save of run {run!r} to {spec.export_dir!r} gave up waiting " "for the save in flight"
+                        f"blocking save of run {run!r} to {spec.export_dir!r} gave up waiting for the save in flight"
                     )
                 self._cond.wait(remaining)  # `wake` when a caller goes away
             return decision
