@@ -11,16 +11,15 @@ No daemon and no TensorFlow: boto3 and crc32c only.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from checkpointd.cli.verify import print_reports
 from checkpointd.core.ports import CommittedSave
 from checkpointd.core.retention import age
 from checkpointd.protocol.errors import CheckpointdError
@@ -161,16 +160,4 @@ def verify(
                 reports.extend(s3.verify_bucket(store))
         finally:
             store.close()
-    ok = all(r.ok for r in reports)
-    if as_json:
-        json.dump({"ok": ok, "dirs": [asdict(r) for r in reports]}, out, indent=1)
-        out.write("\n")
-    else:
-        for r in reports:
-            if r.ok:
-                out.write(f"OK      {r.path} ({r.kind}, step {r.step}, {r.files} files, {r.bytes} bytes)\n")
-            else:
-                out.write(f"FAILED  {r.path}: {r.reason}\n")
-        failed = sum(not r.ok for r in reports)
-        out.write(f"{len(reports) - failed} OK, {failed} FAILED\n")
-    return 0 if ok else 1
+    return print_reports(reports, as_json, out)

@@ -112,6 +112,11 @@ def run(
     reports = verify_paths(paths, line)
     if line is not None:
         line.end()
+    return print_reports(reports, as_json, out)
+
+
+def print_reports(reports: Sequence[Report], as_json: bool, out: IO[str]) -> int:
+    """Prints OK/FAILED per save (or one JSON document); returns the exit code, 0 if all are OK."""
     ok = all(r.ok for r in reports)
     if as_json:
         json.dump({"ok": ok, "dirs": [asdict(r) for r in reports]}, out, indent=1)

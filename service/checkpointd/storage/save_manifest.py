@@ -251,7 +251,17 @@ def verify_dir(save_dir: Path, progress: Progress | None = None) -> Report:
     except ManifestError as e:
         return Report(where, False, str(e))
     entries: list[FileEntry] = manifest["files"]
-    passed = Report(
+    passed = _passed(where, manifest)
+    problems = _entry_problems(save_dir, entries, progress)
+    listed = {entry.path for entry in entries}
+    problems.extend(f"{rel} is not in the manifest" for rel in _files(save_dir) if rel not in listed)
+    return _verdict(passed, problems)
+
+
+def _passed(where: str, manifest: dict[str, Any]) -> Report:
+    """The report of a save that has no problem (yet): what its manifest says it is."""
+    entries: list[FileEntry] = manifest["files"]
+    return Report(
         where,
         True,
         run=str(manifest.get("run", "")),
@@ -260,10 +270,6 @@ def verify_dir(save_dir: Path, progress: Progress | None = None) -> Report:
         files=len(entries),
         bytes=sum(entry.size for entry in entries),
     )
-    problems = _entry_problems(save_dir, entries, progress)
-    listed = {entry.path for entry in entries}
-    problems.extend(f"{rel} is not in the manifest" for rel in _files(save_dir) if rel not in listed)
-    return _verdict(passed, problems)
 
 
 def verify_prefix(prefix: Path, progress: Progress | None = None) -> Report:
@@ -280,15 +286,7 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> Report:
     except ManifestError as e:
         return Report(where, False, str(e))
     entries: list[FileEntry] = manifest["files"]
-    passed = Report(
-        where,
-        True,
-        run=str(manifest.get("run", "")),
-        kind=str(manifest.get("kind", "")),
-        step=int(manifest.get("step", -1)),
-        files=len(entries),
-        bytes=sum(entry.size for entry in entries),
-    )
+    passed = _passed(where, manifest)
     problems = _entry_problems(prefix.parent, entries, progress)
     problems.extend(
         f"{entry.path} is not a file of {prefix.name}"
