@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -533,6 +534,30 @@ def test_template_that_is_not_a_policy_saved_model_is_invalid(
     assert_not_registered(stub, name)
     assert listing(daemon.root) == before  # no template kept, nothing left in staging
     assert_serving(daemon, stub, register(stub, name, template))  # the same name registers fine
+
+
+@pytest.mark.parametrize("planted", ["checkpointd.manifest.json", "numpy_state/numpy_state.index"])
+def test_a_template_holding_a_name_the_daemon_writes_is_invalid(
+    daemon: Daemon, stub: Stub, template: Template, tmp_path: Path, planted: str
+) -> None:
+    # Registered, such a template would make every later save of the run fail
+    # (the manifest is created exclusively) or mix foreign NumPy state in.
+    name = "template-with-" + planted.split("/")[0].replace(".", "-")
+    files = tmp_path / "planted"
+    shutil.copytree(template.dir, files)
+    (files / planted).parent.mkdir(parents=True, exist_ok=True)
+    (files / planted).write_text("{}")
+    before = listing(daemon.root)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.RegisterRun(
+            register_requests(name, files, template.bindings.protos(), template.bindings.object_graph),
+            timeout=RPC_TIMEOUT,
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert planted.split("/")[0] in caught.value.details() and "written by the daemon" in caught.value.details()
+    assert_not_registered(stub, name)
+    assert listing(daemon.root) == before
+    assert_serving(daemon, stub, register(stub, name, template))
 
 
 def test_bad_template_for_a_registered_run_keeps_its_old_one(

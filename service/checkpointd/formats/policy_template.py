@@ -28,9 +28,11 @@ from pathlib import Path
 import crc32c
 
 from checkpointd.core.manifest import Manifest
+from checkpointd.core.numpy_state import DIRECTORY as NUMPY_STATE_DIRECTORY
 from checkpointd.formats import object_graph
 from checkpointd.formats.object_graph import ObjectGraph
 from checkpointd.protocol.errors import InvalidRequestError, describe
+from checkpointd.protocol.names import MANIFEST_NAME
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY, VARIABLE_ATTRIBUTE
 
 _LOGGER = logging.getLogger(__name__)
@@ -39,6 +41,8 @@ VARIABLES_PREFIX = os.path.join("variables", "variables")
 _REQUIRED_SIGNATURES = ("action", "get_initial_state", "get_train_step", "get_metadata")
 # Written anew for every SAVED_MODEL save, never copied from the template.
 _NOT_COPIED = ("variables", "fingerprint.pb")
+# Top-level names every save gets from the daemon: the manifest, and NumPy state beside the variables.
+_WRITTEN_BY_THE_DAEMON = (MANIFEST_NAME, NUMPY_STATE_DIRECTORY)
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,12 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
         raise _invalid(run, "is not a directory")
     dirs, files = _read_tree(run, staged_dir)
     contents = dict(files)
+    for path, _ in files:
+        top = path.split("/")[0]
+        if top in _WRITTEN_BY_THE_DAEMON:
+            raise _invalid(
+                run, f"has {path!r}; {top!r} is written by the daemon into every save, so a template may not hold it"
+            )
 
     if "saved_model.pb" not in contents:
         raise _invalid(run, "has no saved_model.pb; upload the output of PolicySaver.save()")

@@ -104,3 +104,7 @@ def check_export_dir(export_dir: str) -> PurePosixPath:
             f"and a filesystem name holds {NAME_MAX_BYTES}"
         )
     return PurePosixPath(*parts)
+
+
+MANIFEST_NAME = "checkpointd.manifest.json"
+"""A committed save's manifest, written last: the commit marker (`checkpointd.storage.save_manifest`)."""

@@ -24,7 +24,8 @@ from typing import Any
 
 import crc32c
 
-MANIFEST_NAME = "checkpointd.manifest.json"
+from checkpointd.protocol.names import MANIFEST_NAME
+
 # A checkpoint prefix's manifest beside its files: `<prefix>.checkpointd.manifest.json`.
 PREFIX_MANIFEST_SUFFIX = "." + MANIFEST_NAME
 FORMAT = "checkpointd.save-manifest"
