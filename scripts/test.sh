@@ -44,4 +44,5 @@ fi
 # the end. If Ceph cannot be installed (not root, apt unreachable) those tests
 # skip; -rs prints every skip's reason in the summary, so that is never silent.
 export TF_CPP_MIN_LOG_LEVEL=2
-exec .venv/bin/python -m pytest tests -q -rs -p no:cacheprovider "$@"
+# --durations: the slowest tests in every log, to keep the suite within its time.
+exec .venv/bin/python -m pytest tests -q -rs --durations=15 -p no:cacheprovider "$@"
