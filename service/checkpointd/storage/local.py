@@ -24,7 +24,6 @@ from pathlib import Path, PurePath
 
 from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import (
     OLD_PREFIX,
     RESERVED_PREFIX,
@@ -391,12 +390,6 @@ class LocalStore:
         return Path(os.path.realpath(self.root / check_run_name(folder)))
 
 
-# A manifest's own fields; the rest are its format's (Staged.extra).
-_STANDARD_FIELDS = frozenset(
-    "format format_version run kind step export_dir created_unix_seconds versions files".split()
-)
-
-
 def _is_run_name(name: str) -> bool:
     try:
         check_run_name(name)
@@ -412,16 +405,8 @@ def _read(save_dir: Path, folder_dir: Path, *, is_prefix: bool = False) -> Commi
             document = save_manifest.read_manifest(save_dir.parent, prefix.manifest_path(save_dir).name)
         else:
             document = save_manifest.read_manifest(save_dir)
-        extra = {k: v for k, v in document.items() if k not in _STANDARD_FIELDS}
-        return CommittedSave(
-            path=save_dir,
-            export_dir=save_dir.relative_to(folder_dir).as_posix(),
-            run=str(document["run"]),
-            kind=SaveKind(document["kind"]),
-            step=int(document["step"]),
-            created=float(document["created_unix_seconds"]),
-            prefix=is_prefix,
-            extra=extra or None,
+        return save_manifest.committed_save(
+            document, save_dir, save_dir.relative_to(folder_dir).as_posix(), prefix=is_prefix
         )
     except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
         _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)

@@ -56,7 +56,6 @@ from typing import Any
 
 from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
 from checkpointd.protocol.errors import ChecksumError, RunNotFoundError, UnavailableError
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name
 from checkpointd.storage import prefix, save_manifest
 
@@ -65,9 +64,7 @@ _LOGGER = logging.getLogger(__name__)
 MANIFEST = save_manifest.MANIFEST_NAME
 PREFIX_MANIFEST = save_manifest.PREFIX_MANIFEST_SUFFIX
 _ETAGS = "s3_etags"  # the manifest's extra field: path -> ETag
-_STANDARD_FIELDS = frozenset(
-    f"format format_version run kind step export_dir created_unix_seconds versions files {_ETAGS}".split()
-)
+_STORE_FIELDS = frozenset({_ETAGS})  # manifest fields this store adds, not the format's
 # What `recover` may delete: the files checkpointd writes, relative to a save dir...
 _SAVE_DIR_FILE = re.compile(r"^(saved_model\.pb|fingerprint\.pb|policy_specs\.pbtxt|assets/.+|variables/.+)$")
 # ... and a training checkpoint's files beside others.
@@ -391,16 +388,12 @@ class S3Store:
             document = self._manifest(manifest_key, etag)
             if document is None:
                 return None
-            extra = {k: v for k, v in document.items() if k not in _STANDARD_FIELDS}
-            return CommittedSave(
-                path=PurePosixPath(save_key),
-                export_dir=save_key[len(folder_key) :],
-                run=str(document["run"]),
-                kind=SaveKind(document["kind"]),
-                step=int(document["step"]),
-                created=float(document["created_unix_seconds"]),
+            return save_manifest.committed_save(
+                document,
+                PurePosixPath(save_key),
+                save_key[len(folder_key) :],
                 prefix=is_prefix,
-                extra=extra or None,
+                store_fields=_STORE_FIELDS,
             )
         except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
             _LOGGER.debug("not a committed save: %s (%s)", manifest_key, e)

@@ -24,6 +24,8 @@ from typing import Any
 
 import crc32c
 
+from checkpointd.core.ports import CommittedSave
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import MANIFEST_NAME
 
 # A checkpoint prefix's manifest beside its files: `<prefix>.checkpointd.manifest.json`.
@@ -395,3 +397,30 @@ def find_prefixes(path: Path, *, orphans: bool = False) -> list[Path]:
             names |= {f[: -len(".index")] for f in filenames if f.endswith(".index")}
         found.extend(Path(dirpath, n) for n in names if n)
     return sorted(found)
+
+
+# A manifest's own fields; the rest are its format's or its store's (`CommittedSave.extra`).
+STANDARD_FIELDS = frozenset(
+    "format format_version run kind step export_dir created_unix_seconds versions files".split()
+)
+
+
+def committed_save(
+    document: Mapping[str, Any], path: Any, export_dir: str, *, prefix: bool, store_fields: frozenset[str] = frozenset()
+) -> CommittedSave:
+    """The committed save a manifest describes, at `path` (a dir, a prefix or a key).
+
+    Raises:
+        KeyError, TypeError, ValueError: the manifest lacks or mistypes a field.
+    """
+    extra = {k: v for k, v in document.items() if k not in STANDARD_FIELDS and k not in store_fields}
+    return CommittedSave(
+        path=path,
+        export_dir=export_dir,
+        run=str(document["run"]),
+        kind=SaveKind(document["kind"]),
+        step=int(document["step"]),
+        created=float(document["created_unix_seconds"]),
+        prefix=prefix,
+        extra=extra or None,
+    )
