@@ -250,6 +250,57 @@ class Store(Protocol):
         ...
 
 
+class Leases(Protocol):
+    """Who writes a run, when several daemons share one store (`checkpointd.storage.s3_lease`).
+
+    A run is written by one daemon at a time: the one holding its lease.
+    One store per daemon (local disk) needs none (`NoLeases`).
+    """
+
+    def hold(self, run: str, deadline: float | None) -> None:
+        """Makes this daemon the run's holder, or confirms it is; called before a run's template or save is written.
+
+        Waits (until `deadline`, time.monotonic() seconds; None: no wait) for
+        another daemon's lease to be released or to expire.
+
+        Raises:
+            RunHeldError: another daemon still holds it at the deadline
+                (the message names the holder and when its lease expires).
+            UnavailableError: the store cannot be reached.
+        """
+
+    def check(self, run: str) -> None:
+        """Raises RunHeldError unless this daemon's lease on the run is still valid: the fence before a commit."""
+
+    def release(self, run: str) -> None:
+        """Lets go of the run's lease (the run closed or went idle); another daemon may take it at once."""
+
+    def holder(self, run: str) -> str | None:
+        """Who holds the run's lease now ("" if this daemon), None if nobody; for status."""
+
+    def close(self) -> None:
+        """Releases every lease this daemon holds and stops renewing (daemon shutdown)."""
+
+
+class NoLeases:
+    """The Leases of a store that one daemon owns alone: every run is always this daemon's."""
+
+    def hold(self, run: str, deadline: float | None) -> None:
+        pass
+
+    def check(self, run: str) -> None:
+        pass
+
+    def release(self, run: str) -> None:
+        pass
+
+    def holder(self, run: str) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
 @runtime_checkable
 class LocalCopies(Protocol):
     """A Store whose saves are not local files (an object store) gives readers local copies.

@@ -22,6 +22,7 @@ CODES: dict[type[errors.CheckpointdError], grpc.StatusCode] = {
     errors.DeadlineError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.SaveFailedError: grpc.StatusCode.INTERNAL,
     errors.UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    errors.RunHeldError: grpc.StatusCode.ABORTED,
 }
 _ERRORS: dict[grpc.StatusCode, type[errors.CheckpointdError]] = {c: e for e, c in CODES.items()}
 

@@ -41,6 +41,10 @@ class UnauthenticatedError(CheckpointdError):
     """The caller's credentials are missing or wrong."""
 
 
+class RunHeldError(CheckpointdError):
+    """Another daemon holds the run's lease: it writes the run's saves until it lets go or the lease expires."""
+
+
 def describe(e: BaseException) -> str:
     """A one-line reason for an OS or TensorFlow error, for messages a person reads."""
     if isinstance(e, OSError) and e.strerror:
