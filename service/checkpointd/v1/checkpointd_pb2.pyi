@@ -226,10 +226,12 @@ class CloseRunResponse(_message.Message):
     def __init__(self, run: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("run",)
+    __slots__ = ("run", "stored")
     RUN_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
     run: str
-    def __init__(self, run: _Optional[str] = ...) -> None: ...
+    stored: bool
+    def __init__(self, run: _Optional[str] = ..., stored: bool = ...) -> None: ...
 
 class InFlightSave(_message.Message):
     __slots__ = ("kind", "export_dir", "step", "started_unix_seconds", "waiting")
@@ -277,13 +279,41 @@ class RunStatus(_message.Message):
     last_error: str
     def __init__(self, run: _Optional[str] = ..., state: _Optional[str] = ..., in_flight: _Optional[_Union[InFlightSave, _Mapping]] = ..., saves_ok: _Optional[int] = ..., saves_skipped: _Optional[int] = ..., saves_failed: _Optional[int] = ..., last_success: _Optional[_Union[LastSuccess, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
 
+class StoredRun(_message.Message):
+    __slots__ = ("folder", "run", "saves", "kind", "export_dir", "step", "unix_seconds", "path", "lease_holder")
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    SAVES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_HOLDER_FIELD_NUMBER: _ClassVar[int]
+    folder: str
+    run: str
+    saves: int
+    kind: SaveKind
+    export_dir: str
+    step: int
+    unix_seconds: float
+    path: str
+    lease_holder: str
+    def __init__(self, folder: _Optional[str] = ..., run: _Optional[str] = ..., saves: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., step: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., path: _Optional[str] = ..., lease_holder: _Optional[str] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("runs", "draining")
+    __slots__ = ("runs", "draining", "stored_runs", "stored_truncated", "stored_folders")
     RUNS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STORED_RUNS_FIELD_NUMBER: _ClassVar[int]
+    STORED_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FOLDERS_FIELD_NUMBER: _ClassVar[int]
     runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
     draining: bool
-    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., draining: bool = ...) -> None: ...
+    stored_runs: _containers.RepeatedCompositeFieldContainer[StoredRun]
+    stored_truncated: bool
+    stored_folders: int
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., draining: bool = ..., stored_runs: _Optional[_Iterable[_Union[StoredRun, _Mapping]]] = ..., stored_truncated: bool = ..., stored_folders: _Optional[int] = ...) -> None: ...
 
 class LatestRequest(_message.Message):
     __slots__ = ("run", "kind", "folder")

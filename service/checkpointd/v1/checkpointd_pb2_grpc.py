@@ -134,7 +134,10 @@ class CheckpointServiceServicer(object):
 
     def GetStatus(self, request, context):
         """Runs, their in-flight saves, counts by outcome and last success.
-        NOT_FOUND for an unknown run.
+        NOT_FOUND for an unknown run, unless StatusRequest.stored is set. With
+        stored, also the runs that have committed saves in the daemon's store
+        (any daemon's, for an object store shared by a fleet), read from the
+        save manifests only, as GetLatest reads them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
