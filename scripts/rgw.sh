@@ -5,11 +5,14 @@
 #   scripts/rgw.sh env DIR                           # prints the env lines of a started one
 #   scripts/rgw.sh stop DIR                          # stops radosgw, then the OSD, then the mon, by PID
 #   scripts/rgw.sh stop-gw DIR / start-gw DIR        # kills / restarts the gateway alone (fault tests)
+#   RGW_BIND=10.231.0.1 scripts/rgw.sh start DIR     # the gateway on that address instead of 127.0.0.1
 #
 # mon + memstore OSD + radosgw, auth none, no ceph-mgr. The env lines are
 # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION,
 # CHECKPOINTD_TEST_S3_ENDPOINT and CHECKPOINTD_TEST_S3_BUCKET; the keys are
-# fixed test keys, the server listens on 127.0.0.1 only.
+# fixed test keys. The gateway listens on 127.0.0.1 only, or on the one
+# address RGW_BIND names (an address of this machine, e.g. a bridge that
+# network namespaces reach: the fleet tests); the mon and OSD stay on loopback.
 # Exit codes: 0 started, 3 Ceph cannot be installed (not root, or apt
 # unreachable), 1 anything else (the last lines of the logs are printed).
 set -euo pipefail
@@ -25,13 +28,19 @@ die() { echo "rgw.sh: $*" >&2; exit 1; }
 PY=${CHECKPOINTD_PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 
-port_busy() {
+BIND=${RGW_BIND:-127.0.0.1}  # the gateway's address (start); start-gw and env read it back from DIR
+
+port_busy() {  # port_busy PORT [HOST]
   # Anything listening there (the ceph CLI would silently join another cluster).
-  (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+  (exec 3<>"/dev/tcp/${2:-127.0.0.1}/$1") 2>/dev/null
 }
 
-free_port() {
-  "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+free_port() {  # free_port [HOST]
+  "$PY" -c 'import socket, sys; s=socket.socket(); s.bind((sys.argv[1],0)); print(s.getsockname()[1])' "${1:-127.0.0.1}"
+}
+
+bind_of() {  # the gateway address a started one in DIR was given
+  if [ -f "$1/rgw.bind" ]; then cat "$1/rgw.bind"; else echo 127.0.0.1; fi
 }
 
 install_ceph() {
@@ -65,7 +74,7 @@ print_env() {
   echo "AWS_ACCESS_KEY_ID=$ACCESS_KEY"
   echo "AWS_SECRET_ACCESS_KEY=$SECRET_KEY"
   echo "AWS_DEFAULT_REGION=us-east-1"
-  echo "CHECKPOINTD_TEST_S3_ENDPOINT=http://127.0.0.1:$(cat "$dir/rgw.port")"
+  echo "CHECKPOINTD_TEST_S3_ENDPOINT=http://$(bind_of "$dir"):$(cat "$dir/rgw.port")"
   echo "CHECKPOINTD_TEST_S3_BUCKET=$BUCKET"
 }
 
@@ -89,9 +98,9 @@ start() {
   local dir=$1 mon_port=${2:-} rgw_port=${3:-}
   install_ceph
   [ -n "$mon_port" ] || mon_port=$(free_port)
-  [ -n "$rgw_port" ] || rgw_port=$(free_port)
+  [ -n "$rgw_port" ] || rgw_port=$(free_port "$BIND") || die "cannot bind RGW_BIND=$BIND (not an address of this machine?)"
   port_busy "$mon_port" && die "port $mon_port (mon) is in use; refusing to join another cluster"
-  port_busy "$rgw_port" && die "port $rgw_port (radosgw) is in use"
+  port_busy "$rgw_port" "$BIND" && die "port $rgw_port (radosgw) is in use"
   mkdir -p "$dir"/{mon,osd,log,run,rgw}
   dir=$(cd "$dir" && pwd)
   local fsid conf=$dir/ceph.conf
@@ -126,7 +135,7 @@ memstore device bytes = 4294967296
 osd fast shutdown = false
 [client.rgw.a]
 ms mon client mode = crc
-rgw frontends = beast endpoint=127.0.0.1:$rgw_port
+rgw frontends = beast endpoint=$BIND:$rgw_port
 rgw data = $dir/rgw
 rgw gc obj min wait = 5
 rgw gc processor period = 10
@@ -160,7 +169,8 @@ EOF
   echo $! >"$dir/rgw.pid"
   echo "$rgw_port" >"$dir/rgw.port"
   echo "$mon_port" >"$dir/mon.port"
-  if ! wait_for 60 "radosgw to answer" port_busy "$rgw_port"; then
+  echo "$BIND" >"$dir/rgw.bind"
+  if ! wait_for 60 "radosgw to answer" port_busy "$rgw_port" "$BIND"; then
     show_logs "$dir"; exit 1
   fi
   radosgw-admin "${C[@]}" user create --uid=checkpointd-test --display-name=checkpointd-test \
@@ -201,12 +211,13 @@ stop_gw() {
 }
 
 start_gw() {
-  local dir=$1 port
+  local dir=$1 port bind
   port=$(cat "$dir/rgw.port")
-  port_busy "$port" && die "port $port (radosgw) is in use"
+  bind=$(bind_of "$dir")
+  port_busy "$port" "$bind" && die "port $port (radosgw) is in use"
   setsid radosgw -c "$dir/ceph.conf" -n client.rgw.a -f >>"$dir/log/rgw.stdout" 2>&1 &
   echo $! >"$dir/rgw.pid"
-  wait_for 60 "radosgw to answer" port_busy "$port" || { show_logs "$dir"; exit 1; }
+  wait_for 60 "radosgw to answer" port_busy "$port" "$bind" || { show_logs "$dir"; exit 1; }
 }
 
 cmd=${1:-}
