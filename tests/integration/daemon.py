@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ class Daemon:
     log_path: Path
     # What start_daemon connected with; None for a plaintext daemon.
     credentials: grpc.ChannelCredentials | None = None
+    host: str = "127.0.0.1"  # the address its gRPC port is bound to (serve --host)
 
     def channel(self, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
         """A channel to the daemon: plaintext, or TLS with these (default: the daemon's) credentials."""
@@ -36,7 +37,7 @@ class Daemon:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def metrics_url(self) -> str:
@@ -74,6 +75,8 @@ def start_daemon(
     *extra: str,
     credentials: grpc.ChannelCredentials | None = None,
     env: Mapping[str, str] | None = None,
+    host: str | None = None,
+    wrap: Sequence[str] = (),
 ) -> Daemon:
     """Runs `checkpointd serve --port 0` and waits until health says SERVING.
 
@@ -83,6 +86,11 @@ def start_daemon(
         credentials: TLS channel credentials for the health check, for a
             daemon started with --tls-cert (health needs no token).
         env: extra environment variables for the daemon (e.g. CHECKPOINTD_TOKENS).
+        host: serve --host, and the address the health check dials
+            (default: serve's own, 127.0.0.1).
+        wrap: a command the daemon runs under, e.g. `ip netns exec NS`
+            for a daemon on another host of the fleet tests (it must exec,
+            so the process is the daemon's).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     port_file, metrics_file = workdir / "port", workdir / "metrics-port"
@@ -93,6 +101,7 @@ def start_daemon(
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [
+                *wrap,
                 sys.executable,
                 "-m",
                 "checkpointd",
@@ -107,6 +116,7 @@ def start_daemon(
                 "0",
                 "--metrics-port-file",
                 str(metrics_file),
+                *(("--host", host) if host is not None else ()),
                 *extra,
             ],
             stdout=log,
@@ -117,7 +127,7 @@ def start_daemon(
         deadline = time.monotonic() + START_TIMEOUT
         port = int(_wait_for_file(port_file, proc, deadline, log_path))
         metrics_port = int(_wait_for_file(metrics_file, proc, deadline, log_path))
-        address = f"127.0.0.1:{port}"
+        address = f"{host or '127.0.0.1'}:{port}"
         channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
         with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
@@ -131,7 +141,7 @@ def start_daemon(
         proc.kill()
         proc.wait()
         raise
-    return Daemon(proc, root, port, metrics_port, log_path, credentials)
+    return Daemon(proc, root, port, metrics_port, log_path, credentials, host or "127.0.0.1")
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
