@@ -202,9 +202,9 @@ class FakeStore:
             self.discarded.append(staged)
         shutil.rmtree(staged, ignore_errors=True)
 
-    def committed(self, folder: str, run: str) -> list[CommittedSave]:
+    def committed(self, folder: str, run: str | None) -> list[CommittedSave]:
         with self._lock:
-            return [e.save for e in self._saves.values() if e.folder == folder and e.save.run == run]
+            return [e.save for e in self._saves.values() if e.folder == folder and (run is None or e.save.run == run)]
 
     def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
         target = self.target(folder, export_dir)
@@ -217,6 +217,10 @@ class FakeStore:
     def delete(self, save: CommittedSave) -> bool:
         with self._lock:
             return self._saves.pop(save.path, None) is not None
+
+    def folders(self) -> list[str]:
+        with self._lock:
+            return sorted({e.folder for e in self._saves.values()})
 
 
 @dataclass(frozen=True)

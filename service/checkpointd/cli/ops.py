@@ -1,5 +1,8 @@
 """The ops side of the CLI: flush, status and close against a running daemon.
 
+`status --stored` asks the daemon for the runs its store holds (StatusRequest.stored):
+on an s3:// root shared by a fleet, any daemon answers for the whole bucket.
+
 Exit codes: 0 done; 1 the daemon answered that saves were still in flight
 when --timeout passed (flush, close); 2 the command could not do its job: no
 daemon answered at the address (nothing listening, not checkpointd, no
@@ -71,9 +74,12 @@ def run(
                 )
                 print(f"closed run {command.run}", file=out)
             else:
-                status = stub.GetStatus(pb.StatusRequest(run=command.run or ""), timeout=deadline)
+                request = pb.StatusRequest(run=command.run or "", stored=command.stored)
+                status = stub.GetStatus(request, timeout=deadline)
                 if command.as_json:
                     print(json.dumps(status_dict(status), indent=2), file=out)
+                elif command.stored:
+                    print(format_stored(status, command.run), file=out)
                 else:
                     print(format_status(status), file=out)
         except grpc.RpcError as exc:
@@ -177,4 +183,32 @@ def format_status(reply: pb.StatusResponse, now: float | None = None) -> str:
         lines.append("(no runs registered)")
     if reply.draining:
         lines.append("daemon is draining: new saves are refused")
+    return "\n".join(lines)
+
+
+def _holder(run: pb.StoredRun) -> str:
+    if not run.HasField("lease_holder"):
+        return "-"
+    return run.lease_holder or "this daemon"
+
+
+def format_stored(reply: pb.StatusResponse, run: str | None = None, now: float | None = None) -> str:
+    """A table of the runs with committed saves in the store, for people."""
+    now = time.time() if now is None else now
+    header = ("RUN", "FOLDER", "NEWEST SAVE", "STEP", "AGE", "SAVES", "HOLDER")
+    rows = [header]
+    for r in reply.stored_runs:
+        kind = from_wire(r.kind)
+        newest = f"{kind.value if kind else '?'} {r.export_dir}"
+        rows.append((r.run, r.folder, newest, str(r.step), _ago(r.unix_seconds, now), str(r.saves), _holder(r)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows]
+    if not reply.stored_runs:
+        where = f"of run {run}" if run else f"in any of the {reply.stored_folders} run folders"
+        lines.append(f"(no committed saves {where} in the daemon's store)")
+    if reply.stored_truncated:
+        lines.append(
+            f"capped: showing the first {len(reply.stored_runs)} runs by folder of {reply.stored_folders} "
+            "folders; give --run RUN for another"
+        )
     return "\n".join(lines)

@@ -36,6 +36,7 @@ class OpsCommand:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     token_file: Path | None = None  # else the CHECKPOINTD_TOKEN environment variable
+    stored: bool = False  # status: the runs with committed saves in the daemon's store
 
     @property
     def uses_tls(self) -> bool:
@@ -285,6 +286,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
             )
         if name == "status":
             cmd.add_argument("--json", action="store_true", dest="as_json", help="machine-readable output")
+            cmd.add_argument(
+                "--stored",
+                action="store_true",
+                help="list the runs with committed saves in the daemon's store instead (any daemon's, on a "
+                "shared s3:// root): newest save, its step and age, lease holder; at most 1000 runs",
+            )
         cmd.add_argument(
             "--tls",
             action="store_true",
@@ -406,7 +413,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
     command = OpsCommand(
         args.command, args.address, args.run, args.timeout, getattr(args, "as_json", False),
         tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        token_file=args.token_file,
+        token_file=args.token_file, stored=getattr(args, "stored", False),
     )  # fmt: skip
     return command, "WARNING"
 

@@ -18,6 +18,7 @@ from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.protocol.wire import variable_to_pb
+from checkpointd.saves.catalog import StoredRuns
 from checkpointd.saves.pipeline import Decision, Result, SaveRequest
 from checkpointd.saves.restore import Opened
 from checkpointd.saves.runs import RunView
@@ -142,6 +143,26 @@ def run_status(view: RunView) -> pb.RunStatus:
             pb.LastSuccess(kind=to_wire(last.kind), path=last.path, step=last.step, unix_seconds=last.at)
         )
     return status
+
+
+def add_stored_runs(response: pb.StatusResponse, found: StoredRuns) -> None:
+    """Fills a status response's stored runs (StatusRequest.stored)."""
+    for stored in found.runs:
+        save = stored.newest
+        entry = response.stored_runs.add(
+            folder=stored.folder,
+            run=stored.run,
+            saves=stored.saves,
+            kind=to_wire(save.kind),
+            export_dir=save.export_dir,
+            step=save.step,
+            unix_seconds=save.created,
+            path=str(save.path),
+        )
+        if stored.holder is not None:
+            entry.lease_holder = stored.holder
+    response.stored_truncated = found.truncated
+    response.stored_folders = found.folders
 
 
 def latest_response(save: CommittedSave | None, checkpoints: Sequence[CommittedSave] = ()) -> pb.LatestResponse:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
 from checkpointd.protocol.names import check_run_name
 from checkpointd.rpc import messages, upload
 from checkpointd.rpc.errors import grpc_errors
@@ -116,8 +116,21 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     @grpc_errors
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        runs = [messages.run_status(view) for view in self._runs.views(request.run or None)]
-        return pb.StatusResponse(runs=runs, draining=self._runs.draining)
+        if not request.stored:
+            runs = [messages.run_status(view) for view in self._runs.views(request.run or None)]
+            return pb.StatusResponse(runs=runs, draining=self._runs.draining)
+        run = check_run_name(request.run) if request.run else None
+        try:
+            views = self._runs.views(run)
+        except RunNotFoundError:
+            views = []  # not registered here, but the store may hold its saves
+        response = pb.StatusResponse(runs=[messages.run_status(v) for v in views], draining=self._runs.draining)
+        # One run: its folder only (as GetLatest searches); else every folder.
+        folders = None if run is None else [self._pipeline.folder(run)]
+        leases = getattr(self._pipeline, "leases", None)  # a fleet's store has leases
+        found = catalog.stored_runs(self._pipeline.store, leases, folders=folders, run=run)
+        messages.add_stored_runs(response, found)
+        return response
 
     @grpc_errors
     def GetLatest(self, request: pb.LatestRequest, context: grpc.ServicerContext) -> pb.LatestResponse:
