@@ -481,3 +481,116 @@ def test_exposed_daemons_are_configured_with_auth(k8s: dict[str, dict[str, Any]]
     assert ops_token in secret["stringData"][item["key"]].split()
     compose_env = load_yaml(DOCKER / "docker-compose.yml")["services"]["checkpointd"]["environment"]
     assert "CHECKPOINTD_TOKENS" in compose_env
+
+
+# Kubernetes, a fleet: docker/k8s/fleet/, one daemon per node on one S3 bucket.
+
+
+@pytest.fixture(scope="module")
+def fleet() -> dict[str, dict[str, Any]]:
+    docs = [
+        doc
+        for path in sorted((DOCKER / "k8s" / "fleet").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+    by_kind = {doc["kind"]: doc for doc in docs}
+    assert len(by_kind) == len(docs), "one object of each kind expected"
+    assert set(by_kind) == {"DaemonSet", "Service", "ConfigMap", "Secret"}
+    return by_kind
+
+
+def _fleet_pod(fleet: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return fleet["DaemonSet"]["spec"]["template"]["spec"]
+
+
+def _fleet_container(fleet: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    (container,) = _fleet_pod(fleet)["containers"]
+    return container
+
+
+def _expanded_args(fleet: dict[str, dict[str, Any]]) -> list[str]:
+    """The container's args with $(VAR) expanded as the kubelet does, from the ConfigMap."""
+    container, config_map = _fleet_container(fleet), fleet["ConfigMap"]
+    values = {}
+    for env in container["env"]:
+        ref = env.get("valueFrom", {}).get("configMapKeyRef")
+        if ref is not None:
+            assert ref["name"] == config_map["metadata"]["name"], env["name"]
+            values[env["name"]] = config_map["data"][ref["key"]]
+    expanded = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], arg) for arg in container["args"]]
+    assert not any("$(" in arg for arg in expanded), expanded
+    return expanded
+
+
+def test_k8s_fleet_serves_the_configmaps_bucket_with_credentials_from_the_secret(
+    fleet: dict[str, dict[str, Any]],
+) -> None:
+    container, secret = _fleet_container(fleet), fleet["Secret"]
+    config = image_serve_config(_expanded_args(fleet))
+    data = fleet["ConfigMap"]["data"]
+    assert config.s3_url == data["root"] and config.s3_url.startswith("s3://")
+    assert config.s3_endpoint_url == data["endpoint-url"]
+    assert config.shm_root is None  # trainers in other pods cannot share this pod's /dev/shm
+    env = {e["name"]: e for e in container["env"]}
+    for name, key in (("AWS_ACCESS_KEY_ID", "access-key-id"), ("AWS_SECRET_ACCESS_KEY", "secret-access-key")):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == (secret["metadata"]["name"], key)
+        assert secret["stringData"][key].startswith("REPLACE-WITH-"), "placeholders only, never real keys"
+    assert not any(e.get("value") for e in container["env"] if e["name"].startswith("AWS_")), "keys in plain env"
+    assert not any("AWS" in arg or "secret" in arg.lower() for arg in container["args"])
+    # The staging dir is the pod's own, mounted where --work-dir points.
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(config.root)]
+    (volume,) = [v for v in _fleet_pod(fleet)["volumes"] if v["name"] == mount["name"]]
+    assert "emptyDir" in volume
+
+
+def test_k8s_fleet_matches_the_deployments_probes_shutdown_and_user(
+    fleet: dict[str, dict[str, Any]], k8s: dict[str, dict[str, Any]]
+) -> None:
+    container, pod = _fleet_container(fleet), _fleet_pod(fleet)
+    config = image_serve_config(_expanded_args(fleet))
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe] == _container(k8s)[probe], probe
+        assert container[probe]["grpc"] == {"port": config.port, "service": SERVICE}, probe
+    liveness = container["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > config.grace_seconds
+    flush, _ = config_from_args(container["lifecycle"]["preStop"]["exec"]["command"][1:])
+    assert isinstance(flush, OpsCommand) and flush.name == "flush" and flush.timeout is not None
+    assert flush.address == f"127.0.0.1:{config.port}"
+    assert pod["terminationGracePeriodSeconds"] > flush.timeout + config.grace_seconds
+    assert pod["securityContext"] == _pod(k8s)["securityContext"]
+    assert container["securityContext"] == _container(k8s)["securityContext"]
+    assert fleet["DaemonSet"]["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 1
+
+
+def test_k8s_fleet_trainers_reach_the_daemon_on_their_own_node(fleet: dict[str, dict[str, Any]]) -> None:
+    service, container = fleet["Service"], _fleet_container(fleet)
+    config = image_serve_config(_expanded_args(fleet))
+    assert service["spec"]["internalTrafficPolicy"] == "Local"
+    labels = fleet["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert fleet["DaemonSet"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert port["port"] == named[port["targetPort"]] == config.port
+    annotations = fleet["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(config.metrics_port) == str(named["metrics"])
+
+
+def test_k8s_fleet_is_exposed_with_the_deployments_tokens(
+    fleet: dict[str, dict[str, Any]], k8s: dict[str, dict[str, Any]]
+) -> None:
+    container = _fleet_container(fleet)
+    config = image_serve_config(_expanded_args(fleet))
+    assert config.host == "0.0.0.0" and config.token_file is not None
+    tokens = k8s["Secret"]["metadata"]["name"]  # docker/k8s/secret.yaml, applied with the fleet
+    (volume,) = [v for v in _fleet_pod(fleet)["volumes"] if v["name"] == "tokens"]
+    (deployments,) = [v for v in _pod(k8s)["volumes"] if v["name"] == "tokens"]
+    assert volume["secret"] == deployments["secret"] and volume["secret"]["secretName"] == tokens
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (item,) = volume["secret"]["items"]
+    assert str(config.token_file) == f"{mounts['tokens']}/{item['path']}"
+    (env,) = [e for e in container["env"] if e["name"] == "CHECKPOINTD_TOKEN"]
+    assert env["valueFrom"]["secretKeyRef"]["name"] == tokens
