@@ -3,12 +3,25 @@
 The daemon reuses the template's graph for every save of the run and writes
 only new variable values into it, so the trainer pays for PolicySaver's
 graph building once per template instead of once per save.
+
+A template is graph, specs and assets: the export's variable values are
+dropped before the upload (`drop_variable_data`), since every save
+overwrites them. What the daemon needs of the export's checkpoint is its
+index (each variable's key, dtype and shape) and the object graph TensorFlow
+stored beside the values, which every SAVED_MODEL save holds again; the
+object graph travels as `variables/object_graph.pb`. For a 100M-parameter
+policy that is 400 MB not sent, received, checked and fsynced at
+registration. The export itself still writes the values to a local temp dir:
+`tf.saved_model.save` has no public way to build the graph without them
+(see `register`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -18,7 +31,7 @@ import grpc
 import tensorflow as tf
 from tf_agents.policies import policy_saver
 
-from checkpointd.protocol import wire
+from checkpointd.protocol import tensors, wire
 from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
@@ -42,7 +55,14 @@ def register(
 ) -> snapshot.Bindings:
     """Exports the template, binds the policy's variables and registers the run.
 
-    The template is written to a temp dir, streamed file by file, and deleted.
+    The template is exported to a temp dir, its variable values dropped
+    (`drop_variable_data`), streamed file by file, and deleted. The export
+    writes the values before they are dropped: TensorFlow builds the
+    SavedModel's object graph (which the daemon must write byte for byte)
+    only in the same private call that writes them, and a checkpoint of
+    placeholder values would need a graph built another way. Written to a
+    temp dir and deleted within the second, they cost memory bandwidth
+    (0.2 s of a 0.4 s export at 100M parameters), not disk.
 
     Args:
         stub: the daemon's stub.
@@ -71,6 +91,8 @@ def register(
         with exporting():
             saver.save(template, options=options)
             bindings = snapshot.bind(saver, template)
+        drop_variable_data(template)
+        exported = time.monotonic()
         header = pb.RegisterRunHeader(
             run=run,
             variables=bindings.protos(),
@@ -86,14 +108,33 @@ def register(
         shutil.rmtree(template, ignore_errors=True)
     bindings = bindings.ordered(response.variables)
     _LOGGER.info(
-        "run %s: registered at step %s (%s variables, template of %s bytes, %.2f s)",
+        "run %s: registered at step %s (%s variables, template of %s bytes; export %.2f s, register %.2f s)",
         run,
         step,
         len(bindings.variables),
         header.template_bytes,
-        time.monotonic() - start,
+        exported - start,
+        time.monotonic() - exported,
     )
     return bindings
+
+
+def drop_variable_data(export_dir: str) -> None:
+    """Turns a PolicySaver.save() output into the template RegisterRun takes.
+
+    Writes the checkpoint's object graph to `variables/object_graph.pb` and
+    deletes the data shards, keeping `variables/variables.index`. Reading
+    the object graph reads only its own bytes, at the end of the data shard.
+
+    Args:
+        export_dir: a directory PolicySaver.save() wrote; changed in place.
+    """
+    prefix = os.path.join(export_dir, tf.saved_model.VARIABLES_DIRECTORY, tf.saved_model.VARIABLES_FILENAME)
+    graph = tf.train.load_checkpoint(prefix).get_tensor(tensors.OBJECT_GRAPH_KEY)
+    with open(os.path.join(export_dir, tensors.TEMPLATE_OBJECT_GRAPH), "wb") as f:
+        f.write(graph)
+    for shard in glob.glob(glob.escape(prefix) + ".data-*"):
+        os.remove(shard)
 
 
 def _requests(header: pb.RegisterRunHeader, template: str, chunk_bytes: int) -> Iterator[pb.RegisterRunRequest]:

@@ -4,6 +4,9 @@ them, against real TF-Agents policies and in-process PolicySaver output.
 No daemon: the writer is called directly, with the variables and object graph
 the client's own `snapshot.bind` would register. Module-scoped fixtures build
 each policy, its template and one pair of writes once; the tests then inspect them.
+Each policy is registered in both template forms: as the client sends it (no
+variable data, `template.drop_variable_data`) and as older clients sent it
+(PolicySaver's whole output); the writes must be byte-identical either way.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from checkpointd.core.ports import SaveMeta
 from checkpointd.formats.policy import PolicyFormat
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.tensors import TEMPLATE_OBJECT_GRAPH
 from checkpointd.saves.pipeline import write_save
 from checkpointd.storage.local import LocalStore
 from checkpointd.storage.save_manifest import MANIFEST_NAME
 from checkpointd_client import snapshot as client_snapshot
+from checkpointd_client import template as client_template
 from tests.integration import policies
 from tests.integration.disk import files_under
 
@@ -127,6 +132,14 @@ def _assign_all(bound: list[tuple[VariableSpec, tf.Variable]], step: int, seed: 
             v.assign(rng.normal(size=spec.shape).astype(spec.dtype))
 
 
+def _copy_template(template: Path, target: Path, form: str) -> Path:
+    """A copy of a PolicySaver.save() output, as a template of `form` ("client" or "full")."""
+    shutil.copytree(template, target)
+    if form == "client":
+        client_template.drop_variable_data(str(target))
+    return target
+
+
 @dataclass
 class Case:
     name: str
@@ -143,11 +156,12 @@ class Case:
     written: dict[SaveKind, int]
 
 
-@pytest.fixture(scope="module", params=["q", "actor"])
+@pytest.fixture(scope="module", params=["q-client", "q-full", "actor-client", "actor-full"])
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    name, form = request.param.split("-")
     root = tmp_path_factory.mktemp(request.param)
     train_step = tf.Variable(0, dtype=tf.int64)
-    saver = _make_policy(request.param, train_step)
+    saver = _make_policy(name, train_step)
     saver.save(str(root / "template"))
     bound, graph = bind(saver, root / "template")
 
@@ -162,8 +176,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     _assign_all(bound, _SNAPSHOT_STEP + 57, seed=2)
 
     writer = TfWriter(root / "state")
-    staged = root / "staged"
-    shutil.copytree(root / "template", staged)
+    staged = _copy_template(root / "template", root / "staged", form)
     specs = [spec for spec, _ in bound]
     manifest = writer.register("run1", staged, specs, graph)
     assert list(manifest.variables) == specs
@@ -173,7 +186,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         SaveKind.CHECKPOINT: writer.write("run1", SaveKind.CHECKPOINT, root / "out" / "ck", bytearray(snap)),
     }
     return Case(
-        request.param, root / "template", specs, graph, snap, expected, actions,
+        name, root / "template", specs, graph, snap, expected, actions,
         root / "ref_sm", root / "ref_ck", root / "out" / "sm", root / "out" / "ck", written,
     )  # fmt: skip
 
@@ -181,6 +194,18 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def test_importing_the_writer_does_not_import_tensorflow() -> None:
     code = "import sys, checkpointd.formats.policy; sys.exit('tensorflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_the_client_template_holds_no_variable_data(tmp_path: Path, q_case: tuple[Path, list, bytes, bytes]) -> None:
+    template = _copy_template(q_case[0], tmp_path / "t", "client")
+    assert files_under(template) == files_under(q_case[0]) - {"variables/variables.data-00000-of-00001"} | {
+        TEMPLATE_OBJECT_GRAPH
+    }
+    full = tf.train.load_checkpoint(str(q_case[0] / "variables" / "variables"))
+    assert (template / TEMPLATE_OBJECT_GRAPH).read_bytes() == full.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH")
+    assert (template / "variables" / "variables.index").read_bytes() == (
+        q_case[0] / "variables" / "variables.index"
+    ).read_bytes()
 
 
 def test_binding_graph_is_what_save_checkpoint_writes(case: Case) -> None:
@@ -308,7 +333,13 @@ def _graph_with_attribute_name(graph: bytes, name: str) -> bytes:
     [
         ("no_specs", "policy_specs.pbtxt"),
         ("garbage_saved_model", "saved_model.pb"),
-        ("no_variables", "missing or unreadable"),
+        ("no_variables", "has no variables/variables.index"),
+        ("index_only", "neither variables/object_graph.pb nor the data shards"),
+        ("both_forms", "two object graphs"),
+        ("client_no_index", "has no variables/variables.index"),
+        ("client_garbage_index", r"variables/variables.index\) is unreadable"),
+        ("client_garbage_graph", "variables/object_graph.pb"),
+        ("client_graph_of_another_model", "variables/object_graph.pb has key 'v/.ATTRIBUTES/VARIABLE_VALUE'"),
         ("module_saved_model", "'action'"),
         ("key_mismatch", "model_variables/0/.ATTRIBUTES/VARIABLE_VALUE'.*no declared variable"),
         ("dtype_mismatch", "float64"),
@@ -327,7 +358,22 @@ def test_a_bad_template_is_refused_and_leaves_nothing(
 ) -> None:
     template, specs, graph, _ = q_case
     staged = _staged(tmp_path, module_saved_model if defect == "module_saved_model" else template)
-    if defect == "module_saved_model":
+    if defect.startswith("client_"):
+        client_template.drop_variable_data(str(staged))
+    if defect == "index_only":
+        (staged / "variables" / "variables.data-00000-of-00001").unlink()
+    elif defect == "both_forms":
+        (staged / TEMPLATE_OBJECT_GRAPH).write_bytes(graph)
+    elif defect == "client_no_index":
+        (staged / "variables" / "variables.index").unlink()
+    elif defect == "client_garbage_index":
+        (staged / "variables" / "variables.index").write_bytes(b"\xffnot an index" * 100)
+    elif defect == "client_garbage_graph":
+        (staged / TEMPLATE_OBJECT_GRAPH).write_bytes(b"\xff\xffgarbage")
+    elif defect == "client_graph_of_another_model":
+        other = tf.train.load_checkpoint(str(module_saved_model / "variables" / "variables"))
+        (staged / TEMPLATE_OBJECT_GRAPH).write_bytes(other.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    elif defect == "module_saved_model":
         shutil.copy(template / "policy_specs.pbtxt", staged)
     elif defect == "no_specs":
         (staged / "policy_specs.pbtxt").unlink()

@@ -9,6 +9,15 @@ variables. What passes becomes a `Template`: the graph files to copy into
 every SAVED_MODEL save, the two object graphs and the order in which each
 lists the variables, which is the order `checkpointd.formats.policy` writes them in.
 
+Every save writes its own values, so the template's are never read. A
+template's `variables/` comes in one of two forms: the index alone with
+`variables/object_graph.pb` (the SavedModel checkpoint's object graph,
+raw), which the reference client sends; or PolicySaver's whole checkpoint,
+index and data shards, whose object graph is read from the data (older
+clients). The index gives keys, dtypes and shapes either way: TensorFlow's
+reader reads a shard only to return a tensor's value. Both forms at once
+are refused, as there would be two object graphs to choose from.
+
 A variable's two keys are not taken on trust: the checkpoint key each
 declared variable comes with must be the one the object graphs give the same
 object (`object_graph.checkpoint_keys`). Else two variables of one shape and
@@ -24,6 +33,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import crc32c
 
@@ -33,11 +43,13 @@ from checkpointd.formats import object_graph
 from checkpointd.formats.object_graph import ObjectGraph
 from checkpointd.protocol.errors import InvalidRequestError, describe
 from checkpointd.protocol.names import MANIFEST_NAME
-from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY, VARIABLE_ATTRIBUTE
+from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY, TEMPLATE_OBJECT_GRAPH, VARIABLE_ATTRIBUTE
 
 _LOGGER = logging.getLogger(__name__)
 
 VARIABLES_PREFIX = os.path.join("variables", "variables")
+_INDEX = "variables/variables.index"
+_DATA_SHARD = "variables/variables.data-"  # a data shard's path starts so
 _REQUIRED_SIGNATURES = ("action", "get_initial_state", "get_train_step", "get_metadata")
 # Written anew for every SAVED_MODEL save, never copied from the template.
 _NOT_COPIED = ("variables", "fingerprint.pb")
@@ -77,13 +89,12 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
         InvalidRequestError: the upload is not a TF-Agents policy SavedModel,
             or the manifest or the object graph disagree with it.
     """
-    import tensorflow as tf
     from google.protobuf import message, text_format
     from tensorflow.core.protobuf import saved_model_pb2, struct_pb2
 
     if not staged_dir.is_dir():
         raise _invalid(run, "is not a directory")
-    dirs, files = _read_tree(run, staged_dir)
+    dirs, files, variable_files = _read_tree(run, staged_dir)
     contents = dict(files)
     for path, _ in files:
         top = path.split("/")[0]
@@ -116,22 +127,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
     except (text_format.ParseError, UnicodeDecodeError) as e:
         raise _invalid(run, f"policy_specs.pbtxt does not parse ({e})") from None
 
-    try:
-        reader = tf.train.load_checkpoint(str(staged_dir / VARIABLES_PREFIX))
-        shapes = reader.get_variable_to_shape_map()
-        dtypes = reader.get_variable_to_dtype_map()
-        saved_model_graph = reader.get_tensor(OBJECT_GRAPH_KEY) if OBJECT_GRAPH_KEY in shapes else None
-    except (tf.errors.OpError, ValueError, IndexError) as e:
-        # IndexError: TF's reader on a data file shorter than its index says.
-        _LOGGER.debug("run %s: template checkpoint unreadable: %s", run, describe(e))
-        raise _invalid(
-            run,
-            "variables/variables.index and .data-00000-of-00001 are missing or unreadable; "
-            "upload the whole output of PolicySaver.save()",
-        ) from None
-    if saved_model_graph is None:
-        raise _invalid(run, f"variables/ has no {OBJECT_GRAPH_KEY} tensor")
-
+    shapes, dtypes, saved_model_graph, graph_source = _checkpoint(run, staged_dir, variable_files)
     want = {v.key for v in manifest.variables}
     have = set(shapes) - {OBJECT_GRAPH_KEY}
     if have - want:
@@ -146,9 +142,9 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
                 f"{dtypes[v.key].name}{list(shapes[v.key])}",
             )
 
-    saved_model_parsed = _parse(run, "the template's object graph", saved_model_graph)
+    saved_model_parsed = _parse(run, graph_source, saved_model_graph)
     checkpoint_parsed = _parse(run, "checkpoint_object_graph", checkpoint_graph)
-    saved_model_order = _order(run, "the template's object graph", saved_model_parsed, manifest, "key")
+    saved_model_order = _order(run, graph_source, saved_model_parsed, manifest, "key")
     checkpoint_order = _order(run, "checkpoint_object_graph", checkpoint_parsed, manifest, "checkpoint_key")
     _check_checkpoint_keys(run, manifest, saved_model_parsed, checkpoint_parsed)
     copied = tuple((p, b) for p, b in files if p.split("/")[0] not in _NOT_COPIED)
@@ -167,15 +163,72 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
     )
 
 
-def _read_tree(run: str, root: Path) -> tuple[list[str], list[tuple[str, bytes]]]:
-    """Returns a tree's relative dirs and (path, content) files, sorted.
+def _checkpoint(run: str, staged_dir: Path, names: set[str]) -> tuple[dict[str, Any], dict[str, Any], bytes, str]:
+    """The template checkpoint's shapes and dtypes by key, its object graph, and where that came from.
+
+    Args:
+        names: the files under `variables/`, relative to `staged_dir`.
+
+    Raises:
+        InvalidRequestError: `variables/` is in neither form (see the module
+            docstring) or TensorFlow cannot read it.
+    """
+    import tensorflow as tf
+
+    shards = sorted(n for n in names if n.startswith(_DATA_SHARD))
+    graph_file = TEMPLATE_OBJECT_GRAPH in names
+    if _INDEX not in names:
+        raise _invalid(
+            run,
+            f"has no {_INDEX}; send the index of PolicySaver.save()'s checkpoint with {TEMPLATE_OBJECT_GRAPH} "
+            "(its object graph), or its whole variables/ checkpoint",
+        )
+    if graph_file and shards:
+        raise _invalid(
+            run,
+            f"has both {TEMPLATE_OBJECT_GRAPH} and the data shard {shards[0]!r}, two object graphs; send "
+            f"{_INDEX} with {TEMPLATE_OBJECT_GRAPH} and no data shards, or the whole checkpoint without it",
+        )
+    if not graph_file and not shards:
+        raise _invalid(
+            run,
+            f"has {_INDEX} but neither {TEMPLATE_OBJECT_GRAPH} nor the data shards; the daemon needs the "
+            f"checkpoint's object graph: send it as {TEMPLATE_OBJECT_GRAPH} (the {OBJECT_GRAPH_KEY} tensor's "
+            "bytes), or the whole checkpoint",
+        )
+    try:
+        reader = tf.train.load_checkpoint(str(staged_dir / VARIABLES_PREFIX))
+        shapes = reader.get_variable_to_shape_map()
+        dtypes = reader.get_variable_to_dtype_map()
+        if graph_file:
+            graph: bytes | None = (staged_dir / TEMPLATE_OBJECT_GRAPH).read_bytes()
+        else:
+            graph = reader.get_tensor(OBJECT_GRAPH_KEY) if OBJECT_GRAPH_KEY in shapes else None
+    except (tf.errors.OpError, ValueError, IndexError) as e:
+        # IndexError: TF's reader on a data file shorter than its index says.
+        _LOGGER.debug("run %s: template checkpoint unreadable: %s", run, describe(e))
+        raise _invalid(
+            run,
+            f"its checkpoint ({_INDEX}{'' if graph_file else ' and its data shards'}) is unreadable; "
+            "send the files PolicySaver.save() wrote, unchanged",
+        ) from None
+    if graph is None:
+        raise _invalid(run, f"variables/ has no {OBJECT_GRAPH_KEY} tensor")
+    return shapes, dtypes, graph, TEMPLATE_OBJECT_GRAPH if graph_file else "the template's object graph"
+
+
+def _read_tree(run: str, root: Path) -> tuple[list[str], list[tuple[str, bytes]], set[str]]:
+    """Returns a tree's relative dirs and (path, content) files, sorted, and the paths under variables/.
 
     Held in memory so a write never reads a template dir that a new
-    registration may be replacing. Symlinks and special files are refused:
-    they would let an upload copy arbitrary daemon files into exports.
+    registration may be replacing; files under variables/ are only named
+    (TensorFlow's reader and `_checkpoint` read them). Symlinks and special
+    files are refused: they would let an upload copy arbitrary daemon files
+    into exports.
     """
     dirs: list[str] = []
     files: list[tuple[str, bytes]] = []
+    variable_files: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         rel_dir = Path(dirpath).relative_to(root)
@@ -186,9 +239,11 @@ def _read_tree(run: str, root: Path) -> tuple[list[str], list[tuple[str, bytes]]
                 raise _invalid(run, f"{rel!r} is a symlink or special file; only plain files allowed")
             if path.is_dir():
                 dirs.append(rel)
-            elif rel.split("/")[0] != "variables":  # read by tf.train.load_checkpoint
+            elif rel.split("/")[0] == "variables":
+                variable_files.add(rel)
+            else:
                 files.append((rel, path.read_bytes()))
-    return dirs, files
+    return dirs, files, variable_files
 
 
 def _parse(run: str, what: str, graph: bytes) -> ObjectGraph:

@@ -35,6 +35,10 @@ ITEMSIZE: dict[str, int] = {
 
 # The checkpoint entry that holds the serialized TrackableObjectGraph.
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+# A RegisterRun template's copy of its SavedModel checkpoint's OBJECT_GRAPH_KEY
+# tensor, raw, sent with variables/variables.index in place of the data shards
+# (whose values every save overwrites): see checkpointd.formats.policy_template.
+TEMPLATE_OBJECT_GRAPH = "variables/object_graph.pb"
 # A variable's attribute in the object graph, and the key suffix it gives:
 # a variable at object path `a/b` is stored as `a/b/.ATTRIBUTES/VARIABLE_VALUE`.
 VARIABLE_ATTRIBUTE = "VARIABLE_VALUE"
