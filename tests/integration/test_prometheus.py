@@ -78,7 +78,7 @@ def test_prometheus_config_is_valid() -> None:
 
 
 def test_alert_rules_are_valid() -> None:
-    assert "4 rules found" in _ok(promtool("check", "rules", "alerts.yml"))
+    assert "5 rules found" in _ok(promtool("check", "rules", "alerts.yml"))
 
 
 def test_alert_rule_unit_tests_pass() -> None:

@@ -44,6 +44,7 @@ FUNCTIONS = {
     "increase",
     "irate",
     "max",
+    "max_over_time",
     "min",
     "rate",
     "sum",
@@ -75,9 +76,11 @@ def promql_names(expr: str) -> tuple[set[str], set[str]]:
     names, functions = set(), set()
     for match in re.finditer(r"(?<![\w.])[A-Za-z_:][\w:]*", text):
         word = match.group()
+        if word.lower() in _KEYWORDS:  # `or (...)` is an operator, not a call
+            continue
         if text[match.end() :].lstrip().startswith("("):
             functions.add(word)
-        elif word.lower() not in _KEYWORDS:
+        else:
             names.add(word)
     return names, functions
 
@@ -86,11 +89,12 @@ def test_promql_names_finds_metrics_not_labels_ranges_or_functions() -> None:
     expr = (
         'histogram_quantile(0.99, sum by (kind, le) (rate(a_bucket{job="x", kind=~"$k"}'
         "[$__rate_interval]))) / on(instance) group_left max(b_total offset 5m) > bool 0.5"
+        ' or (max_over_time(c[6h]) unless on (instance) (up{job="x"} == 1))'
     )
 
     assert promql_names(expr) == (
-        {"a_bucket", "b_total"},
-        {"histogram_quantile", "sum", "rate", "max"},
+        {"a_bucket", "b_total", "c", "up"},
+        {"histogram_quantile", "sum", "rate", "max", "max_over_time"},
     )
 
 
@@ -178,6 +182,7 @@ def test_every_alert_says_what_to_do_and_uses_exported_metrics() -> None:
         "CheckpointdSkipRatioHigh",
         "CheckpointdSaveFailed",
         "CheckpointdDown",
+        "CheckpointdLeaseLost",
     }
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
