@@ -60,10 +60,10 @@ class CheckpointServiceServicer(object):
         The template is checked (INVALID_ARGUMENT otherwise): saved_model.pb with
         one meta graph and the signatures action, get_initial_state,
         get_train_step and get_metadata; policy_specs.pbtxt parses;
-        variables/variables.{index,data-00000-of-00001} hold exactly the header's
-        variable keys, with their dtypes and shapes; both object graphs (the
-        template's and checkpoint_object_graph) list exactly the variables and
-        nothing but variables. Registering a run again (a restarted trainer)
+        variables/variables.index holds exactly the header's variable keys, with
+        their dtypes and shapes; both object graphs (the template's and
+        checkpoint_object_graph) list exactly the variables and nothing but
+        variables. Registering a run again (a restarted trainer)
         replaces its manifest, template and folder and reopens it if closing or
         closed; its counters stay. It does not wait for the run's in-flight save,
         which is written with the template current at write time (INTERNAL if
