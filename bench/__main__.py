@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench import report
+from bench import report, s3
 from bench.config import FANIN_RATE_HZ, SIZES, BenchConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +52,7 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
         help="section 7's cases, of small,medium,large (default: medium, and large if memory allows; quick: small; "
         "'none' skips it)",
     )
+    s3.add_arguments(p)
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
     p.add_argument(
         "--workdir", type=Path, help="scratch directory, kept (default: a new temp dir, removed after success)"
@@ -74,6 +75,7 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
             limit_bytes=(32 << 20) if quick else (512 << 20),
             quick=quick,
             training_cases=_training_cases(a.training_cases, quick),
+            s3=s3.mode(a),
             workdir=workdir,
             keep_workdir=a.workdir is not None,
             out=a.out,
@@ -218,6 +220,10 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
             "quick": config.quick,
         },
     }
+    if config.s3 != "off":
+        results["s3"] = s3.run_section(config, progress)
+        if config.s3 == "only":
+            return results
     progress("4. machine limits: memcpy, fsync'd disk writes, gRPC loopback")
     reps = max(config.reps, 3)
     results["limits"] = {
@@ -269,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["meta"]["other_cpu_share"] = other / (results["meta"]["duration_seconds"] * (os.cpu_count() or 1))
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(results, indent=1))
-    print(report.table(results))
+    print((s3.header(results) if config.s3 == "only" else report.table(results)) + s3.table(results))
     progress(f"wrote {config.out}")
     return 0
 

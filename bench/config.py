@@ -60,6 +60,7 @@ class BenchConfig:
             kept after a failure, for the logs).
         out: the JSON file written at the end.
         training_cases: section 7's cases (bench.checkpointer.CASES).
+        s3: section 8 (bench/s3.py): "on", "off", or "only" (nothing else).
     """
 
     sizes: tuple[str, ...]
@@ -75,6 +76,7 @@ class BenchConfig:
     keep_workdir: bool
     out: Path
     training_cases: tuple[str, ...] = ()
+    s3: str = "off"
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sizes if s not in SIZES]
@@ -84,6 +86,8 @@ class BenchConfig:
             raise ValueError("reps must be >= 1")
         if self.fanin_procs < 1 or self.fanin_seconds <= 0:
             raise ValueError("fan-in needs >= 1 process and > 0 seconds")
+        if self.s3 not in ("on", "off", "only"):
+            raise ValueError(f"s3 must be on, off or only, saw {self.s3!r}")
         if self.limit_bytes < 1 << 20:
             raise ValueError("limit_bytes must be at least 1 MiB")
 

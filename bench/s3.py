@@ -1,0 +1,530 @@
+"""Section 8: saves committed to an S3 object store (issue 11), against a raw multipart PUT of the same bytes.
+
+`python -m bench` runs it (`--s3-only` alone, `--no-s3` skips it; `--quick`
+skips it unless `--s3`). The section starts its own Ceph radosgw on loopback
+(`scripts/rgw.sh start` in the bench workdir, stopped however the section
+ends); if Ceph cannot be started it is skipped with the reason printed. Then,
+per policy size (medium and large; small only when it is the one size asked
+for), a worker process (`python -m bench.s3 --size large --reps 3 --endpoint
+URL --bucket B --workdir DIR --out FILE`, AWS credentials from the
+environment) builds the DQN agent, starts two `checkpointd serve` daemons,
+one on a local `--root` and one on `--root s3://BUCKET/PREFIX`, and a
+`RemotePolicySaver` on each (shared memory, as in section 3). Each
+repetition, side by side:
+
+- the local daemon: the trainer's stall (`save()` returns) and call ->
+  durable (`ticket.result()`: fsynced and renamed);
+- the S3 daemon: the stall and call -> committed (`ticket.result()`: every
+  object uploaded and the manifest created in the bucket);
+- raw PUTs of the same files (the save the local daemon just wrote) to the
+  same server, all files of a save at once, at the S3 store's own part size
+  and concurrency (read from `S3Store`'s defaults, so a tuning there is
+  followed here): boto3's s3transfer TransferManager alone, the anchor of
+  the target; the same with the store's Content-MD5 on every request; the
+  same plus a `head_object` per file (the store's whole upload step); and
+  obstore's `put_async` (Rust object_store) if obstore is installed.
+
+The order of the five S3 measurements rotates each repetition, so none
+always follows another's deletes (radosgw's garbage collection runs behind
+them). Objects are deleted after each measurement, outside the timing: the
+memstore OSD holds every stored byte in RAM.
+
+Targets (from the medians): S3 commit throughput >= 0.7 x the raw boto3 PUT,
+and the stall on S3 at most 1.25 x the stall on the local root (the trainer
+side is the same code; only noise should differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = Path(__file__).resolve().parents[1]
+RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
+REGION = "us-east-1"
+SAVE_TIMEOUT = 900.0
+COMMIT_VS_RAW = 0.7
+STALL_VS_LOCAL = 1.25
+_CANNOT_INSTALL = 3  # rgw.sh's exit code when Ceph cannot be installed
+_START = time.monotonic()
+
+# The raw PUTs, in the table's order; "boto3" is the target's anchor.
+RAW = {
+    "boto3": "raw PUT, boto3 TransferManager",
+    "boto3_md5": "raw PUT, boto3 + Content-MD5",
+    "boto3_md5_head": "raw PUT, boto3 + Content-MD5 + head",
+    "obstore": "raw PUT, obstore",
+}
+
+
+# The section, in `python -m bench`.
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--s3", dest="s3", action="store_const", const="on", help="run section 8 (also with --quick)")
+    group.add_argument("--no-s3", dest="s3", action="store_const", const="off", help="skip section 8 (S3)")
+    group.add_argument(
+        "--s3-only", dest="s3", action="store_const", const="only", help="run section 8 (S3) and nothing else"
+    )
+
+
+def mode(args: argparse.Namespace) -> str:
+    """on, off or only; by default on, except in --quick mode."""
+    return args.s3 or ("off" if args.quick else "on")
+
+
+def section_sizes(sizes: Sequence[str]) -> list[str]:
+    """Medium and large; small only when it is all that was asked for (--quick)."""
+    return [s for s in sizes if s != "small"] or list(sizes)
+
+
+def store_defaults() -> dict[str, int]:
+    """S3Store's own part size and concurrency: the raw PUTs use the same."""
+    from checkpointd.storage.s3 import S3Store
+
+    params = inspect.signature(S3Store.__init__).parameters
+    return {"part_bytes": params["part_bytes"].default, "max_concurrency": params["max_concurrency"].default}
+
+
+def run_section(config: Any, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Starts radosgw, runs a worker per size, stops radosgw. {"skipped": reason} if Ceph cannot start."""
+    rgw_dir = config.workdir / "rgw"
+    shutil.rmtree(rgw_dir, ignore_errors=True)  # rgw.sh makes a new cluster in an empty dir only
+    progress("8. S3: starting Ceph radosgw on loopback (scripts/rgw.sh)")
+    try:
+        started = time.monotonic()
+        proc = subprocess.run(
+            [str(RGW_SCRIPT), "start", str(rgw_dir)], capture_output=True, text=True, timeout=600, check=False
+        )
+        if proc.returncode != 0:
+            log = config.workdir / "rgw-start.log"
+            log.write_text(proc.stderr + proc.stdout)
+            why = "Ceph cannot be installed" if proc.returncode == _CANNOT_INSTALL else "radosgw did not start"
+            said = [line for line in proc.stderr.splitlines() if line.startswith("rgw.sh:")]
+            reason = f"{why} (scripts/rgw.sh exit {proc.returncode}: {'; '.join(said) or 'no message'}; log {log})"
+            progress(f"8. S3 section skipped: {reason}")
+            return {"skipped": reason}
+        env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+        result: dict[str, Any] = {
+            "server": _server_version(),
+            "rgw_start_seconds": time.monotonic() - started,
+            "obstore": _obstore_version(),
+            **store_defaults(),
+            "sizes": {},
+        }
+        for size in section_sizes(config.sizes):
+            progress(f"8. S3, {size}: local root vs s3:// root vs raw PUTs, in a worker process")
+            result["sizes"][size] = _run_worker(config, size, env)
+        result["targets"] = targets(result)
+        return result
+    finally:
+        subprocess.run([str(RGW_SCRIPT), "stop", str(rgw_dir)], timeout=120, check=False)
+        shutil.rmtree(rgw_dir, ignore_errors=True)
+
+
+def _server_version() -> str:
+    try:
+        out = subprocess.run(["radosgw", "--version"], capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return "radosgw"
+    words = out.split()  # "ceph version 16.2.15 (...) pacific (stable)"
+    return f"Ceph radosgw {words[2]}" if len(words) > 2 else "radosgw"
+
+
+def _obstore_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("obstore")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _run_worker(config: Any, size: str, rgw_env: dict[str, str]) -> dict[str, Any]:
+    out = config.workdir / f"s3-{size}.json"
+    log = config.workdir / f"s3-{size}-worker.log"
+    cmd = [sys.executable, "-m", "bench.s3", "--size", size, "--reps", str(config.reps_for(size))]
+    cmd += ["--endpoint", rgw_env["CHECKPOINTD_TEST_S3_ENDPOINT"], "--bucket", rgw_env["CHECKPOINTD_TEST_S3_BUCKET"]]
+    cmd += ["--workdir", str(config.workdir), "--out", str(out)]
+    aws = {k: v for k, v in rgw_env.items() if k.startswith("AWS_")}
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **aws)
+    with open(log, "wb") as err:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=err, timeout=600 if config.quick else 2400, check=False
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"the S3 {size} worker exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+# The worker: one size.
+
+
+def _progress(size: str, message: str) -> None:
+    print(f"[{time.monotonic() - _START:6.1f}s] S3 {size}: {message}", flush=True)
+
+
+Files = list[tuple[Path, str]]  # (local path, key relative to the save)
+RawPut = Callable[[Files, str], None]  # PUTs the files of a save under a key prefix, all at once
+
+
+def boto3_puts(endpoint: str, bucket: str, part_bytes: int, concurrency: int) -> dict[str, RawPut]:
+    """The boto3 raw PUTs: plain, with Content-MD5, and with Content-MD5 plus a head per object."""
+    from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
+    from checkpointd.storage.s3 import _content_md5, make_client
+
+    def via(md5: bool, head: bool) -> RawPut:
+        # The store's client (make_client, with its pool of 4 x concurrency);
+        # the plain one without the Content-MD5 hook.
+        client = make_client(endpoint, REGION, 4 * concurrency)
+        if not md5:
+            for operation in ("PutObject", "UploadPart"):
+                client.meta.events.unregister(f"before-call.s3.{operation}", _content_md5)
+        transfers = create_transfer_manager(
+            client,
+            TransferConfig(multipart_threshold=part_bytes, multipart_chunksize=part_bytes, max_concurrency=concurrency),
+        )
+
+        def upload(files: Files, key_base: str) -> None:
+            futures = [transfers.upload(str(path), bucket, key_base + rel) for path, rel in files]
+            for future in futures:
+                future.result()
+            for path, rel in files if head else ():
+                if client.head_object(Bucket=bucket, Key=key_base + rel)["ContentLength"] != path.stat().st_size:
+                    raise RuntimeError(f"{key_base + rel} has the wrong size in the bucket")
+
+        return upload
+
+    return {
+        "boto3": via(md5=False, head=False),
+        "boto3_md5": via(md5=True, head=False),
+        "boto3_md5_head": via(md5=True, head=True),
+    }
+
+
+def obstore_put(endpoint: str, bucket: str, part_bytes: int, concurrency: int) -> RawPut:
+    """obstore's put_async of every file at once, each multipart above `part_bytes` with `concurrency` parts."""
+    import obstore
+    from obstore.store import S3Store as ObjectStore
+
+    store = ObjectStore(
+        bucket,
+        endpoint=endpoint,
+        region=REGION,
+        access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": endpoint.startswith("http://")},
+    )
+    loop = asyncio.new_event_loop()
+
+    async def put_all(files: Files, key_base: str) -> None:
+        puts = (
+            obstore.put_async(store, key_base + rel, path, chunk_size=part_bytes, max_concurrency=concurrency)
+            for path, rel in files
+        )
+        await asyncio.gather(*puts)
+
+    return lambda files, key_base: loop.run_until_complete(put_all(files, key_base))
+
+
+def delete_prefix(client: Any, bucket: str, key_prefix: str) -> int:
+    """Deletes every object under `key_prefix`; how many there were."""
+    keys = [
+        obj["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix)
+        for obj in page.get("Contents", [])
+    ]
+    for key in keys:  # one by one: a handful per save, and DeleteObjects' checksum differs by botocore version
+        client.delete_object(Bucket=bucket, Key=key)
+    return len(keys)
+
+
+def _files(save_dir: Path) -> Files:
+    return [(p, p.relative_to(save_dir).as_posix()) for p in sorted(save_dir.rglob("*")) if p.is_file()]
+
+
+def _timed_save(saver: Any, export_dir: str) -> dict[str, float]:
+    """One non-blocking save(): stall, call -> durable/committed, the daemon's time and bytes."""
+    start = time.perf_counter()
+    ticket = saver.save(export_dir)
+    returned = time.perf_counter()
+    if ticket.skipped:
+        raise RuntimeError(f"save {export_dir} was skipped: {ticket.reason}")
+    done = ticket.result(SAVE_TIMEOUT)
+    durable = time.perf_counter()
+    return {
+        "stall": returned - start,
+        "latency": durable - start,
+        "daemon": done.duration_seconds,
+        "bytes": float(done.bytes_written),
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.s3", description=__doc__)
+    p.add_argument("--size", required=True)
+    p.add_argument("--reps", type=int, required=True)
+    p.add_argument("--endpoint", required=True, help="the S3 server's URL (credentials: the AWS_* environment)")
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--workdir", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, saw {args.reps}")
+    return args
+
+
+def run_worker(args: argparse.Namespace) -> dict[str, Any]:
+    from bench import agents, remote
+    from bench.config import SIZES
+    from bench.scrape import phase_means, phase_totals
+    from bench.stats import summarize
+    from checkpointd.storage.s3 import make_client
+    from checkpointd_client import RemotePolicySaver
+    from tests.integration.daemon import start_daemon
+
+    size = SIZES[args.size]
+    say = lambda message: _progress(size.name, message)  # noqa: E731
+    work = args.workdir / f"s3-{size.name}"
+    prefix = f"bench-{size.name}-{secrets.token_hex(4)}"
+    defaults = store_defaults()
+    client = make_client(args.endpoint, REGION)
+    raws = boto3_puts(args.endpoint, args.bucket, defaults["part_bytes"], defaults["max_concurrency"])
+    result: dict[str, Any] = {"prefix": prefix}
+    if _obstore_version() is not None:
+        raws["obstore"] = obstore_put(args.endpoint, args.bucket, defaults["part_bytes"], defaults["max_concurrency"])
+    else:
+        result["obstore_skipped"] = "obstore is not installed (.venv/bin/pip install obstore)"
+
+    say(f"building a DQN agent of {size.params:,} parameters")
+    agent = agents.build_agent(size)
+    policy, counter = agent.policy, agent.train_step_counter
+    local = start_daemon(work / "local-root", work / "local-daemon")
+    try:
+        s3 = start_daemon(
+            f"s3://{args.bucket}/{prefix}",  # type: ignore[arg-type]  # passed to --root as str(root)
+            work / "s3-daemon",
+            "--work-dir",
+            str(work / "s3-work"),
+            "--s3-endpoint-url",
+            args.endpoint,
+            "--s3-region",
+            REGION,
+        )
+    except BaseException:
+        local.terminate()
+        raise
+    result["daemon_logs"] = [str(local.log_path), str(s3.log_path)]
+    samples: dict[str, list[dict[str, float]]] = {"local": [], "s3": []}
+    raw_seconds: dict[str, list[float]] = {name: [] for name in raws}
+    try:
+        with (
+            RemotePolicySaver(policy, local.address, run="trainer", train_step=counter, timeout=SAVE_TIMEOUT) as ls,
+            RemotePolicySaver(policy, s3.address, run="trainer", train_step=counter, timeout=SAVE_TIMEOUT) as ss,
+        ):
+            say("1st saves (export, register, save) on each daemon")
+            result["first_save_seconds"] = {"local": remote.first_save(ls), "s3": remote.first_save(ss)}
+            warm = _files(local.root / "trainer" / "first")
+            for key, raw in raws.items():  # connections up, as the daemon's are after its 1st save
+                raw(warm, f"{prefix}/raw-warmup/{key}/")
+            delete_prefix(client, args.bucket, f"{prefix}/raw-warmup/")
+            phases_before = phase_totals(s3.metrics_url)
+            order = ["s3", *raws]
+            for i in range(args.reps):
+                name = f"save-{i}"
+                samples["local"].append(_timed_save(ls, name))  # its files are the raw PUTs' bytes
+                files = _files(local.root / "trainer" / name)
+                sizes = [path.stat().st_size for path, _ in files]
+                shift = i % len(order)
+                for key in order[shift:] + order[:shift]:
+                    if key == "s3":
+                        samples["s3"].append(_timed_save(ss, name))
+                        gone = f"{prefix}/trainer/{name}/"
+                    else:
+                        gone = f"{prefix}/raw/{key}-{i}/"
+                        raw_seconds[key].append(_timed_raw(raws[key], files, gone))
+                    if not delete_prefix(client, args.bucket, gone):
+                        raise RuntimeError(f"nothing under {gone} in the bucket after the {key} upload")
+                shutil.rmtree(local.root / "trainer" / name)
+                say(
+                    f"rep {i + 1}/{args.reps}: S3 commit {samples['s3'][-1]['latency']:.2f} s, raw "
+                    + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in raw_seconds.items())
+                )
+            result["s3_phase_mean_seconds"] = phase_means(phases_before, phase_totals(s3.metrics_url))
+    finally:
+        codes = {"local": local.terminate(), "s3": s3.terminate()}
+    result["daemon_exit_codes"] = codes
+    raw_bytes = sum(sizes)
+    result.update(
+        {
+            "size": {"params": size.params, "save_bytes": samples["s3"][0]["bytes"], "raw_bytes": raw_bytes},
+            "files": len(sizes),
+            "largest_file_bytes": max(sizes),
+        }
+    )
+    for where, runs in samples.items():
+        result[where] = {
+            "save_stall": summarize(s["stall"] for s in runs),
+            "save_latency": summarize(s["latency"] for s in runs),
+            "save_daemon": summarize(s["daemon"] for s in runs),
+            "save_throughput": summarize(s["bytes"] / s["latency"] for s in runs),
+        }
+    result["raw"] = {
+        name: {"seconds": summarize(seconds), "throughput": summarize(raw_bytes / s for s in seconds)}
+        for name, seconds in raw_seconds.items()
+    }
+    say("done")
+    return result
+
+
+def _timed_raw(raw: RawPut, files: Files, key_base: str) -> float:
+    start = time.perf_counter()
+    raw(files, key_base)
+    return time.perf_counter() - start
+
+
+# The report.
+
+
+def ratios(s: dict[str, Any]) -> dict[str, float]:
+    """One size's ratios of medians: S3 commit / raw boto3, obstore / boto3, S3 stall / local stall."""
+    med = lambda stats: stats["median"]  # noqa: E731
+    out = {
+        "commit_vs_raw": med(s["s3"]["save_throughput"]) / med(s["raw"]["boto3"]["throughput"]),
+        "stall_vs_local": med(s["s3"]["save_stall"]) / med(s["local"]["save_stall"]),
+    }
+    if "obstore" in s["raw"]:
+        out["obstore_vs_boto3"] = med(s["raw"]["obstore"]["throughput"]) / med(s["raw"]["boto3"]["throughput"])
+    return out
+
+
+def targets(section: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 11's benchmark targets for every measured size, met or missed."""
+    from bench.report import _target
+
+    out = []
+    for size, s in section["sizes"].items():
+        r = ratios(s)
+        s3_rate, raw_rate = s["s3"]["save_throughput"]["median"], s["raw"]["boto3"]["throughput"]["median"]
+        out.append(
+            _target(
+                f"S3 save() call->committed throughput >= {COMMIT_VS_RAW} x raw boto3 multipart PUT",
+                size,
+                s3_rate,
+                COMMIT_VS_RAW * raw_rate,
+                r["commit_vs_raw"] >= COMMIT_VS_RAW,
+                r["commit_vs_raw"],
+                f"{s3_rate / 1e6:.0f} MB/s vs {raw_rate / 1e6:.0f} MB/s ({r['commit_vs_raw']:.2f}x)",
+            )
+        )
+        stall, base = s["s3"]["save_stall"]["median"], s["local"]["save_stall"]["median"]
+        out.append(
+            _target(
+                f"S3 save() stall <= {STALL_VS_LOCAL} x the local root's",
+                size,
+                stall,
+                STALL_VS_LOCAL * base,
+                stall <= STALL_VS_LOCAL * base,
+                r["stall_vs_local"],
+                f"{stall * 1e3:.2f} ms vs {base * 1e3:.2f} ms ({r['stall_vs_local']:.2f}x)",
+            )
+        )
+    return out
+
+
+def header(r: dict[str, Any]) -> str:
+    """The run's first lines, for `--s3-only` (where the main table is not printed)."""
+    m = r["meta"]
+    return (
+        f"checkpointd benchmark, {m['date']}\n"
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.1f} GiB; Python {m['python']}, {m['packages']}\n"
+        f"command: {m['command']}   ({m['duration_seconds']:.0f} s)\n"
+        f"other processes used {m['other_cpu_seconds']:.0f} CPU-s during the run "
+        f"({100 * m['other_cpu_share']:.1f}% of the machine); load average "
+        f"{m['load_average_at_start'][0]:.2f} at start, {m['load_average_at_end'][0]:.2f} at end\n"
+    )
+
+
+def table(r: dict[str, Any]) -> str:
+    """Section 8's lines and targets; empty if the section did not run."""
+    from bench.report import fmt_bytes, fmt_rate, fmt_time
+
+    section = r.get("s3")
+    if section is None:
+        return ""
+    title = "8. S3 object store: save() call -> committed vs a raw multipart PUT of the same bytes"
+    if "skipped" in section:
+        return f"\n{title}\nskipped: {section['skipped']}\n"
+    sizes = section["sizes"]
+    names = list(sizes)
+    label_w, col_w = 46, 27
+    part = f"{section['part_bytes'] >> 20} MiB parts, {section['max_concurrency']} at once"
+    lines = [
+        "",
+        title,
+        f"server: {section['server']} on loopback (memstore OSD, HTTP); S3Store and raw PUTs: {part}; "
+        f"obstore {section['obstore'] or 'not installed'}",
+        "cells: median (min–max) over " + ", ".join(f"{n} {sizes[n]['s3']['save_latency']['n']}" for n in names),
+        "",
+    ]
+
+    def row(label: str, fn: Callable[[dict[str, Any]], str]) -> None:
+        cells = []
+        for n in names:
+            try:
+                cells.append(fn(sizes[n]))
+            except (KeyError, TypeError):
+                cells.append("-")
+        lines.append(label.ljust(label_w) + "".join(c.ljust(col_w) for c in cells).rstrip())
+
+    phase = lambda s, k: s["s3_phase_mean_seconds"][f"saved_model/{k}"]  # noqa: E731
+    lines.append("".ljust(label_w) + "".join(n.ljust(col_w) for n in names).rstrip())
+    row("bytes of a save (files)", lambda s: f"{fmt_bytes(s['size']['save_bytes'])} ({s['files']} files)")
+    row("local root: save() stall", lambda s: fmt_time(s["local"]["save_stall"]))
+    row("local root: call -> durable", lambda s: fmt_time(s["local"]["save_latency"]))
+    row("S3 root: save() stall", lambda s: fmt_time(s["s3"]["save_stall"]))
+    row("S3 root: call -> committed (manifest in)", lambda s: fmt_time(s["s3"]["save_latency"]))
+    row(
+        "  daemon: transfer / stage+upload (mean)",
+        lambda s: f"{fmt_time(phase(s, 'transfer'))} / {fmt_time(phase(s, 'write'))}",
+    )
+    row("S3 root: bytes / (call -> committed)", lambda s: fmt_rate(s["s3"]["save_throughput"]))
+    for key, label in RAW.items():
+        row(label, lambda s, key=key: fmt_rate(s["raw"][key]["throughput"]))
+    row("S3 commit / raw boto3 PUT (target >= 0.7)", lambda s: f"{ratios(s)['commit_vs_raw']:.2f}")
+    row("obstore / boto3 raw PUT", lambda s: f"{ratios(s)['obstore_vs_boto3']:.2f}")
+    row("S3 stall / local stall", lambda s: f"{ratios(s)['stall_vs_local']:.2f}")
+    lines.append("")
+    lines.append("S3 targets (from this section's medians)")
+    for t in section["targets"]:
+        lines.append(f"  {'met   ' if t['met'] else 'MISSED'}  {t['target']} [{t['size']}]: {t['detail']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run_worker(args)
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
