@@ -154,8 +154,34 @@ def test_dashboard_shows_what_an_operator_watches(dashboard: dict[str, Any]) -> 
     assert uses('outcome="skipped"', "/")  # the skip ratio
     assert uses("checkpointd_saves_in_flight")
     assert uses("rate(checkpointd_written_bytes_total")
-    assert uses("time() - checkpointd_last_success_timestamp_seconds")
+    assert uses("time() - max by (run) (checkpointd_last_success_timestamp_seconds")  # newest on any daemon
     assert uses("checkpointd_save_phase_duration_seconds", "phase")
+    assert uses("histogram_quantile(0.99", "checkpointd_save_phase_duration_seconds_bucket", 'phase="upload"')
+    assert uses("rate(checkpointd_store_uploaded_bytes_total")
+    assert uses("checkpointd_leases_held", "by (instance)")
+    assert uses("increase(checkpointd_leases_lost_total", "by (instance)")
+
+
+def test_every_query_follows_the_daemon_variable_over_a_fleet(dashboard: dict[str, Any]) -> None:
+    (variable,) = dashboard["templating"]["list"]
+    assert variable["name"] == "instance" and variable["multi"] and variable["includeAll"]
+    assert variable["allValue"] == ".*"
+    for panel, target in _targets(dashboard):
+        selectors = re.findall(r"\b(\w+)\{([^}]*)\}", target["expr"])
+        assert selectors, panel["title"]
+        for name, matchers in selectors:
+            assert 'instance=~"$instance"' in matchers, f"panel {panel['title']!r}: {name} ignores the daemon variable"
+
+
+def test_the_per_run_panel_and_the_alert_agree(dashboard: dict[str, Any]) -> None:
+    (rule,) = [r for r in _rules() if r["alert"] == "CheckpointdRunNotCheckpointing"]
+    (panel,) = [p for p in dashboard["panels"] if p["title"].startswith("Seconds since last successful save")]
+    (target,) = panel["targets"]
+
+    def shape(expr: str) -> str:
+        return re.sub(r"\s+", "", re.sub(r',\s*instance=~"\$instance"', "", expr))
+
+    assert shape(rule["expr"]) == shape(target["expr"]) + ">1800"
 
 
 def test_dashboard_queries_the_provisioned_datasource(dashboard: dict[str, Any]) -> None:
