@@ -221,6 +221,12 @@ class Fleet:
         """Kills every trainer, then stops every daemon (SIGTERM, SIGKILL past 30 s)."""
         for p in self.procs:
             p.kill()
-        for d in self.daemons:
-            if d is not None and d.proc.poll() is None:
-                d.terminate(timeout=30)
+        live = [d for d in self.daemons if d is not None and d.proc.poll() is None]
+        for d in live:  # all at once: each lets go of its leases while the others do
+            d.proc.terminate()
+        for d in live:
+            try:
+                d.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait()

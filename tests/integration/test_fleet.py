@@ -101,6 +101,62 @@ def _same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
         assert g.tobytes() == w.tobytes()
 
 
+def test_every_save_accepted_across_the_fleet_is_committed(live: Fleet) -> None:
+    trainers = {
+        f"zl-{host.name}-{j}": live.trainer(i, "save", f"zl-{host.name}-{j}", str(SAVES_PER_TRAINER), str(10 * i + j))
+        for i, host in enumerate(live.hosts.hosts)
+        for j in range(TRAINERS_PER_HOST)
+    }
+    reports = {run: t.expect("durable") for run, t in trainers.items()}
+    for run, report in reports.items():
+        assert report["failed"] == [], (run, report)
+        assert report["durable"], f"{run}: every save was skipped"
+        assert len(report["durable"]) + report["skipped"] == SAVES_PER_TRAINER
+        assert set(live.manifests(run)) == set(report["durable"]), run
+    for i in range(len(live.hosts)):  # the trainers' snapshots came over TCP, none through shared memory
+        log = live.daemon(i).log()
+        assert "transport=grpc" in log and "transport=shm" not in log, live.hosts[i].name
+    checked = live.verify(*(f"{live.url}/{run}" for run in reports))
+    committed = sum(len(r["durable"]) for r in reports.values())
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"{committed} OK, 0 FAILED" in checked.stdout, checked.stdout
+
+
+@pytest.mark.skipif(not leases_landed(), reason="run leases (serve --lease-seconds) are not in this checkpointd")
+def test_two_hosts_racing_for_one_run_never_both_write_it(live: Fleet) -> None:
+    run, saves, hold = "contested", 2, 2.0
+    racers = {i: live.trainer(i, "race", run, live.hosts[i].name, str(saves), str(hold), stdin=True) for i in (1, 2)}
+    for r in racers.values():
+        r.expect("ready")
+    wins = {i: 0 for i in racers}
+    for round_ in range(1, RACE_ROUNDS + 1):
+        for r in racers.values():  # both parked on stdin: released together
+            r.send(f"go {round_}")
+        answers = {i: r.next(timeout=120) for i, r in racers.items()}
+        won = [i for i, m in answers.items() if m.get("won")]
+        assert len(won) == 1, answers
+        (winner,) = won
+        (loser,) = set(racers) - {winner}
+        wins[winner] += 1
+        refused = answers[loser]
+        assert refused["refused"] == "ABORTED", refused
+        holder = live.lease(run)
+        assert holder is not None
+        racers[winner].send(f"close {round_}")
+        assert racers[winner].expect("closed")["round"] == round_
+
+        written = {rel: w for rel, w in _writers(live, run).items() if rel.startswith(f"r{round_:02d}-")}
+        assert set(written) == {f"r{round_:02d}-{live.hosts[winner].name}-{n}" for n in range(saves)}, written
+        assert len(set(written.values())) == 1, written
+        owner = next(iter(written.values()))
+        assert owner == holder["owner"] and f"-{live.daemon(winner).proc.pid}-" in owner, (owner, holder)
+        assert refused["message"] and _names_holder(refused["message"], holder), refused
+    for r in racers.values():
+        r.send("quit")
+        assert r.wait() == 0
+    print(f"\nrace wins by host: { {live.hosts[i].name: n for i, n in wins.items()} }")
+
+
 def test_a_trainer_killed_with_its_daemon_resumes_on_another_host(live: Fleet, tmp_path: Path) -> None:
     run, rounds = "mover", 3
     (tmp_path / "a").mkdir()
@@ -136,61 +192,11 @@ def test_a_trainer_killed_with_its_daemon_resumes_on_another_host(live: Fleet, t
         assert len(by_a) == len(by_b) == 1 and by_a != by_b and "" not in by_a | by_b, policy_saves
         training = _writers(live, f"{run}-train")
         assert set(training.values()) <= by_a | by_b and by_b <= set(training.values()), training
+        lease = live.lease(run)  # B closed the run: its lease is B's, released
+        assert lease is not None and {lease["owner"]} == by_b and lease["released"], lease
+        assert f"-{live.daemon(1).proc.pid}-" in lease["owner"], (lease, live.daemon(1).proc.pid)
     checked = live.verify(f"{live.url}/{run}", f"{live.url}/{run}-train")
     assert checked.returncode == 0, checked.stdout + checked.stderr
-
-
-def test_every_save_accepted_across_the_fleet_is_committed(live: Fleet) -> None:
-    trainers = {
-        f"zl-{host.name}-{j}": live.trainer(i, "save", f"zl-{host.name}-{j}", str(SAVES_PER_TRAINER), str(10 * i + j))
-        for i, host in enumerate(live.hosts.hosts)
-        for j in range(TRAINERS_PER_HOST)
-    }
-    reports = {run: t.expect("durable") for run, t in trainers.items()}
-    for run, report in reports.items():
-        assert report["failed"] == [], (run, report)
-        assert report["durable"], f"{run}: every save was skipped"
-        assert len(report["durable"]) + report["skipped"] == SAVES_PER_TRAINER
-        assert set(live.manifests(run)) == set(report["durable"]), run
-    checked = live.verify(*(f"{live.url}/{run}" for run in reports))
-    committed = sum(len(r["durable"]) for r in reports.values())
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert f"{committed} OK, 0 FAILED" in checked.stdout, checked.stdout
-
-
-@pytest.mark.skipif(not leases_landed(), reason="run leases (serve --lease-seconds) are not in this checkpointd")
-def test_two_hosts_racing_for_one_run_never_both_write_it(live: Fleet) -> None:
-    run, saves, hold = "contested", 2, 2.0
-    racers = {i: live.trainer(i, "race", run, live.hosts[i].name, str(saves), str(hold), stdin=True) for i in (1, 2)}
-    for r in racers.values():
-        r.expect("ready")
-    wins = {i: 0 for i in racers}
-    for round_ in range(1, RACE_ROUNDS + 1):
-        for r in racers.values():  # both parked on stdin: released together
-            r.send(f"go {round_}")
-        answers = {i: r.next(timeout=120) for i, r in racers.items()}
-        won = [i for i, m in answers.items() if m.get("won")]
-        assert len(won) == 1, answers
-        (winner,) = won
-        (loser,) = set(racers) - {winner}
-        wins[winner] += 1
-        refused = answers[loser]
-        assert refused["refused"] == "ABORTED", refused
-        holder = live.lease(run)
-        assert holder is not None
-        racers[winner].send(f"close {round_}")
-        assert racers[winner].expect("closed")["round"] == round_
-
-        written = {rel: w for rel, w in _writers(live, run).items() if rel.startswith(f"r{round_:02d}-")}
-        assert set(written) == {f"r{round_:02d}-{live.hosts[winner].name}-{n}" for n in range(saves)}, written
-        assert len(set(written.values())) == 1, written
-        owner = next(iter(written.values()))
-        assert owner and owner in str(holder), (owner, holder)
-        assert refused["message"] and _names_holder(refused["message"], holder), refused
-    for r in racers.values():
-        r.send("quit")
-        assert r.wait() == 0
-    print(f"\nrace wins by host: { {live.hosts[i].name: n for i, n in wins.items()} }")
 
 
 def _names_holder(message: str, lease: dict[str, object]) -> bool:
