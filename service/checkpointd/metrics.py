@@ -24,8 +24,9 @@ _LOGGER = logging.getLogger(__name__)
 KINDS = LABELS  # every kind, training_checkpoint included: series exist from the start
 OUTCOMES = ("ok", "skipped", "failed")
 # Where an accepted save's time goes: the blocking wait before the accept, the
-# snapshot upload (accept -> last chunk), and writer.write.
-PHASES = ("queue", "transfer", "write")
+# snapshot upload (accept -> last chunk), and writer.write; with an object
+# store, "upload" is the part of write that sends the files and manifest.
+PHASES = ("queue", "transfer", "write", "upload")
 TRANSPORTS = ("grpc", "shm")
 # From a 5k-parameter checkpoint (a few ms) to a multi-GB SavedModel (minutes).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -75,7 +76,9 @@ class Metrics:
         self.phase_duration = Histogram(
             "checkpointd_save_phase_duration_seconds",
             "Seconds an accepted save spent in each phase: queue (blocking wait before "
-            "the accept), transfer (accept to last chunk received), write (files written).",
+            "the accept), transfer (accept to last chunk received), write (files written and "
+            "committed), upload (with an object store: the part of write that uploads the files "
+            "and the manifest to it).",
             ["kind", "phase"],
             buckets=DURATION_BUCKETS,
             registry=registry,
@@ -92,10 +95,28 @@ class Metrics:
             "Runs registered on this daemon.",
             registry=registry,
         )
+        self.uploaded_bytes = Counter(
+            "checkpointd_store_uploaded_bytes",
+            "Bytes uploaded to the object store by committed saves (files and manifest), by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        self.leases = Gauge(
+            "checkpointd_leases_held",
+            "Run leases this daemon holds in a shared object store (it writes those runs).",
+            registry=registry,
+        )
+        self.leases_lost = Counter(
+            "checkpointd_leases_lost",
+            "Run leases this daemon lost to another daemon (or that vanished) while holding them; "
+            "that run's saves here then fail ABORTED.",
+            registry=registry,
+        )
         for kind in KINDS:
             self.save_duration.labels(kind)
             self.skipped.labels(kind)
             self.written_bytes.labels(kind)
+            self.uploaded_bytes.labels(kind)
             for outcome in OUTCOMES:
                 self.saves.labels(kind, outcome)
             for phase in PHASES:
@@ -136,6 +157,17 @@ class Metrics:
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
         self.snapshots.labels(kind, transport).inc()
+
+    def store_uploaded(self, kind: str, seconds: float, nbytes: int) -> None:
+        """One commit's upload to the object store: phase "upload", and its bytes."""
+        self.phase_duration.labels(kind, "upload").observe(seconds)
+        self.uploaded_bytes.labels(kind).inc(nbytes)
+
+    def leases_held(self, count: int) -> None:
+        self.leases.set(count)
+
+    def lease_lost(self, run: str) -> None:
+        self.leases_lost.inc()
 
     def in_flight_changed(self, delta: int) -> None:
         self.in_flight.inc(delta)

@@ -1,7 +1,8 @@
 """The composition root and the daemon's lifecycle: start serving, report ports, drain.
 
 `Server.start` picks the implementations behind the seams: the Store for
---root (local disk), the SaveFormats (policy SavedModels and checkpoints),
+--root (local disk, or an object store for s3:// with the run leases a
+fleet of daemons on one bucket shares), the SaveFormats (policy SavedModels and checkpoints),
 the writer pool, retention and shared memory, and hands them to the save
 pipeline the gRPC servicer translates onto. A new storage backend or save
 kind is one module and one line here.
@@ -16,7 +17,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -27,10 +28,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from checkpointd.core.config import ServeConfig
-from checkpointd.core.ports import SaveFormat, Store
+from checkpointd.core.ports import Leases, NoLeases, SaveFormat, Store
 from checkpointd.formats.pool import WriterPool
 from checkpointd.metrics import Metrics
-from checkpointd.protocol.errors import DeadlineError, describe
+from checkpointd.protocol.errors import DeadlineError, RunNotFoundError, describe
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
@@ -50,6 +51,7 @@ _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 # Chunks are <= 1 MiB; leave room for framing, refuse anything near gRPC's 4 MiB.
 _MAX_MESSAGE_BYTES = 4 << 20
+_S3_CONCURRENCY = 8  # parallel requests of one S3 transfer (S3Store's default)
 
 
 class Server:
@@ -89,6 +91,7 @@ class Server:
         self._store = store
         self._owns_store = store is None  # made in start(), so closed in stop()
         self._formats = formats
+        self.leases: Leases = NoLeases()  # an s3:// root's S3Leases, made in start()
         self._pool: WriterPool | None = None
         self.retention: Retention | None = None
         self.shared_memory: SharedMemory | None = None
@@ -126,7 +129,7 @@ class Server:
         _check_writable_dir(config.state_dir, "the daemon's state dir")
         self._pool = WriterPool(config.write_nice)
         if self._store is None:
-            self._store = _make_store(config, self._pool)
+            self._store, self.leases = _make_store(config, self._pool, self.metrics, self._busy)
         fixed = self._store.recover()
         if fixed:
             _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, self._store.describe())
@@ -138,7 +141,11 @@ class Server:
             # Import TensorFlow (~2.5 s) while the port opens, not inside the
             # first registration a trainer is waiting on.
             threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()
-        self.retention = Retention(self._store, config.retention, _checkpoint_dirs(self._store, self._formats))
+        # A fleet's daemon touches only the runs it holds: each run's holder
+        # rewrites its state files (from the manifests) at its next checkpoint.
+        fleet = not isinstance(self.leases, NoLeases)
+        dirs = _checkpoint_dirs(self._store, self._formats, recover=not fleet)
+        self.retention = Retention(self._store, config.retention, dirs)
         self.retention.start()
         staging_bytes = config.max_staging_bytes or default_staging_bytes()
         self.shared_memory = _shared_memory(config.shm_root, staging_bytes)
@@ -152,6 +159,7 @@ class Server:
             retention=self.retention,
             shared_memory=self.shared_memory,
             phases=self.metrics,
+            leases=self.leases,
         )
         servicer = CheckpointServicer(pipeline, config.state_dir / "staging")
         self._grpc = grpc.server(
@@ -192,9 +200,10 @@ class Server:
                 ) from None  # fmt: skip
             self.metrics_port = self._http.server_port
         _LOGGER.info(
-            "listening on port %d (root %s, metrics %s, auth %s, shared memory %s)",
+            "listening on port %d (root %s%s, metrics %s, auth %s, shared memory %s)",
             self.port,
             self._store.describe(),
+            f", {describe_leases}" if (describe_leases := getattr(self.leases, "describe", lambda: "")()) else "",
             f"http://{config.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
             auth.describe(),
             self.shared_memory.folder if self.shared_memory is not None else "off",
@@ -258,6 +267,10 @@ class Server:
         if self.retention is not None:
             self.retention.stop(timeout=retention_timeout)
             self.retention = None
+        # After the drain and the queued tidying (both under the leases): every
+        # run's lease is released, so other daemons take them at once.
+        self.leases.close()
+        self.leases = NoLeases()
         if self.shared_memory is not None:
             self.shared_memory.close()
             self.shared_memory = None
@@ -277,26 +290,50 @@ class Server:
         """Blocks until stop() has finished."""
         return self._stopped.wait(timeout)
 
+    def _busy(self, run: str) -> bool:
+        """A save of the run is in flight or queued (its lease is not idle)."""
+        try:
+            view = self.lanes.views(run)[0]
+        except RunNotFoundError:
+            return False
+        return view.in_flight is not None or view.waiting > 0
 
-def _make_store(config: ServeConfig, pool: WriterPool) -> Store:
-    """The Store for --root: the local disk, or an object store for s3:// (checked before serving)."""
+
+def _make_store(
+    config: ServeConfig, pool: WriterPool, metrics: Metrics, busy: Callable[[str], bool]
+) -> tuple[Store, Leases]:
+    """The Store for --root and its Leases: the local disk alone, or an object store shared by a fleet for s3://.
+
+    The bucket is checked before serving.
+    """
     if config.s3_url is None:
-        return LocalStore(config.root, fsync=config.fsync, thread_initializer=pool.initializer)
-    from checkpointd.storage.s3 import S3Store  # boto3 loads only for an s3:// root
+        return LocalStore(config.root, fsync=config.fsync, thread_initializer=pool.initializer), NoLeases()
+    from checkpointd.storage.s3 import S3Store, S3Url, make_client  # boto3 loads only for an s3:// root
+    from checkpointd.storage.s3_lease import S3Leases
 
+    url = S3Url.parse(config.s3_url)
+    client = make_client(config.s3_endpoint_url, config.s3_region, 4 * _S3_CONCURRENCY)
+    leases = S3Leases(
+        client, url.bucket, url.prefix, ttl=config.lease_seconds, idle=config.lease_idle_seconds,
+        busy=busy, sink=metrics,
+    )  # fmt: skip
     store = S3Store(
         config.s3_url,
         config.state_dir / "s3-staging",
-        endpoint_url=config.s3_endpoint_url,
-        region=config.s3_region,
         grace_seconds=config.s3_grace_seconds,
+        max_concurrency=_S3_CONCURRENCY,
+        client=client,
+        fence=leases.check,
+        writer=leases.owner,
+        on_upload=metrics.store_uploaded,
     )
     try:
         store.check()  # wrong credentials or a missing bucket refuse the start (OSError: exit 2)
     except BaseException:
+        leases.close()  # holds nothing yet: stops its thread
         store.close()
         raise
-    return store
+    return store, leases
 
 
 def _shared_memory(root: Path | None, max_bytes: int) -> SharedMemory | None:
@@ -310,11 +347,13 @@ def _shared_memory(root: Path | None, max_bytes: int) -> SharedMemory | None:
         return None
 
 
-def _checkpoint_dirs(store: Store, formats: Sequence[SaveFormat]) -> CheckpointDirs | None:
-    """Training checkpoint dirs' state files and retention, recovered now; None without the format."""
+def _checkpoint_dirs(store: Store, formats: Sequence[SaveFormat], *, recover: bool = True) -> CheckpointDirs | None:
+    """Training checkpoint dirs' state files and retention, recovered now (if `recover`); None without the format."""
     if not any(SaveKind.TRAINING_CHECKPOINT in f.kinds for f in formats):
         return None
     dirs = CheckpointDirs(store)
+    if not recover:
+        return dirs
     deleted = dirs.recover()  # a daemon killed between a commit and its state file, or mid-sweep
     if deleted:
         _LOGGER.info("recovered training checkpoint dirs: %d checkpoints past their max_to_keep deleted", deleted)

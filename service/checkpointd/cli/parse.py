@@ -140,6 +140,24 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         f"(default: {_D.s3_grace_seconds:g})",
     )
     serve.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=_D.lease_seconds,
+        metavar="SECONDS",
+        help="with an s3:// --root, the ttl of the run leases through which daemons sharing the bucket agree "
+        "who writes a run: a run another daemon holds is refused ABORTED until that daemon releases it or, "
+        f"gone, its lease expires; >= 3 (default: {_D.lease_seconds:g})",
+    )
+    serve.add_argument(
+        "--lease-idle-seconds",
+        type=float,
+        default=_D.lease_idle_seconds,
+        metavar="SECONDS",
+        help="with an s3:// --root, release the lease of a run with no save for this long, so a trainer that "
+        "moved to another host can take its run there; >= --lease-seconds "
+        f"(default: {_D.lease_idle_seconds:g})",
+    )
+    serve.add_argument(
         "--host", default=_D.host, help=f"gRPC bind address (default: {_D.host}; 0.0.0.0 or [::] for remote trainers)"
     )
     serve.add_argument("--port", type=int, default=_D.port, help=f"gRPC port, 0 = any free port (default: {_D.port})")
@@ -364,6 +382,8 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 s3_endpoint_url=args.s3_endpoint_url,
                 s3_region=args.s3_region,
                 s3_grace_seconds=args.s3_grace_seconds,
+                lease_seconds=args.lease_seconds,
+                lease_idle_seconds=args.lease_idle_seconds,
                 host=args.host,
                 port=args.port,
                 port_file=args.port_file,

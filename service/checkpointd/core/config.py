@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpointd.core import lease
 from checkpointd.core.retention import RetentionPolicy
 from checkpointd.protocol.address import DEFAULT_PORT
 
@@ -28,6 +29,12 @@ class ServeConfig:
         s3_grace_seconds: how old an uncommitted object or multipart upload
             must be before recovery at start deletes it (a peer's save in
             progress is younger).
+        lease_seconds: with `s3_url`, the ttl of the run leases through which
+            daemons sharing the bucket agree who writes a run
+            (`checkpointd.storage.s3_lease`); renewed every third of it.
+        lease_idle_seconds: with `s3_url`, a run with no save for this long
+            lets go of its lease, so a trainer that died here does not pin
+            its run to this daemon; its next save here takes it again.
         host: gRPC bind address.
         port: gRPC port; 0 picks a free one.
         metrics_host: bind address of the /metrics endpoint.
@@ -93,6 +100,8 @@ class ServeConfig:
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_grace_seconds: float = 3600.0
+    lease_seconds: float = 30.0
+    lease_idle_seconds: float = 120.0
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -123,10 +132,21 @@ class ServeConfig:
             raise ValueError("s3_endpoint_url and s3_region need an s3:// root")
         if not 0 <= self.s3_grace_seconds < math.inf:
             raise ValueError(f"s3_grace_seconds must be >= 0 and finite, got {self.s3_grace_seconds}")
+        lease.check_timing(self.lease_seconds, self.lease_idle_seconds)
 
     @property
     def retention(self) -> RetentionPolicy:
         return RetentionPolicy(self.keep_last, self.keep_every_steps)
+
+    @property
+    def register_wait_seconds(self) -> float:
+        """The longest a RegisterRun waits for another daemon's lease when its call has no deadline.
+
+        Long enough for a dead daemon's lease to expire, and for a live one
+        to let go of a run its dead trainer left idle (if it uses the same
+        --lease-idle-seconds).
+        """
+        return self.lease_idle_seconds + 2 * self.lease_seconds
 
     @property
     def state_dir(self) -> Path:

@@ -78,6 +78,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 header.template_bytes,
                 receive,
                 kind=messages.kind_from_pb(header.kind, "RegisterRun", optional=True),
+                timeout=context.time_remaining(),  # how long it may wait for another daemon's lease
             )
         finally:
             shutil.rmtree(staged, ignore_errors=True)

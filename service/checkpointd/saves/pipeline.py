@@ -9,6 +9,13 @@ kind's `SaveFormat` into the `Store`'s staging on a writer thread, commits
 it (manifest last) and queues retention. Every accepted save ends in the lane
 as written or failed, and its error reaches the caller.
 
+When daemons share a store (a fleet on one bucket), a run is written by the
+one holding its lease (`Leases`): registration takes it before the template
+is stored, waiting for another daemon's to be released or to expire within
+the call's deadline; a save confirms it before the lane decides (free while
+held: no request), and the store fences the commit with it; closing the run
+releases it. A run held elsewhere is refused with RunHeldError (ABORTED).
+
 The RPC layer (`checkpointd.rpc.servicer`) only translates: it decodes the
 header into a `SaveRequest`, hands over a `Receiver` that reads the request
 stream, and encodes the `Decision` and `Result` this yields.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,7 +36,17 @@ from checkpointd.core.config import ServeConfig
 from checkpointd.core.lane import Failed, SaveSpec, Skipped, Ticket, Written
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
-from checkpointd.core.ports import CommittedSave, NullPhases, PhaseSink, SaveFormat, SaveMeta, Snapshot, Store
+from checkpointd.core.ports import (
+    CommittedSave,
+    Leases,
+    NoLeases,
+    NullPhases,
+    PhaseSink,
+    SaveFormat,
+    SaveMeta,
+    Snapshot,
+    Store,
+)
 from checkpointd.core.training import CheckpointRetention, CheckpointSpec
 from checkpointd.formats.pool import WriterPool
 from checkpointd.protocol.errors import (
@@ -134,6 +152,7 @@ class SavePipeline:
         retention: Retainer,
         shared_memory: SharedMemory | None = None,
         phases: PhaseSink | None = None,
+        leases: Leases | None = None,
     ) -> None:
         self._config = config
         self.runs = runs
@@ -144,6 +163,8 @@ class SavePipeline:
         self.retention = retention
         self._shm = shared_memory
         self._phases = phases if phases is not None else NullPhases()
+        # Who writes each run when daemons share the store; NoLeases: this daemon alone.
+        self.leases: Leases = leases if leases is not None else NoLeases()
         # A run's first skip at WARNING, later ones at DEBUG with a periodic count.
         self._skips = SkipLog(_LOGGER)
         # The kinds each registered run takes: its registering format's.
@@ -165,6 +186,7 @@ class SavePipeline:
         template_bytes: int,
         receive_template: Callable[[], Path],
         kind: SaveKind | None = None,
+        timeout: float | None = None,
     ) -> Manifest:
         """Registers (or re-registers) a run from its uploaded policy template.
 
@@ -179,10 +201,16 @@ class SavePipeline:
             kind: the family of saves the run makes: None, SAVED_MODEL or
                 CHECKPOINT for a policy run (with a template),
                 TRAINING_CHECKPOINT for a training run (with nothing).
+            timeout: seconds left of the call (None: no deadline): how long
+                it may wait for another daemon's lease on the run, less a
+                reserve so the refusal arrives before the caller gives up;
+                at most `ServeConfig.register_wait_seconds`.
 
         Raises:
             InvalidRequestError, LimitExceededError: the request is refused;
                 nothing is registered.
+            RunHeldError: another daemon still holds the run's lease.
+            UnavailableError: the store holding the leases cannot be reached.
             SaveFailedError: the template could not be stored (the OS's reason).
         """
         run = check_run_name(run)
@@ -193,6 +221,7 @@ class SavePipeline:
                 f"{self._config.max_template_bytes} (--max-template-bytes)"
             )
         started = time.monotonic()
+        self.leases.hold(run, started + self._lease_wait(timeout))  # before anything of the run is stored
         # A policy run's template goes to the format of policy saves; a
         # training run's (empty) registration to the training format.
         fmt = self.formats(kind or SaveKind.SAVED_MODEL)
@@ -209,6 +238,13 @@ class SavePipeline:
             time.monotonic() - started,
         )  # fmt: skip
         return manifest
+
+    def _lease_wait(self, timeout: float | None) -> float:
+        wait = self._config.register_wait_seconds
+        # gRPC reports a call without a deadline as ~292 years left.
+        if timeout is not None and timeout < threading.TIMEOUT_MAX:
+            wait = min(wait, max(0.0, timeout - min(1.0, 0.2 * timeout)))
+        return wait
 
     def folder(self, run: str, asked: str = "") -> str:
         """The folder to search: the one asked for, else the registered one, else the run's name."""
@@ -248,7 +284,7 @@ class SavePipeline:
         Raises:
             Before the decision (nothing counted or written): InvalidRequestError,
             RunNotFoundError, RunClosedError, UnavailableError, LimitExceededError,
-            DeadlineError. After an accept (the save counts as failed): the
+            DeadlineError, RunHeldError (another daemon holds the run). After an accept (the save counts as failed): the
             Receiver's errors, SaveFailedError.
         """
         run = check_run_name(request.run)
@@ -266,6 +302,9 @@ class SavePipeline:
             manifest, request.variables, request.snapshot_bytes, request.numpy_state,
             self._config.max_snapshot_bytes, **_own(request),
         )  # fmt: skip
+        # This daemon writes the run only while it holds its lease (no request
+        # while it does); held elsewhere: refused before anything is counted.
+        self.leases.hold(run, None)
         # Reserved before the lane decides: past a limit the request is refused
         # like bad input, before anything is allocated or counted.
         with self._budget.reserve(request.snapshot_bytes, run) as release:
@@ -365,6 +404,10 @@ class SavePipeline:
         self.runs.close(run, timeout)
         if self._shm is not None:
             self._shm.drop(run)
+        if not isinstance(self.leases, NoLeases):
+            # Retention of its last saves runs under the lease too: let it finish first.
+            self.retention.wait_idle()
+        self.leases.release(run)  # another daemon may take the run at once
         _LOGGER.info("closed run=%s", run)
 
 
@@ -378,6 +421,9 @@ class Retainer(Protocol):
     def after_save(self, run: str, folder: str) -> None: ...
 
     def after_checkpoint(self, folder: str, directory: str, rules: CheckpointRetention) -> None: ...
+
+    def wait_idle(self) -> None:
+        """Blocks until every queued tidying has run."""
 
 
 def write_save(

@@ -15,10 +15,19 @@ Rename is not atomic in an object store, so a save is committed thus:
    above `part_bytes`, parts and files in parallel), each request with a
    Content-MD5 the server verifies (radosgw does; it neither stores nor
    checks a CRC32C). Each object's size and ETag are read back.
-4. The manifest, with the ETags, is created LAST with `IfNoneMatch='*'`: a
-   412 means another writer committed there meanwhile, and the save fails.
+4. The manifest, with the ETags and the writer (the daemon's lease owner
+   id), is created LAST with `IfNoneMatch='*'`: a 412 means another writer
+   committed there meanwhile, and the save fails.
 5. Objects under the save that the new manifest does not list (a replaced
    save's) are deleted.
+
+A fleet of daemons shares the bucket; each run is written by the daemon
+holding its lease (`checkpointd.storage.s3_lease`). The store calls the
+lease's fence (`fence(run)`, no request) before step 2, right before the
+manifest PUT and again after it: a daemon that lost the lease commits
+nothing, and one that lost it during the PUT (paused past the margin)
+withdraws its manifest and fails the save. Retention's deletes and the
+training state file are fenced by the run too (they follow a commit).
 
 Objects are overwritten in place, so a replacement that fails after step 2
 leaves no save at that place (the local store keeps the old tree); saves to
@@ -55,7 +64,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
-from checkpointd.protocol.errors import ChecksumError, RunNotFoundError, UnavailableError
+from checkpointd.protocol.errors import ChecksumError, RunHeldError, RunNotFoundError, UnavailableError
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name
 from checkpointd.storage import prefix, save_manifest
 
@@ -64,7 +73,8 @@ _LOGGER = logging.getLogger(__name__)
 MANIFEST = save_manifest.MANIFEST_NAME
 PREFIX_MANIFEST = save_manifest.PREFIX_MANIFEST_SUFFIX
 _ETAGS = "s3_etags"  # the manifest's extra field: path -> ETag
-_STORE_FIELDS = frozenset({_ETAGS})  # manifest fields this store adds, not the format's
+_WRITER = "writer"  # the manifest's extra field: the owner id of the daemon that committed it
+_STORE_FIELDS = frozenset({_ETAGS, _WRITER})  # manifest fields this store adds, not the format's
 # What `recover` may delete: the files checkpointd writes, relative to a save dir...
 _SAVE_DIR_FILE = re.compile(r"^(saved_model\.pb|fingerprint\.pb|policy_specs\.pbtxt|assets/.+|variables/.+)$")
 # ... and a training checkpoint's files beside others.
@@ -165,6 +175,9 @@ class S3Store:
         part_bytes: int = 16 << 20,
         max_concurrency: int = 8,
         client: Any = None,
+        fence: Callable[[str], None] | None = None,
+        writer: str | None = None,
+        on_upload: Callable[[str, float, int], None] | None = None,
     ) -> None:
         """Makes the store; nothing is sent until `check` or a save.
 
@@ -177,7 +190,12 @@ class S3Store:
                 must be before `recover` deletes it.
             part_bytes: multipart threshold and part size.
             max_concurrency: parallel requests of one transfer manager.
-            client: a boto3 S3 client (tests); by default one is made.
+            client: a boto3 S3 client (the leases' too); by default one is made.
+            fence: raises RunHeldError unless this daemon holds the run's
+                lease (`Leases.check`); None: no fleet, nothing to check.
+            writer: this daemon's lease owner id, recorded in each manifest.
+            on_upload: called per commit with (kind, seconds, bytes) of its
+                upload to the bucket (files and manifest; 0 bytes if it failed).
         """
         from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
@@ -197,6 +215,10 @@ class S3Store:
         )
         self._lock = threading.Lock()
         self._manifests: dict[str, tuple[str, dict[str, Any]]] = {}  # key -> (ETag, parsed)
+        self._fence = fence or (lambda run: None)
+        self.writer = writer
+        self._on_upload = on_upload or (lambda kind, seconds, nbytes: None)
+        self._folder_runs: dict[str, str] = {}  # folder -> the run last committed there (state-file fences)
 
     # Start-up.
 
@@ -247,6 +269,9 @@ class S3Store:
     def _folder_key(self, folder: str) -> str:
         return f"{self._base()}{check_run_name(folder)}/"
 
+    def _folder_of(self, key: PurePath) -> str:
+        return PurePosixPath(str(key)[len(self._base()) :]).parts[0]
+
     # Writing.
 
     def stage(self, target: PurePath) -> Path:
@@ -278,7 +303,23 @@ class S3Store:
         manifest_file = staged.path / MANIFEST
         document = json.loads(manifest_file.read_bytes())
         listed = [entry["path"] for entry in document["files"]]
-        self._delete_keys([manifest_key])  # an old save here stops counting first
+        self._fence(meta.run)  # a daemon without the run's lease touches nothing of it
+        with self._lock:
+            self._folder_runs[self._folder_of(target)] = meta.run
+        uploading, uploaded = time.monotonic(), 0
+        try:
+            self._delete_keys([manifest_key])  # an old save here stops counting first
+            uploaded = self._upload(staged, files_base, manifest_key, document, meta)
+        finally:
+            self._on_upload(meta.kind.value, time.monotonic() - uploading, uploaded)
+        self._drop_unlisted(files_base, target.name if staged.files_prefix is not None else None, set(listed))
+        return staged.bytes_written + manifest_bytes
+
+    def _upload(
+        self, staged: Staged, files_base: str, manifest_key: str, document: dict[str, Any], meta: SaveMeta
+    ) -> int:
+        """Uploads a save's files, then its manifest (fenced); returns the bytes sent."""
+        listed = [entry["path"] for entry in document["files"]]
         futures = [self._transfer.upload(str(staged.path / rel), self.bucket, files_base + rel) for rel in listed]
         for future in futures:
             future.result()  # raises the first failure; the manifest is not written
@@ -292,15 +333,23 @@ class S3Store:
                 )
             etags[entry["path"]] = head["ETag"].strip('"')
         document[_ETAGS] = etags
+        if self.writer is not None:
+            document[_WRITER] = self.writer
         body = (json.dumps(document, indent=1) + "\n").encode("utf-8")
+        self._fence(meta.run)  # the lease, checked last before the commit
         try:
             self.client.put_object(Bucket=self.bucket, Key=manifest_key, Body=body, IfNoneMatch="*")
         except Exception as e:
             if _code(e) in ("PreconditionFailed", "412"):
                 raise OSError(f"another writer committed {manifest_key} meanwhile; this save is not committed") from e
             raise
-        self._drop_unlisted(files_base, target.name if staged.files_prefix is not None else None, set(listed))
-        return staged.bytes_written + manifest_bytes
+        try:
+            self._fence(meta.run)  # lost during the PUT (a pause past the margin): withdraw it
+        except Exception:
+            _LOGGER.warning("run %s: the lease was lost while %s was written; withdrawing it", meta.run, manifest_key)
+            self._delete_keys([manifest_key])
+            raise
+        return sum(int(e["size"]) for e in document["files"]) + len(body)
 
     def _drop_unlisted(self, files_base: str, prefix_name: str | None, listed: set[str]) -> None:
         """Deletes what a replaced save left under the new one's names (best effort)."""
@@ -453,6 +502,11 @@ class S3Store:
     def delete(self, save: CommittedSave) -> bool:
         files_base, manifest_key = self._layout(save)
         try:
+            self._fence(save.run)  # only the run's writer deletes its saves
+        except RunHeldError as e:
+            _LOGGER.info("not deleting %s: %s", save.path, e)
+            return False
+        try:
             document = self._manifest(manifest_key, None)
             listed = [e.path for e in document["files"]] if document is not None else []
             self._delete_keys([manifest_key])  # the save stops counting first
@@ -577,6 +631,18 @@ class S3Store:
                 raise
 
     def write_file(self, path: PurePath, data: bytes) -> None:
+        """Replaces a state file beside the saves, under the lease of the run(s) whose saves it names.
+
+        Raises:
+            RunHeldError: this daemon does not hold the lease of the folder's run.
+            OSError: it could not be written.
+        """
+        folder = self._folder_of(path)
+        with self._lock:
+            run = self._folder_runs.get(folder)
+        runs = {run} if run is not None else {s.run for s in self.committed(folder, None)}
+        for name in sorted(runs):
+            self._fence(name)
         # One PUT replaces an object atomically: readers see the old or the new one.
         try:
             self.client.put_object(Bucket=self.bucket, Key=str(path), Body=data)
