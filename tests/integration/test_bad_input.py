@@ -29,6 +29,7 @@ import pytest
 import tensorflow as tf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from checkpointd.protocol import wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import (
     CheckpointdError,
@@ -36,6 +37,7 @@ from checkpointd_client import (
     LimitExceededError,
     RemotePolicySaver,
 )
+from checkpointd_client import template as client_template
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon
 
@@ -702,12 +704,19 @@ class Limited:
 def limited(tmp_path_factory: pytest.TempPathFactory, template: Template) -> Iterator[Limited]:
     base = tmp_path_factory.mktemp("limited")
     big_snapshot = export_template(policies.build(policies.q((64,))), base / "big-snapshot")
-    big_template = export_template(policies.build(policies.q((256, 256))), base / "big-template")
     max_snapshot = 2 * template.nbytes
     max_template = 2 * max(template.size, big_snapshot.size)
+    # The client sends no variable values (template.drop_variable_data), so
+    # what makes its template too big is an asset, which it does send.
+    big_policy = policies.build(policies.q((256, 256)))
+    (base / "big-asset.bin").write_bytes(b"\x00" * max_template)
+    big_policy.big_asset = tf.saved_model.Asset(str(base / "big-asset.bin"))
+    big_template = export_template(big_policy, base / "big-template")
+    sent = shutil.copytree(big_template.dir, base / "big-template-as-sent")
+    client_template.drop_variable_data(str(sent))
     # The premises of the tests below, checked rather than assumed.
     assert template.nbytes <= max_snapshot < big_snapshot.nbytes
-    assert big_snapshot.size <= max_template < big_template.size
+    assert big_snapshot.size <= max_template < wire.template_size(sent) < big_template.size
     daemon = start_daemon(
         base / "root", base / "work",
         "--max-snapshot-bytes", str(max_snapshot), "--max-template-bytes", str(max_template),

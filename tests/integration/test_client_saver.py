@@ -18,12 +18,14 @@ import grpc
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tf_agents.networks import q_network
 from tf_agents.policies import q_policy
 from tf_agents.specs import tensor_spec
 from tf_agents.trajectories import time_step as ts
 
 from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.tensors import TEMPLATE_OBJECT_GRAPH
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import (
@@ -209,7 +211,13 @@ def test_registration_uploads_the_template_and_the_manifest(daemon, saver) -> No
         "fingerprint.pb",
         "policy_specs.pbtxt",
         "variables/variables.index",
+        TEMPLATE_OBJECT_GRAPH,
     } <= set(files)
+    # No variable values: every save writes its own. The object graph stands in for the data shard.
+    assert not [p for p in files if p.startswith("variables/variables.data-")]
+    graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(files[TEMPLATE_OBJECT_GRAPH])
+    keys = {a.checkpoint_key for n in graph.nodes for a in n.attributes}
+    assert keys == {v.key for v in header.variables}
     assert header.template_bytes == sum(len(b) for b in files.values())
     assert list(header.variables) == list(daemon.saves[0]["header"].variables)
     assert {v.dtype for v in header.variables} >= {"float32", "int64", "bool", "bfloat16"}

@@ -25,9 +25,11 @@ from tf_agents.policies import policy_loader, policy_saver, py_tf_eager_policy, 
 from tf_agents.policies.tf_policy import TFPolicy
 
 from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.tensors import TEMPLATE_OBJECT_GRAPH
 from checkpointd.storage.save_manifest import MANIFEST_NAME
+from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import RemotePolicySaver, SaveResult
-from tests.integration import policies
+from tests.integration import policies, raw
 from tests.integration.daemon import Daemon
 from tests.integration.disk import (
     CHECKPOINT_FILES,
@@ -439,3 +441,37 @@ def test_register_function_shows_up_in_the_saved_model(daemon: Daemon) -> None:
     expected, _ = net(observations)
     got, _ = reloaded.q_network(observations)
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6)
+
+
+# The template: no variable values from the client; a whole checkpoint from an older client.
+
+
+def test_a_template_with_its_variable_values_saves_the_same_files_as_one_without(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    # The client uploads the index and object graph only; an older client's
+    # template (PolicySaver's whole output, data shard included) must still
+    # register, and both runs' saves of one state must be the same files.
+    policy = make_policy("q")
+    template = raw.export_template(policy, tmp_path / "full", step=STEP)
+    assert "variables/variables.data-00000-of-00001" in files_under(template.dir)
+    with daemon.channel() as channel:
+        old = raw.register(raw.Stub(channel), "path-old-client", template)
+        with raw.RawSave(raw.Stub(channel), pb.SaveRequest(header=old.header("export"))) as call:
+            assert call.decision().accepted
+            call.finish(old.chunks())
+    with RemotePolicySaver(
+        policy, daemon.address, run="path-new-client", train_step=template.train_step, timeout=TIMEOUT
+    ) as saver:
+        saver.save("export", blocking=True)
+    kept = daemon.root / ".checkpointd" / "templates"
+    assert "variables/variables.data-00000-of-00001" in files_under(kept / "path-old-client")
+    assert files_under(kept / "path-new-client") == files_under(kept / "path-old-client") - {
+        "variables/variables.data-00000-of-00001"
+    } | {TEMPLATE_OBJECT_GRAPH}
+    old_out, new_out = daemon.root / "path-old-client" / "export", daemon.root / "path-new-client" / "export"
+    assert files_under(old_out) == files_under(new_out) == SAVED_MODEL_FILES | DAEMON_FILES
+    # Two exports name their functions apart (saved_model.pb differs); the checkpoints may not.
+    for name in CHECKPOINT_FILES:
+        assert (old_out / name).read_bytes() == (new_out / name).read_bytes(), name
+    assert int(tf.saved_model.load(str(new_out)).get_train_step()) == STEP

@@ -89,6 +89,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
         InvalidRequestError: the upload is not a TF-Agents policy SavedModel,
             or the manifest or the object graph disagree with it.
     """
+    import tensorflow  # noqa: F401 - first: its protos, imported before it, import it half-way and fail
     from google.protobuf import message, text_format
     from tensorflow.core.protobuf import saved_model_pb2, struct_pb2
 
