@@ -1,0 +1,792 @@
+"""Crash consistency on S3: SIGKILL the daemon during uploads and commits, check the bucket, restart.
+
+Each trial starts the real daemon on `--root s3://BUCKET/PREFIX` (radosgw,
+tests/integration/rgw.py) with a one-second `--s3-grace-seconds`, and two
+trainers save through it at once:
+
+- a policy run (`crash_harness`'s driver: RemotePolicySaver SavedModels and
+  checkpoints, blocking and not, into a pool of export dirs, so most saves
+  replace an earlier one in place);
+- a training run (RemoteCheckpointer, max_to_keep=2, `ckpt-<step>` beside
+  each other and the dir's `checkpoint` state file).
+
+The large sizes put a variables file above the daemon's 16 MiB multipart
+threshold (two parts each). The daemon is SIGKILLed at a moment the trial's
+seeded RNG picks by one of three aims: `random` (a uniform delay after 0-2
+durable saves), `multipart` (as soon as a multipart upload is open under the
+prefix, plus up to 0.1 s), `unmanifested` (as soon as every file a staged
+save lists is in the bucket with its bytes' ETag and its manifest is not:
+the window between the last data object and the commit). Aiming is only a
+way to get there often; what the kill hit is judged afterwards, per run,
+from the frozen state: the daemon's staging dir (its manifest lists the
+save's files, sizes and CRC32Cs before the upload starts) against the bucket:
+
+    idle          no save call in flight
+    rpc           a call in flight, no staging dir (snapshot transfer, queue)
+    write         a staging dir without a manifest (the format writes)
+    upload        staged; some files not up, no multipart upload open
+    multipart     staged; a multipart upload open under the save's keys
+    unmanifested  every file up with its bytes, no manifest: the commit's eve
+    state-file    committed, the `checkpoint` state file not yet naming it
+    committed     committed, the reply not yet received (or staging not yet gone)
+
+After the kill, with the daemon dead, the bucket is read with boto3:
+- every manifest's objects are there with the listed size, the ETag it
+  recorded and the listed CRC32C (each object version read back once);
+- the `checkpoint` state file names committed checkpoints only;
+- a dir the trainer saw durable is committed at that step or newer, unless
+  the cut save was replacing it (S3 overwrites in place: the old save stops
+  counting first);
+- the newest save of each run loads (a SavedModel's train step, every key of
+  a checkpoint, the training values of its step), through the store's own
+  `local_copy` (the daemon's restore path);
+- leftovers are counted: objects no manifest lists, open multipart uploads.
+
+The next trial's daemon start is the restart; once its port is up its
+recovery has run, and then: no leftover and no staging dir is left, every
+committed object is as it was (same size, ETag and time; only training
+checkpoints past max_to_keep may go, as the newest save's rules say), the
+state file names exactly the committed checkpoints, the planted unrelated
+objects survive, and RemoteCheckpointer restores the newest checkpoint. At
+the end every committed save is loaded, the newest policy save once more
+through `checkpointd fetch`, and the prefix is deleted (the memstore OSD
+holds stored bytes in RAM).
+
+Long mode (the pytest test runs a short subset; CHECKPOINTD_CRASH_TRIALS
+changes its count; without CHECKPOINTD_TEST_S3_ENDPOINT it starts its own
+radosgw through scripts/rgw.sh and stops it):
+
+    python -m tests.integration.s3_crash_harness --trials 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import crc32c  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from checkpointd.core.config import ServeConfig  # noqa: E402
+from checkpointd.protocol.errors import CheckpointdError  # noqa: E402
+from checkpointd.protocol.names import RESERVED_PREFIX  # noqa: E402
+from checkpointd.saves import shm  # noqa: E402
+from checkpointd.saves.shm import default_shm_root  # noqa: E402
+from checkpointd.storage import save_manifest  # noqa: E402
+from checkpointd.storage.s3 import S3Store  # noqa: E402
+from checkpointd_client import RemoteCheckpointer, RemotePolicySaver  # noqa: E402
+from tests.integration import crash_harness, policies  # noqa: E402
+from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
+from tests.integration.rgw import SCRIPT, Rgw  # noqa: E402
+
+MANIFEST = save_manifest.MANIFEST_NAME
+PREFIX_MANIFEST = save_manifest.PREFIX_MANIFEST_SUFFIX
+PART_BYTES = 16 << 20  # the daemon's multipart threshold and part size (S3Store's default)
+# Hidden layers of the policy's QNetwork: ~400 parameters; ~5.3M (21 MB of variables, 2 parts).
+SIZES = {"small": (16,), "large": (2304, 2304)}
+# The training state's big tensor: 64 KB, or 19 MB (2 parts).
+TRAIN_SHAPES = {"small": (128, 128), "large": (2048, 2304)}
+PHASES = ("idle", "rpc", "write", "upload", "multipart", "unmanifested", "state-file", "committed")
+AIMS = ("random", "multipart", "unmanifested")
+TRAIN_DIR, MAX_TO_KEEP = "train", 2
+GRACE_SECONDS = 1.0
+# The killed daemon's run leases block its successor (another holder) until
+# they expire: the shortest ttl keeps that wait short (where leases exist).
+_LEASE_ARGS = ("--lease-seconds", "3") if "lease_seconds" in {f.name for f in dataclasses.fields(ServeConfig)} else ()
+_TF_LOADED = "TensorFlow loaded in"  # the daemon's log line once its import thread is done
+_DEADLINE = 120.0
+
+
+@dataclass
+class Figures:
+    """What the trials did and found."""
+
+    trials: int = 0
+    kills: collections.Counter[str] = field(default_factory=collections.Counter)  # "policy multipart"
+    aims: collections.Counter[str] = field(default_factory=collections.Counter)
+    saves_durable: int = 0
+    saves_cut: int = 0
+    save_checks: int = 0  # committed saves checked against the bucket, summed over the checks
+    objects_read_back: int = 0  # object versions read in full for their CRC32C
+    loads: int = 0
+    leftover_objects: int = 0  # found after the kills (every one must be gone after the restart)
+    leftover_uploads: int = 0
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        kills = "; ".join(
+            f"{who}: " + ", ".join(f"{p} {self.kills[f'{who} {p}']}" for p in PHASES if self.kills[f"{who} {p}"])
+            for who in ("policy", "training")
+        )
+        aims = ", ".join(f"{a} {self.aims[a]}" for a in AIMS)
+        return (
+            f"{self.trials} trials in {self.seconds:.1f}s (aimed {aims}); kills during {kills}; "
+            f"{self.saves_durable} saves durable, {self.saves_cut} cut by a kill; "
+            f"{self.save_checks} save checks against the bucket ({self.objects_read_back} objects read back), "
+            f"{self.loads} loads; leftovers cleaned by recovery: {self.leftover_objects} objects, "
+            f"{self.leftover_uploads} multipart uploads; {len(self.failures)} failures"
+        )
+
+
+def train_values(step: int, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    """The training state at `step`: a function of the step, so any checkpoint can be checked alone."""
+    return {"w": np.full(shape, step, np.float32), "b": np.arange(8, dtype=np.int64) * step}
+
+
+# The bucket.
+
+
+@dataclass
+class _Bucket:
+    """The objects and multipart uploads under the test's prefix, and its manifests parsed."""
+
+    objects: dict[str, tuple[int, str, float]]  # key -> (size, ETag, LastModified)
+    uploads: list[tuple[str, str]]  # (key, upload id)
+    manifests: dict[str, dict[str, Any]]  # manifest key -> document
+
+    def files_base(self, manifest_key: str) -> str:
+        if manifest_key.endswith("/" + MANIFEST):
+            return manifest_key[: -len(MANIFEST)]
+        return manifest_key.rpartition("/")[0] + "/"
+
+    def listed(self) -> set[str]:
+        """Every key a manifest lists, and the manifests."""
+        keys = set(self.manifests)
+        for key, doc in self.manifests.items():
+            keys.update(self.files_base(key) + f["path"] for f in doc["files"])
+        return keys
+
+
+class _Reader:
+    """Reads the bucket directly with boto3; caches manifests and CRC32Cs by (key, ETag)."""
+
+    def __init__(self, client: Any, bucket: str, base: str) -> None:
+        self.client, self.bucket, self.base = client, bucket, base
+        self._manifests: dict[tuple[str, str], dict[str, Any]] = {}
+        self._crcs: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def keys(self, key_prefix: str) -> Iterator[dict[str, Any]]:
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=key_prefix):
+            yield from page.get("Contents", [])
+
+    def uploads(self, key_prefix: str) -> list[tuple[str, str]]:
+        found = []
+        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=key_prefix):
+            found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
+        return found
+
+    def snapshot(self) -> _Bucket:
+        objects = {
+            o["Key"]: (o["Size"], o["ETag"].strip('"'), o["LastModified"].timestamp()) for o in self.keys(self.base)
+        }
+        manifests = {}
+        for key, (_, etag, _) in objects.items():
+            if key.endswith("/" + MANIFEST) or key.endswith(PREFIX_MANIFEST):
+                if (key, etag) not in self._manifests:
+                    body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+                    self._manifests[key, etag] = json.loads(body)
+                manifests[key] = self._manifests[key, etag]
+        return _Bucket(objects, self.uploads(self.base), manifests)
+
+    def crc(self, key: str, etag: str, figures: Figures) -> tuple[int, int]:
+        """(size, CRC32C) of the object's bytes, read back once per ETag."""
+        if (key, etag) not in self._crcs:
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            size, value = 0, 0
+            for block in iter(lambda: body.read(4 << 20), b""):
+                size, value = size + len(block), crc32c.crc32c(block, value)
+            self._crcs[key, etag] = (size, value)
+            figures.objects_read_back += 1
+        return self._crcs[key, etag]
+
+    def delete_all(self) -> None:
+        """Deletes everything under the prefix, open multipart uploads included."""
+        for key, upload in self.uploads(self.base):
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+        keys = [o["Key"] for o in self.keys(self.base)]
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": k} for k in keys[start : start + 1000]]
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+
+def _check_manifests(bucket: _Bucket, reader: _Reader, figures: Figures) -> list[str]:
+    """Never a manifest without all its data: every listed object there, its size, ETag and CRC32C."""
+    problems = []
+    for key, doc in sorted(bucket.manifests.items()):
+        figures.save_checks += 1
+        base, etags = bucket.files_base(key), doc.get("s3_etags", {})
+        for entry in doc["files"]:
+            found = bucket.objects.get(base + entry["path"])
+            if found is None:
+                problems.append(f"{key} lists {entry['path']}, which is not in the bucket")
+                continue
+            size, etag, _ = found
+            if size != entry["size"] or etags.get(entry["path"]) != etag:
+                problems.append(f"{key}: {entry['path']} has {size} bytes, ETag {etag}; listed {entry}, {etags}")
+                continue
+            read, value = reader.crc(base + entry["path"], etag, figures)
+            if (read, f"{value:08x}") != (entry["size"], entry["crc32c"]):
+                problems.append(f"{key}: {entry['path']} reads back {read} bytes, CRC32C {value:08x}; listed {entry}")
+    return problems
+
+
+def _leftovers(bucket: _Bucket, planted: set[str]) -> list[str]:
+    """Objects no manifest lists, then open multipart uploads.
+
+    State files, planted objects and the daemons' own (`.checkpointd*`: run leases) are not leftovers.
+    """
+    listed = bucket.listed() | planted
+    objects = [
+        k
+        for k in bucket.objects
+        if k not in listed
+        and k.rpartition("/")[2] != "checkpoint"
+        and not any(part.startswith(RESERVED_PREFIX) for part in k.split("/"))
+    ]
+    return sorted(objects) + [f"multipart upload of {key}" for key, _ in bucket.uploads]
+
+
+def _state_names(reader: _Reader, key: str, scratch: Path) -> list[str] | None:
+    """The checkpoints a `checkpoint` state file names, as TensorFlow parses it (newest last); None if absent."""
+    try:
+        data = reader.client.get_object(Bucket=reader.bucket, Key=key)["Body"].read()
+    except reader.client.exceptions.NoSuchKey:
+        return None
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "checkpoint").write_bytes(data)
+    state = tf.train.get_checkpoint_state(str(scratch))
+    if state is None:
+        return []
+    names = [Path(p).name for p in state.all_model_checkpoint_paths]
+    if names and Path(state.model_checkpoint_path).name != names[-1]:
+        names.append(Path(state.model_checkpoint_path).name)  # a disagreement the checks will report
+    return names
+
+
+# The staged saves and the phase of a kill.
+
+
+def _etag(path: Path) -> str:
+    """The ETag S3 gives the file's bytes as s3transfer uploads them (multipart at PART_BYTES)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if size < PART_BYTES:
+            return hashlib.md5(f.read(), usedforsecurity=False).hexdigest()
+        parts = [hashlib.md5(block, usedforsecurity=False).digest() for block in iter(lambda: f.read(PART_BYTES), b"")]
+    return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
+
+
+@dataclass
+class _Staged:
+    """A save the daemon staged and began to upload: where its files go, and their ETags."""
+
+    run: str
+    export_dir: str
+    step: int
+    manifest_key: str
+    files: dict[str, tuple[int, str]]  # key -> (size, ETag)
+
+
+class _Staging:
+    """Reads the daemon's staging dir: `.checkpointd-tmp-<name>-<hex>`, with a manifest once the upload starts."""
+
+    def __init__(self, work_dir: Path, base: str) -> None:
+        self.root = work_dir / ".checkpointd" / "s3-staging"
+        self.base = base
+        self._seen: dict[Path, _Staged] = {}
+
+    def dirs(self) -> list[Path]:
+        return sorted(self.root.iterdir()) if self.root.is_dir() else []
+
+    def staged(self, path: Path) -> _Staged | None:
+        if path in self._seen:
+            return self._seen[path]
+        try:
+            doc = json.loads((path / MANIFEST).read_bytes())
+            target = f"{self.base}{doc['run']}/{doc['export_dir']}"
+            if doc["kind"] == "training_checkpoint":
+                files_base, manifest_key = target.rpartition("/")[0] + "/", target + PREFIX_MANIFEST
+            else:
+                files_base, manifest_key = target + "/", f"{target}/{MANIFEST}"
+            files = {files_base + f["path"]: (f["size"], _etag(path / f["path"])) for f in doc["files"]}
+        except (OSError, ValueError):
+            # Not written yet or half written (the upload has not begun), or
+            # discarded meanwhile (the save is over).
+            return None
+        self._seen[path] = _Staged(doc["run"], doc["export_dir"], doc["step"], manifest_key, files)
+        return self._seen[path]
+
+    def forget(self) -> None:
+        self._seen.clear()
+
+
+def _all_up(staged: _Staged, objects: dict[str, tuple[int, str, float]]) -> bool:
+    return all(objects.get(key, (None, None))[:2] == want for key, want in staged.files.items())
+
+
+def _phase(
+    pending: str | None, staged_dirs: list[tuple[Path, _Staged | None]], bucket: _Bucket, state: list[str] | None
+) -> str:
+    """The moment of a run's save the kill hit. `pending`: the export dir of its call in flight."""
+    if pending is None:
+        return "idle"
+    name = pending.rpartition("/")[2]
+    mine = [(p, s) for p, s in staged_dirs if p.name.rpartition("-")[0] == f".checkpointd-tmp-{name}"]
+    staged = next((s for _, s in mine if s is not None), None)
+    if mine and staged is None:
+        return "write"
+    if staged is None:
+        return "rpc"
+    if staged.manifest_key in bucket.manifests and bucket.manifests[staged.manifest_key]["step"] == staged.step:
+        if state is not None and name not in state:
+            return "state-file"
+        return "committed"
+    if any(key in staged.files for key, _ in bucket.uploads):
+        return "multipart"
+    return "unmanifested" if _all_up(staged, bucket.objects) else "upload"
+
+
+# The trainers.
+
+
+class _Trainer(threading.Thread):
+    """The training run: RemoteCheckpointer saves back to back until one fails (the daemon died)."""
+
+    def __init__(self, ckpt: RemoteCheckpointer, w: tf.Variable, b: tf.Variable, first: int, seed: int) -> None:
+        super().__init__(name="trainer", daemon=True)
+        self.ckpt, self.w, self.b, self.step = ckpt, w, b, first
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.pending: str | None = None
+        self.durable = -1  # the newest step reported durable
+        self.saves = 0  # how many were
+        self.cut = 0
+        self.killed = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            self.step += 1
+            v = train_values(self.step, tuple(self.w.shape))
+            self.w.assign(v["w"])
+            self.b.assign(v["b"])
+            with self.lock:
+                self.pending = f"{TRAIN_DIR}/ckpt-{self.step}"
+            try:
+                ticket = self.ckpt.save(self.step, blocking=self.rng.random() < 0.5)
+                if not ticket.skipped:  # one save at a time: none is skipped, but the API allows it
+                    ticket.result(_DEADLINE)
+                    self.durable, self.saves = self.step, self.saves + 1
+            except CheckpointdError as exc:
+                if not self.killed.is_set():
+                    self.error = exc
+                self.cut += 1
+                return
+            except BaseException as exc:  # noqa: BLE001 - reported by the trial
+                self.error = exc
+                return
+            with self.lock:
+                self.pending = None
+
+
+# The trials.
+
+
+@dataclass
+class _S3:
+    """Where the daemons write: the server, the bucket's prefix and the daemons' local dirs."""
+
+    rgw: Rgw
+    prefix: str
+    work: Path
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.rgw.bucket}/{self.prefix}"
+
+    def start(self) -> Daemon:
+        return start_daemon(
+            self.url,  # type: ignore[arg-type]  # passed to --root as str(root)
+            self.work / "daemon",
+            "--work-dir", str(self.work / "state"),
+            "--s3-endpoint-url", self.rgw.endpoint,
+            "--s3-region", "us-east-1",
+            "--s3-grace-seconds", str(GRACE_SECONDS),
+            *_LEASE_ARGS,
+            env=self.rgw.daemon_env(),
+        )  # fmt: skip
+
+    def tf_loaded(self) -> int:
+        """How many daemons of this harness have logged that their TensorFlow preload is over."""
+        log = self.work / "daemon" / "daemon.log"
+        return log.read_text(errors="replace").count(_TF_LOADED) if log.exists() else 0
+
+    def wait_tf_loaded(self, daemon: Daemon, before: int) -> None:
+        """Waits until the daemon's TensorFlow preload is over (see the report of this harness:
+        a RegisterRun that arrives while the preload thread imports TensorFlow can fail INTERNAL
+        with a circular-import AttributeError; that is not what these trials test)."""
+        deadline = time.monotonic() + _DEADLINE
+        while self.tf_loaded() <= before:
+            if daemon.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not load TensorFlow:\n{daemon.log()[-3000:]}")
+            time.sleep(0.05)  # polling the daemon's log for a result, with a deadline
+
+
+class _Harness:
+    def __init__(self, s3: _S3, size: str, seed: int, figures: Figures, log: Callable[[str], None]) -> None:
+        self.s3, self.size, self.figures, self.log = s3, size, figures, log
+        self.rng = random.Random(seed)
+        self.base = f"{s3.prefix}/"
+        self.reader = _Reader(s3.rgw.client(), s3.rgw.bucket, self.base)
+        self.store = S3Store(s3.url, s3.work / "harness-copies", client=self.reader.client)
+        self.staging = _Staging(s3.work / "state", self.base)
+        policy = policies.build(policies.q(SIZES[size]))
+        self.run = crash_harness._Run(f"s3crash-{size}", size, policy, tf.Variable(0, dtype=tf.int64))  # noqa: SLF001
+        self.train_run = f"s3train-{size}"
+        shape = TRAIN_SHAPES[size]
+        self.w, self.b = tf.Variable(train_values(0, shape)["w"]), tf.Variable(train_values(0, shape)["b"])
+        self.train_step, self.train_durable = 0, -1
+        self.planted = {
+            f"{self.base}notes.txt": b"beside the runs",
+            f"{self.base}{self.run.name}/notes.txt": b"in a run's folder",
+            f"{self.base}{self.train_run}/{TRAIN_DIR}/notes.txt": b"in a training dir",
+        }
+        for key, body in self.planted.items():
+            self.reader.client.put_object(Bucket=s3.rgw.bucket, Key=key, Body=body)
+        self.steps = iter(range(1, 1 << 62))
+        self.cycle = 0.5
+        self.loaded: set[str] = set()
+        self.timing: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per step
+
+    @property
+    def state_key(self) -> str:
+        return f"{self.base}{self.train_run}/{TRAIN_DIR}/checkpoint"
+
+    def _committed_checkpoints(self, bucket: _Bucket) -> list[str]:
+        base = f"{self.base}{self.train_run}/{TRAIN_DIR}/"
+        names = [k[len(base) : -len(PREFIX_MANIFEST)] for k in bucket.manifests if k.startswith(base)]
+        return sorted(names, key=lambda n: int(n.rpartition("-")[2]))
+
+    def trials(self, count: int) -> None:
+        before: _Bucket | None = None
+        for trial in range(count + 1):
+            began = time.monotonic()
+            loaded = self.s3.tf_loaded()
+            daemon = self.s3.start()
+            self.timing["start"] += time.monotonic() - began
+            try:
+                with self._timed("after restart"):
+                    problems = self._after_restart(before) if before is not None else []
+                if trial == count:
+                    problems += self._final()
+                    self.figures.failures += [f"after trial {trial}: {p}" for p in problems]
+                    break
+                before = self._trial(daemon, loaded, problems)
+                self.figures.failures += [f"trial {trial}: {p}" for p in problems]
+                self.figures.trials += 1
+            finally:
+                if daemon.proc.poll() is None:
+                    daemon.proc.kill()
+                    daemon.proc.wait()
+                shm_root = default_shm_root()
+                if shm_root is not None:
+                    shm.remove_dead_folders(shm_root)
+            self.log(f"trial {trial:3d}: {self.figures.summary()}")
+            self.log("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.timing.items()))
+
+    def _after_restart(self, before: _Bucket) -> list[str]:
+        """Recovery has run: no leftover, nothing committed touched, the state file agrees."""
+        problems = [f"staging left after the restart: {p}" for p in self.staging.dirs()]
+        self.staging.forget()
+        after = self.reader.snapshot()
+        problems += [f"left after the restart: {k}" for k in _leftovers(after, set(self.planted))]
+        problems += [f"planted {k} is gone" for k in self.planted if k not in after.objects]
+        kept = set(self._committed_checkpoints(before)[-MAX_TO_KEEP:])
+        for key in before.listed():
+            if before.objects.get(key) == after.objects.get(key):
+                continue
+            name = key.rpartition("/")[2].split(".")[0]
+            prefix_dir = f"{self.base}{self.train_run}/{TRAIN_DIR}/"
+            if key.startswith(prefix_dir) and name not in kept and key not in after.objects:
+                continue  # past max_to_keep: recovery's sweep may delete it (manifest first)
+            problems.append(
+                f"committed {key} was touched by the restart: {before.objects.get(key)} -> {after.objects.get(key)}"
+            )
+        committed = self._committed_checkpoints(after)
+        names = _state_names(self.reader, self.state_key, self.s3.work / "state-file")
+        if committed and names != committed:
+            problems.append(f"after recovery the state file names {names}, the committed are {committed}")
+        if len(committed) > MAX_TO_KEEP:
+            problems.append(f"{len(committed)} checkpoints committed past max_to_keep={MAX_TO_KEEP}")
+        problems += _check_manifests(after, self.reader, self.figures)
+        return problems
+
+    def _trial(self, daemon: Daemon, loaded: int, problems: list[str]) -> _Bucket:
+        """Registers both runs, saves, kills; checks the bucket; returns it as the kill left it."""
+        with self._timed("register"):
+            self.s3.wait_tf_loaded(daemon, loaded)
+            try:
+                saver = RemotePolicySaver(
+                    self.run.policy, daemon.address, run=self.run.name, train_step=self.run.train_step,
+                    timeout=_DEADLINE,
+                )  # fmt: skip
+                saver.register()
+                ckpt = RemoteCheckpointer(
+                    TRAIN_DIR, daemon.address, run=self.train_run, max_to_keep=MAX_TO_KEEP, timeout=_DEADLINE,
+                    w=self.w, b=self.b,
+                )  # fmt: skip
+            except CheckpointdError as exc:
+                raise RuntimeError(f"registration failed: {exc!r}\n{daemon.log()[-3000:]}") from exc
+        # The constructor restored the newest committed checkpoint (or none).
+        if self.train_durable >= 0:
+            newest = int(self.w.numpy().flat[0])
+            if newest < self.train_durable:
+                problems.append(f"RemoteCheckpointer restored step {newest}, step {self.train_durable} was durable")
+        driver = crash_harness._Driver(saver, self.run, lambda: next(self.steps), self.rng.randrange(1 << 32))  # noqa: SLF001
+        trainer = _Trainer(ckpt, self.w, self.b, self.train_step, self.rng.randrange(1 << 32))
+        try:
+            driver.start()
+            trainer.start()
+            aim = self.rng.choice(AIMS if self.size == "large" else ("random", "unmanifested"))
+            self.figures.aims[aim] += 1
+            with self._timed("saves"):
+                self._aim(aim, driver)
+            driver.killed.set()
+            trainer.killed.set()
+            os.kill(daemon.proc.pid, signal.SIGKILL)
+            daemon.proc.wait(_DEADLINE)
+            with driver.lock, trainer.lock:
+                pending = (driver.pending[0] if driver.pending else None, trainer.pending)
+            driver.join(_DEADLINE)
+            trainer.join(_DEADLINE)
+            for who, thread in (("policy", driver), ("training", trainer)):
+                if thread.is_alive():
+                    problems.append(f"the {who} trainer's save did not end after the daemon died")
+                if thread.error is not None:
+                    problems.append(f"the {who} trainer failed: {thread.error!r}")
+        finally:
+            for client in (saver, ckpt):
+                client._channel.close()  # noqa: SLF001 - close() would flush against a dead daemon
+        self.figures.saves_durable += driver.durable + trainer.saves
+        self.figures.saves_cut += driver.cut + trainer.cut
+        if driver.cycle:
+            self.cycle = sum(driver.cycle) / len(driver.cycle)
+        self.train_step, self.train_durable = trainer.step, max(self.train_durable, trainer.durable)
+        with self._timed("after kill"):
+            return self._after_kill(pending, problems)
+
+    @contextlib.contextmanager
+    def _timed(self, what: str) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.timing[what] += time.monotonic() - began
+
+    def _aim(self, aim: str, driver: crash_harness._Driver) -> None:  # noqa: SLF001
+        """Returns at the moment to kill."""
+        if aim == "random":
+            driver.wait_saves(self.rng.choice((0, 1, 2)), _DEADLINE)
+            threading.Event().wait(self.rng.uniform(0.0, 1.5 * self.cycle))
+            return
+        driver.wait_saves(self.rng.choice((0, 1)), _DEADLINE)
+        deadline = time.monotonic() + 4 * self.cycle + 5.0
+        while time.monotonic() < deadline:  # polling the bucket for a moment, with a deadline
+            if aim == "multipart":
+                if self.reader.uploads(self.base):
+                    threading.Event().wait(self.rng.uniform(0.0, 0.1))
+                    return
+            else:
+                staged = [s for s in map(self.staging.staged, self.staging.dirs()) if s is not None]
+                if staged:
+                    objects = {o["Key"]: (o["Size"], o["ETag"].strip('"')) for o in self.reader.keys(self.base)}
+                    for s in staged:
+                        if s.manifest_key not in objects and all(objects.get(k) == v for k, v in s.files.items()):
+                            return
+        # Not seen in time (e.g. every upload was too quick): kill now, judged as it lands.
+
+    def _after_kill(self, pending: tuple[str | None, str | None], problems: list[str]) -> _Bucket:
+        staged_dirs = [(p, self.staging.staged(p)) for p in self.staging.dirs()]
+        bucket = self.reader.snapshot()
+        state = _state_names(self.reader, self.state_key, self.s3.work / "state-file")
+        self.figures.kills[f"policy {_phase(pending[0], staged_dirs, bucket, None)}"] += 1
+        self.figures.kills[f"training {_phase(pending[1], staged_dirs, bucket, state or [])}"] += 1
+        problems += _check_manifests(bucket, self.reader, self.figures)
+        committed = self._committed_checkpoints(bucket)
+        if state is not None and not set(state) <= set(committed):
+            problems.append(f"the state file names {state}, only {committed} are committed")
+        if self.train_durable >= 0 and (not committed or int(committed[-1].rpartition("-")[2]) < self.train_durable):
+            problems.append(f"newest committed checkpoint {committed[-1:]} is older than durable {self.train_durable}")
+        run_base = f"{self.base}{self.run.name}/"
+        for export_dir, step in self.run.floor.items():
+            doc = bucket.manifests.get(f"{run_base}{export_dir}/{MANIFEST}")
+            if doc is None and export_dir == pending[0]:
+                continue  # the cut save was replacing it in place: the old one stopped counting first
+            if doc is None or doc["step"] < step:
+                problems.append(f"{export_dir}: durable at step {step}, now {doc and doc['step']}")
+        for export_dir, _ in crash_harness.POOL:
+            doc = bucket.manifests.get(f"{run_base}{export_dir}/{MANIFEST}")
+            if doc is not None and doc["step"] not in self.run.sent[export_dir]:
+                problems.append(f"{export_dir}: holds step {doc['step']}, never sent there")
+        self.run.floor = {
+            d: bucket.manifests[f"{run_base}{d}/{MANIFEST}"]["step"]
+            for d, _ in crash_harness.POOL
+            if f"{run_base}{d}/{MANIFEST}" in bucket.manifests
+        }
+        leftovers = _leftovers(bucket, set(self.planted))
+        self.figures.leftover_uploads += len(bucket.uploads)
+        self.figures.leftover_objects += len(leftovers) - len(bucket.uploads)
+        problems += self._load_newest()
+        return bucket
+
+    def _saves(self, run: str) -> list[Any]:
+        return sorted(self.store.committed(run, None), key=lambda s: (s.step, str(s.path)))
+
+    def _load_newest(self) -> list[str]:
+        problems = []
+        for run in (self.run.name, self.train_run):
+            saves = self._saves(run)
+            if saves and str(saves[-1].path) not in self.loaded:
+                problems += self._load(saves[-1])
+        return problems
+
+    def _load(self, save: Any) -> list[str]:
+        """Loads a committed save through the store's local copy; returns the problems."""
+        self.figures.loads += 1
+        self.loaded.add(str(save.path))
+        try:
+            with self.store.local_copy(save) as local:
+                path = str(local.path)
+                if save.kind.value == "saved_model":
+                    got = int(tf.saved_model.load(path).get_train_step())
+                elif save.kind.value == "checkpoint":
+                    reader = tf.train.load_checkpoint(str(Path(path) / "variables" / "variables"))
+                    for key in reader.get_variable_to_shape_map():
+                        reader.get_tensor(key)
+                    got = int(reader.get_tensor(crash_harness._TRAIN_STEP_KEY))  # noqa: SLF001
+                else:
+                    reader = tf.train.load_checkpoint(path)
+                    want = train_values(save.step, TRAIN_SHAPES[self.size])
+                    for key, value in want.items():
+                        if not np.array_equal(reader.get_tensor(f"{key}/.ATTRIBUTES/VARIABLE_VALUE"), value):
+                            return [f"{save.path}: {key} is not the value of step {save.step}"]
+                    got = save.step
+        except Exception as exc:  # noqa: BLE001 - any load error is the finding
+            return [f"{save.path}: does not load: {type(exc).__name__}: {exc}"]
+        return [] if got == save.step else [f"{save.path}: holds train step {got}, its manifest says {save.step}"]
+
+    def _final(self) -> list[str]:
+        """Every committed save loads; the newest policy save also through `checkpointd fetch`."""
+        problems = []
+        self.loaded.clear()
+        for run in (self.run.name, self.train_run):
+            for save in self._saves(run):
+                problems += self._load(save)
+        saves = [s for s in self._saves(self.run.name) if s.kind.value == "saved_model"]
+        if saves:
+            dest = self.s3.work / "fetched"
+            shutil.rmtree(dest, ignore_errors=True)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+            fetched = subprocess.run(
+                [sys.executable, "-m", "checkpointd", "fetch", "--root", self.s3.url,
+                 f"{self.run.name}/{saves[-1].export_dir}", str(dest), "--s3-endpoint-url", self.s3.rgw.endpoint,
+                 "--s3-region", "us-east-1"],
+                capture_output=True, text=True, timeout=_DEADLINE, env={**env, **self.s3.rgw.daemon_env()},
+            )  # fmt: skip
+            if fetched.returncode != 0:
+                problems.append(f"checkpointd fetch failed: {fetched.stderr[-2000:]}")
+            elif int(tf.saved_model.load(str(dest)).get_train_step()) != saves[-1].step:
+                problems.append(f"fetched {saves[-1].path} does not hold step {saves[-1].step}")
+            else:
+                self.figures.loads += 1
+        return problems
+
+    def close(self) -> None:
+        self.store.close()
+        self.reader.delete_all()
+
+
+def run_trials(
+    trials: int,
+    server: Rgw,
+    workdir: Path,
+    *,
+    size: str = "small",
+    seed: int = 0,
+    log: Callable[[str], None] = lambda line: None,
+) -> Figures:
+    """Runs `trials` kill-and-restart trials on a fresh prefix of the bucket; deletes the prefix after."""
+    figures = Figures()
+    started = time.monotonic()
+    s3 = _S3(server, f"crash-{secrets.token_hex(4)}", workdir)
+    harness = _Harness(s3, size, seed, figures, log)
+    try:
+        harness.trials(trials)
+    finally:
+        harness.close()
+    figures.seconds = time.monotonic() - started
+    return figures
+
+
+def _start_rgw(workdir: Path) -> Rgw:
+    proc = subprocess.run([str(SCRIPT), "start", str(workdir)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        subprocess.run([str(SCRIPT), "stop", str(workdir)], timeout=60, check=False)
+        raise SystemExit(f"scripts/rgw.sh start failed (exit {proc.returncode}):\n{proc.stderr}{proc.stdout}")
+    return Rgw(workdir, dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line), 0.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "50")))
+    parser.add_argument("--size", choices=sorted(SIZES), default="large")
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("CHECKPOINTD_FUZZ_SEED", "0")))
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    if args.trials < 1:
+        parser.error("--trials must be >= 1")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    base = Path(tempfile.mkdtemp(prefix="checkpointd-s3crash-"))
+    endpoint = os.environ.get("CHECKPOINTD_TEST_S3_ENDPOINT")
+    env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "CHECKPOINTD_TEST_S3_"))}
+    server = Rgw(base / "rgw", env, 0.0, _stopped=True) if endpoint else _start_rgw(base / "rgw")
+    try:
+        figures = run_trials(args.trials, server, base / "work", size=args.size, seed=args.seed, log=print)
+    finally:
+        server.stop()
+    for failure in figures.failures:
+        print("FAILURE", failure)
+    print(figures.summary())
+    if args.json:
+        print(json.dumps({**figures.__dict__, "kills": dict(figures.kills), "aims": dict(figures.aims)}))
+    if figures.failures:
+        print(f"daemon logs kept in {base}")
+        return 1
+    shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
