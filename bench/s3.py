@@ -434,7 +434,7 @@ def targets(section: dict[str, Any]) -> list[dict[str, Any]]:
                 COMMIT_VS_RAW * raw_rate,
                 r["commit_vs_raw"] >= COMMIT_VS_RAW,
                 r["commit_vs_raw"],
-                f"{s3_rate / 1e6:.0f} MB/s vs {raw_rate / 1e6:.0f} MB/s ({r['commit_vs_raw']:.2f}x)",
+                f"{s3_rate / 1e6:.3g} MB/s vs {raw_rate / 1e6:.3g} MB/s ({r['commit_vs_raw']:.2f}x)",
             )
         )
         stall, base = s["s3"]["save_stall"]["median"], s["local"]["save_stall"]["median"]
