@@ -197,3 +197,26 @@ def test_closing_a_run_drops_its_last_success_series(registry: CollectorRegistry
     metrics.run_closed("never-saved")  # no series: nothing to drop, no error
     assert sample(registry, "checkpointd_last_success_timestamp_seconds", run="done") is None
     assert sample(registry, "checkpointd_last_success_timestamp_seconds", run="live") == 1_700_000_001.0
+
+
+def test_store_uploads_are_the_upload_phase_and_their_bytes(registry: CollectorRegistry, metrics: Metrics) -> None:
+    for kind in KINDS:
+        assert sample(registry, "checkpointd_store_uploaded_bytes_total", kind=kind) == 0
+    metrics.store_uploaded("saved_model", 0.25, 1000)
+    metrics.store_uploaded("saved_model", 0.5, 24)
+    name = "checkpointd_save_phase_duration_seconds"
+    assert sample(registry, f"{name}_count", kind="saved_model", phase="upload") == 2
+    assert sample(registry, f"{name}_sum", kind="saved_model", phase="upload") == 0.75
+    assert sample(registry, f"{name}_count", kind="saved_model", phase="write") == 0
+    assert sample(registry, "checkpointd_store_uploaded_bytes_total", kind="saved_model") == 1024
+    assert sample(registry, "checkpointd_store_uploaded_bytes_total", kind="checkpoint") == 0
+
+
+def test_leases_held_and_lost_are_counted(registry: CollectorRegistry, metrics: Metrics) -> None:
+    assert sample(registry, "checkpointd_leases_held") == 0
+    assert sample(registry, "checkpointd_leases_lost_total") == 0
+    metrics.leases_held(3)
+    metrics.leases_held(2)
+    metrics.lease_lost("r")
+    assert sample(registry, "checkpointd_leases_held") == 2
+    assert sample(registry, "checkpointd_leases_lost_total") == 1
