@@ -27,6 +27,7 @@ import pytest
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.lane import LaneStats
 from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.ports import Leases
 from checkpointd.core.retention import RetentionPolicy
 from checkpointd.formats.pool import WriterPool
 from checkpointd.protocol.kinds import SaveKind
@@ -164,6 +165,7 @@ def make_rig(tmp_path: Path) -> Iterator[MakeRig]:
         max_uploads: int = 32,
         max_staging_bytes: int = 64 * MiB,
         retention: RetentionPolicy | None = None,
+        leases: Leases | None = None,
         **config: Any,
     ) -> Rig:
         where = tmp_path / f"rig{len(rigs)}"
@@ -177,7 +179,7 @@ def make_rig(tmp_path: Path) -> Iterator[MakeRig]:
         kept = Retention(store, retention or RetentionPolicy())
         kept.start()
         pool = WriterPool()
-        pipeline = SavePipeline(serve, lanes, store, Formats(fmt), pool, budget=budget, retention=kept)
+        pipeline = SavePipeline(serve, lanes, store, Formats(fmt), pool, budget=budget, retention=kept, leases=leases)
         rig = Rig(pipeline, lanes, store, fmt, sink, budget, kept, pool, where / "templates")
         rigs.append(rig)
         return rig

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 
 import pytest
 
@@ -21,6 +22,7 @@ from checkpointd.protocol.errors import (
     InvalidRequestError,
     LimitExceededError,
     RunClosedError,
+    RunHeldError,
     RunNotFoundError,
     SaveFailedError,
     UnavailableError,
@@ -378,3 +380,70 @@ def test_retention_keeps_the_newest_saves_after_each_commit(make_rig: MakeRig) -
 
     assert sorted(written(rig)) == ["step2", "step3"]
     assert rig.retention.deleted == 1
+
+
+class RecordingLeases:
+    """A fleet's Leases, faked: records each call; `held_by` makes hold() refuse."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, float | None]] = []
+        self.held_by: str | None = None
+
+    def hold(self, run: str, deadline: float | None) -> None:
+        self.calls.append(("hold", run, deadline))
+        if self.held_by is not None:
+            raise RunHeldError(f"run {run!r} is written by daemon {self.held_by}")
+
+    def check(self, run: str) -> None:
+        self.calls.append(("check", run, None))
+
+    def release(self, run: str) -> None:
+        self.calls.append(("release", run, None))
+
+    def holder(self, run: str) -> str | None:
+        return self.held_by
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_fleets_run_is_held_before_its_template_is_received(make_rig: MakeRig) -> None:
+    leases = RecordingLeases()
+    rig = make_rig(leases=leases, lease_seconds=10.0, lease_idle_seconds=20.0)
+    assert rig.pipeline.leases is leases
+    before = time.monotonic()
+    rig.register("a")
+    assert [c[0] for c in leases.calls] == ["hold"] and rig.fmt.registered  # then the template
+    (_, run, deadline) = leases.calls[0]
+    assert run == "a" and deadline is not None
+    assert before + 40.0 <= deadline <= time.monotonic() + 40.0  # no call deadline: idle + 2 ttl
+
+
+def test_a_register_waits_for_a_lease_within_its_call_deadline_less_a_reserve(make_rig: MakeRig) -> None:
+    leases = RecordingLeases()
+    leases.held_by = "host-b (pid 12)"
+    rig = make_rig(leases=leases)
+    with pytest.raises(RunHeldError, match="host-b"):
+        rig.register("a")
+    started = time.monotonic()
+    with pytest.raises(RunHeldError):
+        rig.pipeline.register("a", "", VARIABLES, b"g", 1, lambda: pytest.fail("not reached"), timeout=5.0)
+    (_, _, deadline) = leases.calls[-1]
+    assert deadline is not None and started + 3.9 <= deadline <= time.monotonic() + 4.0  # 5 s less 1 s
+    assert rig.fmt.registered == []  # nothing stored while another daemon holds the run
+
+
+def test_a_save_of_a_run_held_elsewhere_is_refused_before_its_decision_and_close_releases(make_rig: MakeRig) -> None:
+    leases = RecordingLeases()
+    rig = make_rig(leases=leases)
+    rig.register("a")
+    events = rig.save(request("first"))
+    assert isinstance(events[1], Result)
+    assert ("hold", "a", None) in leases.calls
+    leases.held_by = "host-b (pid 12)"
+    with pytest.raises(RunHeldError, match="host-b"):
+        rig.save(request("second"))
+    assert rig.stats().ok == 1 and rig.stats().failed == 0 and rig.stats().skipped == 0  # refused: not counted
+    assert rig.budget.in_use == (0, 0)
+    rig.pipeline.close_run("a", LIMIT)
+    assert leases.calls[-1] == ("release", "a", None)

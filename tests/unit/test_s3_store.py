@@ -84,3 +84,20 @@ def test_keys_are_under_the_prefix_and_checked_like_local_paths(tmp_path: Path) 
         assert staging.parent == tmp_path and staging.name.startswith(".checkpointd-tmp-p-")
     finally:
         store.close()
+
+
+def test_serve_takes_the_lease_timing_and_refuses_nonsense(capsys: pytest.CaptureFixture[str]) -> None:
+    config, _ = config_from_args(["serve", "--root", "s3://bkt/p"])
+    assert isinstance(config, ServeConfig)
+    assert (config.lease_seconds, config.lease_idle_seconds) == (30.0, 120.0)
+    assert config.register_wait_seconds == 180.0  # a dead daemon's lease, or a live one's idle release
+    config, _ = config_from_args(["serve", "--root", "s3://bkt/p", "--lease-seconds", "5", "--lease-idle-seconds", "5"])
+    assert isinstance(config, ServeConfig) and (config.lease_seconds, config.lease_idle_seconds) == (5.0, 5.0)
+    for flags, said in (
+        (["--lease-seconds", "2"], "--lease-seconds must be >= 3"),
+        (["--lease-seconds", "nan"], "--lease-seconds must be >= 3"),
+        (["--lease-seconds", "200"], "--lease-idle-seconds must be >= --lease-seconds (200)"),
+    ):
+        with pytest.raises(SystemExit):
+            config_from_args(["serve", "--root", "s3://bkt/p", *flags])
+        assert said in capsys.readouterr().err

@@ -209,6 +209,8 @@ class Store(Protocol):
 
         Raises:
             SaveFailedError, OSError: the save could not be committed.
+            RunHeldError: a store shared by a fleet: this daemon does not
+                (or no longer) hold the run's lease; nothing is committed.
         """
         ...
 
@@ -254,7 +256,9 @@ class Leases(Protocol):
     """Who writes a run, when several daemons share one store (`checkpointd.storage.s3_lease`).
 
     A run is written by one daemon at a time: the one holding its lease.
-    One store per daemon (local disk) needs none (`NoLeases`).
+    One store per daemon (local disk) needs none (`NoLeases`). Every method
+    is thread-safe; `hold` and `check` of a run this daemon holds send no
+    request.
     """
 
     def hold(self, run: str, deadline: float | None) -> None:
