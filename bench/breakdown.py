@@ -6,10 +6,18 @@ the daemon's own phase timings:
 
 - trainer: the host copy (`tf.Variable.numpy()`, what the snapshot does),
   against a plain memcpy and a copy into freshly allocated memory; chunking
-  (1 MiB slices copied to bytes, CRC32C, Chunk messages); protobuf encoding;
-- daemon-side steps, run here with the same libraries: the receive buffer,
+  as the client sends it (`wire.save_request_chunks`: CRC32C and serialized
+  SaveRequests), and as Chunk messages;
+- daemon-side steps, run here with the same libraries: parsing the
+  requests, `upload.receive_snapshot` (checks, copies into the buffer),
   NumPy -> tensor conversion, SaveV2 into the page cache, fsync;
-- end to end: stall, call -> durable, and the daemon's transfer and write.
+- end to end: stall, call -> durable, and the daemon's transfer and write,
+  over gRPC (`--transport grpc`, the default: shared memory off, as for a
+  trainer on another host) or through shared memory (`--transport shm`).
+
+`--py-spy DIR` also records the daemon and this process with py-spy (if it
+is on PATH or in .venv-tools) during the end-to-end saves, as flame graphs
+and top-style text under DIR: where each side's time goes, per function.
 
 It reads two private pieces of the client (`_registered`, `take_snapshot`)
 because it measures them; it is a diagnostic, not an API user.
@@ -21,7 +29,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +54,46 @@ def _time(label: str, fn: Callable[[], Any], reps: int, out: dict[str, float]) -
     return result
 
 
-def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
+def _py_spy() -> str | None:
+    """The py-spy executable: on PATH, or in the repo's .venv-tools."""
+    tools = Path(__file__).resolve().parents[1] / ".venv-tools" / "bin" / "py-spy"
+    return shutil.which("py-spy") or (str(tools) if tools.exists() else None)
+
+
+def _record(pid: int, out: Path) -> subprocess.Popen:
+    """py-spy recording `pid` (all threads, without pausing it) as raw collapsed stacks at `out`."""
+    exe = _py_spy()
+    if exe is None:
+        raise RuntimeError("--py-spy needs py-spy: pip install py-spy into .venv-tools")
+    cmd = [exe, "record", "--pid", str(pid), "--nonblocking", "--threads", "--rate", "250"]
+    return subprocess.Popen([*cmd, "--format", "raw", "--output", str(out)], stdout=subprocess.DEVNULL)
+
+
+def _summarize(raw: Path, top: int = 25) -> str:
+    """The functions holding the most samples (self and total) in a py-spy raw file."""
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        samples += n
+        frames = stack.split(";")[1:]  # the first frame names the thread
+        for frame in set(frames):
+            total[frame] = total.get(frame, 0) + n
+        if frames:
+            own[frames[-1]] = own.get(frames[-1], 0) + n
+    lines = [f"{raw.name}: {samples} samples (all threads)", "  self%  total%  function"]
+    for frame, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {100 * n / samples:5.1f}  {100 * total[frame] / samples:6.1f}  {frame}")
+    return "\n".join(lines)
+
+
+def run(
+    size_name: str, reps: int, workdir: Path, transport: str = "grpc", py_spy: Path | None = None
+) -> dict[str, Any]:
     import crc32c
     import numpy as np
     import tensorflow as tf
@@ -53,6 +102,7 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
     from bench.config import SIZES
     from bench.inprocess import fsync_tree
     from checkpointd.protocol import wire
+    from checkpointd.rpc import upload
     from checkpointd.v1 import checkpointd_pb2 as pb
     from checkpointd_client import RemotePolicySaver
     from checkpointd_client import snapshot as snapshots
@@ -69,6 +119,7 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
             run="breakdown",
             train_step=agent.train_step_counter,
             timeout=600,
+            shared_memory=transport == "shm",
         )
         saver.save("registered", blocking=True)
         bindings = saver._registered()  # noqa: SLF001 - the bindings the saver snapshots
@@ -94,16 +145,23 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
             steps,
         )
         views = [memoryview(a.reshape(-1).view(np.uint8)) for a in snap.arrays]
-        mib = 1 << 20
+        step = wire.CHUNK_BYTES
+        print(f"  (chunks of {step:,} bytes)")
         _time(
-            "CRC32C of every 1 MiB slice",
-            lambda: [crc32c.crc32c(v[i : i + mib]) for v in views for i in range(0, len(v), mib)],  # noqa: F821
+            "CRC32C of every chunk's slice",
+            lambda: [crc32c.crc32c(v[i : i + step]) for v in views for i in range(0, len(v), step)],  # noqa: F821
+            reps,
+            steps,
+        )
+        encoded = _time(
+            "wire.save_request_chunks: what the client sends",
+            lambda: list(wire.save_request_chunks(snap.parts(), step)),  # noqa: F821
             reps,
             steps,
         )
         chunks = _time(
             "wire.chunks: bytes copies + CRC32C + Chunk",
-            lambda: list(wire.chunks(snap.parts(), mib)),  # noqa: F821
+            lambda: list(wire.chunks(snap.parts(), step)),  # noqa: F821
             reps,
             steps,
         )
@@ -115,6 +173,21 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
         )
 
         print("daemon-side steps, in this process")
+        requests = _time(
+            "SaveRequest.FromString, every request (gRPC's parse)",
+            lambda: [pb.SaveRequest.FromString(e) for e in encoded],  # noqa: F821
+            reps,
+            steps,
+        )
+        del encoded
+        parts = [a.nbytes for a in snap.arrays]
+        _time(
+            "upload.receive_snapshot: checks, CRC32C, into the buffer",
+            lambda: upload.receive_snapshot(iter(requests), nbytes, _Active(), parts),  # noqa: F821
+            reps,
+            steps,
+        )
+        del requests
 
         def receive() -> bytearray:
             buffer = bytearray(nbytes)
@@ -158,7 +231,12 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
         shutil.rmtree(out, ignore_errors=True)
         del buffer, arrays, snap, views
 
-        print("end to end, against the daemon")
+        print(f"end to end, against the daemon (transport: {transport})")
+        spies = []
+        if py_spy is not None:
+            py_spy.mkdir(parents=True, exist_ok=True)
+            spies = [_record(daemon.proc.pid, py_spy / "daemon.txt"), _record(os.getpid(), py_spy / "client.txt")]
+            time.sleep(1.0)  # py-spy attaches in the background; a save before it would go unseen
         before = scrape.phase_totals(daemon.metrics_url)
         stall, latency = [], []
         for i in range(reps):
@@ -172,12 +250,33 @@ def run(size_name: str, reps: int, workdir: Path) -> dict[str, Any]:
         steps["save(): call -> durable"] = statistics.median(latency)
         for key, mean in scrape.phase_means(before, scrape.phase_totals(daemon.metrics_url)).items():
             steps[f"daemon {key} (mean)"] = mean
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
+        if py_spy is not None:
+            for name in ("daemon.txt", "client.txt"):
+                if (py_spy / name).exists():
+                    print(_summarize(py_spy / name))
         for key in [k for k in steps if k.startswith(("save():", "daemon "))]:
             print(f"  {key:58s} {steps[key] * 1e3:9.1f} ms")
         saver.close()
     finally:
         daemon.terminate()
-    return {"size": size.name, "params": size.params, "bytes": nbytes, "median_seconds": steps}
+    return {
+        "size": size.name,
+        "params": size.params,
+        "bytes": nbytes,
+        "transport": transport,
+        "chunk_bytes": wire.CHUNK_BYTES,
+        "median_seconds": steps,
+    }
+
+
+class _Active:
+    """A call that never ends early: receive_snapshot's context, outside gRPC."""
+
+    def is_active(self) -> bool:
+        return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,10 +286,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--size", default="large")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", type=Path, help="also write the medians as JSON here")
+    p.add_argument(
+        "--transport",
+        choices=("grpc", "shm"),
+        default="grpc",
+        help="how end-to-end saves travel: gRPC chunks (shared memory off, default) or shared memory",
+    )
+    p.add_argument("--py-spy", type=Path, help="record the daemon and this process with py-spy into this dir")
     args = p.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="checkpointd-breakdown-"))
     try:
-        result = run(args.size, args.reps, workdir)
+        result = run(args.size, args.reps, workdir, args.transport, args.py_spy)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.out:

@@ -135,7 +135,7 @@ def test_every_chunk_a_chunker_sends_passes_the_check() -> None:
 
 def test_check_chunk_refuses_order_overrun_and_a_bad_crc() -> None:
     good = wire.chunk(b"abcdef", 10)
-    wire.check_chunk(good, 10, 16, "snapshot")
+    assert wire.check_chunk(good, 10, 16, "snapshot") == b"abcdef"  # the data, read once
     with pytest.raises(InvalidRequestError, match="offset 10, expected 0"):
         wire.check_chunk(good, 0, 16, "snapshot")
     with pytest.raises(InvalidRequestError, match="past the announced 15 bytes"):

@@ -44,24 +44,29 @@ def chunk(data: Buffer, offset: int, path: str = "") -> pb.Chunk:
     return pb.Chunk(path=path, offset=offset, data=data, crc32c=crc32c.crc32c(data))
 
 
-def check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -> None:
+def check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -> bytes:
     """Refuses a chunk out of order, past `limit` bytes, or with a wrong CRC32C.
+
+    Returns:
+        The chunk's data, read once: every read of a message's bytes field
+        copies it, so the caller keeps this instead of reading it again.
 
     Raises:
         InvalidRequestError: out of order, or past `limit`.
         ChecksumError: the CRC32C does not match the data.
     """
+    data = chunk.data
     if chunk.offset != expected_offset:
         raise InvalidRequestError(
             f"{what}: chunk at offset {chunk.offset}, expected {expected_offset} (chunks in order)"
         )
-    if chunk.offset + len(chunk.data) > limit:
+    if chunk.offset + len(data) > limit:
         raise InvalidRequestError(
-            f"{what}: data runs past the announced {limit} bytes "
-            f"(chunk at {chunk.offset} of {len(chunk.data)} bytes)"
+            f"{what}: data runs past the announced {limit} bytes (chunk at {chunk.offset} of {len(data)} bytes)"
         )
-    if crc32c.crc32c(chunk.data) != chunk.crc32c:
+    if crc32c.crc32c(data) != chunk.crc32c:  # the GIL is released while it sums
         raise ChecksumError(f"{what}: CRC32C mismatch in the chunk at offset {chunk.offset}")
+    return data
 
 
 def check_chunk_bytes(chunk_bytes: int) -> None:

@@ -8,7 +8,9 @@ gRPC's request iterator would otherwise wait for a stalled client forever.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import mmap
 import queue
 import threading
 import time
@@ -126,15 +128,41 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
                         "template (a file where a directory must be, or the reverse)"
                     ) from None
                 current, offset = (chunk.path, handle), 0
-            check_chunk(chunk, offset, offset + (total - received), f"template file {chunk.path!r}")
-            current[1].write(chunk.data)
-            offset += len(chunk.data)
-            received += len(chunk.data)
+            data = check_chunk(chunk, offset, offset + (total - received), f"template file {chunk.path!r}")
+            current[1].write(data)
+            offset += len(data)
+            received += len(data)
     finally:
         if current is not None:
             current[1].close()
     if received != total:
         raise InvalidRequestError(f"RegisterRun: received {received} template bytes; the header announced {total}")
+
+
+# Buffers this large are mapped on their own, with huge pages asked for.
+_MAP_BYTES = 4 << 20
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+def receive_buffer(nbytes: int) -> memoryview:
+    """`nbytes` of writable memory for a snapshot, 64-byte aligned, never zero-filled here.
+
+    A large one is an anonymous map with transparent huge pages asked for
+    (where the kernel has them, in `madvise` mode as most distributions
+    ship): a fresh snapshot buffer is written once, as the chunks arrive,
+    and faulting it in 4 KiB at a time cost more than the copy itself (1.9 s
+    against 0.1 s for 400 MB on a 2-core VM; 2 MiB pages take 0.2 s). The
+    map is page aligned and is unmapped when the last view of it goes.
+    """
+    if nbytes >= _MAP_BYTES:
+        mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if _MADV_HUGEPAGE is not None:
+            with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages, as before
+                mapped.madvise(_MADV_HUGEPAGE)
+        return memoryview(mapped)
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    shift = (-raw.ctypes.data) % ALIGNMENT
+    return memoryview(raw[shift : shift + nbytes].data)
 
 
 class SharedSegment(Protocol):
@@ -193,9 +221,8 @@ def receive_snapshot(
     if sum(sizes) != total:
         raise InvalidRequestError(f"Save: the parts sum to {sum(sizes)}, not the {total} bytes announced")
     offsets, padded = aligned_offsets(sizes)
-    raw = np.empty(padded + ALIGNMENT, np.uint8)
-    shift = (-raw.ctypes.data) % ALIGNMENT
-    buffer = memoryview(raw[shift : shift + padded].data)
+    buffer = receive_buffer(padded)
+    into = np.frombuffer(buffer, np.uint8)
     # (wire start, wire end, buffer start) of each non-empty part, in order.
     spans, start = [], 0
     for size, offset in zip(sizes, offsets, strict=True):
@@ -207,15 +234,14 @@ def receive_snapshot(
     for request in requests:
         if request.WhichOneof("item") != "chunk":
             raise InvalidRequestError("Save: only chunks (or one shared_memory_written) may follow the header")
-        chunk = request.chunk
-        check_chunk(chunk, received, total, "snapshot")
-        data = memoryview(chunk.data)
-        while data:  # a chunk may span parts; the client's never do
+        data = np.frombuffer(check_chunk(request.chunk, received, total, "snapshot"), np.uint8)
+        done = 0
+        while done < len(data):  # a chunk may span parts; the client's never do
             wire_start, wire_end, offset = spans[part]
-            n = min(len(data), wire_end - received)
+            n = min(len(data) - done, wire_end - received)
             at = offset + received - wire_start
-            buffer[at : at + n] = data[:n]
-            data = data[n:]
+            into[at : at + n] = data[done : done + n]  # NumPy copies (and faults pages in) without the GIL
+            done += n
             received += n
             if received == wire_end:
                 part += 1
