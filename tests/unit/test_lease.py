@@ -132,6 +132,7 @@ class FakeBucket:
     def __init__(self) -> None:
         self.objects: dict[str, tuple[bytes, str]] = {}
         self.writes = 0
+        self.listings = 0
         self.fail: Exception | None = None
 
     def put_object(
@@ -157,6 +158,17 @@ class FakeBucket:
             raise _Refused("NoSuchKey")
         body, etag = self.objects[Key]
         return {"Body": io.BytesIO(body), "ETag": f'"{etag}"'}
+
+    def get_paginator(self, operation: str) -> Any:
+        assert operation == "list_objects_v2"
+        bucket = self
+
+        class Pages:
+            def paginate(self, Bucket: str, Prefix: str) -> list[dict[str, Any]]:  # noqa: N803
+                bucket.listings += 1
+                return [{"Contents": [{"Key": k} for k in sorted(bucket.objects) if k.startswith(Prefix)]}]
+
+        return Pages()
 
     def doc(self, key: str) -> LeaseDoc:
         return LeaseDoc.parse(self.objects[key][0], key)
@@ -345,3 +357,15 @@ def test_a_waiting_hold_gives_up_at_its_deadline(bucket: FakeBucket, clock: Fake
 def test_the_lease_key_is_under_the_reserved_prefix() -> None:
     leases = S3Leases(FakeBucket(), "bkt", "", owner="o", background=False)
     assert leases.key("run.1") == f"{LEASES_DIR}/run.1.json" and LEASES_DIR.startswith(".checkpointd")
+
+
+def test_holders_lists_the_leases_once_and_reads_only_those_there(bucket: FakeBucket, clock: FakeClock) -> None:
+    a, b = _leases(bucket, clock, "a-1-x"), _leases(bucket, clock, "b-2-y")
+    a.hold("r", None)
+    a.hold("s", None)
+    a.release("s")
+    found = b.holders(["r", "s", "never"])
+    assert bucket.listings == 1
+    assert found["s"] is None and found["never"] is None
+    assert str(found["r"]).startswith(f"{b._host} (pid ")  # noqa: SLF001 - both fakes run on this host
+    assert a.holders(["r"]) == {"r": ""}
