@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -37,6 +38,9 @@ from tests.integration.rgw import _CANNOT_INSTALL, SCRIPT, Rgw
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = "checkpointd.manifest.json"
 LEASES = ".checkpointd-leases"  # S3Leases' objects, under the store's reserved prefix
+# How long a trainer may say nothing: TensorFlow's import and a DQN's build in
+# 9 processes at once (CHECKPOINTD_FLEET=1) took over 3 minutes on 2 busy cores.
+SAYS_NOTHING_SECONDS = 600.0
 
 
 def start_rgw(workdir: Path, bind: str) -> Rgw:
@@ -55,7 +59,9 @@ def start_rgw(workdir: Path, bind: str) -> Rgw:
             f"RGW_BIND={bind} scripts/rgw.sh start failed (exit {proc.returncode}):\n{proc.stderr}{proc.stdout}"
         )
     env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-    return Rgw(workdir, env, time.monotonic() - started)
+    server = Rgw(workdir, env, time.monotonic() - started)
+    atexit.register(server.stop)  # also if the session is cut short; the fixture stops it first
+    return server
 
 
 def leases_landed() -> bool:
@@ -88,7 +94,7 @@ class Proc:
                 self._log.write(line.encode())
         self._lines.put(None)
 
-    def next(self, timeout: float = 180.0) -> dict[str, Any]:
+    def next(self, timeout: float = SAYS_NOTHING_SECONDS) -> dict[str, Any]:
         """The next JSON line; fails with the log if the process ends or says nothing in time."""
         try:
             message = self._lines.get(timeout=timeout)
@@ -99,7 +105,7 @@ class Proc:
             raise AssertionError(f"{self.proc.args[-5:]} exited with {self.proc.wait()}:\n{self.log()}")
         return message
 
-    def expect(self, key: str, timeout: float = 180.0) -> dict[str, Any]:
+    def expect(self, key: str, timeout: float = SAYS_NOTHING_SECONDS) -> dict[str, Any]:
         """The next JSON line, which must have `key`."""
         message = self.next(timeout)
         assert key in message, f"expected {key!r}, got {message}"
@@ -110,7 +116,7 @@ class Proc:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
-    def wait(self, timeout: float = 180.0) -> int:
+    def wait(self, timeout: float = SAYS_NOTHING_SECONDS) -> int:
         return self.proc.wait(timeout)
 
     def log(self) -> str:

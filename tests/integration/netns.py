@@ -38,6 +38,7 @@ import atexit
 import functools
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -137,13 +138,13 @@ def mode() -> str:
 
 def _free_subnet() -> ipaddress.IPv4Network:
     """A /24 of 10.231.0.0/16 that no interface of this machine is in (another session's bridge)."""
-    used = _ip("-4", "-o", "addr", "show").stdout
-    taken = {ipaddress.ip_interface(word).network for line in used.splitlines() for word in line.split() if "/" in word}
+    listing = _ip("-4", "-o", "addr", "show").stdout
+    taken = [ipaddress.ip_interface(cidr).network for cidr in re.findall(r"\binet (\S+/\d+)", listing)]
     start = os.getpid() % 250
     subnets = list(_SUBNETS.subnets(new_prefix=24))[1:251]
     for i in range(len(subnets)):
         net = subnets[(start + i) % len(subnets)]
-        if not any(net.overlaps(t) for t in taken if isinstance(t, ipaddress.IPv4Network)):
+        if not any(net.overlaps(t) for t in taken):
             return net
     raise OSError("every /24 of 10.231.0.0/16 is in use on this machine")
 
