@@ -160,7 +160,7 @@ class S3Leases:
             self._touch(run)
             if self._valid(run):
                 return
-            if self._held_lapsed(run) and self._renew(run):
+            if self._held_but_lapsed(run) and self._renew(run):
                 return
         while True:
             with self._run_lock(run):
@@ -195,7 +195,7 @@ class S3Leases:
                 reason = f"this daemon lost the lease on run {run!r}: {self._lost[run]}"
             else:
                 reason = f"this daemon does not hold the lease on run {run!r} (it was released)"
-        raise RunHeldError(f"{reason}; the save is not committed; register the run again to take it back if it is free")
+        raise RunHeldError(f"{reason}; the save is not committed; a next save here takes the lease again if it is free")
 
     def release(self, run: str) -> None:
         with self._run_lock(run):
@@ -389,7 +389,7 @@ class S3Leases:
             held = self._held.get(run)
             return held is not None and held.holding.valid(self._clock())
 
-    def _held_lapsed(self, run: str) -> bool:
+    def _held_but_lapsed(self, run: str) -> bool:
         with self._cond:
             return run in self._held
 
