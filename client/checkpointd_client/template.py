@@ -57,12 +57,13 @@ def register(
 
     The template is exported to a temp dir, its variable values dropped
     (`drop_variable_data`), streamed file by file, and deleted. The export
-    writes the values before they are dropped: TensorFlow builds the
-    SavedModel's object graph (which the daemon must write byte for byte)
-    only in the same private call that writes them, and a checkpoint of
-    placeholder values would need a graph built another way. Written to a
-    temp dir and deleted within the second, they cost memory bandwidth
-    (0.2 s of a 0.4 s export at 100M parameters), not disk.
+    still writes the values before they are dropped: `tf.saved_model.save`
+    skips its checkpoint only through a private function that then yields
+    no object graph either, and the daemon must write that graph byte for
+    byte, so building it apart would mean TensorFlow's internals; a
+    checkpoint of placeholder variables would change the graph. Written to
+    a temp dir and deleted within the second, the values cost memory
+    bandwidth (about 0.2 s of a 100M-parameter export), not disk writes.
 
     Args:
         stub: the daemon's stub.
