@@ -513,7 +513,9 @@ def not_policies(
     return {"plain-module": (base / "plain", plain_vars), "garbage": (garbage, plain_vars)}
 
 
-@pytest.mark.parametrize("upload", ["plain-module", "garbage", "policy-without-variables"])
+@pytest.mark.parametrize(
+    "upload", ["plain-module", "garbage", "policy-without-variables", "index-without-object-graph"]
+)
 def test_template_that_is_not_a_policy_saved_model_is_invalid(
     daemon: Daemon, stub: Stub, template: Template, not_policies, tmp_path: Path, upload: str
 ) -> None:
@@ -524,6 +526,11 @@ def test_template_that_is_not_a_policy_saved_model_is_invalid(
             (files / rel).parent.mkdir(parents=True, exist_ok=True)
             (files / rel).write_bytes((template.dir / rel).read_bytes())
         variables = template.bindings.protos()
+    elif upload == "index-without-object-graph":
+        # The client's data-free template less the object graph it sends in place of the data.
+        files = shutil.copytree(template.dir, tmp_path / "index-only")
+        (files / "variables" / "variables.data-00000-of-00001").unlink()
+        variables = template.bindings.protos()
     else:
         files, variables = not_policies[upload]
     before = listing(daemon.root)
@@ -533,6 +540,8 @@ def test_template_that_is_not_a_policy_saved_model_is_invalid(
             timeout=RPC_TIMEOUT,
         )
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    if upload == "index-without-object-graph":
+        assert "variables/object_graph.pb" in caught.value.details()
     assert_not_registered(stub, name)
     assert listing(daemon.root) == before  # no template kept, nothing left in staging
     assert_serving(daemon, stub, register(stub, name, template))  # the same name registers fine
