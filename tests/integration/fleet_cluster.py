@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import json
 import os
 import queue
@@ -62,13 +61,6 @@ def start_rgw(workdir: Path, bind: str) -> Rgw:
     server = Rgw(workdir, env, time.monotonic() - started)
     atexit.register(server.stop)  # also if the session is cut short; the fixture stops it first
     return server
-
-
-def leases_landed() -> bool:
-    """Whether this checkpointd has run leases (serve --lease-seconds)."""
-    from checkpointd.core.config import ServeConfig
-
-    return any(f.name == "lease_seconds" for f in dataclasses.fields(ServeConfig))
 
 
 class Proc:
@@ -155,7 +147,7 @@ class Fleet:
         """Starts (or restarts) host i's daemon; its state and shared-memory dirs are the host's own."""
         host = self.hosts[i]
         self._started += 1
-        lease = ["--lease-seconds", f"{self.lease_seconds:g}", "--lease-idle-seconds", "60"] if leases_landed() else []
+        lease = ["--lease-seconds", f"{self.lease_seconds:g}", "--lease-idle-seconds", "60"]
         insecure = ["--insecure"] if self.hosts.mode == NETNS else []  # a private bridge, no TLS in the tests
         d = start_daemon(
             self.url,  # type: ignore[arg-type]  # passed to --root as str(root)

@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 
 from tests.integration import netns
-from tests.integration.fleet_cluster import Fleet, leases_landed, start_rgw
+from tests.integration.fleet_cluster import Fleet, start_rgw
 from tests.integration.netns import Hosts
 from tests.integration.rgw import Rgw
 
@@ -125,7 +125,6 @@ def test_every_save_accepted_across_the_fleet_is_committed(live: Fleet) -> None:
     assert f"{committed} OK, 0 FAILED" in checked.stdout, checked.stdout
 
 
-@pytest.mark.skipif(not leases_landed(), reason="run leases (serve --lease-seconds) are not in this checkpointd")
 def test_two_hosts_racing_for_one_run_never_both_write_it(live: Fleet) -> None:
     run, saves, hold = "contested", 2, 2.0
     racers = {i: live.trainer(i, "race", run, live.hosts[i].name, str(saves), str(hold), stdin=True) for i in (1, 2)}
@@ -169,6 +168,7 @@ def test_a_trainer_killed_with_its_daemon_resumes_on_another_host(live: Fleet, t
     ready = a.expect("ready")["ready"]
     assert ready == durable_on_a[-1]
     a.kill()  # mid-training, runs never closed
+    pid_a = live.daemon(0).proc.pid
     live.kill_daemon(0)
     saved = pickle.loads((tmp_path / "a" / "saved.pickle").read_bytes())
     assert saved["step"] == ready
@@ -189,15 +189,15 @@ def test_a_trainer_killed_with_its_daemon_resumes_on_another_host(live: Fleet, t
 
     policy_saves = {rel: w for rel, w in _writers(live, run).items()}
     assert set(policy_saves) == {f"policies/ckpt_{s:06d}" for s in durable_on_a + durable_on_b}
-    if leases_landed():
-        by_a = {policy_saves[f"policies/ckpt_{s:06d}"] for s in durable_on_a}
-        by_b = {policy_saves[f"policies/ckpt_{s:06d}"] for s in durable_on_b}
-        assert len(by_a) == len(by_b) == 1 and by_a != by_b and "" not in by_a | by_b, policy_saves
-        training = _writers(live, f"{run}-train")
-        assert set(training.values()) <= by_a | by_b and by_b <= set(training.values()), training
-        lease = live.lease(run)  # B closed the run: its lease is B's, released
-        assert lease is not None and {lease["owner"]} == by_b and lease["released"], lease
-        assert f"-{live.daemon(1).proc.pid}-" in lease["owner"], (lease, live.daemon(1).proc.pid)
+    by_a = {policy_saves[f"policies/ckpt_{s:06d}"] for s in durable_on_a}
+    by_b = {policy_saves[f"policies/ckpt_{s:06d}"] for s in durable_on_b}
+    assert len(by_a) == len(by_b) == 1 and by_a != by_b and "" not in by_a | by_b, policy_saves
+    assert f"-{pid_a}-" in next(iter(by_a)), (by_a, pid_a)  # owner ids are host-pid-token
+    training = _writers(live, f"{run}-train")
+    assert set(training.values()) <= by_a | by_b and by_b <= set(training.values()), training
+    lease = live.lease(run)  # B closed the run: its lease is B's, released
+    assert lease is not None and {lease["owner"]} == by_b and lease["released"], lease
+    assert f"-{live.daemon(1).proc.pid}-" in lease["owner"], (lease, live.daemon(1).proc.pid)
     checked = live.verify(f"{live.url}/{run}", f"{live.url}/{run}-train")
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
