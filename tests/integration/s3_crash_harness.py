@@ -33,7 +33,8 @@ save's files, sizes and CRC32Cs before the upload starts) against the bucket:
 After the kill, with the daemon dead, the bucket is read with boto3:
 - every manifest's objects are there with the listed size, the ETag it
   recorded and the listed CRC32C (each object version read back once);
-- the `checkpoint` state file names committed checkpoints only;
+- the `checkpoint` state file names committed checkpoints only, its newest
+  at least the newest reported durable;
 - a dir the trainer saw durable is committed at that step or newer, unless
   the cut save was replacing it (S3 overwrites in place: the old save stops
   counting first);
@@ -46,11 +47,21 @@ The next trial's daemon start is the restart; once its port is up its
 recovery has run, and then: no leftover and no staging dir is left, every
 committed object is as it was (same size, ETag and time; only training
 checkpoints past max_to_keep may go, as the newest save's rules say), the
-state file names exactly the committed checkpoints, the planted unrelated
-objects survive, and RemoteCheckpointer restores the newest checkpoint. At
+planted unrelated objects survive, and RemoteCheckpointer restores the
+newest checkpoint. The state file: a daemon alone rewrites it in its
+recovery, so it names exactly the committed checkpoints, no more than
+max_to_keep; a daemon with run leases (a fleet's) leaves it to the run's
+holder at its next checkpoint, so it is checked as after a kill. At
 the end every committed save is loaded, the newest policy save once more
 through `checkpointd fetch`, and the prefix is deleted (the memstore OSD
 holds stored bytes in RAM).
+
+Two waits are not what the trials test and are kept short: the daemon
+runs with the shortest lease ttl (`--lease-seconds 3`, where leases exist),
+since the killed daemon's leases hold its runs until they expire; and runs
+are registered once the daemon's TensorFlow preload is over (its log says
+so), since a RegisterRun during that import can fail INTERNAL on a
+circular import (a daemon bug, reported with this harness).
 
 Long mode (the pytest test runs a short subset; CHECKPOINTD_CRASH_TRIALS
 changes its count; without CHECKPOINTD_TEST_S3_ENDPOINT it starts its own
@@ -114,6 +125,10 @@ GRACE_SECONDS = 1.0
 # The killed daemon's run leases block its successor (another holder) until
 # they expire: the shortest ttl keeps that wait short (where leases exist).
 _LEASE_ARGS = ("--lease-seconds", "3") if "lease_seconds" in {f.name for f in dataclasses.fields(ServeConfig)} else ()
+# A daemon sharing the bucket (leases) leaves the state files of training
+# dirs to each run's holder, which rewrites them at its next checkpoint; a
+# daemon alone rewrites them and applies max_to_keep in its start's recovery.
+_FLEET = bool(_LEASE_ARGS)
 _TF_LOADED = "TensorFlow loaded in"  # the daemon's log line once its import thread is done
 _DEADLINE = 120.0
 
@@ -478,6 +493,7 @@ class _Harness:
         self.steps = iter(range(1, 1 << 62))
         self.cycle = 0.5
         self.loaded: set[str] = set()
+        self.last = ("", "", "")  # the last trial's aim and phases (policy, training)
         self.timing: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per step
 
     @property
@@ -505,6 +521,8 @@ class _Harness:
                     break
                 before = self._trial(daemon, loaded, problems)
                 self.figures.failures += [f"trial {trial}: {p}" for p in problems]
+                for problem in problems:
+                    self.log(f"PROBLEM trial {trial}: {problem}")
                 self.figures.trials += 1
             finally:
                 if daemon.proc.poll() is None:
@@ -513,8 +531,11 @@ class _Harness:
                 shm_root = default_shm_root()
                 if shm_root is not None:
                     shm.remove_dead_folders(shm_root)
-            self.log(f"trial {trial:3d}: {self.figures.summary()}")
-            self.log("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.timing.items()))
+            self.log(
+                f"trial {trial:3d}: aimed {self.last[0]:12s} killed the policy run during {self.last[1]:12s} "
+                f"the training run during {self.last[2]:12s} {len(problems)} problems; seconds so far: "
+                + ", ".join(f"{k} {v:.0f}" for k, v in self.timing.items())
+            )
 
     def _after_restart(self, before: _Bucket) -> list[str]:
         """Recovery has run: no leftover, nothing committed touched, the state file agrees."""
@@ -536,10 +557,13 @@ class _Harness:
             )
         committed = self._committed_checkpoints(after)
         names = _state_names(self.reader, self.state_key, self.s3.work / "state-file")
-        if committed and names != committed:
-            problems.append(f"after recovery the state file names {names}, the committed are {committed}")
-        if len(committed) > MAX_TO_KEEP:
-            problems.append(f"{len(committed)} checkpoints committed past max_to_keep={MAX_TO_KEEP}")
+        if _FLEET:  # the run's holder rewrites its state file at its next checkpoint
+            problems += self._check_state_file(names, committed)
+        else:  # recovery rewrote it and applied max_to_keep
+            if committed and names != committed:
+                problems.append(f"after recovery the state file names {names}, the committed are {committed}")
+            if len(committed) > MAX_TO_KEEP:
+                problems.append(f"{len(committed)} checkpoints committed past max_to_keep={MAX_TO_KEEP}")
         problems += _check_manifests(after, self.reader, self.figures)
         return problems
 
@@ -571,6 +595,7 @@ class _Harness:
             trainer.start()
             aim = self.rng.choice(AIMS if self.size == "large" else ("random", "unmanifested"))
             self.figures.aims[aim] += 1
+            self.last = (aim, "", "")
             with self._timed("saves"):
                 self._aim(aim, driver)
             driver.killed.set()
@@ -631,12 +656,13 @@ class _Harness:
         staged_dirs = [(p, self.staging.staged(p)) for p in self.staging.dirs()]
         bucket = self.reader.snapshot()
         state = _state_names(self.reader, self.state_key, self.s3.work / "state-file")
-        self.figures.kills[f"policy {_phase(pending[0], staged_dirs, bucket, None)}"] += 1
-        self.figures.kills[f"training {_phase(pending[1], staged_dirs, bucket, state or [])}"] += 1
+        phases = (_phase(pending[0], staged_dirs, bucket, None), _phase(pending[1], staged_dirs, bucket, state or []))
+        self.figures.kills[f"policy {phases[0]}"] += 1
+        self.figures.kills[f"training {phases[1]}"] += 1
+        self.last = (self.last[0], *phases)
         problems += _check_manifests(bucket, self.reader, self.figures)
         committed = self._committed_checkpoints(bucket)
-        if state is not None and not set(state) <= set(committed):
-            problems.append(f"the state file names {state}, only {committed} are committed")
+        problems += self._check_state_file(state, committed)
         if self.train_durable >= 0 and (not committed or int(committed[-1].rpartition("-")[2]) < self.train_durable):
             problems.append(f"newest committed checkpoint {committed[-1:]} is older than durable {self.train_durable}")
         run_base = f"{self.base}{self.run.name}/"
@@ -660,6 +686,17 @@ class _Harness:
         self.figures.leftover_objects += len(leftovers) - len(bucket.uploads)
         problems += self._load_newest()
         return bucket
+
+    def _check_state_file(self, names: list[str] | None, committed: list[str]) -> list[str]:
+        """The state file names committed checkpoints only, its newest at least the newest reported durable."""
+        if names is None:
+            return [f"no state file, step {self.train_durable} was durable"] if self.train_durable >= 0 else []
+        problems = []
+        if not set(names) <= set(committed):
+            problems.append(f"the state file names {names}, only {committed} are committed")
+        if self.train_durable >= 0 and (not names or int(names[-1].rpartition("-")[2]) < self.train_durable):
+            problems.append(f"the state file's newest of {names} is older than step {self.train_durable}, durable")
+        return problems
 
     def _saves(self, run: str) -> list[Any]:
         return sorted(self.store.committed(run, None), key=lambda s: (s.step, str(s.path)))

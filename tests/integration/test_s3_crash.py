@@ -38,3 +38,73 @@ def test_kill_9_during_s3_uploads_and_commits_leaves_only_whole_saves_and_recove
     assert figures.saves_durable > 0 and figures.save_checks > 0 and figures.loads > 0
     # The kills cut uploads short, so recovery had objects or multipart uploads to clean (and did).
     assert figures.leftover_objects + figures.leftover_uploads > 0
+
+
+class _FakeReader:
+    """Reads back bytes from a dict instead of the bucket."""
+
+    def __init__(self, data: dict[str, bytes]) -> None:
+        self.data = data
+
+    def crc(self, key: str, etag: str, figures: s3_crash_harness.Figures) -> tuple[int, int]:
+        import crc32c
+
+        return len(self.data[key]), crc32c.crc32c(self.data[key])
+
+
+def test_the_bucket_checks_catch_a_torn_commit_and_name_each_phase() -> None:
+    """The checks the trials rely on fail where they must: on bucket states a broken commit would leave."""
+    import crc32c
+
+    data = {"p/run/sm/saved_model.pb": b"graph", "p/run/sm/variables/variables.data-00000-of-00001": b"weights"}
+    manifest = {
+        "step": 3,
+        "files": [{"path": k[len("p/run/sm/") :], "size": len(v), "crc32c": f"{crc32c.crc32c(v):08x}"} for k, v in data.items()],
+        "s3_etags": {k[len("p/run/sm/") :]: f"e{i}" for i, k in enumerate(data)},
+    }  # fmt: skip
+    objects = {k: (len(data[k]), f"e{i}", 0.0) for i, k in enumerate(data)}
+    key = f"p/run/sm/{s3_crash_harness.MANIFEST}"
+
+    def problems(objects: dict[str, tuple[int, str, float]], stored: dict[str, bytes]) -> list[str]:
+        bucket = s3_crash_harness._Bucket(objects, [], {key: manifest})  # noqa: SLF001
+        return s3_crash_harness._check_manifests(bucket, _FakeReader(stored), s3_crash_harness.Figures())  # noqa: SLF001
+
+    assert problems(objects, data) == []
+    missing = dict(objects)
+    del missing["p/run/sm/saved_model.pb"]
+    assert "which is not in the bucket" in problems(missing, data)[0]
+    rewritten = {**objects, "p/run/sm/saved_model.pb": (5, "other", 0.0)}  # a later writer's object
+    assert "ETag other" in problems(rewritten, data)[0]
+    flipped = {**data, "p/run/sm/saved_model.pb": b"grapH"}  # same size and ETag, other bytes
+    assert "CRC32C" in problems(objects, flipped)[0]
+
+    # Leftovers: an object no manifest lists and an open multipart upload; not leases nor state files.
+    torn = {
+        **objects,
+        "p/run/ck/variables/variables.index": (1, "x", 0.0),
+        "p/.checkpointd-leases/run.json": (1, "l", 0.0),
+    }
+    torn["p/run/train/checkpoint"] = (1, "s", 0.0)
+    bucket = s3_crash_harness._Bucket(torn, [("p/run/ck/variables/v", "u1")], {key: manifest})  # noqa: SLF001
+    assert s3_crash_harness._leftovers(bucket, set()) == [  # noqa: SLF001
+        "p/run/ck/variables/variables.index",
+        "multipart upload of p/run/ck/variables/v",
+    ]
+
+    # Phases, from a staged save's files against the bucket.
+    staged = s3_crash_harness._Staged("run", "ck", 4, "p/run/ck/" + s3_crash_harness.MANIFEST, {  # noqa: SLF001
+        "p/run/ck/variables/variables.index": (1, "x"), "p/run/ck/variables/v": (9, "y-2"),
+    })  # fmt: skip
+    staging = [(Path(".checkpointd-tmp-ck-0123456789abcdef"), staged)]
+    phase = s3_crash_harness._phase  # noqa: SLF001
+    assert phase(None, staging, bucket, None) == "idle"
+    assert phase("ck", [], bucket, None) == "rpc"
+    assert phase("ck", [(staging[0][0], None)], bucket, None) == "write"
+    assert phase("ck", staging, bucket, None) == "multipart"
+    no_upload = s3_crash_harness._Bucket(torn, [], {key: manifest})  # noqa: SLF001
+    assert phase("ck", staging, no_upload, None) == "upload"
+    up = s3_crash_harness._Bucket({**torn, "p/run/ck/variables/v": (9, "y-2", 0.0)}, [], {key: manifest})  # noqa: SLF001
+    assert phase("ck", staging, up, None) == "unmanifested"
+    up.manifests[staged.manifest_key] = {"step": 4, "files": []}
+    assert phase("ck", staging, up, None) == "committed"
+    assert phase("ck", staging, up, ["ck-3"]) == "state-file"
