@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -27,7 +27,7 @@ from checkpointd.cli import verify
 from checkpointd.protocol import wire
 from checkpointd.protocol.codes import error_for
 from checkpointd.protocol.errors import DeadlineError, SaveFailedError
-from checkpointd.rpc.upload import until
+from checkpointd.rpc.upload import within
 from checkpointd.storage import local, save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
@@ -53,39 +53,58 @@ def _readers() -> int:
     return sum(t.name == "upload-reader" for t in threading.enumerate())
 
 
-def test_until_passes_requests_through_and_ends_with_them() -> None:
-    assert list(until(iter(range(10)), time.monotonic() + DEADLINE, DEADLINE)) == list(range(10))
+def _taking(got: list[int]) -> Callable[[Iterator[int]], str]:
+    def receive(requests: Iterator[int]) -> str:
+        for item in requests:
+            got.append(item)
+        return "received"
+
+    return receive
+
+
+def test_within_runs_the_receive_on_a_reader_and_returns_its_result() -> None:
+    got: list[int] = []
+    assert within(_taking(got), iter(range(10)), time.monotonic() + DEADLINE, DEADLINE) == "received"
+    assert got == list(range(10))
     wait_until(lambda: _readers() == 0, "the reader ended", DEADLINE)
 
 
-def test_until_cuts_off_a_stalled_source_at_the_deadline_and_its_reader_ends() -> None:
+def test_within_cuts_off_a_stalled_source_at_the_deadline_and_its_reader_ends() -> None:
     release = threading.Event()
-    got = []
+    got: list[int] = []
     started = time.monotonic()
     with pytest.raises(DeadlineError, match=r"upload did not finish within 0\.3s"):
-        for item in until(_blocking_source([1, 2], release), started + 0.3, 0.3):
-            got.append(item)
+        within(_taking(got), _blocking_source([1, 2], release), started + 0.3, 0.3)
     assert got == [1, 2]
     assert 0.3 <= time.monotonic() - started < 5.0
     release.set()  # the call ends: the reader sees the end of the stream
     wait_until(lambda: _readers() == 0, "the reader ended", DEADLINE)
 
 
-def test_until_hands_the_source_error_to_the_caller() -> None:
+def test_within_hands_the_source_error_to_the_caller() -> None:
     def failing() -> Iterator[int]:
         yield 1
         raise grpc.RpcError("cancelled")
 
     with pytest.raises(grpc.RpcError):
-        list(until(failing(), time.monotonic() + DEADLINE, DEADLINE))
+        within(_taking([]), failing(), time.monotonic() + DEADLINE, DEADLINE)
 
 
-def test_until_reader_never_blocks_when_the_caller_stops_early() -> None:
-    # A fast source fills the read-ahead queue; the caller takes one and leaves.
-    upload = until(iter(range(1000)), time.monotonic() + DEADLINE, DEADLINE)
-    assert next(upload) == 0
-    upload.close()
+def test_within_reader_stops_at_its_next_request_once_the_deadline_passed() -> None:
+    # The client stalls past the deadline, then sends on: the reader takes no more.
+    release = threading.Event()
+
+    def stalling() -> Iterator[int]:
+        yield 1
+        release.wait(DEADLINE)
+        yield from range(2, 1000)
+
+    got: list[int] = []
+    with pytest.raises(DeadlineError):
+        within(_taking(got), stalling(), time.monotonic() + 0.2, 0.2)
+    release.set()
     wait_until(lambda: _readers() == 0, "the reader ended", DEADLINE)
+    assert got == [1]
 
 
 # Helpers for the daemon tier.

@@ -92,12 +92,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         request = messages.save_request(upload.first(request_iterator, "header", "Save"))
 
         def receive(parts: Sequence[int], segment: Segment | None, deadline: float) -> tuple[list[memoryview], str]:
-            timeout = self._pipeline.upload_timeout
-            chunks = upload.until(request_iterator, deadline, timeout)
-            try:
-                return upload.receive_snapshot(chunks, request.snapshot_bytes, context, parts, segment)
-            finally:
-                chunks.close()  # stops its reader now, not when the generator is collected
+            def chunks(requests: Iterator[pb.SaveRequest]) -> tuple[list[memoryview], str]:
+                return upload.receive_snapshot(requests, request.snapshot_bytes, context, parts, segment)
+
+            return upload.within(chunks, request_iterator, deadline, self._pipeline.upload_timeout)
 
         # A blocking save waiting for its turn wakes when the caller goes away.
         context.add_callback(self._runs.wake)

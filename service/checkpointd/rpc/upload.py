@@ -2,7 +2,7 @@
 
 The servicer's streaming handlers read their request iterators here. Every
 chunk is checked (in order, within the announced size, CRC32C) before it is
-kept. `until` bounds a Save's upload by the daemon's --upload-timeout, since
+kept. `within` bounds a Save's upload by the daemon's --upload-timeout, since
 gRPC's request iterator would otherwise wait for a stalled client forever.
 """
 
@@ -11,12 +11,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import mmap
-import queue
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -25,6 +24,8 @@ from checkpointd.protocol.errors import DeadlineError, InvalidRequestError
 from checkpointd.protocol.names import check_export_dir
 from checkpointd.protocol.wire import ALIGNMENT, aligned_offsets, check_chunk
 from checkpointd.v1 import checkpointd_pb2 as pb
+
+_T = TypeVar("_T")
 
 
 def first(requests: Iterator, field: str, rpc: str):  # noqa: ANN202 - a pb message
@@ -38,61 +39,57 @@ def first(requests: Iterator, field: str, rpc: str):  # noqa: ANN202 - a pb mess
     return getattr(message, field)
 
 
-# Chunks a reader thread may hold ahead of the handler (each <= 1 MiB).
-_READ_AHEAD = 4
-_END = object()
+class _Abandoned(Exception):
+    """Ends a reader whose save was given up (past its deadline); nobody waits for it."""
 
 
-def until(requests: Iterator[pb.SaveRequest], deadline: float, timeout: float) -> Generator[pb.SaveRequest, None, None]:
-    """`requests`, ending in DeadlineError once the monotonic `deadline` passes.
+def within(
+    receive: Callable[[Iterator[pb.SaveRequest]], _T],
+    requests: Iterator[pb.SaveRequest],
+    deadline: float,
+    timeout: float,
+) -> _T:
+    """`receive(requests)`, run on a reader thread, or DeadlineError once the monotonic `deadline` passes.
 
-    gRPC's request iterator blocks with no timeout, so a thread reads it into
-    a short queue and this waits on the queue for the time left: a client
-    that stalls, or sends nothing at all, is cut off at the deadline without
-    polling. Once this stops, the reader ends with the call.
+    gRPC's request iterator blocks with no timeout, so a thread reads it
+    while the handler waits for the outcome for the time left: a client that
+    stalls, or sends nothing at all, is cut off at the deadline without
+    polling. The reader does all the per-chunk work too (checks, CRC32C, the
+    copy into the buffer), so a chunk passes from gRPC's thread to one of
+    ours and no further: a queue between a reader and the handler cost a
+    thread hand-off (and a wait for the GIL) per chunk. Once the deadline has
+    passed the reader stops at its next request, or ends with the call.
     """
-    ahead: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
     stop = threading.Event()
+    finished = threading.Event()
+    outcome: list[Any] = []  # [result] or [None, the exception]
+
+    def guarded() -> Iterator[pb.SaveRequest]:
+        for request in requests:
+            if stop.is_set():
+                raise _Abandoned
+            yield request
 
     def read() -> None:
-        # After `stop` is set and the queue drained, at most two more puts
-        # happen (one in progress, one final), so the reader never blocks.
-        error: BaseException | None = None
         try:
-            for request in requests:
-                if stop.is_set():
-                    return
-                ahead.put((request, None))
+            outcome.append(receive(guarded()))
         except BaseException as exc:  # noqa: BLE001 - handed to the handler thread
-            error = exc
-        if not stop.is_set():
-            ahead.put((_END, error))
+            outcome.extend((None, exc))
+        finally:
+            finished.set()
 
     threading.Thread(target=read, name="upload-reader", daemon=True).start()
     try:
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                if remaining <= 0:
-                    raise queue.Empty
-                request, error = ahead.get(timeout=remaining)
-            except queue.Empty:
-                raise DeadlineError(
-                    f"upload did not finish within {timeout:g}s after the save was accepted "
-                    "(--upload-timeout); the save is discarded"
-                ) from None
-            if error is not None:
-                raise error
-            if request is _END:
-                return
-            yield request
+        if not finished.wait(max(deadline - time.monotonic(), 0.0)):
+            raise DeadlineError(
+                f"upload did not finish within {timeout:g}s after the save was accepted "
+                "(--upload-timeout); the save is discarded"
+            )
     finally:
         stop.set()
-        while True:
-            try:
-                ahead.get_nowait()
-            except queue.Empty:
-                break
+    if len(outcome) == 2:
+        raise outcome[1]
+    return outcome[0]
 
 
 def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, total: int) -> None:
