@@ -8,7 +8,8 @@
   file read from the root namespace, its own --shm-dir and --work-dir),
   `trainer(i, ...)` runs tests/integration/fleet_trainer.py there; the
   bucket's manifests, lease objects and `checkpointd verify` are read from
-  the root namespace. `close()` kills every trainer and daemon it started.
+  the root namespace. `close()` kills every trainer it started, then stops
+  every daemon (SIGTERM to all at once, SIGKILL past 30 s).
 - `Proc`: a trainer whose JSON lines are read by a thread, so a test waits
   for the next one with a deadline and a dead trainer fails with its log.
 """

@@ -4,9 +4,11 @@ The hosts (tests/integration/netns.py) are network namespaces on a bridge;
 the S3 server is a radosgw of this module's own whose gateway listens on
 the bridge (scripts/rgw.sh with RGW_BIND), since a namespace cannot reach
 the root namespace's 127.0.0.1. Each host runs `checkpointd serve` on its
-own address, all on one bucket prefix, with short run leases; its trainers
+own address (plaintext with --insecure: the bridge is private to the
+test), all on one bucket prefix, with 3 s run leases; its trainers
 (tests/integration/fleet_trainer.py) dial that host's daemon over TCP with
-shared memory off. Where namespaces cannot be made (not root, no `ip`) the
+shared memory off (`shared_memory=False`; the daemons' logs prove every
+snapshot came by gRPC). Where namespaces cannot be made (not root, no `ip`) the
 same tests run on loopback addresses 127.0.0.11-13 with a shared-memory dir
 per host; every test's id ends in the mode that ran: `[netns]` or
 `[loopback]` (CHECKPOINTD_FLEET_HOSTS=loopback forces the fallback).
@@ -16,17 +18,21 @@ What it shows:
   host B: RemoteCheckpointer and RemotePolicySaver.restore() find, through
   B's daemon, the newest saves A committed, with A's last weights; B takes
   the runs' leases once A's expired and goes on saving;
-- zero lost: trainers on every host, each its own run, saving with
-  skip-if-busy; every save a ticket said durable has its manifest in the
-  bucket, no other does, and `checkpointd verify s3://...` passes;
+- zero lost: DQN trainers on every host, each its own run, saving
+  non-blocking (skip-if-busy skips some) and blocking in turn; every save a
+  ticket said durable has its manifest in the bucket, no other save does,
+  none failed, and `checkpointd verify s3://...` passes over all of them;
 - the race: over several rounds two hosts' trainers register the same run
-  at the same instant (both parked on stdin, released together); each round
-  one daemon takes the lease and writes, the other is refused ABORTED
-  naming the holder, and every manifest's "writer" is that round's holder.
+  at the same instant (both parked on stdin, released by one write each);
+  each round one daemon takes the lease and writes, the other, whose call
+  has a 2 s deadline the winner outlasts, is refused ABORTED naming the
+  holder's pid, and every manifest's "writer" is that round's holder (the
+  lease object's owner, read while it held the run).
 
-The default suite runs a lean version (one trainer per host, few saves,
-3 race rounds). CHECKPOINTD_FLEET=1 runs the full one: 3 trainers per host
-with more saves each, and 10 race rounds.
+The default suite runs a lean version: 1 trainer per host with 6 saves,
+3 race rounds (about 70 s of CPU in all, TensorFlow's import in 3 daemons
+and 7 trainers most of it). CHECKPOINTD_FLEET=1 runs the full one: 3
+trainers per host with 30 saves each, and 10 race rounds.
 """
 
 from __future__ import annotations
