@@ -217,6 +217,8 @@ def test_flush_and_a_blocking_save_return_once_the_manifest_is_in_the_bucket(s3:
     step.assign(2)
     saver.save_checkpoint("ckpt", blocking=True).result()
     assert f"ckpt/{MANIFEST}" in s3.keys("fl/")
+    staging = s3.tmp / "state0" / ".checkpointd" / "s3-staging"  # under the first daemon's --work-dir
+    assert staging.is_dir() and list(staging.iterdir()) == []  # committed saves leave no local copy
 
 
 def test_training_checkpoints_on_s3_keep_max_to_keep_and_restore_on_a_new_daemon(s3: S3) -> None:

@@ -312,6 +312,9 @@ class S3Store:
             uploaded = self._upload(staged, files_base, manifest_key, document, meta)
         finally:
             self._on_upload(meta.kind.value, time.monotonic() - uploading, uploaded)
+            # The bucket has the save (or it failed): its local copy goes either way,
+            # or every save would stay on the daemon's disk until the next start.
+            self.discard(staged.path)
         self._drop_unlisted(files_base, target.name if staged.files_prefix is not None else None, set(listed))
         return staged.bytes_written + manifest_bytes
 
