@@ -11,7 +11,7 @@ import pytest
 
 from checkpointd.cli.parse import FetchCommand, VerifyCommand, config_from_args
 from checkpointd.core.config import ServeConfig
-from checkpointd.storage.s3 import S3Url, _content_md5
+from checkpointd.storage.s3 import S3Url, _content_md5, body_is_signed, make_client
 
 
 @pytest.mark.parametrize(
@@ -101,3 +101,39 @@ def test_serve_takes_the_lease_timing_and_refuses_nonsense(capsys: pytest.Captur
         with pytest.raises(SystemExit):
             config_from_args(["serve", "--root", "s3://bkt/p", *flags])
         assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "signed"),
+    [(None, False), ("https://rgw.example:443", False), ("HTTP://127.0.0.1:8080", True), ("http://h:1", True)],
+)
+def test_the_body_is_signed_over_plain_http_only(endpoint: str | None, signed: bool) -> None:
+    assert body_is_signed(endpoint) is signed
+
+
+@pytest.mark.parametrize("endpoint", ["https://rgw.example", "http://rgw.example"])
+def test_an_upload_carries_content_md5_exactly_where_its_body_is_not_signed(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from botocore.awsrequest import AWSResponse
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    client = make_client(endpoint, "us-east-1")
+    seen: list[dict[str, str]] = []
+
+    def answer(request: object, **_: object) -> AWSResponse:  # never leaves the process
+        seen.append({k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()})  # type: ignore[attr-defined]
+        response = AWSResponse("", 200, {"ETag": '"e"'}, None)  # type: ignore[arg-type]
+        response._content = b""  # the body, read already
+        return response
+
+    client.meta.events.register("before-send.s3.PutObject", answer)
+    client.put_object(Bucket="bkt", Key="k", Body=b"data")
+    [headers] = seen
+    if endpoint.startswith("https"):
+        assert headers["Content-MD5"] == base64.b64encode(hashlib.md5(b"data").digest()).decode()
+        assert headers["X-Amz-Content-SHA256"] == "UNSIGNED-PAYLOAD"
+    else:
+        assert "Content-MD5" not in headers
+        assert headers["X-Amz-Content-SHA256"] == hashlib.sha256(b"data").hexdigest()

@@ -110,7 +110,13 @@ class S3Url:
 
 
 def make_client(endpoint_url: str | None, region: str | None, max_connections: int = 32) -> Any:
-    """An S3 client that works on AWS and on radosgw, with Content-MD5 on every upload request."""
+    """An S3 client that works on AWS and on radosgw; every upload's body is checked by the server.
+
+    Over HTTPS, SigV4 sends UNSIGNED-PAYLOAD, so each PutObject/UploadPart
+    carries a Content-MD5 (`_content_md5`) that the server verifies. Over
+    plain HTTP, SigV4 signs the body's SHA-256 and the server refuses a body
+    that does not match it, so an MD5 pass would check the same bytes twice.
+    """
     import boto3
     from botocore.config import Config
 
@@ -128,9 +134,15 @@ def make_client(endpoint_url: str | None, region: str | None, max_connections: i
         s3={"addressing_style": "path" if endpoint_url else "auto"},
     )
     client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
-    for operation in ("PutObject", "UploadPart"):
-        client.meta.events.register(f"before-call.s3.{operation}", _content_md5)
+    if not body_is_signed(endpoint_url):
+        for operation in ("PutObject", "UploadPart"):
+            client.meta.events.register(f"before-call.s3.{operation}", _content_md5)
     return client
+
+
+def body_is_signed(endpoint_url: str | None) -> bool:
+    """True where SigV4 signs each request body's SHA-256 (plain HTTP); AWS's default endpoint is HTTPS."""
+    return endpoint_url is not None and endpoint_url.lower().startswith("http://")
 
 
 def _content_md5(params: dict[str, Any], **_: Any) -> None:
