@@ -12,9 +12,10 @@ Rename is not atomic in an object store, so a save is committed thus:
 2. An older save at the same place loses its manifest first: it stops
    counting before any of its objects is replaced.
 3. Every file goes up under its final key through s3transfer (multipart
-   above `part_bytes`, parts and files in parallel), each request with a
-   Content-MD5 the server verifies (radosgw does; it neither stores nor
-   checks a CRC32C). Each object's size and ETag are read back.
+   above `part_bytes`, parts and files in parallel), each request's body
+   checked by the server: its SHA-256 signed by SigV4 over HTTP, a
+   Content-MD5 over HTTPS (`make_client`; radosgw neither stores nor checks
+   a CRC32C). Each object's size and ETag are read back.
 4. The manifest, with the ETags and the writer (the daemon's lease owner
    id), is created LAST with `IfNoneMatch='*'`: a 412 means another writer
    committed there meanwhile, and the save fails.
@@ -124,7 +125,7 @@ def make_client(endpoint_url: str | None, region: str | None, max_connections: i
         region_name=region,
         # rgw rejects botocore's default trailing checksums over HTTPS (411)
         # and ignores CRC32C anyway: checksum only where an API requires it,
-        # and send Content-MD5 ourselves (`_content_md5`), which rgw and AWS verify.
+        # and let the server check each body another way (see the docstring).
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         retries={"max_attempts": 4, "mode": "standard"},
