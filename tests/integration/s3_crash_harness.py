@@ -569,20 +569,34 @@ class _Harness:
 
     def _trial(self, daemon: Daemon, loaded: int, problems: list[str]) -> _Bucket:
         """Registers both runs, saves, kills; checks the bucket; returns it as the kill left it."""
-        with self._timed("register"):
+        with self._timed("tf preload"):
             self.s3.wait_tf_loaded(daemon, loaded)
+        # Both runs at once: each may wait for the killed daemon's lease to expire.
+        opened: dict[str, Any] = {}
+
+        def open_checkpointer() -> None:
+            try:
+                opened["ckpt"] = RemoteCheckpointer(  # restores the newest committed checkpoint
+                    TRAIN_DIR, daemon.address, run=self.train_run, max_to_keep=MAX_TO_KEEP, timeout=_DEADLINE,
+                    w=self.w, b=self.b,
+                )  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                opened["error"] = exc
+
+        with self._timed("register"):
+            opening = threading.Thread(target=open_checkpointer, name="open-checkpointer", daemon=True)
+            opening.start()
             try:
                 saver = RemotePolicySaver(
                     self.run.policy, daemon.address, run=self.run.name, train_step=self.run.train_step,
                     timeout=_DEADLINE,
                 )  # fmt: skip
                 saver.register()
-                ckpt = RemoteCheckpointer(
-                    TRAIN_DIR, daemon.address, run=self.train_run, max_to_keep=MAX_TO_KEEP, timeout=_DEADLINE,
-                    w=self.w, b=self.b,
-                )  # fmt: skip
-            except CheckpointdError as exc:
-                raise RuntimeError(f"registration failed: {exc!r}\n{daemon.log()[-3000:]}") from exc
+            finally:
+                opening.join(_DEADLINE)
+            if "ckpt" not in opened:
+                raise RuntimeError(f"RemoteCheckpointer failed: {opened.get('error')!r}\n{daemon.log()[-3000:]}")
+            ckpt = opened["ckpt"]
         # The constructor restored the newest committed checkpoint (or none).
         if self.train_durable >= 0:
             newest = int(self.w.numpy().flat[0])
