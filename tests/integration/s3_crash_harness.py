@@ -78,6 +78,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import random
 import secrets
@@ -225,6 +226,16 @@ class _Reader:
                 manifests[key] = self._manifests[key, etag]
         return _Bucket(objects, self.uploads(self.base), manifests)
 
+    def head(self, key: str) -> tuple[int, str, float] | None:
+        """(size, ETag, LastModified) of the object, read directly (not from a listing); None if absent."""
+        try:
+            h = self.client.head_object(Bucket=self.bucket, Key=key)
+        except Exception as e:
+            if getattr(e, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return h["ContentLength"], h["ETag"].strip('"'), h["LastModified"].timestamp()
+
     def crc(self, key: str, etag: str, figures: Figures) -> tuple[int, int]:
         """(size, CRC32C) of the object's bytes, read back once per ETag."""
         if (key, etag) not in self._crcs:
@@ -253,7 +264,9 @@ def _check_manifests(bucket: _Bucket, reader: _Reader, figures: Figures) -> list
         figures.save_checks += 1
         base, etags = bucket.files_base(key), doc.get("s3_etags", {})
         for entry in doc["files"]:
-            found = bucket.objects.get(base + entry["path"])
+            # A listing can miss a new object for a moment (rgw completes its
+            # bucket index asynchronously); the object itself is read directly.
+            found = bucket.objects.get(base + entry["path"]) or reader.head(base + entry["path"])
             if found is None:
                 problems.append(f"{key} lists {entry['path']}, which is not in the bucket")
                 continue
@@ -494,6 +507,7 @@ class _Harness:
         self.cycle = 0.5
         self.loaded: set[str] = set()
         self.last = ("", "", "")  # the last trial's aim and phases (policy, training)
+        self.killed_at = -math.inf
         self.timing: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per step
 
     @property
@@ -508,6 +522,9 @@ class _Harness:
     def trials(self, count: int) -> None:
         before: _Bucket | None = None
         for trial in range(count + 1):
+            # Recovery deletes leftovers older than the grace age only (a
+            # peer's save in progress is younger): the kill's must be older.
+            threading.Event().wait(max(0.0, self.killed_at + 2 * GRACE_SECONDS - time.monotonic()))
             began = time.monotonic()
             loaded = self.s3.tf_loaded()
             daemon = self.s3.start()
@@ -542,19 +559,26 @@ class _Harness:
         problems = [f"staging left after the restart: {p}" for p in self.staging.dirs()]
         self.staging.forget()
         after = self.reader.snapshot()
-        problems += [f"left after the restart: {k}" for k in _leftovers(after, set(self.planted))]
+        for left in _leftovers(after, set(self.planted)):
+            # A listing can show a just-deleted object for a moment (rgw
+            # completes its bucket index asynchronously): read it directly.
+            if left.startswith("multipart upload of ") or self.reader.head(left) is not None:
+                problems.append(f"left after the restart: {left}")
         problems += [f"planted {k} is gone" for k in self.planted if k not in after.objects]
         kept = set(self._committed_checkpoints(before)[-MAX_TO_KEEP:])
         for key in before.listed():
-            if before.objects.get(key) == after.objects.get(key):
-                continue
+            was, now = before.objects.get(key), after.objects.get(key)
+            if was is None or was == now:
+                continue  # (an object missing from the kill's listing was looked for then)
+            if now is None:
+                head = self.reader.head(key)  # a listing may miss it for a moment
+                if head is not None and head[:2] == was[:2]:
+                    continue
             name = key.rpartition("/")[2].split(".")[0]
             prefix_dir = f"{self.base}{self.train_run}/{TRAIN_DIR}/"
-            if key.startswith(prefix_dir) and name not in kept and key not in after.objects:
+            if key.startswith(prefix_dir) and name not in kept and now is None:
                 continue  # past max_to_keep: recovery's sweep may delete it (manifest first)
-            problems.append(
-                f"committed {key} was touched by the restart: {before.objects.get(key)} -> {after.objects.get(key)}"
-            )
+            problems.append(f"committed {key} was touched by the restart: {was} -> {now}")
         committed = self._committed_checkpoints(after)
         names = _state_names(self.reader, self.state_key, self.s3.work / "state-file")
         if _FLEET:  # the run's holder rewrites its state file at its next checkpoint
@@ -616,6 +640,7 @@ class _Harness:
             trainer.killed.set()
             os.kill(daemon.proc.pid, signal.SIGKILL)
             daemon.proc.wait(_DEADLINE)
+            self.killed_at = time.monotonic()
             with driver.lock, trainer.lock:
                 pending = (driver.pending[0] if driver.pending else None, trainer.pending)
             driver.join(_DEADLINE)

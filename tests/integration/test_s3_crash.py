@@ -46,6 +46,9 @@ class _FakeReader:
     def __init__(self, data: dict[str, bytes]) -> None:
         self.data = data
 
+    def head(self, key: str) -> None:
+        return None  # the listing is the truth here
+
     def crc(self, key: str, etag: str, figures: s3_crash_harness.Figures) -> tuple[int, int]:
         import crc32c
 
