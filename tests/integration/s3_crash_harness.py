@@ -43,8 +43,9 @@ After the kill, with the daemon dead, the bucket is read with boto3:
   `local_copy` (the daemon's restore path);
 - leftovers are counted: objects no manifest lists, open multipart uploads.
 
-The next trial's daemon start is the restart; once its port is up its
-recovery has run, and then: no leftover and no staging dir is left, every
+The next trial's daemon start is the restart, no sooner than two grace
+ages after the kill (recovery leaves younger objects alone: they could be a
+peer's save in progress); once its port is up its recovery has run, and then: no leftover and no staging dir is left, every
 committed object is as it was (same size, ETag and time; only training
 checkpoints past max_to_keep may go, as the newest save's rules say), the
 planted unrelated objects survive, and RemoteCheckpointer restores the
@@ -55,6 +56,11 @@ holder at its next checkpoint, so it is checked as after a kill. At
 the end every committed save is loaded, the newest policy save once more
 through `checkpointd fetch`, and the prefix is deleted (the memstore OSD
 holds stored bytes in RAM).
+
+What a listing says is confirmed with HEAD before it is reported (an object
+listed but gone, or gone from the listing but there): radosgw completes its
+bucket index asynchronously, and a listing once showed an object recovery
+had just deleted.
 
 Two waits are not what the trials test and are kept short: the daemon
 runs with the shortest lease ttl (`--lease-seconds 3`, where leases exist),
@@ -374,23 +380,28 @@ def _all_up(staged: _Staged, objects: dict[str, tuple[int, str, float]]) -> bool
     return all(objects.get(key, (None, None))[:2] == want for key, want in staged.files.items())
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A run's save call in flight at the kill: its staging dir's name, step and manifest's key."""
+
+    name: str  # the export dir's last component (`.checkpointd-tmp-<name>-<hex>`)
+    step: int
+    manifest_key: str
+
+
 def _phase(
-    pending: str | None, staged_dirs: list[tuple[Path, _Staged | None]], bucket: _Bucket, state: list[str] | None
+    pending: _Pending | None, staged_dirs: list[tuple[Path, _Staged | None]], bucket: _Bucket, state: list[str] | None
 ) -> str:
-    """The moment of a run's save the kill hit. `pending`: the export dir of its call in flight."""
+    """The moment of a run's save the kill hit; `state`: the training dir's state file's names."""
     if pending is None:
         return "idle"
-    name = pending.rpartition("/")[2]
-    mine = [(p, s) for p, s in staged_dirs if p.name.rpartition("-")[0] == f".checkpointd-tmp-{name}"]
-    staged = next((s for _, s in mine if s is not None), None)
-    if mine and staged is None:
-        return "write"
-    if staged is None:
-        return "rpc"
-    if staged.manifest_key in bucket.manifests and bucket.manifests[staged.manifest_key]["step"] == staged.step:
-        if state is not None and name not in state:
-            return "state-file"
-        return "committed"
+    doc = bucket.manifests.get(pending.manifest_key)
+    if doc is not None and doc["step"] == pending.step:  # steps are never sent twice
+        return "state-file" if state is not None and pending.name not in state else "committed"
+    mine = [s for p, s in staged_dirs if p.name.rpartition("-")[0] == f".checkpointd-tmp-{pending.name}"]
+    staged = next((s for s in mine if s is not None and s.step == pending.step), None)
+    if staged is None:  # (a staging dir with a manifest of another step is an older save's)
+        return "write" if any(s is None for s in mine) else "rpc"
     if any(key in staged.files for key, _ in bucket.uploads):
         return "multipart"
     return "unmanifested" if _all_up(staged, bucket.objects) else "upload"
@@ -407,7 +418,7 @@ class _Trainer(threading.Thread):
         self.ckpt, self.w, self.b, self.step = ckpt, w, b, first
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.pending: str | None = None
+        self.pending: int | None = None  # the step of the save call in flight
         self.durable = -1  # the newest step reported durable
         self.saves = 0  # how many were
         self.cut = 0
@@ -421,7 +432,7 @@ class _Trainer(threading.Thread):
             self.w.assign(v["w"])
             self.b.assign(v["b"])
             with self.lock:
-                self.pending = f"{TRAIN_DIR}/ckpt-{self.step}"
+                self.pending = self.step
             try:
                 ticket = self.ckpt.save(self.step, blocking=self.rng.random() < 0.5)
                 if not ticket.skipped:  # one save at a time: none is skipped, but the API allows it
@@ -642,7 +653,7 @@ class _Harness:
             daemon.proc.wait(_DEADLINE)
             self.killed_at = time.monotonic()
             with driver.lock, trainer.lock:
-                pending = (driver.pending[0] if driver.pending else None, trainer.pending)
+                policy_call, train_call = driver.pending, trainer.pending
             driver.join(_DEADLINE)
             trainer.join(_DEADLINE)
             for who, thread in (("policy", driver), ("training", trainer)):
@@ -658,6 +669,17 @@ class _Harness:
         if driver.cycle:
             self.cycle = sum(driver.cycle) / len(driver.cycle)
         self.train_step, self.train_durable = trainer.step, max(self.train_durable, trainer.durable)
+        run_base, train_base = f"{self.base}{self.run.name}/", f"{self.base}{self.train_run}/"
+        pending = (
+            None
+            if policy_call is None
+            else _Pending(policy_call[0].rpartition("/")[2], policy_call[1], f"{run_base}{policy_call[0]}/{MANIFEST}"),
+            None
+            if train_call is None
+            else _Pending(
+                f"ckpt-{train_call}", train_call, f"{train_base}{TRAIN_DIR}/ckpt-{train_call}{PREFIX_MANIFEST}"
+            ),
+        )
         with self._timed("after kill"):
             return self._after_kill(pending, problems)
 
@@ -691,7 +713,7 @@ class _Harness:
                             return
         # Not seen in time (e.g. every upload was too quick): kill now, judged as it lands.
 
-    def _after_kill(self, pending: tuple[str | None, str | None], problems: list[str]) -> _Bucket:
+    def _after_kill(self, pending: tuple[_Pending | None, _Pending | None], problems: list[str]) -> _Bucket:
         staged_dirs = [(p, self.staging.staged(p)) for p in self.staging.dirs()]
         bucket = self.reader.snapshot()
         state = _state_names(self.reader, self.state_key, self.s3.work / "state-file")
@@ -706,8 +728,9 @@ class _Harness:
             problems.append(f"newest committed checkpoint {committed[-1:]} is older than durable {self.train_durable}")
         run_base = f"{self.base}{self.run.name}/"
         for export_dir, step in self.run.floor.items():
-            doc = bucket.manifests.get(f"{run_base}{export_dir}/{MANIFEST}")
-            if doc is None and export_dir == pending[0]:
+            key = f"{run_base}{export_dir}/{MANIFEST}"
+            doc = bucket.manifests.get(key)
+            if doc is None and pending[0] is not None and pending[0].manifest_key == key:
                 continue  # the cut save was replacing it in place: the old one stopped counting first
             if doc is None or doc["step"] < step:
                 problems.append(f"{export_dir}: durable at step {step}, now {doc and doc['step']}")

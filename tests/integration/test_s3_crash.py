@@ -95,19 +95,25 @@ def test_the_bucket_checks_catch_a_torn_commit_and_name_each_phase() -> None:
     ]
 
     # Phases, from a staged save's files against the bucket.
-    staged = s3_crash_harness._Staged("run", "ck", 4, "p/run/ck/" + s3_crash_harness.MANIFEST, {  # noqa: SLF001
+    ck = f"p/run/ck/{s3_crash_harness.MANIFEST}"
+    staged = s3_crash_harness._Staged("run", "ck", 4, ck, {  # noqa: SLF001
         "p/run/ck/variables/variables.index": (1, "x"), "p/run/ck/variables/v": (9, "y-2"),
     })  # fmt: skip
+    older = s3_crash_harness._Staged("run", "ck", 2, ck, {})  # noqa: SLF001  (an earlier save's staging dir)
     staging = [(Path(".checkpointd-tmp-ck-0123456789abcdef"), staged)]
+    pending = s3_crash_harness._Pending("ck", 4, ck)  # noqa: SLF001
     phase = s3_crash_harness._phase  # noqa: SLF001
     assert phase(None, staging, bucket, None) == "idle"
-    assert phase("ck", [], bucket, None) == "rpc"
-    assert phase("ck", [(staging[0][0], None)], bucket, None) == "write"
-    assert phase("ck", staging, bucket, None) == "multipart"
+    assert phase(pending, [], bucket, None) == "rpc"
+    assert phase(pending, [(staging[0][0], older)], bucket, None) == "rpc"
+    assert phase(pending, [(staging[0][0], None)], bucket, None) == "write"
+    assert phase(pending, staging, bucket, None) == "multipart"
     no_upload = s3_crash_harness._Bucket(torn, [], {key: manifest})  # noqa: SLF001
-    assert phase("ck", staging, no_upload, None) == "upload"
+    assert phase(pending, staging, no_upload, None) == "upload"
     up = s3_crash_harness._Bucket({**torn, "p/run/ck/variables/v": (9, "y-2", 0.0)}, [], {key: manifest})  # noqa: SLF001
-    assert phase("ck", staging, up, None) == "unmanifested"
-    up.manifests[staged.manifest_key] = {"step": 4, "files": []}
-    assert phase("ck", staging, up, None) == "committed"
-    assert phase("ck", staging, up, ["ck-3"]) == "state-file"
+    assert phase(pending, staging, up, None) == "unmanifested"
+    up.manifests[ck] = {"step": 2, "files": []}  # the replaced save's: this one is not committed
+    assert phase(pending, staging, up, None) == "unmanifested"
+    up.manifests[ck] = {"step": 4, "files": []}
+    assert phase(pending, [], up, None) == "committed"  # (its staging dir may be gone already)
+    assert phase(pending, staging, up, ["ck-3"]) == "state-file"
