@@ -82,7 +82,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -102,30 +101,25 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import crc32c  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from checkpointd.core.config import ServeConfig  # noqa: E402
 from checkpointd.protocol.errors import CheckpointdError  # noqa: E402
-from checkpointd.protocol.names import RESERVED_PREFIX  # noqa: E402
 from checkpointd.saves import shm  # noqa: E402
 from checkpointd.saves.shm import default_shm_root  # noqa: E402
-from checkpointd.storage import save_manifest  # noqa: E402
 from checkpointd.storage.s3 import S3Store  # noqa: E402
 from checkpointd_client import RemoteCheckpointer, RemotePolicySaver  # noqa: E402
-from tests.integration import crash_harness, policies  # noqa: E402
+from tests.integration import crash_harness, policies, s3_bucket  # noqa: E402
 from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
 from tests.integration.rgw import SCRIPT, Rgw  # noqa: E402
 
-MANIFEST = save_manifest.MANIFEST_NAME
-PREFIX_MANIFEST = save_manifest.PREFIX_MANIFEST_SUFFIX
-PART_BYTES = 16 << 20  # the daemon's multipart threshold and part size (S3Store's default)
+MANIFEST, PREFIX_MANIFEST = s3_bucket.MANIFEST, s3_bucket.PREFIX_MANIFEST
 # Hidden layers of the policy's QNetwork: ~400 parameters; ~5.3M (21 MB of variables, 2 parts).
 SIZES = {"small": (16,), "large": (2304, 2304)}
 # The training state's big tensor: 64 KB, or 19 MB (2 parts).
 TRAIN_SHAPES = {"small": (128, 128), "large": (2048, 2304)}
-PHASES = ("idle", "rpc", "write", "upload", "multipart", "unmanifested", "state-file", "committed")
+PHASES = s3_bucket.PHASES
 AIMS = ("random", "multipart", "unmanifested")
 TRAIN_DIR, MAX_TO_KEEP = "train", 2
 GRACE_SECONDS = 1.0
@@ -175,236 +169,6 @@ class Figures:
 def train_values(step: int, shape: tuple[int, int]) -> dict[str, np.ndarray]:
     """The training state at `step`: a function of the step, so any checkpoint can be checked alone."""
     return {"w": np.full(shape, step, np.float32), "b": np.arange(8, dtype=np.int64) * step}
-
-
-# The bucket.
-
-
-@dataclass
-class _Bucket:
-    """The objects and multipart uploads under the test's prefix, and its manifests parsed."""
-
-    objects: dict[str, tuple[int, str, float]]  # key -> (size, ETag, LastModified)
-    uploads: list[tuple[str, str]]  # (key, upload id)
-    manifests: dict[str, dict[str, Any]]  # manifest key -> document
-
-    def files_base(self, manifest_key: str) -> str:
-        if manifest_key.endswith("/" + MANIFEST):
-            return manifest_key[: -len(MANIFEST)]
-        return manifest_key.rpartition("/")[0] + "/"
-
-    def listed(self) -> set[str]:
-        """Every key a manifest lists, and the manifests."""
-        keys = set(self.manifests)
-        for key, doc in self.manifests.items():
-            keys.update(self.files_base(key) + f["path"] for f in doc["files"])
-        return keys
-
-
-class _Reader:
-    """Reads the bucket directly with boto3; caches manifests and CRC32Cs by (key, ETag)."""
-
-    def __init__(self, client: Any, bucket: str, base: str) -> None:
-        self.client, self.bucket, self.base = client, bucket, base
-        self._manifests: dict[tuple[str, str], dict[str, Any]] = {}
-        self._crcs: dict[tuple[str, str], tuple[int, int]] = {}
-
-    def keys(self, key_prefix: str) -> Iterator[dict[str, Any]]:
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=key_prefix):
-            yield from page.get("Contents", [])
-
-    def uploads(self, key_prefix: str) -> list[tuple[str, str]]:
-        found = []
-        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=key_prefix):
-            found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
-        return found
-
-    def snapshot(self) -> _Bucket:
-        objects = {
-            o["Key"]: (o["Size"], o["ETag"].strip('"'), o["LastModified"].timestamp()) for o in self.keys(self.base)
-        }
-        manifests = {}
-        for key, (_, etag, _) in objects.items():
-            if key.endswith("/" + MANIFEST) or key.endswith(PREFIX_MANIFEST):
-                if (key, etag) not in self._manifests:
-                    body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-                    self._manifests[key, etag] = json.loads(body)
-                manifests[key] = self._manifests[key, etag]
-        return _Bucket(objects, self.uploads(self.base), manifests)
-
-    def head(self, key: str) -> tuple[int, str, float] | None:
-        """(size, ETag, LastModified) of the object, read directly (not from a listing); None if absent."""
-        try:
-            h = self.client.head_object(Bucket=self.bucket, Key=key)
-        except Exception as e:
-            if getattr(e, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise
-        return h["ContentLength"], h["ETag"].strip('"'), h["LastModified"].timestamp()
-
-    def crc(self, key: str, etag: str, figures: Figures) -> tuple[int, int]:
-        """(size, CRC32C) of the object's bytes, read back once per ETag."""
-        if (key, etag) not in self._crcs:
-            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-            size, value = 0, 0
-            for block in iter(lambda: body.read(4 << 20), b""):
-                size, value = size + len(block), crc32c.crc32c(block, value)
-            self._crcs[key, etag] = (size, value)
-            figures.objects_read_back += 1
-        return self._crcs[key, etag]
-
-    def delete_all(self) -> None:
-        """Deletes everything under the prefix, open multipart uploads included."""
-        for key, upload in self.uploads(self.base):
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
-        keys = [o["Key"] for o in self.keys(self.base)]
-        for start in range(0, len(keys), 1000):
-            batch = [{"Key": k} for k in keys[start : start + 1000]]
-            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
-
-
-def _check_manifests(bucket: _Bucket, reader: _Reader, figures: Figures) -> list[str]:
-    """Never a manifest without all its data: every listed object there, its size, ETag and CRC32C."""
-    problems = []
-    for key, doc in sorted(bucket.manifests.items()):
-        figures.save_checks += 1
-        base, etags = bucket.files_base(key), doc.get("s3_etags", {})
-        for entry in doc["files"]:
-            # A listing can miss a new object for a moment (rgw completes its
-            # bucket index asynchronously); the object itself is read directly.
-            found = bucket.objects.get(base + entry["path"]) or reader.head(base + entry["path"])
-            if found is None:
-                problems.append(f"{key} lists {entry['path']}, which is not in the bucket")
-                continue
-            size, etag, _ = found
-            if size != entry["size"] or etags.get(entry["path"]) != etag:
-                problems.append(f"{key}: {entry['path']} has {size} bytes, ETag {etag}; listed {entry}, {etags}")
-                continue
-            read, value = reader.crc(base + entry["path"], etag, figures)
-            if (read, f"{value:08x}") != (entry["size"], entry["crc32c"]):
-                problems.append(f"{key}: {entry['path']} reads back {read} bytes, CRC32C {value:08x}; listed {entry}")
-    return problems
-
-
-def _leftovers(bucket: _Bucket, planted: set[str]) -> list[str]:
-    """Objects no manifest lists, then open multipart uploads.
-
-    State files, planted objects and the daemons' own (`.checkpointd*`: run leases) are not leftovers.
-    """
-    listed = bucket.listed() | planted
-    objects = [
-        k
-        for k in bucket.objects
-        if k not in listed
-        and k.rpartition("/")[2] != "checkpoint"
-        and not any(part.startswith(RESERVED_PREFIX) for part in k.split("/"))
-    ]
-    return sorted(objects) + [f"multipart upload of {key}" for key, _ in bucket.uploads]
-
-
-def _state_names(reader: _Reader, key: str, scratch: Path) -> list[str] | None:
-    """The checkpoints a `checkpoint` state file names, as TensorFlow parses it (newest last); None if absent."""
-    try:
-        data = reader.client.get_object(Bucket=reader.bucket, Key=key)["Body"].read()
-    except reader.client.exceptions.NoSuchKey:
-        return None
-    scratch.mkdir(parents=True, exist_ok=True)
-    (scratch / "checkpoint").write_bytes(data)
-    state = tf.train.get_checkpoint_state(str(scratch))
-    if state is None:
-        return []
-    names = [Path(p).name for p in state.all_model_checkpoint_paths]
-    if names and Path(state.model_checkpoint_path).name != names[-1]:
-        names.append(Path(state.model_checkpoint_path).name)  # a disagreement the checks will report
-    return names
-
-
-# The staged saves and the phase of a kill.
-
-
-def _etag(path: Path) -> str:
-    """The ETag S3 gives the file's bytes as s3transfer uploads them (multipart at PART_BYTES)."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        if size < PART_BYTES:
-            return hashlib.md5(f.read(), usedforsecurity=False).hexdigest()
-        parts = [hashlib.md5(block, usedforsecurity=False).digest() for block in iter(lambda: f.read(PART_BYTES), b"")]
-    return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
-
-
-@dataclass
-class _Staged:
-    """A save the daemon staged and began to upload: where its files go, and their ETags."""
-
-    run: str
-    export_dir: str
-    step: int
-    manifest_key: str
-    files: dict[str, tuple[int, str]]  # key -> (size, ETag)
-
-
-class _Staging:
-    """Reads the daemon's staging dir: `.checkpointd-tmp-<name>-<hex>`, with a manifest once the upload starts."""
-
-    def __init__(self, work_dir: Path, base: str) -> None:
-        self.root = work_dir / ".checkpointd" / "s3-staging"
-        self.base = base
-        self._seen: dict[Path, _Staged] = {}
-
-    def dirs(self) -> list[Path]:
-        return sorted(self.root.iterdir()) if self.root.is_dir() else []
-
-    def staged(self, path: Path) -> _Staged | None:
-        if path in self._seen:
-            return self._seen[path]
-        try:
-            doc = json.loads((path / MANIFEST).read_bytes())
-            target = f"{self.base}{doc['run']}/{doc['export_dir']}"
-            if doc["kind"] == "training_checkpoint":
-                files_base, manifest_key = target.rpartition("/")[0] + "/", target + PREFIX_MANIFEST
-            else:
-                files_base, manifest_key = target + "/", f"{target}/{MANIFEST}"
-            files = {files_base + f["path"]: (f["size"], _etag(path / f["path"])) for f in doc["files"]}
-        except (OSError, ValueError):
-            # Not written yet or half written (the upload has not begun), or
-            # discarded meanwhile (the save is over).
-            return None
-        self._seen[path] = _Staged(doc["run"], doc["export_dir"], doc["step"], manifest_key, files)
-        return self._seen[path]
-
-    def forget(self) -> None:
-        self._seen.clear()
-
-
-def _all_up(staged: _Staged, objects: dict[str, tuple[int, str, float]]) -> bool:
-    return all(objects.get(key, (None, None))[:2] == want for key, want in staged.files.items())
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A run's save call in flight at the kill: its staging dir's name, step and manifest's key."""
-
-    name: str  # the export dir's last component (`.checkpointd-tmp-<name>-<hex>`)
-    step: int
-    manifest_key: str
-
-
-def _phase(
-    pending: _Pending | None, staged_dirs: list[tuple[Path, _Staged | None]], bucket: _Bucket, state: list[str] | None
-) -> str:
-    """The moment of a run's save the kill hit; `state`: the training dir's state file's names."""
-    if pending is None:
-        return "idle"
-    doc = bucket.manifests.get(pending.manifest_key)
-    if doc is not None and doc["step"] == pending.step:  # steps are never sent twice
-        return "state-file" if state is not None and pending.name not in state else "committed"
-    mine = [s for p, s in staged_dirs if p.name.rpartition("-")[0] == f".checkpointd-tmp-{pending.name}"]
-    staged = next((s for s in mine if s is not None and s.step == pending.step), None)
-    if staged is None:  # (a staging dir with a manifest of another step is an older save's)
-        return "write" if any(s is None for s in mine) else "rpc"
-    if any(key in staged.files for key, _ in bucket.uploads):
-        return "multipart"
-    return "unmanifested" if _all_up(staged, bucket.objects) else "upload"
 
 
 # The trainers.
@@ -498,9 +262,9 @@ class _Harness:
         self.s3, self.size, self.figures, self.log = s3, size, figures, log
         self.rng = random.Random(seed)
         self.base = f"{s3.prefix}/"
-        self.reader = _Reader(s3.rgw.client(), s3.rgw.bucket, self.base)
+        self.reader = s3_bucket.Reader(s3.rgw.client(), s3.rgw.bucket, self.base)
         self.store = S3Store(s3.url, s3.work / "harness-copies", client=self.reader.client)
-        self.staging = _Staging(s3.work / "state", self.base)
+        self.staging = s3_bucket.Staging(s3.work / "state", self.base)
         policy = policies.build(policies.q(SIZES[size]))
         self.run = crash_harness._Run(f"s3crash-{size}", size, policy, tf.Variable(0, dtype=tf.int64))  # noqa: SLF001
         self.train_run = f"s3train-{size}"
@@ -525,13 +289,13 @@ class _Harness:
     def state_key(self) -> str:
         return f"{self.base}{self.train_run}/{TRAIN_DIR}/checkpoint"
 
-    def _committed_checkpoints(self, bucket: _Bucket) -> list[str]:
+    def _committed_checkpoints(self, bucket: s3_bucket.Bucket) -> list[str]:
         base = f"{self.base}{self.train_run}/{TRAIN_DIR}/"
         names = [k[len(base) : -len(PREFIX_MANIFEST)] for k in bucket.manifests if k.startswith(base)]
         return sorted(names, key=lambda n: int(n.rpartition("-")[2]))
 
     def trials(self, count: int) -> None:
-        before: _Bucket | None = None
+        before: s3_bucket.Bucket | None = None
         for trial in range(count + 1):
             # Recovery deletes leftovers older than the grace age only (a
             # peer's save in progress is younger): the kill's must be older.
@@ -565,12 +329,12 @@ class _Harness:
                 + ", ".join(f"{k} {v:.0f}" for k, v in self.timing.items())
             )
 
-    def _after_restart(self, before: _Bucket) -> list[str]:
+    def _after_restart(self, before: s3_bucket.Bucket) -> list[str]:
         """Recovery has run: no leftover, nothing committed touched, the state file agrees."""
         problems = [f"staging left after the restart: {p}" for p in self.staging.dirs()]
         self.staging.forget()
         after = self.reader.snapshot()
-        for left in _leftovers(after, set(self.planted)):
+        for left in s3_bucket.leftovers(after, set(self.planted)):
             # A listing can show a just-deleted object for a moment (rgw
             # completes its bucket index asynchronously): read it directly.
             if left.startswith("multipart upload of ") or self.reader.head(left) is not None:
@@ -591,7 +355,7 @@ class _Harness:
                 continue  # past max_to_keep: recovery's sweep may delete it (manifest first)
             problems.append(f"committed {key} was touched by the restart: {was} -> {now}")
         committed = self._committed_checkpoints(after)
-        names = _state_names(self.reader, self.state_key, self.s3.work / "state-file")
+        names = s3_bucket.state_names(self.reader, self.state_key, self.s3.work / "state-file")
         if _FLEET:  # the run's holder rewrites its state file at its next checkpoint
             problems += self._check_state_file(names, committed)
         else:  # recovery rewrote it and applied max_to_keep
@@ -599,10 +363,11 @@ class _Harness:
                 problems.append(f"after recovery the state file names {names}, the committed are {committed}")
             if len(committed) > MAX_TO_KEEP:
                 problems.append(f"{len(committed)} checkpoints committed past max_to_keep={MAX_TO_KEEP}")
-        problems += _check_manifests(after, self.reader, self.figures)
+        self.figures.save_checks += len(after.manifests)
+        problems += s3_bucket.check_manifests(after, self.reader)
         return problems
 
-    def _trial(self, daemon: Daemon, loaded: int, problems: list[str]) -> _Bucket:
+    def _trial(self, daemon: Daemon, loaded: int, problems: list[str]) -> s3_bucket.Bucket:
         """Registers both runs, saves, kills; checks the bucket; returns it as the kill left it."""
         with self._timed("tf preload"):
             self.s3.wait_tf_loaded(daemon, loaded)
@@ -673,10 +438,12 @@ class _Harness:
         pending = (
             None
             if policy_call is None
-            else _Pending(policy_call[0].rpartition("/")[2], policy_call[1], f"{run_base}{policy_call[0]}/{MANIFEST}"),
+            else s3_bucket.Pending(
+                policy_call[0].rpartition("/")[2], policy_call[1], f"{run_base}{policy_call[0]}/{MANIFEST}"
+            ),
             None
             if train_call is None
-            else _Pending(
+            else s3_bucket.Pending(
                 f"ckpt-{train_call}", train_call, f"{train_base}{TRAIN_DIR}/ckpt-{train_call}{PREFIX_MANIFEST}"
             ),
         )
@@ -713,15 +480,21 @@ class _Harness:
                             return
         # Not seen in time (e.g. every upload was too quick): kill now, judged as it lands.
 
-    def _after_kill(self, pending: tuple[_Pending | None, _Pending | None], problems: list[str]) -> _Bucket:
+    def _after_kill(
+        self, pending: tuple[s3_bucket.Pending | None, s3_bucket.Pending | None], problems: list[str]
+    ) -> s3_bucket.Bucket:
         staged_dirs = [(p, self.staging.staged(p)) for p in self.staging.dirs()]
         bucket = self.reader.snapshot()
-        state = _state_names(self.reader, self.state_key, self.s3.work / "state-file")
-        phases = (_phase(pending[0], staged_dirs, bucket, None), _phase(pending[1], staged_dirs, bucket, state or []))
+        state = s3_bucket.state_names(self.reader, self.state_key, self.s3.work / "state-file")
+        phases = (
+            s3_bucket.phase(pending[0], staged_dirs, bucket, None),
+            s3_bucket.phase(pending[1], staged_dirs, bucket, state or []),
+        )
         self.figures.kills[f"policy {phases[0]}"] += 1
         self.figures.kills[f"training {phases[1]}"] += 1
         self.last = (self.last[0], *phases)
-        problems += _check_manifests(bucket, self.reader, self.figures)
+        self.figures.save_checks += len(bucket.manifests)
+        problems += s3_bucket.check_manifests(bucket, self.reader)
         committed = self._committed_checkpoints(bucket)
         problems += self._check_state_file(state, committed)
         if self.train_durable >= 0 and (not committed or int(committed[-1].rpartition("-")[2]) < self.train_durable):
@@ -743,7 +516,7 @@ class _Harness:
             for d, _ in crash_harness.POOL
             if f"{run_base}{d}/{MANIFEST}" in bucket.manifests
         }
-        leftovers = _leftovers(bucket, set(self.planted))
+        leftovers = s3_bucket.leftovers(bucket, set(self.planted))
         self.figures.leftover_uploads += len(bucket.uploads)
         self.figures.leftover_objects += len(leftovers) - len(bucket.uploads)
         problems += self._load_newest()
@@ -844,6 +617,7 @@ def run_trials(
     try:
         harness.trials(trials)
     finally:
+        figures.objects_read_back = harness.reader.read_back
         harness.close()
     figures.seconds = time.monotonic() - started
     return figures

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.integration import s3_crash_harness
+from tests.integration import s3_bucket, s3_crash_harness
 from tests.integration.rgw import Rgw, rgw  # noqa: F401  (the session fixture)
 
 TRIALS = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "4"))
@@ -49,7 +49,7 @@ class _FakeReader:
     def head(self, key: str) -> None:
         return None  # the listing is the truth here
 
-    def crc(self, key: str, etag: str, figures: s3_crash_harness.Figures) -> tuple[int, int]:
+    def crc(self, key: str, etag: str) -> tuple[int, int]:
         import crc32c
 
         return len(self.data[key]), crc32c.crc32c(self.data[key])
@@ -66,11 +66,11 @@ def test_the_bucket_checks_catch_a_torn_commit_and_name_each_phase() -> None:
         "s3_etags": {k[len("p/run/sm/") :]: f"e{i}" for i, k in enumerate(data)},
     }  # fmt: skip
     objects = {k: (len(data[k]), f"e{i}", 0.0) for i, k in enumerate(data)}
-    key = f"p/run/sm/{s3_crash_harness.MANIFEST}"
+    key = f"p/run/sm/{s3_bucket.MANIFEST}"
 
     def problems(objects: dict[str, tuple[int, str, float]], stored: dict[str, bytes]) -> list[str]:
-        bucket = s3_crash_harness._Bucket(objects, [], {key: manifest})  # noqa: SLF001
-        return s3_crash_harness._check_manifests(bucket, _FakeReader(stored), s3_crash_harness.Figures())  # noqa: SLF001
+        bucket = s3_bucket.Bucket(objects, [], {key: manifest})
+        return s3_bucket.check_manifests(bucket, _FakeReader(stored))  # type: ignore[arg-type]
 
     assert problems(objects, data) == []
     missing = dict(objects)
@@ -88,29 +88,29 @@ def test_the_bucket_checks_catch_a_torn_commit_and_name_each_phase() -> None:
         "p/.checkpointd-leases/run.json": (1, "l", 0.0),
     }
     torn["p/run/train/checkpoint"] = (1, "s", 0.0)
-    bucket = s3_crash_harness._Bucket(torn, [("p/run/ck/variables/v", "u1")], {key: manifest})  # noqa: SLF001
-    assert s3_crash_harness._leftovers(bucket, set()) == [  # noqa: SLF001
+    bucket = s3_bucket.Bucket(torn, [("p/run/ck/variables/v", "u1")], {key: manifest})
+    assert s3_bucket.leftovers(bucket, set()) == [
         "p/run/ck/variables/variables.index",
         "multipart upload of p/run/ck/variables/v",
     ]
 
     # Phases, from a staged save's files against the bucket.
-    ck = f"p/run/ck/{s3_crash_harness.MANIFEST}"
-    staged = s3_crash_harness._Staged("run", "ck", 4, ck, {  # noqa: SLF001
+    ck = f"p/run/ck/{s3_bucket.MANIFEST}"
+    staged = s3_bucket.Staged("run", "ck", 4, ck, {
         "p/run/ck/variables/variables.index": (1, "x"), "p/run/ck/variables/v": (9, "y-2"),
     })  # fmt: skip
-    older = s3_crash_harness._Staged("run", "ck", 2, ck, {})  # noqa: SLF001  (an earlier save's staging dir)
+    older = s3_bucket.Staged("run", "ck", 2, ck, {})  # an earlier save's staging dir
     staging = [(Path(".checkpointd-tmp-ck-0123456789abcdef"), staged)]
-    pending = s3_crash_harness._Pending("ck", 4, ck)  # noqa: SLF001
-    phase = s3_crash_harness._phase  # noqa: SLF001
+    pending = s3_bucket.Pending("ck", 4, ck)
+    phase = s3_bucket.phase
     assert phase(None, staging, bucket, None) == "idle"
     assert phase(pending, [], bucket, None) == "rpc"
     assert phase(pending, [(staging[0][0], older)], bucket, None) == "rpc"
     assert phase(pending, [(staging[0][0], None)], bucket, None) == "write"
     assert phase(pending, staging, bucket, None) == "multipart"
-    no_upload = s3_crash_harness._Bucket(torn, [], {key: manifest})  # noqa: SLF001
+    no_upload = s3_bucket.Bucket(torn, [], {key: manifest})
     assert phase(pending, staging, no_upload, None) == "upload"
-    up = s3_crash_harness._Bucket({**torn, "p/run/ck/variables/v": (9, "y-2", 0.0)}, [], {key: manifest})  # noqa: SLF001
+    up = s3_bucket.Bucket({**torn, "p/run/ck/variables/v": (9, "y-2", 0.0)}, [], {key: manifest})
     assert phase(pending, staging, up, None) == "unmanifested"
     up.manifests[ck] = {"step": 2, "files": []}  # the replaced save's: this one is not committed
     assert phase(pending, staging, up, None) == "unmanifested"
