@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench import report, s3
+from bench import fleet, report, s3
 from bench.config import FANIN_RATE_HZ, SIZES, BenchConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,7 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
         "'none' skips it)",
     )
     s3.add_arguments(p)
+    fleet.add_arguments(p)
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
     p.add_argument(
         "--workdir", type=Path, help="scratch directory, kept (default: a new temp dir, removed after success)"
@@ -76,6 +77,9 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
             quick=quick,
             training_cases=_training_cases(a.training_cases, quick),
             s3=s3.mode(a),
+            fleet=fleet.mode(a),
+            fleet_trainers=a.fleet_trainers,
+            fleet_seconds=a.fleet_seconds,
             workdir=workdir,
             keep_workdir=a.workdir is not None,
             out=a.out,
@@ -220,6 +224,9 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
             "quick": config.quick,
         },
     }
+    if config.fleet == "only":
+        results["fleet"] = fleet.run_section(config, progress)
+        return results
     if config.s3 != "off":
         results["s3"] = s3.run_section(config, progress)
         if config.s3 == "only":
@@ -251,6 +258,8 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
     for case in config.training_cases:
         progress(f"7. training checkpoints, {case}: Checkpointer, TF async, RemoteCheckpointer")
         results["training_checkpoint"][case] = run_training_case(config, case)
+    if config.fleet == "on":
+        results["fleet"] = fleet.run_section(config, progress)
     results["targets"] = report.targets(results)
     return results
 
@@ -275,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["meta"]["other_cpu_share"] = other / (results["meta"]["duration_seconds"] * (os.cpu_count() or 1))
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(results, indent=1))
-    print((s3.header(results) if config.s3 == "only" else report.table(results)) + s3.table(results))
+    alone = config.s3 == "only" or config.fleet == "only"
+    print((s3.header(results) if alone else report.table(results)) + s3.table(results) + fleet.table(results))
     progress(f"wrote {config.out}")
     return 0
 

@@ -61,6 +61,9 @@ class BenchConfig:
         out: the JSON file written at the end.
         training_cases: section 7's cases (bench.checkpointer.CASES).
         s3: section 8 (bench/s3.py): "on", "off", or "only" (nothing else).
+        fleet: section 9 (bench/fleet.py): "on", "off", or "only" (nothing else).
+        fleet_trainers: section 9's simulated trainers.
+        fleet_seconds: how long each of them saves, once a second.
     """
 
     sizes: tuple[str, ...]
@@ -77,6 +80,9 @@ class BenchConfig:
     out: Path
     training_cases: tuple[str, ...] = ()
     s3: str = "off"
+    fleet: str = "off"
+    fleet_trainers: int = 256
+    fleet_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sizes if s not in SIZES]
@@ -88,6 +94,10 @@ class BenchConfig:
             raise ValueError("fan-in needs >= 1 process and > 0 seconds")
         if self.s3 not in ("on", "off", "only"):
             raise ValueError(f"s3 must be on, off or only, saw {self.s3!r}")
+        if self.fleet not in ("on", "off", "only"):
+            raise ValueError(f"fleet must be on, off or only, saw {self.fleet!r}")
+        if self.fleet_trainers < 1 or self.fleet_seconds <= 0:
+            raise ValueError("the fleet needs >= 1 trainer and > 0 seconds (--fleet-trainers, --fleet-seconds)")
         if self.limit_bytes < 1 << 20:
             raise ValueError("limit_bytes must be at least 1 MiB")
 

@@ -1,0 +1,474 @@
+"""Section 9: fan-in at fleet scale (issue 12): 256 simulated trainers, 1 save/s each, on one daemon, then on 3 sharing S3.
+
+`python -m bench` runs it (`--fleet-only` alone, `--no-fleet` skips it;
+`--quick` skips it unless `--fleet`); `--fleet-trainers N` (default 256) and
+`--fleet-seconds S` (default 60) set its scale.
+
+The trainers are simulated so that the 2 cores go to the daemons: no
+TensorFlow in them (each client process checks `sys.modules` and reports
+it). One helper process with TensorFlow (`python -m bench.fleet template
+DIR`) exports the small policy (bench.agents, 4.6k parameters) once with the
+real PolicySaver and writes what a trainer sends: the template files, the
+RegisterRunHeader (variables, object graph, template size) and the
+snapshot's payload bytes. Then a few client processes (`python -m
+bench.fleet clients ...`, 64 trainers each, on grpc.aio) speak the contract
+directly, as tests/integration/raw.py does:
+
+- every trainer registers its own run (`fleet-<i>`) with those bytes and
+  says so; when all have, the section writes a start time on each
+  process's stdin;
+- trainer i starts at that time plus i/N of a period (phase-spread) and
+  then, once a period, makes a non-blocking save: a Save call (header,
+  decision; if accepted, the payload's chunks and a half-close, then the
+  result), not waiting for the previous one (skip-if-busy skips a save
+  while the run's last is still in flight, as a trainer's `save()` would);
+- per save it records accepted, skipped or failed (the gRPC status: a
+  RESOURCE_EXHAUSTED at the daemon's --max-concurrent-uploads counts
+  here) and call -> durable (the SaveResult's arrival);
+- at the end, a Flush per run, and one JSON line of outcomes.
+
+Phase one: one daemon on a local --root. Phase two: radosgw (scripts/rgw.sh,
+started by the section and stopped however it ends), 3 daemons on one
+`s3://BUCKET/PREFIX`, trainer i on daemon i % 3. For each: saves/s offered
+and committed, p50/p99 call -> durable, skipped, failed, accepted against
+committed by counting the manifests (files under the local root; objects
+in the bucket), the daemons' CPU seconds per save (utime + stime from
+/proc/<pid>/stat, from the start time to the last flush) and their peak RSS
+(VmHWM). Targets: zero lost (accepted = committed = manifests), and p99 <=
+250 ms on one daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
+REGION = "us-east-1"
+MANIFEST = "checkpointd.manifest.json"
+PER_PROCESS = 64  # simulated trainers per client process
+CHUNK_BYTES = 1 << 20
+RATE_HZ = 1.0
+P99_TARGET = 0.250
+TIMEOUT = 60.0  # every RPC's deadline
+READY_TIMEOUT = 600.0
+_CANNOT_INSTALL = 3
+
+
+# The section, in `python -m bench`.
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--fleet", dest="fleet", action="store_const", const="on", help="run section 9 (also with --quick)"
+    )
+    group.add_argument("--no-fleet", dest="fleet", action="store_const", const="off", help="skip section 9 (fleet)")
+    group.add_argument(
+        "--fleet-only", dest="fleet", action="store_const", const="only", help="run section 9 (fleet) and nothing else"
+    )
+    parser.add_argument("--fleet-trainers", type=int, default=256, help="section 9's simulated trainers (default 256)")
+    parser.add_argument("--fleet-seconds", type=float, default=60.0, help="section 9's saving window (default 60)")
+
+
+def mode(args: argparse.Namespace) -> str:
+    """on, off or only; by default on, except in --quick mode."""
+    return args.fleet or ("off" if args.quick else "on")
+
+
+def run_section(config: Any, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Both phases; the S3 one is {"skipped": reason} if Ceph cannot start."""
+    trainers, seconds = config.fleet_trainers, config.fleet_seconds
+    work = config.workdir / "fleet"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    progress("9. fleet: exporting the small policy's template once (a helper process with TensorFlow)")
+    spec = work / "template"
+    _run([sys.executable, "-m", "bench.fleet", "template", str(spec)], work / "template.log", 600)
+    result: dict[str, Any] = {"trainers": trainers, "seconds": seconds, "rate_hz": RATE_HZ}
+    result["template"] = json.loads((spec / "spec.json").read_text())
+
+    from tests.integration.daemon import start_daemon
+
+    progress(f"9. fleet, one daemon on a local root: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s")
+    local = start_daemon(work / "local-root", work / "local-daemon")
+    try:
+        result["local"] = _phase([local], spec, trainers, seconds, work / "local", progress)
+        result["local"]["manifests"] = sum(1 for _ in (work / "local-root").glob(f"fleet-*/*/{MANIFEST}"))
+    finally:
+        result["local"] = result.get("local", {}) | {"daemon_exit_codes": [local.terminate()]}
+    result["s3"] = _s3_phase(config, spec, trainers, seconds, work, progress)
+    result["targets"] = targets(result)
+    return result
+
+
+def _s3_phase(
+    config: Any, spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    from tests.integration.daemon import start_daemon
+
+    rgw_dir = config.workdir / "fleet-rgw"
+    shutil.rmtree(rgw_dir, ignore_errors=True)
+    progress("9. fleet: starting Ceph radosgw on loopback (scripts/rgw.sh)")
+    try:
+        proc = subprocess.run(
+            [str(RGW_SCRIPT), "start", str(rgw_dir)], capture_output=True, text=True, timeout=600, check=False
+        )
+        if proc.returncode != 0:
+            log = work / "rgw-start.log"
+            log.write_text(proc.stderr + proc.stdout)
+            why = "Ceph cannot be installed" if proc.returncode == _CANNOT_INSTALL else "radosgw did not start"
+            reason = f"{why} (scripts/rgw.sh exit {proc.returncode}; log {log})"
+            progress(f"9. fleet, S3 phase skipped: {reason}")
+            return {"skipped": reason}
+        env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+        endpoint, bucket = env["CHECKPOINTD_TEST_S3_ENDPOINT"], env["CHECKPOINTD_TEST_S3_BUCKET"]
+        aws = {k: v for k, v in env.items() if k.startswith("AWS_")}
+        prefix = f"fleet-{secrets.token_hex(4)}"
+        daemons: list[Any] = []
+        out: dict[str, Any] = {"prefix": prefix}
+        try:
+            for i in range(3):
+                daemons.append(
+                    start_daemon(
+                        f"s3://{bucket}/{prefix}",  # type: ignore[arg-type]  # passed to --root as str(root)
+                        work / f"s3-daemon-{i}",
+                        "--work-dir",
+                        str(work / f"s3-work-{i}"),
+                        "--s3-endpoint-url",
+                        endpoint,
+                        "--s3-region",
+                        REGION,
+                        env=aws,
+                    )  # fmt: skip
+                )
+            progress(
+                f"9. fleet, 3 daemons on one S3 prefix: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s"
+            )
+            out |= _phase(daemons, spec, trainers, seconds, work / "s3", progress)
+            out["manifests"] = _bucket_manifests(endpoint, bucket, prefix, aws)
+        finally:
+            out["daemon_exit_codes"] = [d.terminate() for d in daemons]
+        return out
+    finally:
+        subprocess.run([str(RGW_SCRIPT), "stop", str(rgw_dir)], timeout=120, check=False)
+        shutil.rmtree(rgw_dir, ignore_errors=True)
+
+
+def _bucket_manifests(endpoint: str, bucket: str, prefix: str, aws: dict[str, str]) -> int:
+    """The save manifests under the prefix (the store's reserved .checkpointd* keys aside)."""
+    os.environ.update(aws)
+    from checkpointd.storage.s3 import make_client
+
+    client = make_client(endpoint, REGION)
+    keys = [
+        obj["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+        for obj in page.get("Contents", [])
+    ]
+    return sum(1 for k in keys if k.endswith("/" + MANIFEST) and "/.checkpointd" not in k)
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> None:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    with open(log, "wb") as err:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=err, stderr=err, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:4])} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _phase(
+    daemons: Sequence[Any], spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Runs the client processes against `daemons` (trainer i on daemons[i % len]) and sums their outcomes."""
+    from bench.stats import percentile
+
+    work.mkdir(parents=True, exist_ok=True)
+    addresses = ",".join(d.address for d in daemons)
+    procs: list[tuple[subprocess.Popen, Any]] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        for first in range(0, trainers, PER_PROCESS):
+            count = min(PER_PROCESS, trainers - first)
+            cmd = [sys.executable, "-m", "bench.fleet", "clients", addresses, str(spec), str(first), str(count)]
+            cmd += [str(trainers), str(seconds)]
+            err = open(work / f"clients-{first}.log", "wb")  # noqa: SIM115 - closed below
+            procs.append(
+                (
+                    subprocess.Popen(
+                        cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+                    ),
+                    err,
+                )
+            )
+        for p, _ in procs:  # each says "ready" once its runs are registered
+            line = p.stdout.readline() if p.stdout else ""
+            if json.loads(line or "{}").get("ready") is None:
+                raise RuntimeError(f"a client process did not register its runs: {line!r}")
+        start = time.time() + 1.0
+        cpu0 = {d.proc.pid: _cpu_seconds(d.proc.pid) for d in daemons}
+        for p, _ in procs:
+            assert p.stdin is not None
+            p.stdin.write(f"{start}\n")
+            p.stdin.flush()
+        progress(f"9. fleet: {trainers} runs registered on {len(daemons)} daemon(s); saving")
+        outcomes = []
+        for p, _ in procs:
+            out, _unused = p.communicate(timeout=seconds + READY_TIMEOUT)
+            if p.returncode != 0:
+                raise RuntimeError(f"a client process exited with {p.returncode}: see {work}/clients-*.log")
+            outcomes.append(json.loads(out.strip().splitlines()[-1]))
+        cpu = sum(_cpu_seconds(pid) - c for pid, c in cpu0.items())
+        rss = [_peak_rss_bytes(d.proc.pid) for d in daemons]
+    finally:
+        for p, err in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            err.close()
+    latencies = [x for o in outcomes for x in o["latencies"]]
+    total = {k: sum(o[k] for o in outcomes) for k in ("offered", "accepted", "skipped", "failed", "committed")}
+    failures = [f for o in outcomes for f in o["failures"]]
+    return {
+        "daemons": len(daemons),
+        **total,
+        "tensorflow_in_clients": any(o["tensorflow_imported"] for o in outcomes),
+        "offered_per_second": total["offered"] / seconds,
+        "committed_per_second": total["committed"] / seconds,
+        "latency_p50": percentile(latencies, 50) if latencies else None,
+        "latency_p99": percentile(latencies, 99) if latencies else None,
+        "latency_max": max(latencies) if latencies else None,
+        "lag_p99": percentile([x for o in outcomes for x in o["lags"]], 99),
+        "flush_failed": sum(o["flush_failed"] for o in outcomes),
+        "failures": failures[:5],
+        "daemon_cpu_seconds": cpu,
+        "daemon_cpu_ms_per_save": 1000 * cpu / total["committed"] if total["committed"] else None,
+        "daemon_peak_rss_mib": [r / (1 << 20) for r in rss],
+    }
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for phase in ("local", "s3"):
+        r = result.get(phase, {})
+        if "accepted" not in r:
+            continue
+        lost = r["accepted"] - r["committed"]
+        ok = lost == 0 and r["committed"] == r["manifests"] and r["flush_failed"] == 0
+        rows.append({"target": f"{phase}: zero lost (accepted = committed = manifests)", "ok": ok,
+                     "value": f"{r['accepted']} / {r['committed']} / {r['manifests']}"})  # fmt: skip
+    r = result.get("local", {})
+    if r.get("latency_p99") is not None:
+        rows.append({"target": "one daemon: p99 call -> durable <= 250 ms", "ok": r["latency_p99"] <= P99_TARGET,
+                     "value": f"{1000 * r['latency_p99']:.0f} ms"})  # fmt: skip
+    return rows
+
+
+def table(results: dict[str, Any]) -> str:
+    """Section 9's lines for the printed report ('' if it did not run)."""
+    f = results.get("fleet")
+    if not f:
+        return ""
+    lines = [
+        f"\n9. fleet: {f['trainers']} simulated trainers (no TensorFlow) x {f['rate_hz']:g} save/s, {f['seconds']:g} s"
+    ]
+    lines.append(f"   template {f['template']['template_bytes']:,} B, snapshot {f['template']['snapshot_bytes']:,} B")
+    head = f"   {'':<22}{'offered/s':>10}{'committed/s':>12}{'p50':>8}{'p99':>8}{'skipped':>8}{'failed':>7}"
+    lines.append(head + f"{'accepted':>9}{'committed':>10}{'manifests':>10}{'CPU/save':>9}{'peak RSS':>10}")
+    for phase, name in (("local", "1 daemon, local root"), ("s3", "3 daemons, one S3")):
+        r = f.get(phase, {})
+        if "skipped" in r and "accepted" not in r:
+            lines.append(f"   {name:<22}skipped: {r['skipped']}")
+            continue
+        if "accepted" not in r:
+            continue
+        ms = lambda x: f"{1000 * x:.0f}ms" if x is not None else "-"  # noqa: E731
+        cpu = f"{r['daemon_cpu_ms_per_save']:.1f}ms" if r["daemon_cpu_ms_per_save"] is not None else "-"
+        lines.append(
+            f"   {name:<22}{r['offered_per_second']:>10.1f}{r['committed_per_second']:>12.1f}"
+            f"{ms(r['latency_p50']):>8}{ms(r['latency_p99']):>8}{r['skipped']:>8}{r['failed']:>7}"
+            f"{r['accepted']:>9}{r['committed']:>10}{r['manifests']:>10}{cpu:>9}"
+            f"{max(r['daemon_peak_rss_mib']):>8.0f}Mi"
+        )
+    for t in f.get("targets", []):
+        lines.append(f"   target {t['target']}: {t['value']} {'OK' if t['ok'] else 'MISSED'}")
+    return "\n".join(lines) + "\n"
+
+
+# The template helper (TensorFlow).
+
+
+def make_template(directory: Path) -> None:
+    """Exports the small policy once; writes its files, the RegisterRunHeader and the payload under `directory`."""
+    import tensorflow as tf
+    from tf_agents.policies import policy_saver
+
+    from bench import agents
+    from bench.config import SIZES
+    from checkpointd.protocol import wire
+    from checkpointd.v1 import checkpointd_pb2 as pb
+    from checkpointd_client import snapshot as client_snapshot
+
+    agent = agents.build_agent(SIZES["small"])
+    train_step = tf.Variable(0, dtype=tf.int64)
+    saver = policy_saver.PolicySaver(agent.policy, train_step=train_step)
+    files = directory / "files"
+    saver.save(str(files))
+    bindings = client_snapshot.bind(saver, str(files))
+    snap = client_snapshot.take_snapshot(bindings, train_step)
+    payload = b"".join(bytes(p) for p in snap.parts())
+    header = pb.RegisterRunHeader(
+        variables=bindings.protos(), checkpoint_object_graph=bindings.object_graph,
+        template_bytes=wire.template_size(files),
+    )  # fmt: skip
+    (directory / "header.bin").write_bytes(header.SerializeToString())
+    (directory / "payload.bin").write_bytes(payload)
+    spec = {"template_bytes": header.template_bytes, "snapshot_bytes": len(payload)}
+    (directory / "spec.json").write_text(json.dumps(spec))
+
+
+# A client process: `count` simulated trainers, no TensorFlow.
+
+
+async def _clients(addresses: list[str], spec: Path, first: int, count: int, trainers: int, seconds: float) -> None:
+    import grpc
+
+    from checkpointd.protocol import wire
+    from checkpointd.v1 import checkpointd_pb2 as pb
+    from checkpointd.v1 import checkpointd_pb2_grpc
+
+    base = pb.RegisterRunHeader.FromString((spec / "header.bin").read_bytes())
+    payload = (spec / "payload.bin").read_bytes()
+    template_chunks = list(wire.template_chunks(spec / "files", CHUNK_BYTES))
+    chunks = [pb.SaveRequest(chunk=c) for c in wire.chunks([payload], CHUNK_BYTES)]
+    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    stubs = [checkpointd_pb2_grpc.CheckpointServiceStub(c) for c in channels]
+    runs = [(f"fleet-{i}", i) for i in range(first, first + count)]
+
+    async def register(run: str, i: int) -> None:
+        header = pb.RegisterRunHeader()
+        header.CopyFrom(base)
+        header.run = run
+        requests = [pb.RegisterRunRequest(header=header), *(pb.RegisterRunRequest(chunk=c) for c in template_chunks)]
+        reply = await stubs[i % len(stubs)].RegisterRun(iter(requests), timeout=TIMEOUT)
+        if reply.snapshot_bytes != len(payload):
+            raise RuntimeError(
+                f"{run}: the daemon expects {reply.snapshot_bytes} bytes, the payload has {len(payload)}"
+            )
+
+    for k in range(0, count, 16):  # 16 registrations at a time
+        await asyncio.gather(*(register(r, i) for r, i in runs[k : k + 16]))
+    print(json.dumps({"ready": count}), flush=True)
+    start = float(await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline))
+
+    out: dict[str, Any] = {"offered": 0, "accepted": 0, "skipped": 0, "failed": 0, "committed": 0, "flush_failed": 0}
+    latencies: list[float] = []
+    lags: list[float] = []
+    failures: list[str] = []
+    period = 1.0 / RATE_HZ
+
+    async def save(stub: Any, run: str, n: int) -> None:
+        header = pb.SaveRequest(
+            header=pb.SaveHeader(
+                run=run, kind=pb.SAVED_MODEL, export_dir=f"s{n}", step=n,
+                variables=base.variables, snapshot_bytes=len(payload),
+            )
+        )  # fmt: skip
+        began = time.perf_counter()
+        call = stub.Save(timeout=TIMEOUT)
+        try:
+            await call.write(header)
+            first_reply = await call.read()
+            if not first_reply.decision.accepted:
+                out["skipped"] += 1
+                await call.done_writing()
+                return
+            out["accepted"] += 1
+            for c in chunks:
+                await call.write(c)
+            await call.done_writing()
+            reply = await call.read()
+            if reply.WhichOneof("item") != "result":
+                raise RuntimeError(f"no SaveResult: {reply}")
+            latencies.append(time.perf_counter() - began)
+            out["committed"] += 1
+        except grpc.aio.AioRpcError as e:
+            out["failed"] += 1
+            failures.append(f"{run} s{n}: {e.code().name}: {e.details()}")
+
+    async def trainer(run: str, i: int) -> None:
+        stub = stubs[i % len(stubs)]
+        t0 = start + period * i / trainers
+        tasks = []
+        n = 0
+        while (due := t0 + n * period) < start + seconds:
+            await asyncio.sleep(max(0.0, due - time.time()))
+            lags.append(time.time() - due)
+            out["offered"] += 1
+            tasks.append(asyncio.create_task(save(stub, run, n)))
+            n += 1
+        await asyncio.gather(*tasks)
+        try:
+            await stub.Flush(pb.FlushRequest(run=run, timeout_seconds=TIMEOUT), timeout=TIMEOUT + 5)
+        except grpc.aio.AioRpcError as e:
+            out["flush_failed"] += 1
+            failures.append(f"{run} flush: {e.code().name}: {e.details()}")
+
+    await asyncio.gather(*(trainer(r, i) for r, i in runs))
+    for c in channels:
+        await c.close()
+    out |= {
+        "latencies": latencies,
+        "lags": lags,
+        "failures": failures[:5],
+        "tensorflow_imported": "tensorflow" in sys.modules,
+    }
+    print(json.dumps(out), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("template", help="export the small policy's template (TensorFlow)")
+    t.add_argument("dir", type=Path)
+    c = sub.add_parser("clients", help="simulated trainers (no TensorFlow); reads the start time on stdin")
+    c.add_argument("addresses", help="comma-separated daemon addresses; trainer i uses the (i mod n)th")
+    c.add_argument("spec", type=Path)
+    c.add_argument("first", type=int)
+    c.add_argument("count", type=int)
+    c.add_argument("trainers", type=int, help="of the whole fleet (phase spread)")
+    c.add_argument("seconds", type=float)
+    a = p.parse_args(argv)
+    if a.command == "template":
+        a.dir.mkdir(parents=True, exist_ok=True)
+        make_template(a.dir)
+    else:
+        asyncio.run(_clients(a.addresses.split(","), a.spec, a.first, a.count, a.trainers, a.seconds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
