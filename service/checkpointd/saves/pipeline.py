@@ -404,9 +404,9 @@ class SavePipeline:
         self.runs.close(run, timeout)
         if self._shm is not None:
             self._shm.drop(run)
-        if not isinstance(self.leases, NoLeases):
-            # Retention of its last saves runs under the lease too: let it finish first.
-            self.retention.wait_idle()
+        # Retention of its last saves (under the lease, on a shared store) ends
+        # before the close returns: the dir is then as CheckpointManager leaves it.
+        self.retention.wait_idle()
         self.leases.release(run)  # another daemon may take the run at once
         _LOGGER.info("closed run=%s", run)
 
