@@ -80,6 +80,7 @@ def parse(data: bytes, what: str) -> ObjectGraph:
     Raises:
         InvalidRequestError: it does not parse, or a child points at no node.
     """
+    import tensorflow  # noqa: F401 - first: waits for a preload's import; a proto module alone can meet it half-done
     from google.protobuf import message
     from tensorflow.core.protobuf import trackable_object_graph_pb2
 
