@@ -26,7 +26,7 @@ from checkpointd_client import RemoteCheckpointer, RemotePolicySaver, SaveFailed
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon, wait_until
 from tests.integration.raw import TIMEOUT
-from tests.integration.rgw import Rgw, rgw  # noqa: F401  (the session fixture)
+from tests.integration.rgw import Rgw
 
 MANIFEST = "checkpointd.manifest.json"
 
@@ -103,7 +103,7 @@ def _keys(client: Any, bucket: str, prefix: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def s3(rgw: Rgw, tmp_path: Path) -> Iterator[S3]:  # noqa: F811
+def s3(rgw: Rgw, tmp_path: Path) -> Iterator[S3]:
     env = S3(rgw, tmp_path)
     try:
         yield env

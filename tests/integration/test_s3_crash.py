@@ -17,14 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.integration import s3_bucket, s3_crash_harness
-from tests.integration.rgw import Rgw, rgw  # noqa: F401  (the session fixture)
+from tests.integration.rgw import Rgw
 
 TRIALS = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "4"))
 SEED = int(os.environ.get("CHECKPOINTD_FUZZ_SEED", "0"))
 
 
 def test_kill_9_during_s3_uploads_and_commits_leaves_only_whole_saves_and_recovery_cleans_the_rest(
-    rgw: Rgw,  # noqa: F811
+    rgw: Rgw,
     tmp_path: Path,
     record_property: Callable[[str, object], None],
 ) -> None:

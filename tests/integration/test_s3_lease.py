@@ -33,7 +33,7 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 from tests.integration import policies, scrape
 from tests.integration.daemon import Daemon, start_daemon
 from tests.integration.raw import TIMEOUT, RawSave, Run, Stub, Template, export_template, register_requests
-from tests.integration.rgw import Rgw, rgw  # noqa: F401  (the session fixture)
+from tests.integration.rgw import Rgw
 
 MANIFEST = "checkpointd.manifest.json"
 TTL = 3.0
@@ -99,7 +99,7 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(rgw: Rgw, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:  # noqa: F811
+def fleet(rgw: Rgw, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """One prefix for the module (each test its own run), and daemons A and B on it, started at once."""
     env = Fleet(rgw, tmp_path_factory.mktemp("fleet"))
     try:

@@ -27,12 +27,12 @@ from checkpointd_client import RemotePolicySaver
 from tests.integration import policies
 from tests.integration.daemon import Daemon
 from tests.integration.raw import TIMEOUT
-from tests.integration.rgw import Rgw, rgw  # noqa: F401  (the session fixture)
+from tests.integration.rgw import Rgw
 from tests.integration.test_s3 import S3
 
 
 @pytest.fixture
-def s3(rgw: Rgw, tmp_path: Path) -> Iterator[S3]:  # noqa: F811
+def s3(rgw: Rgw, tmp_path: Path) -> Iterator[S3]:
     env = S3(rgw, tmp_path)
     try:
         yield env
