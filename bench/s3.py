@@ -191,12 +191,14 @@ def boto3_puts(endpoint: str, bucket: str, part_bytes: int, concurrency: int) ->
     from checkpointd.storage.s3 import _content_md5, make_client
 
     def via(md5: bool, head: bool) -> RawPut:
-        # The store's client (make_client, with its pool of 4 x concurrency);
-        # the plain one without the Content-MD5 hook.
+        # The store's client (make_client, with its pool of 4 x concurrency),
+        # with the Content-MD5 hook or without it whatever the endpoint (the
+        # store sends it over HTTPS only; over HTTP the body's SHA-256 is signed).
         client = make_client(endpoint, REGION, 4 * concurrency)
-        if not md5:
-            for operation in ("PutObject", "UploadPart"):
-                client.meta.events.unregister(f"before-call.s3.{operation}", _content_md5)
+        for operation in ("PutObject", "UploadPart"):
+            client.meta.events.unregister(f"before-call.s3.{operation}", _content_md5)
+            if md5:
+                client.meta.events.register(f"before-call.s3.{operation}", _content_md5)
         transfers = create_transfer_manager(
             client,
             TransferConfig(multipart_threshold=part_bytes, multipart_chunksize=part_bytes, max_concurrency=concurrency),
