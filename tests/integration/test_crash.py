@@ -1,7 +1,7 @@
 """Crash consistency: save manifests, `checkpointd verify`, and kill -9 during saves.
 
 The crash test runs a short subset of `tests.integration.crash_harness`
-(CHECKPOINTD_CRASH_TRIALS trials, default 8, small policy); the long mode is
+(CHECKPOINTD_CRASH_TRIALS trials, default 6, small policy); the long mode is
 `python -m tests.integration.crash_harness --trials 100`.
 """
 
@@ -125,7 +125,7 @@ def test_kill_9_during_saves_leaves_every_save_absent_or_complete(
     tmp_path: Path,
     record_property,  # noqa: ANN001
 ) -> None:
-    trials = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "8"))
+    trials = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "6"))
     figures = crash_harness.run_trials(trials, tmp_path / "root", tmp_path / "work", sizes=("small",), seed=0)
     record_property("crash_figures", figures.summary())
     print(figures.summary())  # shown with -s; the long mode prints the same line

@@ -29,7 +29,7 @@ What it shows:
   holder's pid, and every manifest's "writer" is that round's holder (the
   lease object's owner, read while it held the run).
 
-The default suite runs a lean version: 1 trainer per host with 6 saves,
+The default suite runs a lean version: 1 trainer per host with 4 saves,
 2 race rounds (about 70 s of CPU in all, TensorFlow's import in 3 daemons
 and 7 trainers most of it). CHECKPOINTD_FLEET=1 runs the full one: 3
 trainers per host with 30 saves each, and 10 race rounds.
@@ -54,7 +54,7 @@ from tests.integration.rgw import Rgw
 
 FULL = os.environ.get("CHECKPOINTD_FLEET") == "1"
 TRAINERS_PER_HOST = 3 if FULL else 1
-SAVES_PER_TRAINER = 30 if FULL else 6
+SAVES_PER_TRAINER = 30 if FULL else 4
 RACE_ROUNDS = 10 if FULL else 2
 LEASE_SECONDS = 3.0
 

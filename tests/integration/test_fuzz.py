@@ -31,7 +31,7 @@ template data file, a template file under another file, huge Flush/CloseRun
 timeouts: each was INTERNAL and is INVALID_ARGUMENT or a wait now; the fuzz
 fails if one of those inputs gets INTERNAL again).
 
-The default run is derandomized (CI reproducible): 800 examples, ~830 requests,
+The default run is derandomized (CI reproducible): 600 examples, ~630 requests,
 ~15 s on an idle 2-core box. Long mode, 10,000 examples:
 `CHECKPOINTD_FUZZ_EXAMPLES=10000 pytest tests/integration/test_fuzz.py -k fuzzed -s`
 (it prints the requests sent, the histogram of codes, crashes and wall time);
@@ -89,7 +89,7 @@ from tests.integration.raw import RawSave, counts, export_template, run_status
 
 Stub = checkpointd_pb2_grpc.CheckpointServiceStub
 
-EXAMPLES = int(os.environ.get("CHECKPOINTD_FUZZ_EXAMPLES") or 800)
+EXAMPLES = int(os.environ.get("CHECKPOINTD_FUZZ_EXAMPLES") or 600)
 # Unset: derandomized, the same examples every run (CI). Set: a fresh random
 # sequence from that seed, which the summary prints so a finding can be rerun.
 SEED = os.environ.get("CHECKPOINTD_FUZZ_SEED") or None

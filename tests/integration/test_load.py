@@ -4,7 +4,7 @@
 own TF-Agents policy and its own RemotePolicySaver, save in a loop: give the
 policy new values and a distinct train step, save (non-blocking; every 10th
 blocking), alternating SavedModels and checkpoints. For `CHECKPOINTD_LOAD_SECONDS`
-(default 10). Then:
+(default 6). Then:
 - every accepted save is on disk where its result says, and holds exactly the
   values the trainer had at the call: `tf.train.load_checkpoint` reads every
   key of every save and each bound variable equals the trainer's copy taken
@@ -45,7 +45,7 @@ from checkpointd_client import CheckpointdError, RemotePolicySaver, SaveTicket
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon
 
-LOAD_SECONDS = float(os.environ.get("CHECKPOINTD_LOAD_SECONDS") or 10)
+LOAD_SECONDS = float(os.environ.get("CHECKPOINTD_LOAD_SECONDS") or 6)
 OWN_RUNS = 16
 SHARED = 4
 SHARED_RUN = "shared"

@@ -2,7 +2,7 @@
 
 A short subset of `tests.integration.s3_crash_harness` (read its docstring
 for what each trial does and checks): CHECKPOINTD_CRASH_TRIALS trials,
-default 3, with the large policy and training state, whose variables go up
+default 2, with the large policy and training state, whose variables go up
 in two multipart parts; CHECKPOINTD_FUZZ_SEED picks another seeded sequence
 of kill moments (default 0). The long mode, at least 50 trials, prints the
 kills per phase:
@@ -19,7 +19,7 @@ from pathlib import Path
 from tests.integration import s3_bucket, s3_crash_harness
 from tests.integration.rgw import Rgw
 
-TRIALS = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "3"))
+TRIALS = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "2"))
 SEED = int(os.environ.get("CHECKPOINTD_FUZZ_SEED", "0"))
 
 

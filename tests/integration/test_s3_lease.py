@@ -175,6 +175,10 @@ def test_a_held_run_is_refused_on_another_daemon_after_its_wait_then_taken_at_on
     assert code == grpc.StatusCode.ABORTED and f"pid {b.proc.pid}" in details
 
 
+@pytest.mark.skipif(
+    os.environ.get("CHECKPOINTD_FLEET") != "1",
+    reason="test_fleet's move covers a killed daemon's lease in the default suite; CHECKPOINTD_FLEET=1 runs this too",
+)
 def test_a_killed_daemons_run_is_taken_once_its_lease_expired_and_saves_commit(
     fleet: Fleet, pair: tuple[Daemon, Daemon], template: Template
 ) -> None:

@@ -15,7 +15,7 @@ once the port is up), the dir must agree with itself:
   reads from it the values of its step;
 - a new RemoteCheckpointer restores the newest.
 
-CHECKPOINTD_CRASH_TRIALS sets the number of trials (default 4).
+CHECKPOINTD_CRASH_TRIALS sets the number of trials (default 3).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from checkpointd.saves.shm import default_shm_root
 from checkpointd_client import RemoteCheckpointer
 from tests.integration.daemon import start_daemon
 
-TRIALS = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "4"))
+TRIALS = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "3"))
 RUN, DIR, MAX_TO_KEEP = "crash-train", "train", 2
 LIMIT = 60.0
 
