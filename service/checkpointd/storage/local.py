@@ -292,16 +292,7 @@ class LocalStore:
         # fsyncs only what is still dirty: the manifest and the dirs.
         syncing = self._syncer.submit(fsync_tree, staged.path) if self._fsync else None
         try:
-            manifest_bytes = save_manifest.write_manifest(
-                staged.path,
-                run=meta.run,
-                kind=meta.kind.value,
-                step=meta.step,
-                export_dir=meta.export_dir,
-                versions=staged.versions,
-                known=staged.known,
-                extra=staged.extra,
-            )
+            manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
         finally:
             if syncing is not None:
                 syncing.result()  # raises its OSError; the tree is not published

@@ -303,16 +303,7 @@ class S3Store:
             files_base, manifest_key = f"{target.parent}/", f"{target}{PREFIX_MANIFEST}"
         else:
             files_base, manifest_key = f"{target}/", f"{target}/{MANIFEST}"
-        manifest_bytes = save_manifest.write_manifest(
-            staged.path,
-            run=meta.run,
-            kind=meta.kind.value,
-            step=meta.step,
-            export_dir=meta.export_dir,
-            versions=staged.versions,
-            known=staged.known,
-            extra=staged.extra,
-        )
+        manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
         manifest_file = staged.path / MANIFEST
         document = json.loads(manifest_file.read_bytes())
         listed = [entry["path"] for entry in document["files"]]

@@ -24,7 +24,7 @@ from typing import Any
 
 import crc32c
 
-from checkpointd.core.ports import CommittedSave
+from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import MANIFEST_NAME
 
@@ -120,6 +120,20 @@ def _files(save_dir: Path) -> list[str]:
         names = filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
         found.extend((rel / name).as_posix() for name in names)
     return sorted(f for f in found if f != MANIFEST_NAME)
+
+
+def write_staged_manifest(staged: Staged, meta: SaveMeta) -> int:
+    """`write_manifest` for a staged save: what every Store's commit writes last; returns its bytes."""
+    return write_manifest(
+        staged.path,
+        run=meta.run,
+        kind=meta.kind.value,
+        step=meta.step,
+        export_dir=meta.export_dir,
+        versions=staged.versions,
+        known=staged.known,
+        extra=staged.extra,
+    )
 
 
 def write_manifest(
