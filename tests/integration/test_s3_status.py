@@ -16,33 +16,16 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import tensorflow as tf
 
 from checkpointd_client import RemotePolicySaver
-from tests.integration import policies
 from tests.integration.daemon import Daemon
 from tests.integration.raw import TIMEOUT
-from tests.integration.rgw import Rgw
-from tests.integration.test_s3 import S3
-
-
-@pytest.fixture
-def s3(rgw: Rgw, tmp_path: Path) -> Iterator[S3]:
-    env = S3(rgw, tmp_path)
-    try:
-        yield env
-    finally:
-        env.close()
-
-
-@pytest.fixture(scope="module")
-def policy() -> object:
-    return policies.build(policies.q(hidden=(8,)))
+from tests.integration.test_s3 import S3, policy, s3  # noqa: F401  (test_s3's fixtures)
 
 
 def status(d: Daemon, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -65,7 +48,7 @@ def stored(d: Daemon, *extra: str) -> dict[str, Any]:
     return {row["run"]: row for row in document["stored_runs"]}
 
 
-def test_a_save_through_daemon_a_is_listed_by_daemon_b_on_one_bucket(s3: S3, policy: object) -> None:
+def test_a_save_through_daemon_a_is_listed_by_daemon_b_on_one_bucket(s3: S3, policy: object) -> None:  # noqa: F811
     a, b = s3.daemon(), s3.daemon()
     saver, step = s3.saver(a, policy, "moving")
     step.assign(5)
@@ -103,7 +86,8 @@ def test_a_save_through_daemon_a_is_listed_by_daemon_b_on_one_bucket(s3: S3, pol
 
 
 def test_a_daemon_on_a_local_root_lists_what_an_earlier_daemon_committed(
-    fresh_daemon: Callable[..., Daemon], policy: object
+    fresh_daemon: Callable[..., Daemon],
+    policy: object,  # noqa: F811
 ) -> None:
     first = fresh_daemon()
     step = tf.Variable(3, dtype=tf.int64)
