@@ -70,6 +70,11 @@ class CheckpointServiceServicer(object):
         its layout no longer fits). A failed registration changes nothing.
         RegisterRunHeader.kind TRAINING_CHECKPOINT registers a training run
         instead: no template, nothing checked but the run and folder names.
+        On a store shared by several daemons (an s3:// root), the daemon first
+        takes the run's lease, waiting within the call's deadline (without one,
+        up to --lease-idle-seconds + 2 x --lease-seconds) for another daemon's
+        lease to be released or to expire; ABORTED (naming the holder) if it is
+        still held then. Nothing is registered or written on ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,7 +101,8 @@ class CheckpointServiceServicer(object):
         FAILED_PRECONDITION (run closing or closed), RESOURCE_EXHAUSTED
         (snapshot_bytes over --max-snapshot-bytes; daemon at
         --max-concurrent-uploads or --max-staging-bytes), UNAVAILABLE (draining),
-        DEADLINE_EXCEEDED (a blocking save's wait), UNAUTHENTICATED.
+        DEADLINE_EXCEEDED (a blocking save's wait), UNAUTHENTICATED, ABORTED
+        (a shared store: another daemon holds the run's lease).
         Errors after an accept: the save counts as failed (saves_failed,
         last_error, checkpointd_saves_total{outcome="failed"}); no save is
         published and an existing export dir is untouched: DATA_LOSS (a chunk's
@@ -106,7 +112,10 @@ class CheckpointServiceServicer(object):
         now resolving outside the folder through a symlink), DEADLINE_EXCEEDED
         (snapshot not in full within --upload-timeout, default 300 s, of the
         accept; or the call's deadline), INTERNAL (the write failed),
-        RESOURCE_EXHAUSTED (a message over 4 MiB), CANCELLED.
+        RESOURCE_EXHAUSTED (a message over 4 MiB), CANCELLED, ABORTED (a shared
+        store: this daemon lost the run's lease before the save's manifest was
+        committed; no manifest, the save does not exist). On a shared store
+        "durable" means the save's manifest is committed in the store.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
