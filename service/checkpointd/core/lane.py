@@ -10,6 +10,10 @@ holds one lock around every call and waits on its own condition variable for
 - an accepted save is never replaced or dropped: it ends written or failed;
 - a failure is reported to its caller and the lane keeps serving;
 - close() refuses new saves at once; queued and in-flight saves still finish.
+A save can also be in flight outside the lane's sight: a trainer that took
+the run's busy lock itself (`checkpointd.saves.shm`) and has not sent its
+header yet. Its caller then skips with `skip()`, and counts the saves a
+trainer skipped on its own with `skipped_elsewhere()`.
 """
 
 from __future__ import annotations
@@ -125,16 +129,7 @@ class Lane:
             RunClosedError: if close() was called on the lane.
             UnavailableError: if `draining` (the daemon is shutting down).
         """
-        if self.state is not LaneState.OPEN:
-            raise RunClosedError(
-                f"run {self.run!r} is closed; register it again to save "
-                f"({spec.kind.value} {spec.export_dir!r} refused)"
-            )
-        if draining:
-            raise UnavailableError(
-                f"the daemon is shutting down; save of run {self.run!r} to "
-                f"{spec.export_dir!r} refused, retry against a running daemon"
-            )
+        self.check_open(spec, draining)
         ticket = Ticket(next(_ids), spec, TicketState.WAITING, requested_at=self.clock())
         if self.idle:
             self._start(ticket)
@@ -149,6 +144,23 @@ class Lane:
             spec,
             f"a {busy.spec.kind.value} save to {busy.spec.export_dir!r} is in flight",
         )
+
+    def skip(self, spec: SaveSpec, reason: str, *, draining: bool = False) -> Skipped:
+        """Skips (and counts) a non-blocking save that found the run busy elsewhere.
+
+        Raises:
+            RunClosedError, UnavailableError: as `request` does.
+        """
+        self.check_open(spec, draining)
+        self.stats.skipped += 1
+        self.sink.save_skipped(self.run, spec.kind.value)
+        return Skipped(spec, reason)
+
+    def skipped_elsewhere(self, kind: SaveKind, count: int = 1) -> None:
+        """Counts saves a trainer skipped on its own (it found the busy lock taken)."""
+        self.stats.skipped += count
+        for _ in range(count):
+            self.sink.save_skipped(self.run, kind.value)
 
     def finish(self, ticket: Ticket, outcome: Written | Failed) -> Ticket | None:
         """Ends the in-flight save and starts the next queued one, if any.
@@ -200,6 +212,19 @@ class Lane:
     def reopen(self) -> None:
         """Opens a closed lane again (the run was registered anew)."""
         self.state = LaneState.OPEN
+
+    def check_open(self, spec: SaveSpec, draining: bool) -> None:
+        """Raises RunClosedError (closed) or UnavailableError (`draining`) as `request` does."""
+        if self.state is not LaneState.OPEN:
+            raise RunClosedError(
+                f"run {self.run!r} is closed; register it again to save "
+                f"({spec.kind.value} {spec.export_dir!r} refused)"
+            )
+        if draining:
+            raise UnavailableError(
+                f"the daemon is shutting down; save of run {self.run!r} to "
+                f"{spec.export_dir!r} refused, retry against a running daemon"
+            )
 
     def _closed(self) -> None:
         self.state = LaneState.CLOSED

@@ -19,7 +19,7 @@ from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.protocol.wire import variable_to_pb
 from checkpointd.saves.catalog import StoredRuns
-from checkpointd.saves.pipeline import Decision, Result, SaveRequest
+from checkpointd.saves.pipeline import Decision, HeldSave, LocalSkip, Result, SaveRequest
 from checkpointd.saves.restore import Opened
 from checkpointd.saves.runs import RunView
 from checkpointd.saves.shm import Segment
@@ -69,6 +69,13 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         checkpoint = training_checkpoint_from_pb(header.training_checkpoint)
         # The header names the checkpoint's dir; the save is its prefix ckpt-<step> there.
         export_dir = checkpoint_prefix(header.export_dir, header.step)
+    held = None
+    if header.HasField("held"):
+        if header.blocking:
+            raise InvalidRequestError("Save: held is for non-blocking saves only; send a blocking save without it")
+        if not header.held.segment_path or not header.held.lock_path:
+            raise InvalidRequestError("Save: held needs the segment_path and lock_path the daemon offered")
+        held = HeldSave(header.held.segment_path, header.held.lock_path)
     return SaveRequest(
         run=header.run,
         kind=kind,
@@ -80,20 +87,34 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         numpy_state=numpy_state_from_pb(header.numpy_state) if header.HasField("numpy_state") else None,
         shared_memory=header.shared_memory,
         checkpoint=checkpoint,
+        held=held,
+        local_skips=local_skips(header.local_skips, "Save"),
     )
 
 
-def _segment_to_pb(segment: Segment | None) -> pb.SharedMemory | None:
+def local_skips(skips: Sequence[pb.LocalSkip], rpc: str) -> tuple[LocalSkip, ...]:
+    """A request's local_skips; InvalidRequestError for one of an unknown kind."""
+    out = []
+    for skip in skips:
+        kind = kind_from_pb(skip.kind, f"{rpc}: local_skips")
+        assert kind is not None
+        out.append(LocalSkip(kind, skip.export_dir, skip.step))
+    return tuple(out)
+
+
+def _segment_to_pb(segment: Segment | None, lock_path: str) -> pb.SharedMemory | None:
     if segment is None:
         return None
-    return pb.SharedMemory(path=str(segment.path), size=segment.size, offsets=segment.offsets)
+    return pb.SharedMemory(path=str(segment.path), size=segment.size, offsets=segment.offsets, lock_path=lock_path)
 
 
 def save_response(event: Decision | Result) -> pb.SaveResponse:
     if isinstance(event, Decision):
         return pb.SaveResponse(
             decision=pb.SaveDecision(
-                accepted=event.accepted, reason=event.reason, shared_memory=_segment_to_pb(event.segment)
+                accepted=event.accepted,
+                reason=event.reason,
+                shared_memory=_segment_to_pb(event.segment, event.lock_path),
             )
         )
     return pb.SaveResponse(

@@ -105,6 +105,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     @grpc_errors
     def Flush(self, request: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
+        if request.local_skips:
+            if not request.run:
+                raise InvalidRequestError("Flush: local_skips need the run they were skipped on")
+            self._pipeline.count_local_skips(
+                check_run_name(request.run), messages.local_skips(request.local_skips, "Flush")
+            )
         runs = self._runs.flush(request.run or None, _wait_seconds(request.timeout_seconds, "Flush"))
         return pb.FlushResponse(runs=runs)
 

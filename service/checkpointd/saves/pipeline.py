@@ -16,6 +16,13 @@ the call's deadline; a save confirms it before the lane decides (free while
 held: no request), and the store fences the commit with it; closing the run
 releases it. A run held elsewhere is refused with RunHeldError (ABORTED).
 
+On the daemon's host a trainer may skip the decision's round trip: it takes
+the run's busy lock itself (`checkpointd.saves.shm`, `checkpointd.saves.runs`),
+copies into the run's segment and sends a "held" request, which is checked
+like any other and then started on the idle lane without a decision; the
+saves it skipped on its own (the lock was taken) arrive as `local_skips` on
+its next request or Flush and are counted and logged like the daemon's own.
+
 The RPC layer (`checkpointd.rpc.servicer`) only translates: it decodes the
 header into a `SaveRequest`, hands over a `Receiver` that reads the request
 stream, and encodes the `Decision` and `Result` this yields.
@@ -61,11 +68,12 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs, directory_of
-from checkpointd.saves.runs import Lanes
-from checkpointd.saves.shm import Segment, SharedMemory
+from checkpointd.saves.runs import HeldSaveError, Lanes
+from checkpointd.saves.shm import RunLock, Segment, SharedMemory
 from checkpointd.saves.skip_log import SkipLog
 
 _LOGGER = logging.getLogger(__name__)
+_LOCAL_REASON = "skipped by the trainer: another save of the run was in flight (its busy lock was taken)"
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,27 @@ class SaveRequest:
     # A training checkpoint's own description (its export_dir is then the
     # checkpoint prefix <dir>/ckpt-<step>); None for policy saves.
     checkpoint: CheckpointSpec | None = None
+    # The trainer holds the run's busy lock and wrote this segment: no skip decision.
+    held: HeldSave | None = None
+    # Saves the trainer skipped on its own since its last report.
+    local_skips: tuple[LocalSkip, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeldSave:
+    """A request's claim to hold the run's busy lock (SaveHeader.held)."""
+
+    segment_path: str
+    lock_path: str
+
+
+@dataclass(frozen=True)
+class LocalSkip:
+    """A save its trainer skipped itself (the run's busy lock was taken)."""
+
+    kind: SaveKind
+    export_dir: str
+    step: int
 
 
 @dataclass(frozen=True)
@@ -93,6 +122,7 @@ class Decision:
     accepted: bool
     reason: str = ""
     segment: Segment | None = None
+    lock_path: str = ""  # the run's busy lock, offered with the segment
 
 
 @dataclass(frozen=True)
@@ -290,6 +320,7 @@ class SavePipeline:
         run = check_run_name(request.run)
         manifest = self.runs.manifest(run)
         folder = self.runs.folder(run)
+        self.count_local_skips(run, request.local_skips)  # counted even if this save is refused
         self.store.target(folder, request.export_dir)  # refuses a bad export dir now
         fmt = self.formats(request.kind)
         kinds = self._run_kinds.get(run, fmt.kinds)
@@ -304,19 +335,48 @@ class SavePipeline:
         )  # fmt: skip
         # This daemon writes the run only while it holds its lease (no request
         # while it does); held elsewhere: refused before anything is counted.
+        lock = self._held_lock(run, request.held) if request.held is not None else self._lock(run)
         self.leases.hold(run, None)
         # Reserved before the lane decides: past a limit the request is refused
         # like bad input, before anything is allocated or counted.
         with self._budget.reserve(request.snapshot_bytes, run) as release:
             spec = SaveSpec(request.kind, request.export_dir, request.blocking, request.step)
             asked = time.monotonic()
-            decision = self.runs.begin(run, spec, timeout=timeout, is_active=is_active)
+            decision = self.runs.begin(
+                run, spec, timeout=timeout, is_active=is_active, lock=lock, held=request.held is not None
+            )
             if isinstance(decision, Skipped):
                 self._skips.skipped(run, request.kind.value, request.export_dir, request.step, decision.reason)
                 yield Decision(accepted=False, reason=decision.reason)
                 return
             self._phases.observe_phase(request.kind.value, "queue", time.monotonic() - asked)
             yield from self._accepted(request, run, folder, manifest, decision, receive, release)
+
+    def count_local_skips(self, run: str, skips: Sequence[LocalSkip]) -> None:
+        """Counts and logs saves of `run` its trainer skipped on its own.
+
+        Raises:
+            RunNotFoundError: the run is not registered.
+        """
+        if not skips:
+            return
+        self.runs.skipped_elsewhere(run, [skip.kind for skip in skips])
+        for skip in skips:
+            self._skips.skipped(run, skip.kind.value, skip.export_dir, skip.step, _LOCAL_REASON)
+
+    def _lock(self, run: str) -> RunLock | None:
+        return self._shm.lock(run) if self._shm is not None else None
+
+    def _held_lock(self, run: str, held: HeldSave) -> RunLock:
+        """The run's busy lock, if it is the one a held request names; else HeldSaveError."""
+        lock = self._lock(run)
+        if lock is None or str(lock.path) != held.lock_path:
+            raise HeldSaveError(
+                f"run {run!r}: the save holds the busy lock {held.lock_path!r}, which is not this "
+                f"daemon's for the run ({'none: it has no shared memory' if lock is None else str(lock.path)}); "
+                "nothing was written. Send the save without `held`: the daemon then decides it"
+            )
+        return lock
 
     def _accepted(
         self,
@@ -339,9 +399,15 @@ class SavePipeline:
             else:
                 parts = [v.nbytes for v in manifest.variables]
                 parts.append(request.snapshot_bytes - manifest.nbytes)  # the numpy state
+            lock_path = ""
             if request.shared_memory and self._shm is not None:
                 segment = self._shm.segment(run, parts)  # safe: this save holds the lane
-            yield Decision(accepted=True, segment=segment)
+                if segment is not None and request.held is not None and str(segment.path) != request.held.segment_path:
+                    self._shm.release(run)  # the trainer wrote another (older) segment: it sends chunks
+                    segment = None
+                lock = self._shm.lock(run)
+                lock_path = str(lock.path) if lock is not None and segment is not None else ""
+            yield Decision(accepted=True, segment=segment, lock_path=lock_path)
             # A phase is timed when it ends, failed or not, as save_duration is.
             try:
                 received, transport = receive(parts, segment, accepted + self.upload_timeout)
@@ -368,7 +434,7 @@ class SavePipeline:
             release()  # before the caller hears the result, so its next save fits
             self.runs.finish(run, ticket, outcome)
             seconds = time.time() - (ticket.accepted_at or time.time())
-            _log_outcome(request, run, outcome, seconds, transport)
+            _log_outcome(request, run, outcome, seconds, transport + ("-held" if request.held is not None else ""))
         assert isinstance(outcome, Written)
         yield Result(outcome.path, outcome.bytes_written, seconds, request.step, request.kind)
 

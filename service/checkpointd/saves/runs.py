@@ -5,6 +5,17 @@ for those decisions with deadlines, and never holds the lock while a save is
 received or written. Lock discipline: `_cond` guards `_runs`, every lane in
 it, and `_draining`; it is released by `wait`, and notified whenever a lane
 changes state.
+
+Busy locks (`checkpointd.saves.shm.RunLock`, when the daemon has shared
+memory): the daemon holds a run's lock from the accept of each save it
+decides (its lane goes from idle to busy) until the lane is idle again, so
+a trainer that takes the lock itself never meets a busy lane. While a
+trainer holds it, an ordinary non-blocking save is skipped and a blocking
+one waits here, polling the lock with a short back-off (a flock cannot be
+waited on together with the condition), within its deadline; blocking
+saves therefore queue FIFO behind saves the daemon holds the lock for, but
+not behind a trainer's. A "held" save (the trainer holds the lock) is
+started on an idle lane without a decision.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from checkpointd.core.lane import (
@@ -29,7 +40,9 @@ from checkpointd.core.lane import (
 )
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.ports import Clock, MetricsSink, NullSink
-from checkpointd.protocol.errors import DeadlineError, RunNotFoundError
+from checkpointd.protocol.errors import DeadlineError, RunClosedError, RunNotFoundError
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.saves.shm import RunLock
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -46,11 +59,21 @@ class RunView:
     manifest: Manifest
 
 
+class HeldSaveError(RunClosedError):
+    """A "held" save (the trainer holds the busy lock) met a busy lane or a stale lock: FAILED_PRECONDITION."""
+
+
+# Back-off of a blocking save polling a busy lock a trainer holds: first and longest wait, seconds.
+_POLL_FIRST, _POLL_MOST = 0.001, 0.02
+
+
 @dataclass
 class _Run:
     lane: Lane
     manifest: Manifest
     folder: str
+    lock: RunLock | None = None  # the run's busy lock, held by the daemon while `locked`
+    locked: bool = False
 
 
 class Lanes:
@@ -112,6 +135,8 @@ class Lanes:
         *,
         timeout: float | None = None,
         is_active: Callable[[], bool] = lambda: True,
+        lock: RunLock | None = None,
+        held: bool = False,
     ) -> Ticket | Skipped:
         """Asks the run's lane for a save; a blocking save waits its turn here.
 
@@ -121,6 +146,10 @@ class Lanes:
             timeout: seconds a blocking save may wait for the in-flight one.
             is_active: False once the caller has gone away; the caller's
                 RPC calls `wake` when it does, so the wait need not poll.
+            lock: the run's busy lock (kept from the first save that gives
+                one); None: the daemon has no shared memory.
+            held: the caller's trainer holds the busy lock: start the save
+                on the idle lane, or HeldSaveError.
 
         Returns:
             An ACTIVE ticket (the caller must `finish` it) or Skipped.
@@ -129,24 +158,103 @@ class Lanes:
             RunNotFoundError, RunClosedError, UnavailableError: as the lane says.
             DeadlineError: a blocking save waited longer than `timeout`, or
                 its caller went away.
+            HeldSaveError: `held`, and the lane has a save in flight or queued.
         """
         # gRPC reports a call without a deadline as ~292 years left, past what a
         # lock can wait (threading.TIMEOUT_MAX): that is no deadline.
         deadline = None if timeout is None or timeout >= threading.TIMEOUT_MAX else time.monotonic() + timeout
+        poll = _POLL_FIRST
         with self._cond:
-            decision = self._get(run).lane.request(spec, draining=self._draining)
+            while True:
+                entry = self._get(run)
+                lane = entry.lane
+                if lock is not None and entry.lock is None:
+                    entry.lock = lock
+                lock = entry.lock
+                if held:
+                    return self._begin_held(run, entry, spec)
+                if lock is not None and not entry.locked:
+                    # Idle, or a trainer's held save in flight (which it holds the lock for).
+                    if lane.idle and lock.try_hold():
+                        entry.locked = True
+                    elif not spec.blocking:
+                        if lane.idle:
+                            return lane.skip(spec, _HELD_REASON, draining=self._draining)
+                        # else the lane skips it below, naming the save in flight
+                    else:
+                        lane.check_open(spec, draining=self._draining)
+                        self._wait_poll(run, spec, deadline, poll, is_active)
+                        poll = min(2 * poll, _POLL_MOST)
+                        continue
+                try:
+                    decision = lane.request(spec, draining=self._draining)
+                except BaseException:
+                    self._unlock_idle(entry)
+                    raise
+                break
             if isinstance(decision, Skipped) or decision.state is TicketState.ACTIVE:
                 return decision
             while decision.state is TicketState.WAITING:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if (remaining is not None and remaining <= 0) or not is_active():
                     self._runs[run].lane.withdraw(decision)
+                    self._unlock_idle(self._runs[run])
                     self._cond.notify_all()
                     raise DeadlineError(
                         f"blocking save of run {run!r} to {spec.export_dir!r} gave up waiting for the save in flight"
                     )
                 self._cond.wait(remaining)  # `wake` when a caller goes away
             return decision
+
+    def _begin_held(self, run: str, entry: _Run, spec: SaveSpec) -> Ticket:
+        lane = entry.lane
+        lane.check_open(spec, draining=self._draining)  # a closed or draining run says so first
+        if not lane.idle:
+            busy = lane.in_flight or lane.waiting[0]
+            raise HeldSaveError(
+                f"run {run!r}: a save sent as holding the run's busy lock found a {busy.spec.kind.value} "
+                f"save to {busy.spec.export_dir!r} in flight, so the client did not hold the lock "
+                "the daemon offered; nothing was written. Send saves without `held` (or fix the client)"
+            )
+        if entry.lock is None or entry.lock.try_hold():
+            if entry.lock is not None:
+                entry.lock.release()
+            raise HeldSaveError(
+                f"run {run!r}: a save sent as holding the run's busy lock, but nobody holds it; "
+                "nothing was written. Take the lock (SharedMemory.lock_path) before sending `held`, "
+                "or send the save without it"
+            )
+        ticket = lane.request(spec, draining=self._draining)
+        assert isinstance(ticket, Ticket) and ticket.state is TicketState.ACTIVE
+        return ticket
+
+    def _wait_poll(
+        self, run: str, spec: SaveSpec, deadline: float | None, poll: float, is_active: Callable[[], bool]
+    ) -> None:
+        """Waits up to `poll` seconds (under the lock's condition) for a busy lock a trainer holds."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if (remaining is not None and remaining <= 0) or not is_active():
+            raise DeadlineError(
+                f"blocking save of run {run!r} to {spec.export_dir!r} gave up waiting for the save in flight"
+            )
+        self._cond.wait(poll if remaining is None else min(poll, remaining))
+
+    def _unlock_idle(self, entry: _Run) -> None:
+        """Lets go of the run's busy lock once its lane is idle."""
+        if entry.locked and entry.lane.idle and entry.lock is not None:
+            entry.lock.release()
+            entry.locked = False
+
+    def skipped_elsewhere(self, run: str, kinds: Sequence[SaveKind]) -> None:
+        """Counts saves of `run` its trainer skipped on its own (one per kind listed).
+
+        Raises:
+            RunNotFoundError: the run is not registered.
+        """
+        with self._cond:
+            lane = self._get(run).lane
+            for kind in kinds:
+                lane.skipped_elsewhere(kind)
 
     def wake(self) -> None:
         """Wakes waiting blocking saves to check their callers (one went away)."""
@@ -156,7 +264,9 @@ class Lanes:
     def finish(self, run: str, ticket: Ticket, outcome: Written | Failed) -> None:
         """Ends an accepted save; the next queued blocking save starts."""
         with self._cond:
-            self._runs[run].lane.finish(ticket, outcome)
+            entry = self._runs[run]
+            entry.lane.finish(ticket, outcome)
+            self._unlock_idle(entry)  # before the caller hears the result
             self._cond.notify_all()
 
     def flush(self, run: str | None = None, timeout: float | None = None) -> list[str]:
@@ -249,6 +359,9 @@ class Lanes:
                 + " (a run is known from its trainer's registration until the daemon restarts)"
             )
         return entry
+
+
+_HELD_REASON = "a save of this run is in flight (a trainer on the daemon's host holds its busy lock)"
 
 
 def _listed(names: list[str], most: int = 20) -> str:

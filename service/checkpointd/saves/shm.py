@@ -23,6 +23,18 @@ Safety:
   killed is removed by the next daemon that starts with the same shm root
   (its pid no longer runs).
 
+Busy locks (the trainer's skip-if-busy without a round trip): beside the
+segments, each run has an empty 0600 lock file, made at its first offer and
+kept until the daemon stops (segments come and go under the cap; a lock
+file that changed under a trainer would let two saves in at once). The
+invariant is "a save of the run is in flight <=> someone holds an exclusive
+flock(2) of it": the daemon holds it (through `RunLock`, its own open file
+description) for each save it accepts the ordinary way, and a trainer on
+this host takes it LOCK_NB itself, copies into the segment and sends a
+"held" header (`SaveHeader.held`) instead of asking. flock locks belong to
+an open file description, so every saver's fd and the daemon's contend with
+each other even inside one process, and a killed process lets go of its lock.
+
 Each segment stays mapped while its run lives, so a run's segment memory
 (its snapshot size) is held between saves; it is freed when the run is
 closed, re-registered with another layout, or the daemon stops, and idle
@@ -33,6 +45,7 @@ would pass the daemon's cap (--max-staging-bytes).
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -82,6 +95,43 @@ class Segment:
         self.path.unlink(missing_ok=True)
 
 
+class RunLock:
+    """The daemon's open file description of one run's busy lock file.
+
+    Not thread-safe: `checkpointd.saves.runs.Lanes` calls it under its lock.
+    """
+
+    def __init__(self, path: Path) -> None:
+        """Opens (making it, 0600, if needed) the lock file at `path`.
+
+        Raises:
+            OSError: it cannot be opened.
+        """
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.held = False
+
+    def try_hold(self) -> bool:
+        """Takes the exclusive flock without waiting; False if someone else holds it."""
+        if self.held:
+            return True
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        self.held = True
+        return True
+
+    def release(self) -> None:
+        if self.held:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self.held = False
+
+    def close(self) -> None:
+        self.release()
+        os.close(self._fd)
+
+
 class SharedMemory:
     """The daemon's segments, one per run, at most `max_bytes` in all. Thread-safe.
 
@@ -109,6 +159,7 @@ class SharedMemory:
         self._busy: set[str] = set()
         self._warned: set[str] = set()
         self._serial = 0
+        self._locks: dict[str, RunLock] = {}
 
     @property
     def nbytes(self) -> int:
@@ -188,6 +239,24 @@ class SharedMemory:
             self._segments[run] = segment
         return segment
 
+    def lock(self, run: str) -> RunLock | None:
+        """The run's busy lock, made at the first call; None if it cannot be made (logged once).
+
+        Kept until `close()`, whatever happens to the run's segment.
+        """
+        with self._lock:
+            lock = self._locks.get(run)
+            if lock is not None:
+                return lock
+            try:
+                lock = self._locks[run] = RunLock(self._dir / f"{run}.lock")
+            except OSError as e:
+                if run not in self._warned:
+                    self._warned.add(run)
+                    _LOGGER.warning("run %s: cannot make its busy lock in %s (%s)", run, self._dir, e.strerror or e)
+                return None
+            return lock
+
     def release(self, run: str) -> None:
         """Ends the run's save that `segment()` gave a segment to."""
         with self._lock:
@@ -205,8 +274,11 @@ class SharedMemory:
         """Frees every segment and removes the folder."""
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}
+            locks, self._locks = list(self._locks.values()), {}
         for segment in segments:
             segment.close()
+        for lock in locks:
+            lock.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

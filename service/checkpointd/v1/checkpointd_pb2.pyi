@@ -94,7 +94,7 @@ class NumpyState(_message.Message):
     def __init__(self, object_graph: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[NumpyStateEntry, _Mapping]]] = ...) -> None: ...
 
 class SaveHeader(_message.Message):
-    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state", "shared_memory", "training_checkpoint")
+    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state", "shared_memory", "training_checkpoint", "held", "local_skips")
     RUN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,8 @@ class SaveHeader(_message.Message):
     NUMPY_STATE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     TRAINING_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SKIPS_FIELD_NUMBER: _ClassVar[int]
     run: str
     kind: SaveKind
     export_dir: str
@@ -115,7 +117,27 @@ class SaveHeader(_message.Message):
     numpy_state: NumpyState
     shared_memory: bool
     training_checkpoint: TrainingCheckpoint
-    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., shared_memory: bool = ..., training_checkpoint: _Optional[_Union[TrainingCheckpoint, _Mapping]] = ...) -> None: ...
+    held: HeldSave
+    local_skips: _containers.RepeatedCompositeFieldContainer[LocalSkip]
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., shared_memory: bool = ..., training_checkpoint: _Optional[_Union[TrainingCheckpoint, _Mapping]] = ..., held: _Optional[_Union[HeldSave, _Mapping]] = ..., local_skips: _Optional[_Iterable[_Union[LocalSkip, _Mapping]]] = ...) -> None: ...
+
+class HeldSave(_message.Message):
+    __slots__ = ("segment_path", "lock_path")
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOCK_PATH_FIELD_NUMBER: _ClassVar[int]
+    segment_path: str
+    lock_path: str
+    def __init__(self, segment_path: _Optional[str] = ..., lock_path: _Optional[str] = ...) -> None: ...
+
+class LocalSkip(_message.Message):
+    __slots__ = ("kind", "export_dir", "step")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    kind: SaveKind
+    export_dir: str
+    step: int
+    def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("checkpoint_key", "dtype", "shape", "nbytes")
@@ -152,14 +174,16 @@ class SaveRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SaveHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., shared_memory_written: _Optional[_Union[SharedMemoryWritten, _Mapping]] = ...) -> None: ...
 
 class SharedMemory(_message.Message):
-    __slots__ = ("path", "size", "offsets")
+    __slots__ = ("path", "size", "offsets", "lock_path")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LOCK_PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    lock_path: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., lock_path: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryWritten(_message.Message):
     __slots__ = ()
@@ -198,12 +222,14 @@ class SaveResponse(_message.Message):
     def __init__(self, decision: _Optional[_Union[SaveDecision, _Mapping]] = ..., result: _Optional[_Union[SaveResult, _Mapping]] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
-    __slots__ = ("run", "timeout_seconds")
+    __slots__ = ("run", "timeout_seconds", "local_skips")
     RUN_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SKIPS_FIELD_NUMBER: _ClassVar[int]
     run: str
     timeout_seconds: float
-    def __init__(self, run: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    local_skips: _containers.RepeatedCompositeFieldContainer[LocalSkip]
+    def __init__(self, run: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., local_skips: _Optional[_Iterable[_Union[LocalSkip, _Mapping]]] = ...) -> None: ...
 
 class FlushResponse(_message.Message):
     __slots__ = ("runs",)

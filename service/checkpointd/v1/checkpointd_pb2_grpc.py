@@ -92,6 +92,8 @@ class CheckpointServiceServicer(object):
         SaveResult once the save is durable (fsynced and renamed into place)
         and ends the call OK, or ends it with an error status. Either way the
         save is counted (saves_ok or saves_failed) and the lane is free.
+        A header with `held` (the client took the run's busy lock, see
+        HeldSave) is accepted without a skip decision, or refused with a status.
         Errors before the decision (no decision sent; nothing written or
         counted): INVALID_ARGUMENT (first message not a header; kind unset; bad
         run name or export_dir; variables, snapshot_bytes or numpy_state not
