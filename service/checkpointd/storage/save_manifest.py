@@ -69,7 +69,10 @@ class Report:
 
 
 # The window `file_checksum(mapped=True)` maps at once; a multiple of any page size.
-_MAP_BYTES = 64 << 20
+# Mapped page-cache pages count in the daemon's RSS while mapped, so a save's
+# peak grows by one window: 64 MiB took a 40 MB save's peak from 1.2 to 2.0
+# times its payload, and 4 MiB checksums as fast (40 against 45 ms for 400 MB).
+_MAP_BYTES = 4 << 20
 
 
 def file_checksum(path: Path, progress: Progress | None = None, *, mapped: bool = False) -> tuple[int, int]:
@@ -85,8 +88,8 @@ def file_checksum(path: Path, progress: Progress | None = None, *, mapped: bool 
             length = os.fstat(f.fileno()).st_size
             if length >= _READ_BYTES:
                 value = 0
-                # A window at a time: mapped page-cache pages count in the
-                # daemon's RSS, so a whole 400 MB file would show as 400 MB more.
+                # A window at a time (see _MAP_BYTES): the whole file mapped
+                # would add its size to the daemon's RSS.
                 for start in range(0, length, _MAP_BYTES):
                     size = min(_MAP_BYTES, length - start)
                     with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ, offset=start) as window:
