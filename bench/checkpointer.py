@@ -348,62 +348,64 @@ def _saves(c: dict[str, int]) -> str:
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 10's targets for every measured case, met or missed."""
-    from bench.report import _target
+    """Issue 10's targets for every measured case, and issue 12's training slowdown, each with its group.
 
+    Not measured (one row per target) when the run has no section 7.
+    """
+    from bench.report import ISSUE_12, at, at_most, fmt_bytes, fmt_time, judge, median, not_measured
+
+    group = "issue 10"
+    stall_name = (
+        f"training checkpoints: save() stall <= {STALL_MEMCPY_FACTOR:g} x memcpy of the state "
+        f"+ {STALL_MEMCPY_SLACK * 1e3:g} ms"
+    )
+    latency_name = f"training checkpoints: call -> durable <= {LATENCY_VS_CHECKPOINTER:g} x Checkpointer.save"
+    slowed_name = (
+        f"training slowed <= {100 * TRAINING_SLOWDOWN:g}%: DQN steps/s with training checkpoints "
+        "(section 7; issue 10's too)"
+    )
+    memory_name = f"training checkpoints: daemon peak <= idle + {MEMORY_FACTOR:g} x state"
+    cases = r.get("training_checkpoint") or {}
+    if not cases:
+        return [
+            {"group": g, **not_measured(name, None, "no section 7 in this run")}
+            for g, name in ((ISSUE_12, slowed_name), (group, stall_name), (group, latency_name), (group, memory_name))
+        ]
     out = []
-    for name, c in (r.get("training_checkpoint") or {}).items():
-        stall, copy = c["remote"]["save_stall"]["median"], c["memcpy"]["seconds"]["median"]
-        limit = STALL_MEMCPY_FACTOR * copy + STALL_MEMCPY_SLACK
-        detail = f"{stall * 1e3:.1f} ms vs limit {limit * 1e3:.1f} ms"
-        out.append(
-            _target(
-                "training: save() stall <= 1.2 x memcpy of the state + 1 ms",
-                name,
-                stall,
-                limit,
-                stall <= limit,
-                stall / limit,
-                detail,
+    for name, c in cases.items():
+
+        def stall(c: dict[str, Any] = c) -> tuple[float, float, bool, str]:
+            value, copy = median(c, "remote", "save_stall"), median(c, "memcpy", "seconds")
+            limit = STALL_MEMCPY_FACTOR * copy + STALL_MEMCPY_SLACK
+            return at_most(value, limit, fmt_time, f"memcpy {fmt_time(copy)}")
+
+        def latency(c: dict[str, Any] = c) -> tuple[float, float, bool, str]:
+            value, local = median(c, "remote", "save_latency"), median(c, "inprocess", "save")
+            synced = median(c, "inprocess", "save_fsync")
+            anchor = f"Checkpointer.save {fmt_time(local)}, no fsync; {fmt_time(synced)} with"
+            return at_most(value, LATENCY_VS_CHECKPOINTER * local, fmt_time, anchor)
+
+        def slowed(c: dict[str, Any] = c) -> tuple[float, float, bool, str]:
+            sps = at(c, "training", "steps_per_second")
+            base = median(sps, "baseline")
+            slowdown = 1 - median(sps, "checkpointd") / base
+            local = 1 - median(sps, "checkpointer") / base
+            detail = (
+                f"{100 * slowdown:.1f}% vs limit {100 * TRAINING_SLOWDOWN:g}% "
+                f"(Checkpointer.save in process: {100 * local:.1f}%)"
             )
-        )
-        latency, local = c["remote"]["save_latency"]["median"], c["inprocess"]["save"]["median"]
-        limit = LATENCY_VS_CHECKPOINTER * local
-        synced = c["inprocess"]["save_fsync"]["median"]
-        detail = (
-            f"{latency * 1e3:.0f} ms vs Checkpointer.save {local * 1e3:.0f} ms (no fsync; {synced * 1e3:.0f} ms with)"
-        )
-        out.append(
-            _target(
-                "training: call -> durable <= 0.5 x Checkpointer.save",
-                name,
-                latency,
-                limit,
-                latency <= limit,
-                latency / limit,
-                detail,
-            )
-        )
-        sps = c["training"]["steps_per_second"]
-        slowdown = 1 - sps["checkpointd"]["median"] / sps["baseline"]["median"]
-        detail = f"{100 * slowdown:.1f}% slower than no checkpoints (Checkpointer: {100 * (1 - sps['checkpointer']['median'] / sps['baseline']['median']):.1f}%)"
-        out.append(
-            _target(
-                "training: training slowed <= 10%",
-                name,
-                slowdown,
-                TRAINING_SLOWDOWN,
-                slowdown <= TRAINING_SLOWDOWN,
-                slowdown / TRAINING_SLOWDOWN,
-                detail,
-            )
-        )
-        m = c["memory"]
-        peak, limit = m["peak_rss_bytes"]["median"], m["idle_rss_bytes"] + MEMORY_FACTOR * m["payload_bytes"]
-        detail = f"{peak / 2**20:.0f} MiB vs limit {limit / 2**20:.0f} MiB"
-        out.append(
-            _target(
-                "training: daemon peak <= idle + 1.5 x state", name, peak, limit, peak <= limit, peak / limit, detail
-            )
-        )
+            return slowdown, TRAINING_SLOWDOWN, slowdown <= TRAINING_SLOWDOWN, detail
+
+        def peak(c: dict[str, Any] = c) -> tuple[float, float, bool, str]:
+            value = median(c, "memory", "peak_rss_bytes")
+            idle, state = float(at(c, "memory", "idle_rss_bytes")), float(at(c, "memory", "payload_bytes"))
+            anchor = f"idle {fmt_bytes(idle)}, state {fmt_bytes(state)}: idle + {(value - idle) / state:.2f} x"
+            return at_most(value, idle + MEMORY_FACTOR * state, fmt_bytes, anchor)
+
+        out += [
+            judge(slowed_name, name, slowed),
+            judge(stall_name, name, stall, group),
+            judge(latency_name, name, latency, group),
+            judge(memory_name, name, peak, group),
+        ]
     return out

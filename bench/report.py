@@ -1,27 +1,60 @@
-"""The run's table and its targets, computed from the results alone (the JSON re-renders)."""
+"""The run's table and its targets, computed from the results alone, so an old JSON re-renders.
+
+`python -m bench.report RESULT.json` prints a run's table again, with the
+targets judged by this code, not the code of the run: a target whose
+measurement an older run lacks is "not measured", never an error.
+
+Every target is a ratio against an anchor measured in the same run (issue
+12, "performance, round two", unless labelled): the machine's limits
+(section 4), the in-process savers (sections 1 and 2). Sections 7 and 8
+keep the targets of their own issues (10 and 11), judged by their modules
+(`bench.checkpointer`, `bench.s3`); section 9's are `bench.fleet`'s.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-# Call->durable latency of checkpointd's save() against in-process PolicySaver.save.
-LATENCY_FACTORS = {"small": 0.25, "medium": 0.5, "large": 1.0}
-STALL_VS_INPROCESS = 0.02
-STALL_MEMCPY_FACTOR, STALL_MEMCPY_SLACK = 1.5, 0.002
-THROUGHPUT_VS_DISK = 0.5
+ISSUE_12 = "issue 12"
+# Issue 12's limits.
+WIRE_VS_LIMIT = 0.6  # large over gRPC: bytes / call->durable, against min(gRPC loopback, fsync'd disk)
+WIRE_LATENCY_VS_FSYNCED = 1.0  # call->durable over gRPC, against PolicySaver.save then fsync
+FIRST_SAVE_FACTOR = 1.5  # 1st save, against a later save + the one-time PolicySaver export
+STALL_MEMCPY_FACTOR, STALL_MEMCPY_SLACK = 1.2, 0.0005
 TRAINING_SLOWDOWN = 0.10
-FANIN_P99 = 0.150
-MEMORY_FACTOR = 1.5
+FANIN_PROCS, FANIN_RATE, FANIN_P99 = 8, 5.0, 0.150
+MEMORY_FACTOR, MEMORY_MIN_PAYLOAD = 1.2, 10e6
 
 
-def _median(stats: dict[str, Any] | None) -> float | None:
-    return None if stats is None else stats["median"]
+class Missing(Exception):
+    """A measurement a target needs is not in the results (an older run, or a section not run).
+
+    Its text is the target's detail: what is missing.
+    """
+
+
+def at(node: Any, *path: str) -> Any:
+    """`node[path[0]][path[1]]...`, or Missing naming the path if any step is absent or None."""
+    for i, key in enumerate(path):
+        if not isinstance(node, dict) or node.get(key) is None:
+            raise Missing(f"no {'/'.join(path[: i + 1])} in the results")
+        node = node[key]
+    return node
+
+
+def median(node: Any, *path: str) -> float:
+    return float(at(node, *path, "median"))
 
 
 def _target(
-    name: str, size: str | None, value: float, limit: float, met: bool, ratio: float, detail: str
+    name: str, size: str | None, value: float, limit: float, met: bool, ratio: float | None, detail: str
 ) -> dict[str, Any]:
+    """One judged target; `ratio` is value / limit (None where the limit is 0)."""
     return {
         "target": name,
         "size": size,
@@ -29,137 +62,234 @@ def _target(
         "limit": limit,
         "ratio": ratio,
         "met": bool(met),
+        "status": "met" if met else "MISSED",
         "detail": detail,
     }
 
 
+def not_measured(name: str, size: str | None, detail: str) -> dict[str, Any]:
+    return {
+        "target": name,
+        "size": size,
+        "value": None,
+        "limit": None,
+        "ratio": None,
+        "met": None,
+        "status": "not measured",
+        "detail": detail,
+    }
+
+
+Measure = Callable[[], tuple[float, float, bool, str]]
+
+
+def judge(name: str, size: str | None, measure: Measure, group: str = ISSUE_12) -> dict[str, Any]:
+    """`measure()` gives (value, limit, met, detail); a Missing measurement gives "not measured"."""
+    try:
+        value, limit, met, detail = measure()
+    except Missing as e:
+        row = not_measured(name, size, str(e))
+    else:
+        row = _target(name, size, value, limit, met, value / limit if limit else None, detail)
+    return {"group": group, **row}
+
+
+def at_most(
+    value: float, limit: float, show: Callable[[float], str], anchor: str = ""
+) -> tuple[float, float, bool, str]:
+    detail = f"{show(value)} vs limit {show(limit)}" + (f" ({anchor})" if anchor else "")
+    return value, limit, value <= limit, detail
+
+
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every target of issue #3 that this run's sizes allow, met or missed.
+    """Every target, met, MISSED or not measured: issue 12's, then sections 7, 8 and 9's.
 
-    `ratio` is value / limit for "at most" targets and limit-relative for the
-    throughput one (value / disk bandwidth); `met` says it plainly.
+    A target needs the sizes it names: the large-only one is "not measured"
+    in a run without large; the per-size ones are judged at the run's sizes.
     """
-    sizes = list(r["sizes"])
-    out = []
-    inproc, remote, training = r["inprocess"], r["remote"], r["training"]
-    if "small" in sizes:
-        stall, save = remote["small"]["save_stall"]["median"], inproc["small"]["save"]["median"]
-        limit = STALL_VS_INPROCESS * save
-        out.append(
-            _target(
-                "save() stall <= 0.02 x in-process PolicySaver.save",
-                "small",
-                stall,
-                limit,
-                stall <= limit,
-                stall / save,
-                f"{stall * 1e3:.2f} ms vs {save * 1e3:.1f} ms",
-            )
-        )
-    for s in sizes:
-        stall = remote[s]["save_stall"]["median"]
-        copy = r["limits"]["memcpy"][s]["seconds"]["median"]
-        limit = STALL_MEMCPY_FACTOR * copy + STALL_MEMCPY_SLACK
-        out.append(
-            _target(
-                "save() stall <= 1.5 x memcpy of the weights + 2 ms",
-                s,
-                stall,
-                limit,
-                stall <= limit,
-                stall / limit,
-                f"{stall * 1e3:.2f} ms vs limit {limit * 1e3:.2f} ms",
-            )
-        )
-    for s in sizes:
-        save = inproc[s]["save"]["median"]
-        factor = LATENCY_FACTORS[s]
-        for kind in ("save", "save_checkpoint"):
-            latency = remote[s][f"{kind}_latency"]["median"]
-            out.append(
-                _target(
-                    f"{kind}() call->durable <= {factor:g} x in-process PolicySaver.save",
-                    s,
-                    latency,
-                    factor * save,
-                    latency <= factor * save,
-                    latency / save,
-                    f"{latency * 1e3:.1f} ms vs {save * 1e3:.1f} ms",
-                )
-            )
-    largest = sizes[-1]
-    throughput = remote[largest]["save_throughput"]["median"]
-    disk = r["limits"]["disk_fsync"]["bytes_per_second"]["median"]
-    out.append(
-        _target(
-            "transfer+write throughput >= 0.5 x fsync'd disk bandwidth",
-            largest,
-            throughput,
-            THROUGHPUT_VS_DISK * disk,
-            throughput >= THROUGHPUT_VS_DISK * disk,
-            throughput / disk,
-            f"{throughput / 1e6:.0f} MB/s vs disk {disk / 1e6:.0f} MB/s",
-        )
-    )
-    for s in sizes:
-        sps = training[s]["steps_per_second"]
-        base, with_saves = sps["baseline"]["median"], sps["checkpointd"]["median"]
-        slowdown = 1.0 - with_saves / base
-        out.append(
-            _target(
-                "DQN training slowed <= 10% by checkpointd saves",
-                s,
-                slowdown,
-                TRAINING_SLOWDOWN,
-                slowdown <= TRAINING_SLOWDOWN,
-                slowdown / TRAINING_SLOWDOWN,
-                f"{with_saves:.3g} vs {base:.3g} steps/s",
-            )
-        )
-    f = r["fanin"]
-    p99 = f["latency_p99"] if f["latency_p99"] is not None else float("inf")
-    out.append(
-        _target(
-            "fan-in p99 call->durable <= 150 ms",
-            None,
-            p99,
-            FANIN_P99,
-            p99 <= FANIN_P99,
-            p99 / FANIN_P99,
-            f"{f['procs']} trainers, p99 {p99 * 1e3:.1f} ms",
-        )
-    )
-    lost = f["accepted"] - f["written"]
-    out.append(
-        _target(
-            "fan-in: zero accepted saves lost",
-            None,
-            lost,
-            0,
-            lost == 0 and f["on_disk"] == f["written"] == f["daemon_ok"] and f["failed"] == 0,
-            float(lost),
-            f"accepted {f['accepted']}, written {f['written']}, on disk {f['on_disk']}, "
-            f"daemon ok {f['daemon_ok']:g}",
-        )
-    )
-    mem = r["memory"][largest]
-    peak = _median(mem.get("save_peak_bytes")) or mem["first_save_peak_bytes"]
-    idle, payload = mem["idle_rss_bytes"], mem["payload_bytes"]
-    out.append(
-        _target(
-            "daemon peak RSS during a save <= idle + 1.5 x payload",
-            largest,
-            peak,
-            idle + MEMORY_FACTOR * payload,
-            peak <= idle + MEMORY_FACTOR * payload,
-            (peak - idle) / payload,
-            f"peak {peak / 1e6:.0f} MB, idle {idle / 1e6:.0f} MB, payload {payload / 1e6:.1f} MB",
-        )
-    )
-    from bench import checkpointer  # section 7's targets (issue 10)
+    from bench import checkpointer, fleet, s3
 
-    out.extend(checkpointer.targets(r))
+    sizes = list(r.get("sizes") or {})
+    out = [*_cross_host(r, sizes), *_first_save(r, sizes), *_stall(r, sizes), *_training(r, sizes)]
+    out.extend(t for t in checkpointer.targets(r) if t["group"] == ISSUE_12)
+    out.extend(_fanin(r))
+    out.extend(fleet.targets(r.get("fleet")))
+    out.extend(_memory(r, sizes))
+    out.extend(t for t in checkpointer.targets(r) if t["group"] != ISSUE_12)
+    out.extend(s3.targets(r.get("s3")))
     return out
+
+
+def _per_size(name: str, sizes: list[str], measure: Callable[[str], Measure], section: str) -> list[dict[str, Any]]:
+    """The target at each of the run's sizes; one "not measured" row if the run has none."""
+    if not sizes:
+        return [{"group": ISSUE_12, **not_measured(name, None, f"no {section} in this run")}]
+    return [judge(name, s, measure(s)) for s in sizes]
+
+
+def _at_size(name: str, size: str, sizes: list[str], measure: Measure, section: str) -> dict[str, Any]:
+    """The target at one size, "not measured" if the run did not measure that size."""
+    if size in sizes:
+        return judge(name, size, measure)
+    why = f"no {size} in this run (sizes: {', '.join(sizes)})" if sizes else f"no {section} in this run"
+    return {"group": ISSUE_12, **not_measured(name, size, why)}
+
+
+def _cross_host(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
+    name = (
+        f"cross-host: a save's bytes / call->durable over gRPC >= {WIRE_VS_LIMIT:g} x "
+        "min(gRPC loopback, fsync'd disk bandwidth)"
+    )
+
+    def throughput() -> tuple[float, float, bool, str]:
+        rate = median(r, "remote_wire", "large", "save_throughput")
+        loopback = median(r, "limits", "grpc_loopback", "bytes_per_second")
+        disk = median(r, "limits", "disk_fsync", "bytes_per_second")
+        limit = WIRE_VS_LIMIT * min(loopback, disk)
+        mbs = lambda x: f"{x / 1e6:.0f} MB/s"  # noqa: E731
+        detail = f"{mbs(rate)} vs limit {mbs(limit)} (loopback {mbs(loopback)}, disk {mbs(disk)})"
+        return rate, limit, rate >= limit, detail
+
+    out = [_at_size(name, "large", sizes, throughput, "section 3b")]
+
+    def latency(s: str) -> Measure:
+        def measure() -> tuple[float, float, bool, str]:
+            value = median(r, "remote_wire", s, "save_latency")
+            anchor = median(r, "inprocess", s, "save_fsync")
+            limit = WIRE_LATENCY_VS_FSYNCED * anchor
+            return at_most(value, limit, fmt_time)
+
+        return measure
+
+    out += _per_size(
+        f"cross-host: call->durable over gRPC <= {WIRE_LATENCY_VS_FSYNCED:g} x in-process PolicySaver.save then fsync",
+        sizes,
+        latency,
+        "section 3b",
+    )
+    return out
+
+
+def _first_save(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
+    def measure(s: str) -> Measure:
+        def first() -> tuple[float, float, bool, str]:
+            value = float(at(r, "remote_wire", s, "first_save_seconds"))
+            later = median(r, "remote_wire", s, "save_latency")
+            export = float(at(r, "inprocess", s, "first_save_seconds"))
+            limit = FIRST_SAVE_FACTOR * (later + export)
+            anchor = f"later save {fmt_time(later)}, export {fmt_time(export)} = 1st in-process PolicySaver.save"
+            return at_most(value, limit, fmt_time, anchor)
+
+        return first
+
+    return _per_size(
+        f"first save over gRPC (export, register, save) <= {FIRST_SAVE_FACTOR:g} x "
+        "(a later save + the one-time PolicySaver export)",
+        sizes,
+        measure,
+        "section 3b",
+    )
+
+
+def _stall(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
+    def memcpy(s: str) -> Measure:
+        def measure() -> tuple[float, float, bool, str]:
+            stall = median(r, "remote", s, "save_stall")
+            copy = median(r, "limits", "memcpy", s, "seconds")
+            limit = STALL_MEMCPY_FACTOR * copy + STALL_MEMCPY_SLACK
+            return at_most(stall, limit, fmt_time, f"memcpy {fmt_time(copy)}")
+
+        return measure
+
+    slack = f"{STALL_MEMCPY_SLACK * 1e3:g} ms"
+    out = _per_size(
+        f"stall: save() (shared memory) <= {STALL_MEMCPY_FACTOR:g} x memcpy of the weights + {slack}",
+        sizes,
+        memcpy,
+        "section 3",
+    )
+    name = "stall: save() (shared memory) <= TF async Checkpoint.write's stall"
+
+    def tf_async() -> tuple[float, float, bool, str]:
+        stall = median(r, "remote", "small", "save_stall")
+        return at_most(stall, median(r, "async", "small", "tf_async_checkpoint", "write_blocked"), fmt_time)
+
+    out.append(_at_size(name, "small", sizes, tf_async, "section 3"))
+    return out
+
+
+def _training(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
+    def measure(s: str) -> Measure:
+        def slowed() -> tuple[float, float, bool, str]:
+            base = median(r, "training", s, "steps_per_second", "baseline")
+            with_saves = median(r, "training", s, "steps_per_second", "checkpointd")
+            slowdown = 1.0 - with_saves / base
+            detail = f"{100 * slowdown:.1f}% vs limit {100 * TRAINING_SLOWDOWN:g}% ({_num(with_saves)} vs {_num(base)} steps/s)"
+            return slowdown, TRAINING_SLOWDOWN, slowdown <= TRAINING_SLOWDOWN, detail
+
+        return slowed
+
+    return _per_size(
+        f"training slowed <= {100 * TRAINING_SLOWDOWN:g}%: DQN steps/s with policy saves (sections 2+3)",
+        sizes,
+        measure,
+        "sections 2+3",
+    )
+
+
+def _fanin(r: dict[str, Any]) -> list[dict[str, Any]]:
+    f = r.get("fanin")
+    scale = f"{FANIN_PROCS} trainers x {FANIN_RATE:g} saves/s"
+    name = f"fan-in, {scale}: p99 call->durable <= {FANIN_P99 * 1e3:g} ms"
+
+    def p99() -> tuple[float, float, bool, str]:
+        value = float(at(f, "latency_p99"))
+        procs, rate = at(f, "procs"), at(f, "rate_per_proc")
+        if (procs, rate) != (FANIN_PROCS, FANIN_RATE):
+            raise Missing(f"this run's fan-in: {procs} trainers x {rate:g} saves/s, p99 {fmt_time(value)}")
+        return at_most(value, FANIN_P99, fmt_time)
+
+    def lost() -> tuple[float, float, bool, str]:
+        accepted, written = at(f, "accepted"), at(f, "written")
+        on_disk, ok, failed = at(f, "on_disk"), at(f, "daemon_ok"), at(f, "failed")
+        n = accepted - written
+        met = n == 0 and on_disk == written == ok and failed == 0
+        detail = (
+            f"{n} lost: accepted {accepted}, written {written}, on disk {on_disk}, daemon ok {ok:g}, failed {failed}"
+        )
+        return n, 0, met, detail
+
+    lost_name = "fan-in: zero accepted saves lost"
+    if not f:
+        return [{"group": ISSUE_12, **not_measured(n, None, "no section 5 in this run")} for n in (name, lost_name)]
+    return [judge(name, None, p99), judge(lost_name, None, lost)]
+
+
+def _memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
+    name = f"memory: daemon peak during a save <= idle + {MEMORY_FACTOR:g} x payload (payloads >= 10 MB)"
+    big = [s for s in sizes if at_or(r, 0, "sizes", s, "payload_bytes") >= MEMORY_MIN_PAYLOAD]
+    if not big:
+        detail = f"no payload >= 10 MB in this run (sizes: {', '.join(sizes)})" if sizes else "no section 6 in this run"
+        return [{"group": ISSUE_12, **not_measured(name, None, detail)}]
+
+    def measure(s: str) -> Measure:
+        def peak() -> tuple[float, float, bool, str]:
+            value = median(r, "memory", s, "save_peak_bytes")
+            idle, payload = float(at(r, "memory", s, "idle_rss_bytes")), float(at(r, "memory", s, "payload_bytes"))
+            limit = idle + MEMORY_FACTOR * payload
+            anchor = f"idle {fmt_bytes(idle)}, payload {fmt_bytes(payload)}: idle + {(value - idle) / payload:.2f} x"
+            return at_most(value, limit, fmt_bytes, anchor)
+
+        return peak
+
+    return [judge(name, s, measure(s)) for s in big]
+
+
+def at_or(node: Any, default: Any, *path: str) -> Any:
+    try:
+        return at(node, *path)
+    except Missing:
+        return default
 
 
 # Formatting.
@@ -344,14 +474,9 @@ def table(r: dict[str, Any]) -> str:
         ),
     )
 
-    from bench import checkpointer  # section 7, whose rows and targets live with it
+    from bench import checkpointer  # section 7, whose rows live with it
 
     lines.extend(checkpointer.table(r))
-
-    head("targets (from this run's medians)")
-    for t in r["targets"]:
-        where = f" [{t['size']}]" if t["size"] else ""
-        lines.append(f"  {'met   ' if t['met'] else 'MISSED'}  {t['target']}{where}: {t['detail']}")
     return "\n".join(lines) + "\n"
 
 
@@ -370,6 +495,10 @@ def _remote_rows(per_size: Callable[[str, Callable[[str], str]], None], rem: dic
     per_size("save(): bytes written / (call -> durable)", lambda s: fmt_rate(rem[s]["save_throughput"]))
     per_size("1st save(): export, register, save", lambda s: fmt_time(rem[s]["first_save_seconds"]))
     per_size(
+        "  of which export / register (client's timing)",
+        lambda s: f"{fmt_time(rem[s]['first_save_export_seconds'])} / {fmt_time(rem[s]['first_save_register_seconds'])}",
+    )
+    per_size(
         "snapshots received: shm / grpc",
         lambda s: (f"{rem[s]['transports'].get('shm', 0):g} / {rem[s]['transports'].get('grpc', 0):g}"),
     )
@@ -380,3 +509,60 @@ def _counts(c: dict[str, int]) -> str:
     if "skipped" in c:
         text += f" ({c['skipped']} skipped, told)"
     return text
+
+
+GROUPS = {
+    ISSUE_12: "issue 12, performance round two",
+    "issue 10": "issue 10, training checkpoints (section 7)",
+    "issue 11": "issue 11, object store (section 8)",
+}
+
+
+def targets_text(r: dict[str, Any]) -> str:
+    """The targets block, judged now from `r` (not the list the run stored)."""
+    lines = ["", "targets (ratios against this run's own anchors; medians)"]
+    group = None
+    for t in targets(r):
+        if t["group"] != group:
+            group = t["group"]
+            lines.append(f"  {GROUPS.get(group, group)}")
+        where = f" [{t['size']}]" if t["size"] else ""
+        lines.append(f"    {t['status']:<12}  {t['target']}{where}: {t['detail']}")
+    return "\n".join(lines) + "\n"
+
+
+def render(r: dict[str, Any]) -> str:
+    """The whole printed report of a run's results: the table, sections 8 and 9, the targets.
+
+    A part whose rows an older run cannot fill says so; the targets always print.
+    """
+    from bench import fleet, s3
+
+    parts = []
+    for part in (table if "sizes" in r else s3.header, s3.table, fleet.table):
+        try:
+            parts.append(part(r))
+        except (KeyError, TypeError) as e:
+            parts.append(f"\n({part.__module__}.{part.__name__}: not rendered, the results lack {e})\n")
+    return "".join(parts) + targets_text(r)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.report", description="Prints a run's report again from its JSON, targets judged anew."
+    )
+    p.add_argument("results", type=Path, help="a JSON file `python -m bench --out` wrote")
+    p.add_argument("--targets", action="store_true", help="only the targets, as JSON lines")
+    a = p.parse_args(argv)
+    r = json.loads(a.results.read_text())
+    if not isinstance(r, dict) or "meta" not in r:
+        p.error(f"{a.results} is not the results of `python -m bench` (it has no 'meta')")
+    if a.targets:
+        print("\n".join(json.dumps(t) for t in targets(r)))
+    else:
+        print(render(r), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
