@@ -6,6 +6,7 @@ trainer side is `RemotePolicySaver`, exactly as a trainer would use it.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -24,6 +25,35 @@ def first_save(saver: RemotePolicySaver) -> float:
     if ticket.skipped:
         raise RuntimeError(f"the first save of run {saver.run} was skipped: {ticket.reason}")
     return seconds
+
+
+class _Registered(logging.Handler):
+    """Keeps the export and register seconds of the client's "registered" log record (checkpointd_client.template)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seconds: tuple[float, float] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args
+        if record.msg.startswith("run %s: registered") and isinstance(args, tuple) and len(args) == 6:
+            self.seconds = (float(args[4]), float(args[5]))
+
+
+def first_save_parts(saver: RemotePolicySaver) -> dict[str, float | None]:
+    """`first_save`, and its parts as the client timed them: the template's export (PolicySaver.save
+    into a temp dir, binding, dropping the values) and RegisterRun; None if the client did not say."""
+    logger = logging.getLogger("checkpointd_client.template")
+    handler, level = _Registered(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        seconds = first_save(saver)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    export, register = handler.seconds or (None, None)
+    return {"first_save_seconds": seconds, "first_save_export_seconds": export, "first_save_register_seconds": register}
 
 
 def checkpointd_times(

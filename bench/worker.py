@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 policy, daemon.address, run="trainer-wire", train_step=counter,
                 timeout=SAVE_TIMEOUT, shared_memory=False,
             ) as wire_saver:  # fmt: skip
-                result["remote_wire"] = {"first_save_seconds": remote.first_save(wire_saver)}
+                result["remote_wire"] = remote.first_save_parts(wire_saver)
                 result["remote_wire"].update(
                     remote.checkpointd_times(
                         wire_saver,
