@@ -69,6 +69,9 @@ class Template:
     saved_model_order: tuple[int, ...]  # manifest indexes in SavedModel key order
     checkpoint_order: tuple[int, ...]  # manifest indexes in checkpoint key order
     checksums: dict[str, tuple[int, int]]  # files' (size, CRC32C), for save manifests
+    # The template's FingerprintDef, serialized: every field but checkpoint_hash
+    # hashes saved_model.pb alone, which every save copies unchanged.
+    fingerprint: bytes
 
 
 def _invalid(run: str, what: str) -> InvalidRequestError:
@@ -161,7 +164,23 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
         checkpoint_order=checkpoint_order,
         # Only files copied verbatim: fingerprint.pb is rewritten for every save.
         checksums={p: (len(b), crc32c.crc32c(b)) for p, b in copied},
+        fingerprint=_fingerprint(run, staged_dir),
     )
+
+
+def _fingerprint(run: str, staged_dir: Path) -> bytes:
+    """TensorFlow's FingerprintDef of the uploaded SavedModel (its checkpoint_hash is the template's).
+
+    Computed once here: it parses and hashes the whole graph (a few ms), so a
+    save only replaces checkpoint_hash, the hash of its own variables.index
+    (`checkpointd.formats.policy`).
+    """
+    from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
+
+    try:
+        return bytes(fingerprinting.CreateFingerprintDef(str(staged_dir)))
+    except Exception as e:  # noqa: BLE001 - TF raises several types; all mean the graph cannot be fingerprinted
+        raise _invalid(run, f"saved_model.pb cannot be fingerprinted ({describe(e)})") from None
 
 
 def _checkpoint(run: str, staged_dir: Path, names: set[str]) -> tuple[dict[str, Any], dict[str, Any], bytes, str]:
