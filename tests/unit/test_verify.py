@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,20 @@ def test_manifest_is_not_written_over_an_existing_one(tmp_path: Path) -> None:
     save = make_save(tmp_path / "s")
     with pytest.raises(FileExistsError):
         make_save(save)
+
+
+@pytest.mark.parametrize("kind", ["file-symlink", "dir-symlink", "fifo"])
+def test_a_manifest_is_refused_for_a_save_holding_anything_but_regular_files(tmp_path: Path, kind: str) -> None:
+    odd = tmp_path / "s" / "variables" / "odd"
+    odd.parent.mkdir(parents=True)
+    {
+        "file-symlink": lambda: odd.symlink_to(tmp_path / "elsewhere"),
+        "dir-symlink": lambda: odd.symlink_to(tmp_path, target_is_directory=True),
+        "fifo": lambda: os.mkfifo(odd),
+    }[kind]()
+    with pytest.raises(OSError, match=f"{odd} is not a regular file"):
+        make_save(tmp_path / "s")
+    assert not (tmp_path / "s" / MANIFEST).exists()
 
 
 def test_known_checksums_are_used_only_when_the_size_agrees(tmp_path: Path) -> None:
