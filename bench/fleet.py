@@ -317,7 +317,7 @@ def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
             accepted, committed, manifests = at(r, "accepted"), at(r, "committed"), at(r, "manifests")
             n = accepted - min(committed, manifests)
             met = accepted == committed == manifests and at(r, "flush_failed") == 0
-            detail = f"{n} lost: accepted {accepted}, committed {committed}, manifests {manifests}"
+            detail = f"{n} lost vs limit 0: accepted {accepted}, committed {committed}, manifests {manifests}"
             if r.get("failed_after_accept"):
                 detail += f", failed after the accept (the trainer told) {r['failed_after_accept']}"
             return n, 0, met, detail

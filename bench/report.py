@@ -254,9 +254,7 @@ def _fanin(r: dict[str, Any]) -> list[dict[str, Any]]:
         on_disk, ok, failed = at(f, "on_disk"), at(f, "daemon_ok"), at(f, "failed")
         n = accepted - written
         met = n == 0 and on_disk == written == ok and failed == 0
-        detail = (
-            f"{n} lost: accepted {accepted}, written {written}, on disk {on_disk}, daemon ok {ok:g}, failed {failed}"
-        )
+        detail = f"{n} lost vs limit 0: accepted {accepted}, written {written}, on disk {on_disk}, daemon ok {ok:g}, failed {failed}"
         return n, 0, met, detail
 
     lost_name = "fan-in: zero accepted saves lost"
@@ -494,10 +492,11 @@ def _remote_rows(per_size: Callable[[str, Callable[[str], str]], None], rem: dic
     per_size("save_checkpoint(): call -> durable", lambda s: fmt_time(rem[s]["save_checkpoint_latency"]))
     per_size("save(): bytes written / (call -> durable)", lambda s: fmt_rate(rem[s]["save_throughput"]))
     per_size("1st save(): export, register, save", lambda s: fmt_time(rem[s]["first_save_seconds"]))
-    per_size(
-        "  of which export / register (client's timing)",
-        lambda s: f"{fmt_time(rem[s]['first_save_export_seconds'])} / {fmt_time(rem[s]['first_save_register_seconds'])}",
-    )
+    if any(rem[s].get("first_save_export_seconds") is not None for s in rem):  # 3b, since 32a417e
+        per_size(
+            "  of which export / register (client)",
+            lambda s: f"{fmt_time(rem[s]['first_save_export_seconds'])} / {fmt_time(rem[s]['first_save_register_seconds'])}",
+        )
     per_size(
         "snapshots received: shm / grpc",
         lambda s: (f"{rem[s]['transports'].get('shm', 0):g} / {rem[s]['transports'].get('grpc', 0):g}"),
