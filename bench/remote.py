@@ -36,8 +36,10 @@ class _Registered(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         args = record.args
-        if record.msg.startswith("run %s: registered") and isinstance(args, tuple) and len(args) == 6:
-            self.seconds = (float(args[4]), float(args[5]))
+        if str(record.msg).startswith("run %s: registered") and isinstance(args, tuple) and len(args) == 6:
+            export, register = args[4], args[5]
+            if isinstance(export, float | int) and isinstance(register, float | int):
+                self.seconds = (float(export), float(register))
 
 
 def first_save_parts(saver: RemotePolicySaver) -> dict[str, float | None]:
