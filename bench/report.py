@@ -102,7 +102,8 @@ def at_most(
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every target, met, MISSED or not measured: issue 12's, then sections 7, 8 and 9's.
+    """Every target, met, MISSED or not measured: issue 12's (section 7's slowdown and section 9's
+    among them), then issue 10's (section 7) and issue 11's (section 8), each row with its group.
 
     A target needs the sizes it names: the large-only one is "not measured"
     in a run without large; the per-size ones are judged at the run's sizes.
