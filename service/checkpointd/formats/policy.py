@@ -311,12 +311,13 @@ def _write_tree(template: Template, kind: SaveKind, tmp: Path, snapshot: Snapsho
     else:
         raise SaveFailedError(f"unknown save kind {kind!r}")
     (tmp / "variables").mkdir(exist_ok=True)
-    tf.raw_ops.SaveV2(
-        prefix=str(tmp / VARIABLES_PREFIX),
-        tensor_names=[names[i] for i in order] + [OBJECT_GRAPH_KEY],
-        shape_and_slices=[""] * (len(order) + 1),
-        tensors=[arrays[i] for i in order] + [tf.constant(graph)],
-    )
+    with local.writing(tmp / "variables", template.manifest.nbytes):  # the disk starts while SaveV2 copies
+        tf.raw_ops.SaveV2(
+            prefix=str(tmp / VARIABLES_PREFIX),
+            tensor_names=[names[i] for i in order] + [OBJECT_GRAPH_KEY],
+            shape_and_slices=[""] * (len(order) + 1),
+            tensors=[arrays[i] for i in order] + [tf.constant(graph)],
+        )
     if kind is SaveKind.SAVED_MODEL:
         (tmp / "fingerprint.pb").write_bytes(_fingerprint(template, tmp))
     return sum(

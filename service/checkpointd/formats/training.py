@@ -50,6 +50,7 @@ from checkpointd.protocol.errors import (
 )
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
+from checkpointd.storage import local
 
 # The staged files' stem: `ckpt.index`, `ckpt.data-00000-of-00001`. The
 # Store renames them to the save's own prefix when it commits them.
@@ -151,12 +152,13 @@ class TrainingFormat:
             raise SaveFailedError(f"run {run!r}: the training format writes TRAINING_CHECKPOINT saves only")
         parts = _parts(checkpoint, snapshot, run)
         values = [_value(t, part) for t, part in zip(checkpoint.tensors, parts, strict=True)]
-        tf.raw_ops.SaveV2(
-            prefix=str(staging / STAGED_STEM),
-            tensor_names=[*checkpoint.keys, tensors.OBJECT_GRAPH_KEY],
-            shape_and_slices=[""] * (len(values) + 1),
-            tensors=[*values, tf.constant(checkpoint.object_graph)],
-        )
+        with local.writing(staging, checkpoint.nbytes):  # the disk starts while SaveV2 copies
+            tf.raw_ops.SaveV2(
+                prefix=str(staging / STAGED_STEM),
+                tensor_names=[*checkpoint.keys, tensors.OBJECT_GRAPH_KEY],
+                shape_and_slices=[""] * (len(values) + 1),
+                tensors=[*values, tf.constant(checkpoint.object_graph)],
+            )
         rules = checkpoint.retention
         return Staged(
             path=staging,

@@ -1,0 +1,104 @@
+"""local.Writeback: a file's growth is handed to the disk as it is written, on real files, no TF."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from checkpointd.storage import local
+
+DEADLINE = 10.0
+
+
+class Recorder:
+    """A sync_range that records each call's inode and range, and can wait until a range reaches a byte."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls: list[tuple[int, int, int]] = []  # (inode, offset, nbytes)
+        self._changed = threading.Condition()
+
+    def __call__(self, fd: int, offset: int, nbytes: int) -> None:
+        with self._changed:
+            self.calls.append((os.fstat(fd).st_ino, offset, nbytes))
+            self._changed.notify_all()
+        if self.fail:
+            raise OSError(5, "I/O error")
+
+    def reached(self, inode: int, end: int) -> bool:
+        """Waits (up to DEADLINE) until a call on `inode` covers byte `end - 1`."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: any(i == inode and o + n >= end for i, o, n in self.calls), timeout=DEADLINE
+            )
+
+
+def write_in_steps(path: Path, steps: list[bytes], recorder: Recorder) -> None:
+    """Appends each step once the writeback has seen everything before it."""
+    with open(path, "ab") as f:
+        inode = os.fstat(f.fileno()).st_ino
+        written = os.fstat(f.fileno()).st_size
+        for data in steps:
+            f.write(data)
+            f.flush()
+            written += len(data)
+            assert recorder.reached(inode, written), f"writeback never reached byte {written}"
+
+
+def test_each_range_is_handed_once_in_order_through_a_rename(tmp_path: Path) -> None:
+    recorder = Recorder()
+    steps = [b"a" * 5000, b"b" * 3, b"c" * 70000]
+    with local.Writeback(tmp_path, interval=0.001, sync_range=recorder):
+        write_in_steps(tmp_path / "data.tempstate123", steps, recorder)
+        os.rename(tmp_path / "data.tempstate123", tmp_path / "data")  # as SaveV2 does
+        write_in_steps(tmp_path / "data", [b"d" * 10], recorder)
+    inode = (tmp_path / "data").stat().st_ino
+    assert {c[0] for c in recorder.calls} == {inode}  # one file, followed through its rename
+    ranges = [(offset, nbytes) for _, offset, nbytes in recorder.calls]
+    ends = [offset + nbytes for offset, nbytes in ranges]
+    assert [offset for offset, _ in ranges] == [0, *ends[:-1]]  # contiguous, never twice
+    assert ends[-1] == 5000 + 3 + 70000 + 10
+
+
+def test_every_file_of_the_dir_is_followed_but_not_subdirs(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "below").write_bytes(b"x" * 100)
+    recorder = Recorder()
+    with local.Writeback(tmp_path, interval=0.001, sync_range=recorder):
+        write_in_steps(tmp_path / "index", [b"i" * 10], recorder)
+        write_in_steps(tmp_path / "data", [b"d" * 20], recorder)
+    assert {c[0] for c in recorder.calls} == {(tmp_path / n).stat().st_ino for n in ("index", "data")}
+
+
+def test_errors_are_not_raised_and_files_are_closed(tmp_path: Path) -> None:
+    fds = len(os.listdir("/proc/self/fd"))
+    recorder = Recorder(fail=True)
+    with local.Writeback(tmp_path, interval=0.001, sync_range=recorder):
+        write_in_steps(tmp_path / "data", [b"d" * 10], recorder)
+    assert recorder.calls
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_missing_dir_is_no_error(tmp_path: Path) -> None:
+    recorder = Recorder()
+    with local.Writeback(tmp_path / "absent", interval=0.001, sync_range=recorder):
+        pass
+    assert recorder.calls == []
+
+
+@pytest.mark.skipif(local._libc_sync_file_range() is None, reason="libc has no sync_file_range")  # noqa: SLF001
+def test_libc_sync_file_range_starts_writeback_of_a_real_file(tmp_path: Path) -> None:
+    sync_range = local._libc_sync_file_range()  # noqa: SLF001 - the real call behind the default
+    assert sync_range is not None
+    path = tmp_path / "data"
+    path.write_bytes(b"x" * 100_000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sync_range(fd, 0, 100_000)
+        with pytest.raises(OSError):
+            sync_range(fd, -1, 10)  # EINVAL: the error is raised, with its errno
+    finally:
+        os.close(fd)
