@@ -10,7 +10,9 @@ the daemon's own phase timings:
   SaveRequests), and as Chunk messages;
 - daemon-side steps, run here with the same libraries: parsing the
   requests, `upload.receive_snapshot` (checks, copies into the buffer),
-  NumPy -> tensor conversion, SaveV2 into the page cache, fsync;
+  the daemon's tensors over that buffer (DLPack, no copy) beside TF's own
+  conversion (a copy), SaveV2 into the page cache, then fsync without and
+  with the format's writeback (`storage.local.writing`), alternated;
 - end to end: stall, call -> durable, and the daemon's transfer and write,
   over gRPC (`--transport grpc`, the default: shared memory off, as for a
   trainer on another host) or through shared memory (`--transport shm`).
@@ -101,8 +103,10 @@ def run(
     from bench import agents, scrape
     from bench.config import SIZES
     from bench.inprocess import fsync_tree
+    from checkpointd.formats import policy
     from checkpointd.protocol import wire
     from checkpointd.rpc import upload
+    from checkpointd.storage import local
     from checkpointd.v1 import checkpointd_pb2 as pb
     from checkpointd_client import RemotePolicySaver
     from checkpointd_client import snapshot as snapshots
@@ -181,13 +185,20 @@ def run(
         )
         del encoded
         parts = [a.nbytes for a in snap.arrays]
-        _time(
+        received, _ = _time(
             "upload.receive_snapshot: checks, CRC32C, into the buffer",
             lambda: upload.receive_snapshot(iter(requests), nbytes, _Active(), parts),  # noqa: F821
             reps,
             steps,
         )
         del requests
+        laid_out = [np.frombuffer(r, a.dtype).reshape(a.shape) for r, a in zip(received, snap.arrays, strict=True)]
+        tensors = _time(
+            "the daemon's tensors over the receive buffer (DLPack)",
+            lambda: [policy._tensor(a) if a.nbytes else a for a in laid_out],  # noqa: F821, SLF001 - the format's
+            reps,
+            steps,
+        )
 
         def receive() -> bytearray:
             buffer = bytearray(nbytes)
@@ -204,32 +215,43 @@ def run(
             arrays.append(np.frombuffer(buffer, a.dtype, a.size, offset).reshape(a.shape))
             offset += a.nbytes
         _time(
-            "NumPy views -> tensors (as SaveV2's inputs)",
+            "tf.convert_to_tensor of the views (a copy; not the daemon's)",
             lambda: [tf.convert_to_tensor(a) for a in arrays],  # noqa: F821
             reps,
             steps,
         )
         out = workdir / "savev2"
 
-        def save_v2() -> None:
+        def save_v2(writeback: bool = False) -> None:
             shutil.rmtree(out, ignore_errors=True)
-            out.mkdir(parents=True)
-            tf.raw_ops.SaveV2(
-                prefix=str(out / "variables"),
-                tensor_names=[f"v{i}" for i in range(len(arrays))],  # noqa: F821
-                shape_and_slices=[""] * len(arrays),  # noqa: F821
-                tensors=arrays,  # noqa: F821
-            )
+            (out / "variables").mkdir(parents=True)
+            with local.writing(out / "variables", nbytes if writeback else 0):
+                tf.raw_ops.SaveV2(
+                    prefix=str(out / "variables" / "variables"),
+                    tensor_names=[f"v{i}" for i in range(len(tensors))],  # noqa: F821
+                    shape_and_slices=[""] * len(tensors),  # noqa: F821
+                    tensors=tensors,  # noqa: F821
+                )
 
-        _time("SaveV2 into the page cache (conversion included)", save_v2, reps, steps)
+        _time("SaveV2 of the daemon's tensors into the page cache", save_v2, reps, steps)
 
-        def save_v2_fsync() -> None:
-            save_v2()
+        def save_v2_fsync(writeback: bool) -> None:
+            save_v2(writeback)
             fsync_tree(out)
 
-        _time("SaveV2, then fsync", save_v2_fsync, reps, steps)
+        # The two alternate, so that both see the machine in the same state.
+        labels = {False: "SaveV2, then fsync", True: "SaveV2 with writeback (local.writing), then fsync"}
+        seconds: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(reps):
+            for writeback in (False, True):
+                start = time.perf_counter()
+                save_v2_fsync(writeback)
+                seconds[writeback].append(time.perf_counter() - start)
+        for writeback, label in labels.items():
+            steps[label] = statistics.median(seconds[writeback])
+            print(f"  {label:58s} {steps[label] * 1e3:9.1f} ms", flush=True)
         shutil.rmtree(out, ignore_errors=True)
-        del buffer, arrays, snap, views
+        del buffer, arrays, snap, views, received, laid_out, tensors
 
         print(f"end to end, against the daemon (transport: {transport})")
         spies = []
