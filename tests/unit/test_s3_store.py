@@ -137,3 +137,49 @@ def test_an_upload_carries_content_md5_exactly_where_its_body_is_not_signed(
     else:
         assert "Content-MD5" not in headers
         assert headers["X-Amz-Content-SHA256"] == hashlib.sha256(b"data").hexdigest()
+
+
+def test_the_etag_log_keeps_the_answered_etag_of_awaited_keys_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from botocore.awsrequest import AWSResponse
+
+    from checkpointd.storage.s3 import _ETagLog
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    client = make_client("http://rgw.example", "us-east-1")
+    log = _ETagLog(client)
+    etag = {"a": '"e-a"', "b": '"e-b"', "m": '""'}  # radosgw answers a CompleteMultipartUpload with ""
+
+    def put(request: object, **_: object) -> AWSResponse:  # never leaves the process
+        key = request.url.rsplit("/", 1)[1].split("?")[0]  # type: ignore[attr-defined]
+        response = AWSResponse("", 200, {"ETag": etag[key]}, None)  # type: ignore[arg-type]
+        response._content = b""
+        return response
+
+    def complete(request: object, **_: object) -> AWSResponse:
+        body = f"<CompleteMultipartUploadResult><Key>m</Key><ETag>{etag['m']}</ETag></CompleteMultipartUploadResult>"
+        response = AWSResponse("", 200, {}, None)  # type: ignore[arg-type]
+        response._content = body.encode()
+        return response
+
+    client.meta.events.register("before-send.s3.PutObject", put)
+    client.meta.events.register("before-send.s3.CompleteMultipartUpload", complete)
+    with log.awaiting("bkt", ["a", "m"]) as etags:
+        client.put_object(Bucket="bkt", Key="a", Body=b"1")
+        client.put_object(Bucket="bkt", Key="b", Body=b"2")  # not awaited: the lease's, a manifest
+        client.complete_multipart_upload(Bucket="bkt", Key="m", UploadId="u", MultipartUpload={"Parts": []})
+    assert etags == {"a": "e-a"}  # no ETag for m: the store reads it back with a HEAD
+    client.put_object(Bucket="bkt", Key="a", Body=b"3")  # after the block: nobody awaits it
+    assert etags == {"a": "e-a"}
+
+
+def test_the_staged_files_are_the_manifests_list(tmp_path: Path) -> None:
+    from checkpointd.storage.s3 import MANIFEST, _staged_files
+
+    for rel in ("saved_model.pb", "variables/variables.index", "assets/a/b.txt", MANIFEST):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x")
+    assert _staged_files(tmp_path) == ["assets/a/b.txt", "saved_model.pb", "variables/variables.index"]
+    (tmp_path / "variables" / "link").symlink_to(tmp_path / "saved_model.pb")
+    with pytest.raises(OSError, match="not a regular file"):
+        _staged_files(tmp_path)

@@ -7,20 +7,25 @@ training checkpoint's prefix beside the others of its dir, and the dir's
 
 Rename is not atomic in an object store, so a save is committed thus:
 1. The format writes it into a private local staging dir (SaveV2 needs a
-   filesystem); the save manifest is computed there (every file with its
-   size and CRC32C, `checkpointd.storage.save_manifest`).
-2. An older save at the same place loses its manifest first: it stops
-   counting before any of its objects is replaced.
+   filesystem; not fsynced: the save is durable once in the bucket, and a
+   crash before that loses only an uncommitted save).
+2. An older save at the same place (a HEAD of its manifest) loses its
+   manifest first: it stops counting before any of its objects is replaced.
 3. Every file goes up under its final key through s3transfer (multipart
    above `part_bytes`, parts and files in parallel), each request's body
    checked by the server: its SHA-256 signed by SigV4 over HTTP, a
    Content-MD5 over HTTPS (`make_client`; radosgw neither stores nor checks
-   a CRC32C). Each object's size and ETag are read back.
+   a CRC32C). Meanwhile the save manifest is computed from the staged files
+   (every file with its size and CRC32C, `checkpointd.storage.save_manifest`).
+   Each object's ETag is the one the server answered its upload with, read
+   back with a HEAD (and its size checked) only where the answer had none.
 4. The manifest, with the ETags and the writer (the daemon's lease owner
    id), is created LAST with `IfNoneMatch='*'`: a 412 means another writer
    committed there meanwhile, and the save fails.
-5. Objects under the save that the new manifest does not list (a replaced
-   save's) are deleted.
+5. If a save was replaced, objects under the new one that its manifest does
+   not list (the old save's) are deleted. A save to a new place skips that
+   listing; what a failed save left there has no manifest, and `recover`
+   deletes it after the grace age.
 
 A fleet of daemons shares the bucket; each run is written by the daemon
 holding its lease (`checkpointd.storage.s3_lease`). The store calls the
@@ -54,12 +59,13 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
@@ -226,6 +232,7 @@ class S3Store:
                 use_threads=True,
             ),
         )
+        self._etag_log = _ETagLog(self.client)
         self._lock = threading.Lock()
         self._manifests: dict[str, tuple[str, dict[str, Any]]] = {}  # key -> (ETag, parsed)
         self._fence = fence or (lambda run: None)
@@ -303,43 +310,75 @@ class S3Store:
             files_base, manifest_key = f"{target.parent}/", f"{target}{PREFIX_MANIFEST}"
         else:
             files_base, manifest_key = f"{target}/", f"{target}/{MANIFEST}"
-        manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
-        manifest_file = staged.path / MANIFEST
-        document = json.loads(manifest_file.read_bytes())
-        listed = [entry["path"] for entry in document["files"]]
         self._fence(meta.run)  # a daemon without the run's lease touches nothing of it
         with self._lock:
             self._folder_runs[self._folder_of(target)] = meta.run
-        uploading, uploaded = time.monotonic(), 0
+        uploading, uploaded, replacing = time.monotonic(), 0, False
         try:
-            self._delete_keys([manifest_key])  # an old save here stops counting first
-            uploaded = self._upload(staged, files_base, manifest_key, document, meta)
+            replacing = self._unpublish(manifest_key)  # an old save here stops counting first
+            uploaded, listed, manifest_bytes = self._upload(staged, files_base, manifest_key, meta)
         finally:
             self._on_upload(meta.kind.value, time.monotonic() - uploading, uploaded)
             # The bucket has the save (or it failed): its local copy goes either way,
             # or every save would stay on the daemon's disk until the next start.
             self.discard(staged.path)
-        self._drop_unlisted(files_base, target.name if staged.files_prefix is not None else None, set(listed))
+        if replacing:  # a new place has nothing of another save to tidy (recover takes a failed one's)
+            self._drop_unlisted(files_base, target.name if staged.files_prefix is not None else None, listed)
         return staged.bytes_written + manifest_bytes
 
-    def _upload(
-        self, staged: Staged, files_base: str, manifest_key: str, document: dict[str, Any], meta: SaveMeta
-    ) -> int:
-        """Uploads a save's files, then its manifest (fenced); returns the bytes sent."""
-        listed = [entry["path"] for entry in document["files"]]
-        futures = [self._transfer.upload(str(staged.path / rel), self.bucket, files_base + rel) for rel in listed]
-        for future in futures:
-            future.result()  # raises the first failure; the manifest is not written
-        etags = {}
-        for entry in document["files"]:
-            head = self.client.head_object(Bucket=self.bucket, Key=files_base + entry["path"])
-            if head["ContentLength"] != entry["size"]:
-                raise ChecksumError(
-                    f"{files_base + entry['path']} has {head['ContentLength']} bytes in the bucket, "
-                    f"{entry['size']} were sent"
-                )
-            etags[entry["path"]] = head["ETag"].strip('"')
-        document[_ETAGS] = etags
+    def _unpublish(self, manifest_key: str) -> bool:
+        """Deletes the manifest of a save at `manifest_key`'s place, if there is one; True if there was."""
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=manifest_key)
+        except Exception as e:
+            if _code(e) in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        self._delete_keys([manifest_key])
+        return True
+
+    def _upload(self, staged: Staged, files_base: str, manifest_key: str, meta: SaveMeta) -> tuple[int, set[str], int]:
+        """Uploads a save's files, then its manifest (fenced); returns (bytes sent, files listed, manifest bytes).
+
+        Every file goes up at once; the manifest's CRC32C pass over the
+        staged files (page cache, the crc32c module releases the GIL) runs
+        meanwhile, not before. Each object's ETag is the one its PutObject or
+        CompleteMultipartUpload answered (`_ETagLog`): the server took the
+        whole body, checked against its signed SHA-256 or Content-MD5, so no
+        HEAD per object is needed to learn it. Only an object whose answer
+        had no ETag (radosgw's CompleteMultipartUpload) is read back with a
+        HEAD, its size checked too.
+        """
+        files = _staged_files(staged.path)
+        keys = {files_base + rel: rel for rel in files}
+        futures = []
+        with self._etag_log.awaiting(self.bucket, keys) as etags:
+            try:
+                futures = [self._transfer.upload(str(staged.path / rel), self.bucket, key) for key, rel in keys.items()]
+                manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
+                for future in futures:
+                    future.result()  # raises the first failure; the manifest is not written
+            except BaseException:
+                for future in futures:  # none may still read the staged files once they are discarded
+                    future.cancel()
+                for future in futures:
+                    with contextlib.suppress(BaseException):
+                        future.result()
+                raise
+        document = json.loads((staged.path / MANIFEST).read_bytes())
+        listed = {entry["path"] for entry in document["files"]}
+        if listed != set(files):
+            raise OSError(f"the staged files of {files_base} changed during the upload ({sorted(listed ^ set(files))})")
+        sizes = {entry["path"]: int(entry["size"]) for entry in document["files"]}
+        for key, rel in keys.items():
+            if key not in etags:  # radosgw answers a CompleteMultipartUpload with an empty ETag
+                head = self.client.head_object(Bucket=self.bucket, Key=key)
+                if head["ContentLength"] != sizes[rel]:
+                    raise ChecksumError(
+                        f"{key} has {head['ContentLength']} bytes in the bucket, {sizes[rel]} were sent"
+                    )
+                etags[key] = head["ETag"].strip('"')
+        document[_ETAGS] = {rel: etags[key] for key, rel in keys.items()}
         if self.writer is not None:
             document[_WRITER] = self.writer
         body = (json.dumps(document, indent=1) + "\n").encode("utf-8")
@@ -356,7 +395,7 @@ class S3Store:
             _LOGGER.warning("run %s: the lease was lost while %s was written; withdrawing it", meta.run, manifest_key)
             self._delete_keys([manifest_key])
             raise
-        return sum(int(e["size"]) for e in document["files"]) + len(body)
+        return sum(int(e["size"]) for e in document["files"]) + len(body), listed, manifest_bytes
 
     def _drop_unlisted(self, files_base: str, prefix_name: str | None, listed: set[str]) -> None:
         """Deletes what a replaced save left under the new one's names (best effort)."""
@@ -666,6 +705,74 @@ def _unavailable_on_error(what: str) -> Iterator[None]:
         yield
     except (BotoCoreError, ClientError) as e:
         raise UnavailableError(f"the object store failed {what}: {e}") from e
+
+
+def _staged_files(staged: Path) -> list[str]:
+    """Every file of a staged save but its manifest, '/'-separated, sorted (as its manifest lists them).
+
+    Raises:
+        OSError: an entry is not a regular file (a symlink, say): nothing of
+            the save may go up, as its manifest would refuse it only later.
+    """
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(staged):
+        rel = PurePosixPath(Path(dirpath).relative_to(staged).as_posix())
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                raise OSError(f"{path} is not a regular file; a save holds only regular files")
+            found.append(str(rel / name))
+    return sorted(f for f in found if f != MANIFEST)
+
+
+class _ETagLog:
+    """The ETag each upload of an awaited key was answered with, from the client's own responses.
+
+    s3transfer returns nothing per upload; botocore's documented events do:
+    `before-parameter-build` sees a request's Key (kept in its context),
+    `after-call` its parsed answer. PutObject answers a single-request
+    object's ETag, CompleteMultipartUpload a multipart one's, each only once
+    the server has the whole object. Keys nobody awaits (the leases', the
+    manifests') are not recorded.
+    """
+
+    _OPERATIONS = ("PutObject", "CompleteMultipartUpload")
+
+    def __init__(self, client: Any) -> None:
+        self._lock = threading.Lock()
+        self._awaited: dict[tuple[str, str], dict[str, str]] = {}
+        for operation in self._OPERATIONS:
+            client.meta.events.register(f"before-parameter-build.s3.{operation}", self._note_key)
+            client.meta.events.register(f"after-call.s3.{operation}", self._record)
+
+    @contextlib.contextmanager
+    def awaiting(self, bucket: str, keys: Iterable[str]) -> Iterator[dict[str, str]]:
+        """Records the ETags of `keys`' uploads made inside the block, into the dict it yields (key -> ETag)."""
+        etags: dict[str, str] = {}
+        wanted = [(bucket, key) for key in keys]
+        with self._lock:
+            for item in wanted:
+                self._awaited[item] = etags
+        try:
+            yield etags
+        finally:
+            with self._lock:
+                for item in wanted:
+                    if self._awaited.get(item) is etags:
+                        del self._awaited[item]
+
+    @staticmethod
+    def _note_key(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        context["checkpointd_key"] = (params.get("Bucket"), params.get("Key"))
+
+    def _record(self, parsed: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        item, etag = context.get("checkpointd_key"), str(parsed.get("ETag") or "").strip('"')
+        if item is None or not etag or "Error" in parsed:
+            return
+        with self._lock:
+            etags = self._awaited.get(item)
+            if etags is not None:
+                etags[item[1]] = etag
 
 
 class _Progress:
