@@ -29,6 +29,12 @@ always follows another's deletes (radosgw's garbage collection runs behind
 them). Objects are deleted after each measurement, outside the timing: the
 memstore OSD holds every stored byte in RAM.
 
+An A/B of the S3 store itself: with CHECKPOINTD_BENCH_S3_BASE_TREE=DIR (a
+`git worktree` of an older commit), the worker starts a third daemon on its
+own prefix from DIR's `service/` and saves to it in the same rotation; its
+stall and call -> committed are in the JSON under "s3_base" (not in the
+table, and not a target).
+
 Targets (from the medians): S3 commit throughput >= 0.7 x the raw boto3 PUT,
 and the stall on S3 at most 1.25 x the stall on the local root (the trainer
 side is the same code; only noise should differ).
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import json
 import os
@@ -334,22 +341,53 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     except BaseException:
         local.terminate()
         raise
+    base_tree = os.environ.get("CHECKPOINTD_BENCH_S3_BASE_TREE")
+    s3_base = None
+    try:
+        if base_tree:  # the A/B's old code: the same daemon, from the other tree's service/
+            s3_base = start_daemon(
+                f"s3://{args.bucket}/{prefix}-base",  # type: ignore[arg-type]
+                work / "s3-base-daemon",
+                "--work-dir",
+                str(work / "s3-base-work"),
+                "--s3-endpoint-url",
+                args.endpoint,
+                "--s3-region",
+                REGION,
+                env={"PYTHONPATH": str(Path(base_tree) / "service")},
+            )
+            result["s3_base_tree"] = base_tree
+    except BaseException:
+        local.terminate()
+        s3.terminate()
+        raise
     result["daemon_logs"] = [str(local.log_path), str(s3.log_path)]
     samples: dict[str, list[dict[str, float]]] = {"local": [], "s3": []}
+    if s3_base is not None:
+        samples["s3_base"] = []
     raw_seconds: dict[str, list[float]] = {name: [] for name in raws}
     try:
-        with (
-            RemotePolicySaver(policy, local.address, run="trainer", train_step=counter, timeout=SAVE_TIMEOUT) as ls,
-            RemotePolicySaver(policy, s3.address, run="trainer", train_step=counter, timeout=SAVE_TIMEOUT) as ss,
-        ):
+        with contextlib.ExitStack() as savers:
+            ls, ss = (
+                savers.enter_context(
+                    RemotePolicySaver(policy, d.address, run="trainer", train_step=counter, timeout=SAVE_TIMEOUT)
+                )
+                for d in (local, s3)
+            )
             say("1st saves (export, register, save) on each daemon")
             result["first_save_seconds"] = {"local": remote.first_save(ls), "s3": remote.first_save(ss)}
+            bs = None
+            if s3_base is not None:
+                bs = savers.enter_context(
+                    RemotePolicySaver(policy, s3_base.address, run="trainer", train_step=counter, timeout=SAVE_TIMEOUT)
+                )
+                result["first_save_seconds"]["s3_base"] = remote.first_save(bs)
             warm = _files(local.root / "trainer" / "first")
             for key, raw in raws.items():  # connections up, as the daemon's are after its 1st save
                 raw(warm, f"{prefix}/raw-warmup/{key}/")
             delete_prefix(client, args.bucket, f"{prefix}/raw-warmup/")
             phases_before = phase_totals(s3.metrics_url)
-            order = ["s3", *raws]
+            order = ["s3", *(["s3_base"] if bs is not None else []), *raws]
             for i in range(args.reps):
                 name = f"save-{i}"
                 samples["local"].append(_timed_save(ls, name))  # its files are the raw PUTs' bytes
@@ -360,6 +398,9 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
                     if key == "s3":
                         samples["s3"].append(_timed_save(ss, name))
                         gone = f"{prefix}/trainer/{name}/"
+                    elif key == "s3_base":
+                        samples["s3_base"].append(_timed_save(bs, name))
+                        gone = f"{prefix}-base/trainer/{name}/"
                     else:
                         gone = f"{prefix}/raw/{key}-{i}/"
                         raw_seconds[key].append(_timed_raw(raws[key], files, gone))
@@ -367,12 +408,16 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
                         raise RuntimeError(f"nothing under {gone} in the bucket after the {key} upload")
                 shutil.rmtree(local.root / "trainer" / name)
                 say(
-                    f"rep {i + 1}/{args.reps}: S3 commit {samples['s3'][-1]['latency']:.2f} s, raw "
+                    f"rep {i + 1}/{args.reps}: S3 commit {samples['s3'][-1]['latency']:.2f} s, "
+                    + (f"base {samples['s3_base'][-1]['latency']:.2f} s, " if bs is not None else "")
+                    + "raw "
                     + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in raw_seconds.items())
                 )
             result["s3_phase_mean_seconds"] = phase_means(phases_before, phase_totals(s3.metrics_url))
     finally:
         codes = {"local": local.terminate(), "s3": s3.terminate()}
+        if s3_base is not None:
+            codes["s3_base"] = s3_base.terminate()
     result["daemon_exit_codes"] = codes
     raw_bytes = sum(sizes)
     result.update(
