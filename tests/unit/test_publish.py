@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from checkpointd.core.ports import SaveMeta, Staged
 from checkpointd.protocol.errors import SaveFailedError
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.names import MANIFEST_NAME
 from checkpointd.storage import local
 
 _HEX = "0123456789abcdef"
@@ -132,6 +135,55 @@ def test_fsync_tree_syncs_a_tree_and_a_single_file(tmp_path: Path, monkeypatch: 
     synced.clear()
     local.fsync_tree(root / "a.txt")
     assert synced == ["a.txt"]
+
+
+def test_a_commit_fsyncs_every_file_and_dir_once_the_dirs_after_the_manifest_all_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = local.LocalStore(tmp_path / "root")
+    target = store.target("run1", "policy_3")
+    staging = make(store.stage(target), {"saved_model.pb": "g", "variables/variables.index": "i"})
+    (staging / "assets").mkdir()
+    events: list[str] = []
+    opened: dict[int, str] = {}
+    real_open, real_close, real_rename = os.open, os.close, os.rename
+
+    def name(path: str | os.PathLike[str]) -> str:
+        return os.path.relpath(path, staging) if Path(path).is_relative_to(staging) else str(path)
+
+    def recording_open(path: str | os.PathLike[str], flags: int, *args: int) -> int:
+        fd = real_open(path, flags, *args)
+        opened[fd] = name(path)
+        return fd
+
+    def recording_close(fd: int) -> None:
+        opened.pop(fd, None)  # its number may be reused
+        real_close(fd)
+
+    def recording_rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(f"rename {name(src)}")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    monkeypatch.setattr(os, "close", recording_close)
+    monkeypatch.setattr(os, "rename", recording_rename)
+    # The manifest is fsynced through the file object that wrote it, whose fd os.open did not make.
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(f"fsync {opened.get(fd, MANIFEST_NAME)}"))
+    meta = SaveMeta("run1", SaveKind.SAVED_MODEL, 3, "policy_3")
+    try:
+        store.commit(Staged(staging, 2, {"checkpointd": "0"}), target, meta)
+    finally:
+        store.close()
+
+    synced = [e.removeprefix("fsync ") for e in events if e.startswith("fsync ")]
+    files = ["saved_model.pb", os.path.join("variables", "variables.index"), MANIFEST_NAME]
+    dirs = [".", "variables", "assets"]
+    assert sorted(synced) == sorted([*files, *dirs, str(target.parent)])  # each once, the run's folder too
+    for d in dirs:
+        assert synced.index(d) > synced.index(MANIFEST_NAME)
+    assert synced.index(".") > max(synced.index("variables"), synced.index("assets"))
+    assert events[-2:] == ["rename .", f"fsync {target.parent}"]
+    assert (target / MANIFEST_NAME).is_file()
 
 
 def test_remove_quietly_removes_trees_files_and_ignores_the_absent(tmp_path: Path) -> None:

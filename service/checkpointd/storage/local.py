@@ -77,7 +77,7 @@ def make_temp_sibling(target: Path) -> Path:
     return tmp
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: Path | str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -85,7 +85,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_file(path: Path) -> None:
+def _fsync_file(path: Path | str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -103,12 +103,27 @@ def fsync_tree(path: Path) -> None:
     if not path.is_dir() or path.is_symlink():
         _fsync_file(path)
         return
-    for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
+    for directory in _fsync_files(path):
+        _fsync_dir(directory)
+
+
+def _fsync_files(path: Path, skip: str | None = None) -> list[str]:
+    """Fsyncs every regular file under the dir `path`; returns the dirs, `path` last, each after the dirs in it.
+
+    Symlinks are not followed, nor is the file `path/<skip>` synced (a
+    commit's manifest, which its writer syncs). The dirs are for the caller
+    to fsync once no entry is added to them any more (`fsync_tree` at once;
+    a commit after the manifest).
+    """
+    dirs = []
+    top = os.fspath(path)
+    for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
         for name in filenames:
-            file = Path(dirpath, name)
-            if not file.is_symlink():
+            file = os.path.join(dirpath, name)
+            if not os.path.islink(file) and not (name == skip and dirpath == top):
                 _fsync_file(file)
-        _fsync_dir(Path(dirpath))
+        dirs.append(dirpath)
+    return dirs
 
 
 # sync_file_range(2)'s SYNC_FILE_RANGE_WRITE: start writing the range's dirty pages out, without waiting.
@@ -236,13 +251,15 @@ def remove_quietly(path: Path) -> None:
         _LOGGER.warning("could not remove %s: %s", path, e)
 
 
-def publish_dir(tmp: Path, target: Path, *, fsync: bool = True) -> None:
+def publish_dir(tmp: Path, target: Path, *, fsync: bool = True, synced: bool = False) -> None:
     """Renames the finished tree `tmp` to `target`, replacing an old tree.
 
     Args:
         tmp: A complete tree, usually from `make_temp_sibling(target)`.
         target: The published path; an existing directory there is replaced.
         fsync: Whether to fsync the tree and the parent (off only in tests).
+        synced: The caller has fsynced every file and dir of `tmp` already
+            (`LocalStore.commit`); only the parent is fsynced here.
 
     Raises:
         SaveFailedError: if `target` exists and is not a directory.
@@ -250,7 +267,7 @@ def publish_dir(tmp: Path, target: Path, *, fsync: bool = True) -> None:
     """
     tmp, target = Path(tmp), Path(target)
     parent = target.parent
-    if fsync:
+    if fsync and not synced:
         fsync_tree(tmp)
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         # A symlink to a directory is refused too: renaming over it would
@@ -406,18 +423,21 @@ class LocalStore:
         if staged.files_prefix is not None:  # named as they will be, so the manifest lists them so
             prefix.rename_staged(staged.path, staged.files_prefix, target.name)
         # The disk flushes the files while the manifest's CRCs read them
-        # back from the page cache (both release the GIL); publishing then
-        # fsyncs only what is still dirty: the manifest and the dirs.
-        syncing = self._syncer.submit(fsync_tree, staged.path) if self._fsync else None
+        # back from the page cache (both release the GIL); then the manifest
+        # is fsynced as it is written, and each dir once, after its last
+        # entry (the manifest's, for the save's own dir): every file and dir
+        # once, before the rename.
+        syncing = self._syncer.submit(_fsync_files, staged.path, save_manifest.MANIFEST_NAME) if self._fsync else None
         try:
-            manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
+            manifest_bytes = save_manifest.write_staged_manifest(staged, meta, fsync=self._fsync)
         finally:
-            if syncing is not None:
-                syncing.result()  # raises its OSError; the tree is not published
+            dirs = syncing.result() if syncing is not None else []  # raises its OSError; the tree is not published
+        for directory in dirs:
+            _fsync_dir(directory)
         if staged.files_prefix is not None:
             prefix.publish(staged.path, target, fsync=self._fsync)
         else:
-            publish_dir(staged.path, target, fsync=self._fsync)
+            publish_dir(staged.path, target, fsync=self._fsync, synced=True)
         return staged.bytes_written + manifest_bytes
 
     def discard(self, staged: Path) -> None:

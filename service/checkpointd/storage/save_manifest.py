@@ -151,7 +151,7 @@ def _staged_entries(save_dir: str) -> list[tuple[str, str, os.stat_result]]:
     return found
 
 
-def write_staged_manifest(staged: Staged, meta: SaveMeta) -> int:
+def write_staged_manifest(staged: Staged, meta: SaveMeta, *, fsync: bool = False) -> int:
     """`write_manifest` for a staged save: what every Store's commit writes last; returns its bytes."""
     return write_manifest(
         staged.path,
@@ -162,6 +162,7 @@ def write_staged_manifest(staged: Staged, meta: SaveMeta) -> int:
         versions=staged.versions,
         known=staged.known,
         extra=staged.extra,
+        fsync=fsync,
     )
 
 
@@ -176,6 +177,7 @@ def write_manifest(
     known: Mapping[str, tuple[int, int]] | None = None,
     created: float | None = None,
     extra: Mapping[str, Any] | None = None,
+    fsync: bool = False,
 ) -> int:
     """Writes `save_dir/checkpointd.manifest.json` listing every other file there.
 
@@ -192,6 +194,7 @@ def write_manifest(
         created: Unix time of the save; default now.
         extra: more top-level fields (e.g. "numpy_state"); they may not
             replace the ones above.
+        fsync: fsync the manifest once written (its dir is the caller's).
 
     Returns:
         The manifest's size in bytes.
@@ -227,6 +230,9 @@ def write_manifest(
     data = (json.dumps(document, indent=1) + "\n").encode("utf-8")
     with open(save_dir / MANIFEST_NAME, "xb") as f:
         f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     return len(data)
 
 
