@@ -41,6 +41,7 @@ from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, S
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.tensors import TEMPLATE_OBJECT_GRAPH
 from checkpointd.saves.pipeline import write_save
+from checkpointd.storage import save_manifest
 from checkpointd.storage.local import LocalStore
 from checkpointd.storage.save_manifest import MANIFEST_NAME
 from checkpointd_client import snapshot as client_snapshot
@@ -250,6 +251,14 @@ def test_fingerprint_is_true_for_the_written_content(case: Case) -> None:
     assert ours == fresh
     # The daemon reuses the template's graph hashes: the file is still TF's own, byte for byte.
     assert (case.out_sm / "fingerprint.pb").read_bytes() == created
+
+
+def test_the_manifest_sums_known_from_memory_are_the_files_on_disk(case: Case) -> None:
+    # Template files, fingerprint.pb and the index are summed from memory, not read back.
+    for out in (case.out_sm, case.out_ck):
+        report = save_manifest.verify_dir(out)
+        assert report.ok, report.reason
+        assert report.files == len(files_under(out)) - 1
 
 
 def test_checkpoint_is_the_layout_of_save_checkpoint(case: Case) -> None:

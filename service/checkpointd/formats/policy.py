@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import crc32c
+
 from checkpointd import __version__
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
@@ -190,7 +192,7 @@ class PolicyFormat:
             size = sum(sizes)
         if size != manifest.nbytes:
             raise SaveFailedError(f"run {run!r}: snapshot has {size} bytes; the manifest needs {manifest.nbytes}")
-        written = _write_tree(template, kind, staging, snapshot)
+        written, known = _write_tree(template, kind, staging, snapshot)
         extra = None
         if numpy_state is not None:
             written += numpy_files.write(staging, numpy_state)
@@ -204,7 +206,7 @@ class PolicyFormat:
             path=staging,
             bytes_written=written,
             versions=_versions(),
-            known=template.checksums if kind is SaveKind.SAVED_MODEL else None,
+            known=known,
             extra=extra,
         )
 
@@ -289,8 +291,16 @@ def _tensor(array: Any) -> Any:
     return array
 
 
-def _write_tree(template: Template, kind: SaveKind, tmp: Path, snapshot: Snapshot) -> int:
-    """Writes a save's files into the empty dir `tmp`; returns their total size."""
+def _write_tree(
+    template: Template, kind: SaveKind, tmp: Path, snapshot: Snapshot
+) -> tuple[int, dict[str, tuple[int, int]] | None]:
+    """Writes a save's files into the empty dir `tmp`.
+
+    Returns:
+        Their total size, and the (size, CRC32C) of those whose bytes were in
+        memory here (a SAVED_MODEL's template files, fingerprint.pb and the
+        index it hashes), so that the manifest need not read them back.
+    """
     import tensorflow as tf
 
     arrays = _arrays(template.manifest, snapshot)
@@ -318,27 +328,33 @@ def _write_tree(template: Template, kind: SaveKind, tmp: Path, snapshot: Snapsho
             shape_and_slices=[""] * (len(order) + 1),
             tensors=[arrays[i] for i in order] + [tf.constant(graph)],
         )
+    known = None
     if kind is SaveKind.SAVED_MODEL:
-        (tmp / "fingerprint.pb").write_bytes(_fingerprint(template, tmp))
-    return sum(
+        index = (tmp / (VARIABLES_PREFIX + ".index")).read_bytes()
+        fingerprint = _fingerprint(template, index)
+        (tmp / "fingerprint.pb").write_bytes(fingerprint)
+        known = dict(template.checksums)
+        for rel, content in (("fingerprint.pb", fingerprint), ("variables/variables.index", index)):  # manifest paths
+            known[rel] = (len(content), crc32c.crc32c(content))
+    written = sum(
         os.path.getsize(os.path.join(dirpath, name)) for dirpath, _, filenames in os.walk(tmp) for name in filenames
     )
+    return written, known
 
 
-def _fingerprint(template: Template, tmp: Path) -> bytes:
+def _fingerprint(template: Template, index: bytes) -> bytes:
     """The written SavedModel's fingerprint.pb: the template's, with the save's own checkpoint_hash.
 
     What TensorFlow's `CreateFingerprintDef(tmp)` returns, byte for byte, at a
     fraction of its cost (it parses and hashes the whole graph, 1-3 ms, for
     fields that depend on saved_model.pb alone, which every save copies from
     the template): checkpoint_hash is TF's `HashCheckpointIndexFile`, the
-    Fingerprint64 of `variables/variables.index`, which `tf.fingerprint`
-    computes for a string.
+    Fingerprint64 of `variables/variables.index` (`index`, as written), which
+    `tf.fingerprint` computes for a string.
     """
     import tensorflow as tf
     from tensorflow.core.protobuf import fingerprint_pb2
 
-    index = (tmp / (VARIABLES_PREFIX + ".index")).read_bytes()
     digest = tf.fingerprint(tf.constant([index]), method="farmhash64").numpy()  # [1, 8] uint8, little-endian
     fingerprint = fingerprint_pb2.FingerprintDef.FromString(template.fingerprint)
     fingerprint.checkpoint_hash = int.from_bytes(digest.tobytes(), "little")
