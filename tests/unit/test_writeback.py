@@ -1,4 +1,4 @@
-"""local.Writeback: a file's growth is handed to the disk as it is written, on real files, no TF."""
+"""local.Writeback: a file's growth is handed to the disk as it is written (and for which saves), on real files, no TF."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from checkpointd.core.ports import SaveMeta, Staged
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.storage import local
+from checkpointd.storage.local import LocalStore
 
 DEADLINE = 10.0
+META = SaveMeta("run", SaveKind.CHECKPOINT, 1, "save")
 
 
 class Recorder:
@@ -102,3 +106,27 @@ def test_libc_sync_file_range_starts_writeback_of_a_real_file(tmp_path: Path) ->
             sync_range(fd, -1, 10)  # EINVAL: the error is raised, with its errno
     finally:
         os.close(fd)
+
+
+def test_only_an_fsyncing_local_stores_large_staging_is_written_back(tmp_path: Path) -> None:
+    synced = LocalStore(tmp_path / "synced")
+    unsynced = LocalStore(tmp_path / "unsynced", fsync=False)
+    try:
+        staging = synced.stage(synced.target("run", "save"))
+        (staging / "variables").mkdir()
+        big = local.WRITEBACK_BYTES
+        assert isinstance(local.writing(staging, big), local.Writeback)  # a training checkpoint's files
+        assert isinstance(local.writing(staging / "variables", big), local.Writeback)  # a policy's
+        assert not isinstance(local.writing(staging, big - 1), local.Writeback)  # small: fsync is latency
+        other = unsynced.stage(unsynced.target("run", "save"))
+        assert not isinstance(local.writing(other, big), local.Writeback)
+        (tmp_path / "s3-staging").mkdir()
+        assert not isinstance(local.writing(tmp_path / "s3-staging", big), local.Writeback)  # another store's
+        synced.discard(staging)
+        assert not isinstance(local.writing(staging, big), local.Writeback)  # forgotten once discarded
+        again = synced.stage(synced.target("run", "save"))
+        synced.commit(Staged(path=again, bytes_written=0, versions={}), synced.target("run", "save"), META)
+        assert not isinstance(local.writing(again, big), local.Writeback)  # and once committed
+    finally:
+        synced.close()
+        unsynced.close()

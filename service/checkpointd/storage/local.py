@@ -234,9 +234,23 @@ class Writeback:
                 os.close(fd)
 
 
+# The staging dirs of LocalStores that fsync, while they are being written:
+# only their files are handed to the disk early. Another store's staging (the
+# S3 store's is never fsynced: a save is durable once in the bucket) would
+# only be written to disk for nothing.
+_fsynced_staging: set[Path] = set()
+_fsynced_staging_lock = threading.Lock()
+
+
 def writing(directory: Path, nbytes: int) -> contextlib.AbstractContextManager[object]:
-    """`Writeback(directory)` for a write of `nbytes` of at least WRITEBACK_BYTES, else nothing."""
-    return Writeback(directory) if nbytes >= WRITEBACK_BYTES else contextlib.nullcontext()
+    """`Writeback(directory)` for a write of `nbytes` (at least WRITEBACK_BYTES) into a staging dir
+    of a LocalStore that fsyncs (`directory` or its parent), else nothing."""
+    directory = Path(directory)
+    if nbytes < WRITEBACK_BYTES:
+        return contextlib.nullcontext()
+    with _fsynced_staging_lock:
+        fsynced = directory in _fsynced_staging or directory.parent in _fsynced_staging
+    return Writeback(directory) if fsynced else contextlib.nullcontext()
 
 
 def remove_quietly(path: Path) -> None:
@@ -416,10 +430,15 @@ class LocalStore:
         return resolve_export_dir(self.root, folder, export_dir)
 
     def stage(self, target: PurePath) -> Path:
-        return make_temp_sibling(Path(target))
+        staging = make_temp_sibling(Path(target))
+        if self._fsync:
+            with _fsynced_staging_lock:
+                _fsynced_staging.add(staging)
+        return staging
 
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         target = Path(target)
+        _unstage(staged.path)
         if staged.files_prefix is not None:  # named as they will be, so the manifest lists them so
             prefix.rename_staged(staged.path, staged.files_prefix, target.name)
         # The disk flushes the files while the manifest's CRCs read them
@@ -441,6 +460,7 @@ class LocalStore:
         return staged.bytes_written + manifest_bytes
 
     def discard(self, staged: Path) -> None:
+        _unstage(staged)
         remove_quietly(staged)
 
     def committed(self, folder: str, run: str | None) -> list[CommittedSave]:
@@ -517,6 +537,11 @@ class LocalStore:
     def _folder_dir(self, folder: str) -> Path:
         # Absolute and real, as resolve_export_dir makes save paths.
         return Path(os.path.realpath(self.root / check_run_name(folder)))
+
+
+def _unstage(staging: Path) -> None:
+    with _fsynced_staging_lock:
+        _fsynced_staging.discard(Path(staging))
 
 
 def _is_run_name(name: str) -> bool:
