@@ -84,26 +84,23 @@ def file_checksum(path: Path, progress: Progress | None = None, *, mapped: bool 
     nobody truncates meanwhile (a save's own temp dir), as a read past a
     truncation is a SIGBUS, not an error.
     """
-    if mapped:
-        with open(path, "rb") as f:
-            length = os.fstat(f.fileno()).st_size
-            if length >= _READ_BYTES:
-                value = 0
-                # A window at a time (see _MAP_BYTES): the whole file mapped
-                # would add its size to the daemon's RSS.
-                for start in range(0, length, _MAP_BYTES):
-                    size = min(_MAP_BYTES, length - start)
-                    with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ, offset=start) as window:
-                        with memoryview(window) as view:
-                            value = crc32c.crc32c(view, value)
-                    if progress is not None:
-                        progress(size)
-                return length, value
     size, value = 0, 0
     with open(path, "rb", buffering=0) as f:
+        length = os.fstat(f.fileno()).st_size
+        if mapped and length >= _READ_BYTES:
+            # A window at a time (see _MAP_BYTES): the whole file mapped
+            # would add its size to the daemon's RSS.
+            for start in range(0, length, _MAP_BYTES):
+                size = min(_MAP_BYTES, length - start)
+                with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ, offset=start) as window:
+                    with memoryview(window) as view:
+                        value = crc32c.crc32c(view, value)
+                if progress is not None:
+                    progress(size)
+            return length, value
         # No bigger than the file (+1 to see its end in one read): a zeroed
         # 4 MiB buffer costs more than checksumming a small save's file.
-        buffer = bytearray(min(_READ_BYTES, os.fstat(f.fileno()).st_size + 1))
+        buffer = bytearray(min(_READ_BYTES, length + 1))
         view = memoryview(buffer)
         while n := f.readinto(buffer):
             value = crc32c.crc32c(view[:n], value)
