@@ -5,12 +5,19 @@ it once per template: at the first save, and again after `register_function`.
 Each save asks the daemon, which answers at once whether it accepted or
 skipped the save; an accepted one then costs a host copy of the variables
 (taken before save() returns) and a stream to the daemon.
+
+On the daemon's host, once a save has been accepted into shared memory, a
+later non-blocking save of the same layout does not ask: it takes the run's
+busy lock itself (`checkpointd_client.held`), copies into the segment and
+hands the Save call to the upload thread, so its stall is the copy; a save
+skipped that way is reported to the daemon with the next Save or Flush.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -30,12 +37,18 @@ from checkpointd.protocol import wire
 from checkpointd.protocol.address import with_default_port
 from checkpointd.protocol.codes import error_for
 from checkpointd.protocol.credentials import open_channel, read_token
-from checkpointd.protocol.errors import CheckpointdError, DeadlineError, RunClosedError, UnavailableError
+from checkpointd.protocol.errors import (
+    CheckpointdError,
+    DeadlineError,
+    RunClosedError,
+    SaveFailedError,
+    UnavailableError,
+)
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, check_run_name
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import graph_mode, shm, snapshot, template
+from checkpointd_client import graph_mode, held, shm, snapshot, template
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import options as options_lib
 from checkpointd_client import restore as restore_lib
@@ -192,6 +205,11 @@ class RemotePolicySaver(PolicySaverFacade):
             max_workers=4, thread_name_prefix=f"checkpointd-upload-{self._run}"
         )
         self._segment: shm.SegmentMap | None = None  # the daemon's segment, mapped here
+        # The busy lock and segment once a save was accepted into shared memory (see held).
+        self._held: held.HeldPath | None = None
+        self._held_busy = False  # this saver's held save is in flight (guarded by _lock)
+        self._busy_locks: dict[str, held.BusyLock] = {}  # by path: one fd each, closed by close()
+        self._local_skips = held.LocalSkips()  # skipped under the lock, not yet reported
 
     # Saving.
 
@@ -290,6 +308,11 @@ class RemotePolicySaver(PolicySaverFacade):
             step = self._graph_reads.step() if self._graph_reads is not None else int(train_step.numpy())
             self._last_step = step
             ticket = SaveTicket(export_dir, kind, step)
+            if not blocking and self._held is not None:
+                taken = self._save_held(ticket, bindings, train_step, numpy_state, callbacks)
+                if taken is not None:
+                    handed_off = taken  # a skip needs no upload
+                    return ticket
             stream, bindings, offer = self._decide(ticket, numpy_state, bindings, blocking)
             if ticket.skipped:
                 return ticket  # nothing was copied
@@ -318,6 +341,160 @@ class RemotePolicySaver(PolicySaverFacade):
             if not handed_off:
                 self._release()
 
+    def _save_held(
+        self,
+        ticket: SaveTicket,
+        bindings: snapshot.Bindings,
+        train_step: tf.Variable,
+        numpy_state: NumpySnapshot | None,
+        callbacks: tuple[options_lib.WriteCallback, ...],
+    ) -> bool | None:
+        """A non-blocking save decided here under the run's busy lock (see `checkpointd_client.held`).
+
+        Returns None if it must go the ordinary way (another layout, or the
+        daemon that offered the lock stopped); False if skipped (`ticket`
+        says so); True once the snapshot is in the segment and the Save call
+        is queued on the upload thread (which ends the ticket and the lock).
+        """
+        path = self._held
+        nbytes = snapshot.nbytes(bindings) + (numpy_state.nbytes if numpy_state is not None else 0)
+        if path is None or not path.fits(bindings, nbytes):
+            return None
+        with self._lock:
+            reason = ""
+            if self._held_busy:
+                reason = "this saver's previous save of the run is in flight"
+            elif path.lock.stale():
+                self._held = None  # the daemon that made it stopped
+                return None
+            elif not path.lock.try_take():
+                reason = "another save of the run is in flight (its busy lock is taken)"
+            else:
+                self._held_busy = True
+                self._uploading += 1
+        if reason:
+            _LOGGER.warning(
+                "run %s: %s of step %s to %r skipped: %s",
+                *(self._run, ticket.kind.value, ticket.step, ticket.export_dir, reason),
+            )
+            self._local_skips.add(to_wire(ticket.kind), ticket.export_dir, ticket.step)
+            ticket._skip(reason)  # noqa: SLF001 - the saver's side completes tickets
+            return False
+        try:
+            values = self._graph_reads.values(bindings) if self._graph_reads is not None else None
+            snap = path.segment.snapshot(bindings, train_step, numpy_state, values)
+            self._uploads.submit(self._upload_held, path, ticket, bindings, numpy_state, snap, callbacks)
+        except BaseException:
+            self._end_held(path)
+            raise
+        return True
+
+    def _upload_held(
+        self, path: held.HeldPath, ticket: SaveTicket, bindings: snapshot.Bindings,
+        numpy_state: NumpySnapshot | None, snap: snapshot.Snapshot, callbacks: tuple[options_lib.WriteCallback, ...],
+    ) -> None:  # fmt: skip
+        """The held save's call, on the upload thread: header, decision, then the end of the snapshot."""
+        try:
+            skips = self._local_skips.take()
+            header = pb.SaveHeader(
+                run=self._run,
+                kind=to_wire(ticket.kind),
+                export_dir=ticket.export_dir,
+                step=ticket.step,
+                variables=bindings.header_protos,
+                snapshot_bytes=path.snapshot_bytes,
+                numpy_state=numpy_state.to_proto() if numpy_state is not None else None,
+                shared_memory=True,
+                held=path.held(),
+                local_skips=skips,
+            )
+            stream = SaveStream(self._save_stub, header, self._timeout)
+            try:
+                decision = stream.decision()
+                if not decision.accepted:
+                    raise SaveFailedError(
+                        f"the daemon skipped a save sent holding the run's busy lock: {decision.reason}"
+                    )
+            except BaseException as e:
+                stream.close()
+                self._drop_held(path)  # the next save asks (and registers again after NOT_FOUND)
+                error = e
+                if isinstance(e, grpc.RpcError):
+                    code, details = rpc_error(e)
+                    doing = f"saving run {self._run!r} step {ticket.step} to {ticket.export_dir!r}"
+                    error = self._named(error_for(code, details), doing)
+                    error.__cause__ = e
+                _LOGGER.warning(
+                    "run %s: %s of step %s to %r failed: %s: %s",
+                    *(self._run, ticket.kind.value, ticket.step, ticket.export_dir, type(error).__name__, error),
+                )
+                self._unlock_held(path)
+                ticket._fail(error)  # noqa: SLF001 - the saver's side completes tickets
+                if not isinstance(e, Exception):
+                    raise
+                return
+            offer = decision.shared_memory if decision.HasField("shared_memory") else None
+            unlock = functools.partial(self._unlock_held, path)
+            if offer is not None and offer.path == path.segment.path:
+                stream.finish(ticket, [shm.WRITTEN], self._run, unlock)
+            else:
+                # The daemon let the segment go (its cap, a re-registration): the
+                # snapshot goes as chunks from our map of it; the next save asks.
+                self._drop_held(path)
+                stream.finish(ticket, snap.encoded_chunks(self._chunk_bytes), self._run, unlock)
+            result = ticket.result(0) if callbacks and ticket.exception(0) is None else None
+            if result is not None:
+                options_lib.call_write_callbacks(callbacks, result.path)
+        except Exception:
+            if not ticket.done():
+                raise
+            _LOGGER.exception(
+                "run %s: a write callback of the save of step %s to %r raised", self._run, ticket.step,
+                ticket.export_dir,
+            )  # fmt: skip
+        finally:
+            self._end_held(path)
+            self._release()
+
+    def _unlock_held(self, path: held.HeldPath) -> None:
+        """Lets go of the busy lock a held save took, once its call has ended; idempotent."""
+        with self._lock:
+            if self._held_busy:
+                path.lock.release()
+                self._held_busy = False
+
+    def _end_held(self, path: held.HeldPath) -> None:
+        """Lets go of the busy lock (if still held), then of the save."""
+        self._unlock_held(path)
+        self._uploaded()
+
+    def _drop_held(self, path: held.HeldPath) -> None:
+        """Stops saving without asking through `path`; its lock fd goes once no save holds it."""
+        with self._lock:
+            if self._held is path:
+                self._held = None
+
+    def _adopt_held(
+        self, segment: shm.SegmentMap, offer: pb.SharedMemory, bindings: snapshot.Bindings, snapshot_bytes: int
+    ) -> None:
+        """After an accept into shared memory: later non-blocking saves of this layout need not ask."""
+        if not offer.lock_path:
+            return  # an older daemon: no busy lock
+        with self._lock:
+            lock = self._busy_locks.get(offer.lock_path)
+        if lock is None:
+            try:
+                lock = held.BusyLock(offer.lock_path)
+            except OSError as e:
+                _LOGGER.info(
+                    "run %s: cannot open the run's busy lock %s (%s); saves ask the daemon",
+                    *(self._run, offer.lock_path, e.strerror or e),
+                )
+                return
+        with self._lock:
+            self._busy_locks[offer.lock_path] = lock
+            self._held = held.HeldPath(segment, lock, bindings, snapshot_bytes)
+
     def _decide(
         self,
         ticket: SaveTicket,
@@ -341,6 +518,7 @@ class RemotePolicySaver(PolicySaverFacade):
                 snapshot_bytes=snapshot.nbytes(bindings) + (numpy_state.nbytes if numpy_state is not None else 0),
                 numpy_state=numpy_state.to_proto() if numpy_state is not None else None,
                 shared_memory=self._use_shm,
+                local_skips=self._local_skips.take(),
             )
             stream = SaveStream(self._save_stub, header, self._timeout)
             try:
@@ -384,6 +562,8 @@ class RemotePolicySaver(PolicySaverFacade):
             segment = shm.open_offer(offer, self._segment, self._run)
             if segment is not None:
                 self._segment = segment
+                nbytes = snapshot.nbytes(bindings) + (numpy_state.nbytes if numpy_state is not None else 0)
+                self._adopt_held(segment, offer, bindings, nbytes)
                 return segment.snapshot(bindings, train_step, numpy_state, values), [shm.WRITTEN]
             self._use_shm = False  # the daemon is not on this host (or not this user's)
             self._segment = None
@@ -614,6 +794,10 @@ class RemotePolicySaver(PolicySaverFacade):
             with self._lock:
                 self._closed = True
             self._uploads.shutdown(wait=False)  # flush() saw every upload end
+            with self._lock:
+                locks, self._busy_locks, self._held = list(self._busy_locks.values()), {}, None
+            for lock in locks:
+                lock.close()
             self._channel.close()
             # The step of the last save call: reading the live one would need TF
             # (and a session, for a graph-mode policy) just for a log line.
@@ -622,10 +806,16 @@ class RemotePolicySaver(PolicySaverFacade):
     def _call_run(self, method: Callable[..., Any], request: type, deadline: float | None) -> None:
         """Calls Flush or CloseRun for this run; a daemon that lost the run has nothing to do."""
         left = _left(deadline)
+        message = request(run=self._run, timeout_seconds=left or 0.0)
+        skips = self._local_skips.take() if request is pb.FlushRequest else []
+        if skips:
+            message.local_skips.extend(skips)
         try:
-            method(request(run=self._run, timeout_seconds=left or 0.0), timeout=left)
+            method(message, timeout=left)
         except grpc.RpcError as e:
             code, details = rpc_error(e)
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._local_skips.put_back(skips)  # not delivered: with the next call
             if code != grpc.StatusCode.NOT_FOUND:
                 doing = "flushing" if request is pb.FlushRequest else "closing"
                 raise self._named(error_for(code, details), f"{doing} run {self._run!r}") from e

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
@@ -87,11 +87,16 @@ class SaveStream:
         except grpc.RpcError:
             pass  # the skip is already known; how the call ends adds nothing
 
-    def finish(self, ticket: SaveTicket, requests: Iterable[bytes], run: str) -> None:
+    def finish(
+        self, ticket: SaveTicket, requests: Iterable[bytes], run: str, on_end: Callable[[], None] | None = None
+    ) -> None:
         """Uploads an accepted snapshot and completes `ticket` with the daemon's answer.
 
         The save's own failure is not raised: it is stored on the ticket (so
-        `ticket.result()` raises it) and logged at WARNING.
+        `ticket.result()` raises it) and logged at WARNING. `on_end` is called
+        once the call has ended, before the ticket completes (a held save
+        lets go of the run's busy lock there, so a save made once
+        `ticket.result()` returns finds it free).
         """
         start = time.monotonic()
         where = (run, ticket.kind.value, ticket.step, ticket.export_dir)
@@ -104,13 +109,20 @@ class SaveStream:
                 error = error_for(*rpc_error(e))
                 error.__cause__ = e
             _LOGGER.warning("run %s: %s of step %s to %r failed: %s: %s", *where, type(error).__name__, error)
+            self.close()
+            if on_end is not None:
+                on_end()
             ticket._fail(error)  # noqa: SLF001 - the saver's side completes tickets
             return
         except BaseException as e:  # interrupted: end the ticket, then let it through
+            self.close()
+            if on_end is not None:
+                on_end()
             ticket._fail(e)  # noqa: SLF001
             raise
-        finally:
-            self.close()
+        self.close()
+        if on_end is not None:
+            on_end()
         _LOGGER.info(
             "run %s: %s of step %s to %r durable at %s (%s bytes; daemon %.3f s, here %.3f s)",
             *where,

@@ -335,7 +335,11 @@ class SavePipeline:
         )  # fmt: skip
         # This daemon writes the run only while it holds its lease (no request
         # while it does); held elsewhere: refused before anything is counted.
-        lock = self._held_lock(run, request.held) if request.held is not None else self._lock(run)
+        # A run's lock is made by its first save that may use shared memory:
+        # until a trainer has been offered it, nobody else can hold it.
+        lock = (
+            self._held_lock(run, request.held) if request.held is not None else self._lock(run, request.shared_memory)
+        )
         self.leases.hold(run, None)
         # Reserved before the lane decides: past a limit the request is refused
         # like bad input, before anything is allocated or counted.
@@ -364,8 +368,8 @@ class SavePipeline:
         for skip in skips:
             self._skips.skipped(run, skip.kind.value, skip.export_dir, skip.step, _LOCAL_REASON)
 
-    def _lock(self, run: str) -> RunLock | None:
-        return self._shm.lock(run) if self._shm is not None else None
+    def _lock(self, run: str, make: bool = True) -> RunLock | None:
+        return self._shm.lock(run, make=make) if self._shm is not None else None
 
     def _held_lock(self, run: str, held: HeldSave) -> RunLock:
         """The run's busy lock, if it is the one a held request names; else HeldSaveError."""

@@ -74,6 +74,7 @@ class _Run:
     folder: str
     lock: RunLock | None = None  # the run's busy lock, held by the daemon while `locked`
     locked: bool = False
+    held_ticket: Ticket | None = None  # the held save in flight (its trainer holds the lock)
 
 
 class Lanes:
@@ -173,8 +174,9 @@ class Lanes:
                 lock = entry.lock
                 if held:
                     return self._begin_held(run, entry, spec)
-                if lock is not None and not entry.locked:
-                    # Idle, or a trainer's held save in flight (which it holds the lock for).
+                trainers = lane.in_flight is not None and lane.in_flight is entry.held_ticket
+                if lock is not None and not entry.locked and (lane.idle or trainers):
+                    # Free, or held by a trainer: now, or for a held save in flight.
                     if lane.idle and lock.try_hold():
                         entry.locked = True
                     elif not spec.blocking:
@@ -226,6 +228,7 @@ class Lanes:
             )
         ticket = lane.request(spec, draining=self._draining)
         assert isinstance(ticket, Ticket) and ticket.state is TicketState.ACTIVE
+        entry.held_ticket = ticket
         return ticket
 
     def _wait_poll(
@@ -265,7 +268,14 @@ class Lanes:
         """Ends an accepted save; the next queued blocking save starts."""
         with self._cond:
             entry = self._runs[run]
-            entry.lane.finish(ticket, outcome)
+            if entry.held_ticket is ticket:
+                entry.held_ticket = None
+            started = entry.lane.finish(ticket, outcome)
+            if started is not None and entry.lock is not None and not entry.locked:
+                # A save queued before the run had a lock: it holds it from now on.
+                entry.locked = entry.lock.try_hold()
+                if not entry.locked:
+                    _LOGGER.warning("run %s: its busy lock is held elsewhere while a save starts", run)
             self._unlock_idle(entry)  # before the caller hears the result
             self._cond.notify_all()
 

@@ -239,14 +239,14 @@ class SharedMemory:
             self._segments[run] = segment
         return segment
 
-    def lock(self, run: str) -> RunLock | None:
-        """The run's busy lock, made at the first call; None if it cannot be made (logged once).
+    def lock(self, run: str, *, make: bool = True) -> RunLock | None:
+        """The run's busy lock, made at the first call with `make`; None if it cannot be made (logged once).
 
         Kept until `close()`, whatever happens to the run's segment.
         """
         with self._lock:
             lock = self._locks.get(run)
-            if lock is not None:
+            if lock is not None or not make:
                 return lock
             try:
                 lock = self._locks[run] = RunLock(self._dir / f"{run}.lock")
