@@ -259,6 +259,10 @@ def test_the_manifest_sums_known_from_memory_are_the_files_on_disk(case: Case) -
         report = save_manifest.verify_dir(out)
         assert report.ok, report.reason
         assert report.files == len(files_under(out)) - 1
+    # What the commit says it wrote: every file, the manifest too.
+    assert case.written[SaveKind.SAVED_MODEL] == sum(
+        (case.out_sm / rel).stat().st_size for rel in files_under(case.out_sm)
+    )
 
 
 def test_checkpoint_is_the_layout_of_save_checkpoint(case: Case) -> None:

@@ -309,7 +309,7 @@ def _write_tree(
         for rel in template.dirs:
             (tmp / rel).mkdir(exist_ok=True)
         for rel, content in template.files:
-            (tmp / rel).write_bytes(content)
+            _write_new(os.path.join(tmp, rel), content)
         order, names, graph = (
             template.saved_model_order,
             [v.key for v in variables],
@@ -332,14 +332,29 @@ def _write_tree(
     if kind is SaveKind.SAVED_MODEL:
         index = (tmp / (VARIABLES_PREFIX + ".index")).read_bytes()
         fingerprint = _fingerprint(template, index)
-        (tmp / "fingerprint.pb").write_bytes(fingerprint)
+        _write_new(os.path.join(tmp, "fingerprint.pb"), fingerprint)
         known = dict(template.checksums)
         for rel, content in (("fingerprint.pb", fingerprint), ("variables/variables.index", index)):  # manifest paths
             known[rel] = (len(content), crc32c.crc32c(content))
+        # Every file is in `known` but the data shards, the only ones to stat.
+        with os.scandir(tmp / "variables") as entries:
+            shards = sum(e.stat(follow_symlinks=False).st_size for e in entries if f"variables/{e.name}" not in known)
+        return sum(size for size, _ in known.values()) + shards, known
     written = sum(
         os.path.getsize(os.path.join(dirpath, name)) for dirpath, _, filenames in os.walk(tmp) for name in filenames
     )
     return written, known
+
+
+def _write_new(path: str, content: bytes) -> None:
+    """Writes a new file (the staging dir is the save's own) with three syscalls, not Python's buffered six."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(content)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def _fingerprint(template: Template, index: bytes) -> bytes:
