@@ -159,6 +159,19 @@ def test_symlink_inside_the_run_pointing_outside_is_refused(tmp_path: Path, run_
         resolve_export_dir(run_dir.parent, "run-1", "escape/deeper/policy")
 
 
+def test_a_symlink_deeper_in_the_export_dir_pointing_outside_is_refused(tmp_path: Path, run_dir: Path) -> None:
+    (tmp_path / "outside").mkdir()
+    (run_dir / "policies" / "real").mkdir(parents=True)
+    (run_dir / "policies" / "escape").symlink_to(tmp_path / "outside")
+
+    with pytest.raises(InvalidRequestError, match="symlink"):
+        resolve_export_dir(run_dir.parent, "run-1", "policies/escape/policy_5")
+    # Real dirs all the way, or not there yet: the path as given, under the run's real folder.
+    real_run = Path(os.path.realpath(run_dir))
+    assert resolve_export_dir(run_dir.parent, "run-1", "policies/real/policy_5") == real_run / "policies/real/policy_5"
+    assert resolve_export_dir(run_dir.parent, "run-1", "absent/policy_5") == real_run / "absent/policy_5"
+
+
 def test_dangling_symlink_pointing_outside_is_refused(tmp_path: Path, run_dir: Path) -> None:
     (run_dir / "later").symlink_to(tmp_path / "not-yet")
 

@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path, PurePath
@@ -387,10 +388,30 @@ def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
     relative = check_export_dir(export_dir)
     run_dir = Path(os.path.realpath(root / run))
     target = run_dir / relative
-    real = Path(os.path.realpath(target))
-    if real != target and run_dir not in real.parents:
-        raise InvalidRequestError(f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)")
+    # `run_dir` is real and `relative` has no '.' or '..': without a symlink
+    # below `run_dir`, `target` is its own realpath. Looking for one costs an
+    # lstat per part of `relative`, not per part of the whole path (twice per
+    # save: at the accept and at the write).
+    if _has_symlink(run_dir, relative.parts):
+        real = Path(os.path.realpath(target))
+        if real != target and run_dir not in real.parents:
+            raise InvalidRequestError(
+                f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)"
+            )
     return target
+
+
+def _has_symlink(base: Path, parts: tuple[str, ...]) -> bool:
+    """Whether `base/parts[0]`, `base/parts[0]/parts[1]`, ... holds a symlink (up to the first absent one)."""
+    path = os.fspath(base)
+    for part in parts:
+        path = os.path.join(path, part)
+        try:
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                return True
+        except OSError:
+            return False  # absent (or unreadable) here and below: realpath keeps the rest as it is
+    return False
 
 
 class LocalStore:
