@@ -305,14 +305,13 @@ class RemotePolicySaver(PolicySaverFacade):
             bindings = self._registered(options=template_options)
             train_step = self._saver._train_step  # noqa: SLF001 - PolicySaver exposes no other way
             numpy_state = self._numpy.take() if self._numpy is not None else None
-            step = self._graph_reads.step() if self._graph_reads is not None else int(train_step.numpy())
-            self._last_step = step
-            ticket = SaveTicket(export_dir, kind, step)
             if not blocking and self._held is not None:
-                taken = self._save_held(ticket, bindings, train_step, numpy_state, callbacks)
-                if taken is not None:
-                    handed_off = taken  # a skip needs no upload
-                    return ticket
+                held_ticket = self._save_held(export_dir, kind, bindings, train_step, numpy_state, callbacks)
+                if held_ticket is not None:
+                    handed_off = not held_ticket.skipped  # a skip needs no upload
+                    return held_ticket
+            step = self._read_step(train_step)
+            ticket = SaveTicket(export_dir, kind, step)
             stream, bindings, offer = self._decide(ticket, numpy_state, bindings, blocking)
             if ticket.skipped:
                 return ticket  # nothing was copied
@@ -341,20 +340,27 @@ class RemotePolicySaver(PolicySaverFacade):
             if not handed_off:
                 self._release()
 
+    def _read_step(self, train_step: tf.Variable) -> int:
+        step = self._graph_reads.step() if self._graph_reads is not None else int(train_step.numpy())
+        self._last_step = step
+        return step
+
     def _save_held(
         self,
-        ticket: SaveTicket,
+        export_dir: str,
+        kind: SaveKind,
         bindings: snapshot.Bindings,
         train_step: tf.Variable,
         numpy_state: NumpySnapshot | None,
         callbacks: tuple[options_lib.WriteCallback, ...],
-    ) -> bool | None:
+    ) -> SaveTicket | None:
         """A non-blocking save decided here under the run's busy lock (see `checkpointd_client.held`).
 
         Returns None if it must go the ordinary way (another layout, or the
-        daemon that offered the lock stopped); False if skipped (`ticket`
-        says so); True once the snapshot is in the segment and the Save call
-        is queued on the upload thread (which ends the ticket and the lock).
+        daemon that offered the lock stopped); else its ticket: skipped, or
+        not once the snapshot is in the segment and the Save call is queued
+        on the upload thread (which ends the ticket and lets go of the lock).
+        An eager policy's step is the snapshot's own (one read fewer).
         """
         path = self._held
         nbytes = snapshot.nbytes(bindings) + (numpy_state.nbytes if numpy_state is not None else 0)
@@ -373,21 +379,27 @@ class RemotePolicySaver(PolicySaverFacade):
                 self._held_busy = True
                 self._uploading += 1
         if reason:
+            ticket = SaveTicket(export_dir, kind, self._read_step(train_step))
             _LOGGER.warning(
                 "run %s: %s of step %s to %r skipped: %s",
                 *(self._run, ticket.kind.value, ticket.step, ticket.export_dir, reason),
             )
             self._local_skips.add(to_wire(ticket.kind), ticket.export_dir, ticket.step)
             ticket._skip(reason)  # noqa: SLF001 - the saver's side completes tickets
-            return False
+            return ticket
         try:
-            values = self._graph_reads.values(bindings) if self._graph_reads is not None else None
+            reads = self._graph_reads
+            step = self._read_step(train_step) if reads is not None else None
+            values = reads.values(bindings) if reads is not None else None
             snap = path.segment.snapshot(bindings, train_step, numpy_state, values)
+            if step is None:
+                step = self._last_step = snap.step
+            ticket = SaveTicket(export_dir, kind, step)
             self._uploads.submit(self._upload_held, path, ticket, bindings, numpy_state, snap, callbacks)
         except BaseException:
             self._end_held(path)
             raise
-        return True
+        return ticket
 
     def _upload_held(
         self, path: held.HeldPath, ticket: SaveTicket, bindings: snapshot.Bindings,
