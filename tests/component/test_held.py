@@ -261,3 +261,19 @@ def test_a_trainer_lock_taken_between_two_saves_keeps_each_exact(shm_rig) -> Non
     assert stats.skipped == len(decisions) - accepted
     assert len(rig.store.saves()) == stats.ok
     lock.close()
+
+
+def test_closing_the_run_unlinks_its_lock_and_a_reopened_run_refuses_the_old_one(shm_rig) -> None:
+    rig, _ = shm_rig
+    first, lock = first_save(rig)
+    rig.pipeline.close_run("a", LIMIT)
+    assert os.fstat(lock._fd).st_nlink == 0  # noqa: SLF001 - the trainer's staleness check
+    rig.register("a")  # reopened
+
+    assert lock.take()  # a trainer that missed the close
+    with pytest.raises(HeldSaveError, match="not this daemon's"):
+        rig.save(held_request(first, "stale"))
+    lock.release()
+    decision, result = rig.save(shm_request("fresh", step=3))
+    assert decision.accepted and decision.lock_path != first.lock_path and isinstance(result, Result)
+    lock.close()

@@ -153,7 +153,7 @@ def test_a_killed_process_holding_the_lock_does_not_wedge_the_run(
     daemon = fresh_daemon("--shm-dir", str(tmp_path))
     saver, step = savers(daemon, "killed")
     _ready(saver, "ready")
-    (lock_file,) = tmp_path.glob("checkpointd-*/killed.lock")
+    (lock_file,) = tmp_path.glob("checkpointd-*/killed-*.lock")
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(lock_file)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"

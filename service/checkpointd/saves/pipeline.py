@@ -474,6 +474,8 @@ class SavePipeline:
         self.runs.close(run, timeout)
         if self._shm is not None:
             self._shm.drop(run)
+            self.runs.forget_lock(run)
+            self._shm.drop_lock(run)  # its trainers' next saves ask, and hear the run is closed
         # Retention of its last saves (under the lease, on a shared store) ends
         # before the close returns: the dir is then as CheckpointManager leaves it.
         self.retention.wait_idle()

@@ -169,9 +169,10 @@ class Lanes:
             while True:
                 entry = self._get(run)
                 lane = entry.lane
-                if lock is not None and entry.lock is None:
+                lane.check_open(spec, draining=self._draining)  # a closed run's lock is not touched
+                if lock is not None and not lock.closed and (entry.lock is None or entry.lock.closed):
                     entry.lock = lock
-                lock = entry.lock
+                lock = entry.lock if entry.lock is not None and not entry.lock.closed else None
                 if held:
                     return self._begin_held(run, entry, spec)
                 trainers = lane.in_flight is not None and lane.in_flight is entry.held_ticket
@@ -247,6 +248,14 @@ class Lanes:
         if entry.locked and entry.lane.idle and entry.lock is not None:
             entry.lock.release()
             entry.locked = False
+
+    def forget_lock(self, run: str) -> None:
+        """Lets go of the run's busy lock (its run closed); the next save that may use shared memory brings a new one."""
+        with self._cond:
+            entry = self._runs.get(run)
+            if entry is not None and entry.lock is not None:
+                entry.lock.release()
+                entry.lock, entry.locked = None, False
 
     def skipped_elsewhere(self, run: str, kinds: Sequence[SaveKind]) -> None:
         """Counts saves of `run` its trainer skipped on its own (one per kind listed).

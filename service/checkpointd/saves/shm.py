@@ -24,9 +24,13 @@ Safety:
   (its pid no longer runs).
 
 Busy locks (the trainer's skip-if-busy without a round trip): beside the
-segments, each run has an empty 0600 lock file, made at its first offer and
-kept until the daemon stops (segments come and go under the cap; a lock
-file that changed under a trainer would let two saves in at once). The
+segments, each run has an empty 0600 lock file, made by its first save that
+may use shared memory and kept until the run is closed or the daemon stops
+(segments come and go under the cap; the lock file does not). Closing the
+run unlinks it, so its trainers' next saves see st_nlink 0 and ask the
+daemon (which answers FAILED_PRECONDITION for the closed run); a reopened
+run gets a lock file of another name, and a held save naming the old one
+is refused. The
 invariant is "a save of the run is in flight <=> someone holds an exclusive
 flock(2) of it": the daemon holds it (through `RunLock`, its own open file
 description) for each save it accepts the ordinary way, and a trainer on
@@ -108,8 +112,9 @@ class RunLock:
             OSError: it cannot be opened.
         """
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self.held = False
+        self.closed = False
 
     def try_hold(self) -> bool:
         """Takes the exclusive flock without waiting; False if someone else holds it."""
@@ -128,8 +133,12 @@ class RunLock:
             self.held = False
 
     def close(self) -> None:
-        self.release()
-        os.close(self._fd)
+        """Unlinks the file (trainers holding it see st_nlink 0) and closes it."""
+        if not self.closed:
+            self.closed = True
+            self.path.unlink(missing_ok=True)
+            self.release()
+            os.close(self._fd)
 
 
 class SharedMemory:
@@ -248,8 +257,9 @@ class SharedMemory:
             lock = self._locks.get(run)
             if lock is not None or not make:
                 return lock
+            self._serial += 1
             try:
-                lock = self._locks[run] = RunLock(self._dir / f"{run}.lock")
+                lock = self._locks[run] = RunLock(self._dir / f"{run}-{self._serial}.lock")
             except OSError as e:
                 if run not in self._warned:
                     self._warned.add(run)
@@ -269,6 +279,13 @@ class SharedMemory:
             self._busy.discard(run)
         if segment is not None:
             segment.close()
+
+    def drop_lock(self, run: str) -> None:
+        """Removes the run's busy lock file (the run was closed, its lane idle); a later save makes a new one."""
+        with self._lock:
+            lock = self._locks.pop(run, None)
+        if lock is not None:
+            lock.close()
 
     def close(self) -> None:
         """Frees every segment and removes the folder."""
