@@ -37,8 +37,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import crc32c
-
 from checkpointd import __version__
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
@@ -335,7 +333,7 @@ def _write_tree(
         _write_new(os.path.join(tmp, "fingerprint.pb"), fingerprint)
         known = dict(template.checksums)
         for rel, content in (("fingerprint.pb", fingerprint), ("variables/variables.index", index)):  # manifest paths
-            known[rel] = (len(content), crc32c.crc32c(content))
+            known[rel] = policy_template.size_and_crc(content)
         # Every file is in `known` but the data shards, the only ones to stat.
         with os.scandir(tmp / "variables") as entries:
             shards = sum(e.stat(follow_symlinks=False).st_size for e in entries if f"variables/{e.name}" not in known)

@@ -163,9 +163,14 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
         saved_model_order=saved_model_order,
         checkpoint_order=checkpoint_order,
         # Only files copied verbatim: fingerprint.pb is rewritten for every save.
-        checksums={p: (len(b), crc32c.crc32c(b)) for p, b in copied},
+        checksums={p: size_and_crc(b) for p, b in copied},
         fingerprint=_fingerprint(run, staged_dir),
     )
+
+
+def size_and_crc(content: bytes) -> tuple[int, int]:
+    """(size, CRC32C) of a file's bytes, as save manifests list it (`known`)."""
+    return len(content), crc32c.crc32c(content)
 
 
 def _fingerprint(run: str, staged_dir: Path) -> bytes:
