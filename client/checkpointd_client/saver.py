@@ -227,7 +227,11 @@ class RemotePolicySaver(PolicySaverFacade):
         returns once the daemon has accepted or skipped the save (skipped if
         another save of this run is in flight); an accepted snapshot is then
         uploaded in the background and `ticket.result()` waits until it is
-        durable. With `blocking`, the daemon waits for the in-flight save and
+        durable. On the daemon's host, after a save accepted into shared
+        memory, the decision is this saver's own, as exact, under the run's
+        busy lock (`checkpointd_client.held`): no round trip, and the Save
+        call is made in the background; the daemon's refusals of such a save
+        (e.g. its budget is full) then fail the ticket instead of raising here. With `blocking`, the daemon waits for the in-flight save and
         this returns once the save is durable.
 
         Args:

@@ -61,7 +61,11 @@ class SaveTicket:
 
     @property
     def skipped(self) -> bool:
-        """True if the daemon skipped the save because another was in flight."""
+        """True if the save was skipped because another save of the run was in flight.
+
+        Decided by the daemon, or by the saver itself under the run's busy
+        lock (`checkpointd_client.held`); exact either way.
+        """
         return self._skipped
 
     @property
