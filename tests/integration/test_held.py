@@ -53,7 +53,7 @@ def savers(policy: object) -> Iterator[Callable[..., tuple[RemotePolicySaver, tf
 
 
 def _held_saves(daemon: Daemon, run: str) -> int:
-    return sum(1 for line in daemon.log().splitlines() if f"saved run={run} " in line and "-held" in line)
+    return sum(1 for line in daemon.log().splitlines() if f"saved run={run} " in line and " held=yes " in line)
 
 
 def _ready(saver: RemotePolicySaver, export_dir: str) -> None:
@@ -132,7 +132,7 @@ def test_a_segment_dropped_under_the_cap_falls_back_to_chunks_and_commits(
     ticket = a.save("after-drop")  # held, into a's old map: the daemon offers no segment
     assert not ticket.skipped
     assert ticket.result(TIMEOUT) is not None and saved_step(daemon.root / "lru-a" / "after-drop") == 0
-    assert "export_dir=after-drop" in daemon.log() and "transport=grpc-held" in daemon.log()
+    assert "export_dir=after-drop" in daemon.log() and "held=yes transport=grpc" in daemon.log()
     # The next save asks again, and is offered the new segment.
     assert a.save("again", blocking=True).result(TIMEOUT) is not None
     assert counts(daemon, "lru-a") == (3, 0, 0)

@@ -438,7 +438,7 @@ class SavePipeline:
             release()  # before the caller hears the result, so its next save fits
             self.runs.finish(run, ticket, outcome)
             seconds = time.time() - (ticket.accepted_at or time.time())
-            _log_outcome(request, run, outcome, seconds, transport + ("-held" if request.held is not None else ""))
+            _log_outcome(request, run, outcome, seconds, transport)
         assert isinstance(outcome, Written)
         yield Result(outcome.path, outcome.bytes_written, seconds, request.step, request.kind)
 
@@ -562,10 +562,11 @@ def check_folder(folder: str) -> str:
 
 def _log_outcome(request: SaveRequest, run: str, outcome: Written | Failed, seconds: float, transport: str) -> None:
     if isinstance(outcome, Written):
+        # held=yes: the trainer decided it under the run's busy lock (no skip decision here).
         _LOGGER.info(
-            "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs transport=%s",
+            "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs%s transport=%s",
             run, request.kind.value, request.export_dir, request.step, outcome.bytes_written,
-            seconds, transport,
+            seconds, " held=yes" if request.held is not None else "", transport,
         )  # fmt: skip
     else:
         _LOGGER.warning(
