@@ -8,16 +8,18 @@ training checkpoint's prefix beside the others of its dir, and the dir's
 Rename is not atomic in an object store, so a save is committed thus:
 1. The format writes it into a private local staging dir (SaveV2 needs a
    filesystem; not fsynced: the save is durable once in the bucket, and a
-   crash before that loses only an uncommitted save).
+   crash before that loses only an uncommitted save); the save manifest is
+   computed there (every file with its size and CRC32C,
+   `checkpointd.storage.save_manifest`), before any upload: run beside the
+   uploads, on 2 cores that also serve radosgw, the pass slowed a large
+   save's commit (interleaved A/B, 400 MB: 1.79 s before, 2.79 s beside).
 2. An older save at the same place (a HEAD of its manifest) loses its
    manifest first: it stops counting before any of its objects is replaced.
 3. Every file goes up under its final key through s3transfer (multipart
    above `part_bytes`, parts and files in parallel), each request's body
    checked by the server: its SHA-256 signed by SigV4 over HTTP, a
    Content-MD5 over HTTPS (`make_client`; radosgw neither stores nor checks
-   a CRC32C). Meanwhile the save manifest is computed from the staged files
-   (every file with its size and CRC32C, `checkpointd.storage.save_manifest`).
-   Each object's ETag is the one the server answered its upload with, read
+   a CRC32C). Each object's ETag is the one the server answered its upload with, read
    back with a HEAD (and its size checked) only where the answer had none.
 4. The manifest, with the ETags and the writer (the daemon's lease owner
    id), is created LAST with `IfNoneMatch='*'`: a 412 means another writer
@@ -340,9 +342,7 @@ class S3Store:
     def _upload(self, staged: Staged, files_base: str, manifest_key: str, meta: SaveMeta) -> tuple[int, set[str], int]:
         """Uploads a save's files, then its manifest (fenced); returns (bytes sent, files listed, manifest bytes).
 
-        Every file goes up at once; the manifest's CRC32C pass over the
-        staged files (page cache, the crc32c module releases the GIL) runs
-        meanwhile, not before. Each object's ETag is the one its PutObject or
+        Every file goes up at once. Each object's ETag is the one its PutObject or
         CompleteMultipartUpload answered (`_ETagLog`): the server took the
         whole body, checked against its signed SHA-256 or Content-MD5, so no
         HEAD per object is needed to learn it. Only an object whose answer
@@ -352,10 +352,10 @@ class S3Store:
         files = _staged_files(staged.path)
         keys = {files_base + rel: rel for rel in files}
         futures = []
+        manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
         with self._etag_log.awaiting(self.bucket, keys) as etags:
             try:
                 futures = [self._transfer.upload(str(staged.path / rel), self.bucket, key) for key, rel in keys.items()]
-                manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
                 for future in futures:
                     future.result()  # raises the first failure; the manifest is not written
             except BaseException:
