@@ -187,6 +187,7 @@ class _Trainer(threading.Thread):
         self.saves = 0  # how many were
         self.cut = 0
         self.killed = threading.Event()
+        self.first_durable = threading.Event()  # one checkpoint of this trial committed
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -202,6 +203,7 @@ class _Trainer(threading.Thread):
                 if not ticket.skipped:  # one save at a time: none is skipped, but the API allows it
                     ticket.result(_DEADLINE)
                     self.durable, self.saves = self.step, self.saves + 1
+                    self.first_durable.set()
             except CheckpointdError as exc:
                 if not self.killed.is_set():
                     self.error = exc
@@ -407,6 +409,13 @@ class _Harness:
         try:
             driver.start()
             trainer.start()
+            if self.figures.trials == 0:
+                # The first kill comes after a committed checkpoint (never replaced in
+                # place, unlike a policy export dir), so every run has a manifest to check
+                # and a save to load, however the load on the machine times the kills.
+                until = time.monotonic() + _DEADLINE
+                while trainer.is_alive() and time.monotonic() < until and not trainer.first_durable.wait(0.05):
+                    pass  # a trainer that failed ends the wait; its error is reported below
             aim = self.rng.choice(AIMS if self.size == "large" else ("random", "unmanifested"))
             self.figures.aims[aim] += 1
             self.last = (aim, "", "")
