@@ -24,51 +24,16 @@ it stops (its folder is removed); the saver then goes the ordinary way
 
 from __future__ import annotations
 
-import fcntl
-import os
 import threading
 from dataclasses import dataclass
 
+from checkpointd.protocol.busy_lock import BusyLock
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client.shm import SegmentMap
 from checkpointd_client.snapshot import Bindings
 
 # The most local skips one message reports; the rest wait for the next one.
 MOST_PER_MESSAGE = 4096
-
-
-class BusyLock:
-    """This saver's own open file description of a run's busy lock file."""
-
-    def __init__(self, path: str) -> None:
-        """Opens the lock file the daemon offered.
-
-        Raises:
-            OSError: it cannot be opened here.
-        """
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-
-    def stale(self) -> bool:
-        """True once the daemon that made the file has removed it (it stopped)."""
-        try:
-            return os.fstat(self._fd).st_nlink == 0
-        except OSError:
-            return True
-
-    def try_take(self) -> bool:
-        """Takes the exclusive flock without waiting; False if anyone else holds it."""
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
-
-    def release(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        os.close(self._fd)  # lets go of the flock too
 
 
 @dataclass

@@ -8,8 +8,6 @@ contends with the daemon's even in this process). Every wait is bounded by LIMIT
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +18,7 @@ import pytest
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.retention import RetentionPolicy
 from checkpointd.formats.pool import WriterPool
+from checkpointd.protocol.busy_lock import BusyLock
 from checkpointd.protocol.codes import code_for
 from checkpointd.protocol.errors import DeadlineError
 from checkpointd.protocol.kinds import SaveKind
@@ -62,37 +61,16 @@ def shm_rig(tmp_path: Path) -> Iterator[tuple[Rig, SharedMemory]]:
         memory.close()
 
 
-class TrainerLock:
-    """The trainer's own open file description of the run's lock file."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR)
-
-    def take(self) -> bool:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
-
-    def release(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
 def shm_request(export_dir: str, step: int = 1, **fields: object) -> SaveRequest:
     return dataclasses.replace(request(export_dir, step=step), shared_memory=True, **fields)
 
 
-def first_save(rig: Rig) -> tuple[Decision, TrainerLock]:
+def first_save(rig: Rig) -> tuple[Decision, BusyLock]:
     """An ordinary save into shared memory, which offers the segment and the lock."""
     decision, result = rig.save(shm_request("first"))
     assert isinstance(decision, Decision) and decision.accepted and decision.segment is not None
     assert decision.lock_path and isinstance(result, Result)
-    return decision, TrainerLock(decision.lock_path)
+    return decision, BusyLock(decision.lock_path)
 
 
 def held_request(decision: Decision, export_dir: str, step: int = 2, segment: str | None = None) -> SaveRequest:
@@ -104,15 +82,15 @@ def held_request(decision: Decision, export_dir: str, step: int = 2, segment: st
 def test_the_daemon_holds_the_lock_for_each_save_it_accepts_and_lets_go_before_the_result(shm_rig) -> None:
     rig, _ = shm_rig
     decision, lock = first_save(rig)
-    assert lock.take()  # the first save is over: free
+    assert lock.try_take()  # the first save is over: free
     lock.release()
 
     held, gate = rig.hold(shm_request("second", step=2))
-    assert not lock.take()  # the daemon holds it while its save is in flight
+    assert not lock.try_take()  # the daemon holds it while its save is in flight
     gate.release()
     (_, result) = held.result(LIMIT)
     assert isinstance(result, Result)
-    assert lock.take()  # and let go of it before the result went out
+    assert lock.try_take()  # and let go of it before the result went out
     lock.release()
     lock.close()
 
@@ -120,7 +98,7 @@ def test_the_daemon_holds_the_lock_for_each_save_it_accepts_and_lets_go_before_t
 def test_an_ordinary_save_while_a_trainer_holds_the_lock_is_skipped_and_counted(shm_rig) -> None:
     rig, _ = shm_rig
     _, lock = first_save(rig)
-    assert lock.take()
+    assert lock.try_take()
 
     (decision,) = rig.save(request("wire", step=2))  # a cross-host trainer's, even
     assert isinstance(decision, Decision) and not decision.accepted
@@ -138,7 +116,7 @@ def test_an_ordinary_save_while_a_trainer_holds_the_lock_is_skipped_and_counted(
 def test_a_blocking_save_waits_for_a_trainers_lock_within_its_deadline(shm_rig) -> None:
     rig, _ = shm_rig
     _, lock = first_save(rig)
-    assert lock.take()
+    assert lock.try_take()
 
     with pytest.raises(DeadlineError, match="gave up waiting"):
         rig.save(request("late", step=2, blocking=True), timeout=0.05)
@@ -154,7 +132,7 @@ def test_a_blocking_save_waits_for_a_trainers_lock_within_its_deadline(shm_rig) 
 def test_a_held_save_is_accepted_without_a_decision_into_its_segment(shm_rig) -> None:
     rig, _ = shm_rig
     first, lock = first_save(rig)
-    assert lock.take()
+    assert lock.try_take()
 
     decision, result = rig.save(held_request(first, "held"))
     assert decision.accepted and decision.segment is not None
@@ -170,7 +148,7 @@ def test_a_held_save_naming_a_replaced_segment_is_accepted_without_one(shm_rig) 
     rig, memory = shm_rig
     first, lock = first_save(rig)
     memory.drop("a")  # as the cap's LRU or a re-registration would
-    assert lock.take()
+    assert lock.try_take()
 
     decision, result = rig.save(held_request(first, "chunks"))
     assert decision.accepted and decision.segment is None  # send chunks
@@ -202,7 +180,7 @@ def test_a_held_save_without_the_current_lock_fails_precondition(shm_rig, what: 
     first, lock = first_save(rig)
     request_ = held_request(first, "claimed")
     if what == "another lock":
-        assert lock.take()
+        assert lock.try_take()
         request_ = dataclasses.replace(request_, held=HeldSave(str(first.segment.path), "/elsewhere/a.lock"))
 
     with pytest.raises(HeldSaveError, match="nobody holds it" if what == "nobody holds it" else "not this daemon's"):
@@ -240,7 +218,7 @@ def test_a_trainer_lock_taken_between_two_saves_keeps_each_exact(shm_rig) -> Non
     def trainer() -> None:
         i = 0
         while not stop.is_set():
-            if lock.take():
+            if lock.try_take():
                 try:
                     rig.save(held_request(first, f"held{i}", step=100 + i))
                     held_saves.append(True)
@@ -267,10 +245,10 @@ def test_closing_the_run_unlinks_its_lock_and_a_reopened_run_refuses_the_old_one
     rig, _ = shm_rig
     first, lock = first_save(rig)
     rig.pipeline.close_run("a", LIMIT)
-    assert os.fstat(lock._fd).st_nlink == 0  # noqa: SLF001 - the trainer's staleness check
+    assert lock.stale()  # the trainer's staleness check
     rig.register("a")  # reopened
 
-    assert lock.take()  # a trainer that missed the close
+    assert lock.try_take()  # a trainer that missed the close
     with pytest.raises(HeldSaveError, match="not this daemon's"):
         rig.save(held_request(first, "stale"))
     lock.release()

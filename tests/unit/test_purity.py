@@ -42,6 +42,7 @@ CORE_MAY_USE = (
 # kinds maps to the wire enum only when asked, importing checkpointd.v1 then.
 PROTOCOL_NEEDS: dict[str, set[str]] = {
     **{module: set() for module in CORE_MAY_USE},
+    "checkpointd.protocol.busy_lock": set(),  # stdlib only (fcntl, os)
     "checkpointd.protocol.codes": {"grpc"},
     "checkpointd.protocol.credentials": {"grpc"},
     "checkpointd.protocol.wire": {"crc32c", "protobuf", "checkpointd.v1"},

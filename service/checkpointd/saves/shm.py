@@ -49,7 +49,6 @@ would pass the daemon's cap (--max-staging-bytes).
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -61,6 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpointd.protocol.busy_lock import BusyLock
 from checkpointd.protocol.wire import aligned_offsets
 
 _LOGGER = logging.getLogger(__name__)
@@ -112,24 +112,19 @@ class RunLock:
             OSError: it cannot be opened.
         """
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._lock = BusyLock(str(path), create=True)
         self.held = False
         self.closed = False
 
     def try_hold(self) -> bool:
         """Takes the exclusive flock without waiting; False if someone else holds it."""
-        if self.held:
-            return True
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        self.held = True
-        return True
+        if not self.held:
+            self.held = self._lock.try_take()
+        return self.held
 
     def release(self) -> None:
         if self.held:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._lock.release()
             self.held = False
 
     def close(self) -> None:
@@ -138,7 +133,7 @@ class RunLock:
             self.closed = True
             self.path.unlink(missing_ok=True)
             self.release()
-            os.close(self._fd)
+            self._lock.close()
 
 
 class SharedMemory:
