@@ -207,7 +207,9 @@ class RemotePolicySaver(PolicySaverFacade):
         self._segment: shm.SegmentMap | None = None  # the daemon's segment, mapped here
         # The busy lock and segment once a save was accepted into shared memory (see held).
         self._held: held.HeldPath | None = None
-        self._held_busy = False  # this saver's held save is in flight (guarded by _lock)
+        # This saver's held save in flight, if any (guarded by _lock): its token, so
+        # that only its own end lets go of the lock (the next one may hold it by then).
+        self._held_owner: object | None = None
         self._busy_locks: dict[str, held.BusyLock] = {}  # by path: one fd each, closed by close()
         self._local_skips = held.LocalSkips()  # skipped under the lock, not yet reported
 
@@ -372,7 +374,7 @@ class RemotePolicySaver(PolicySaverFacade):
             return None
         with self._lock:
             reason = ""
-            if self._held_busy:
+            if self._held_owner is not None:
                 reason = "this saver's previous save of the run is in flight"
             elif path.lock.stale():
                 self._held = None  # the daemon that made it stopped
@@ -380,7 +382,7 @@ class RemotePolicySaver(PolicySaverFacade):
             elif not path.lock.try_take():
                 reason = "another save of the run is in flight (its busy lock is taken)"
             else:
-                self._held_busy = True
+                owner = self._held_owner = object()
                 self._uploading += 1
         if reason:
             ticket = SaveTicket(export_dir, kind, self._read_step(train_step))
@@ -399,14 +401,14 @@ class RemotePolicySaver(PolicySaverFacade):
             if step is None:
                 step = self._last_step = snap.step
             ticket = SaveTicket(export_dir, kind, step)
-            self._uploads.submit(self._upload_held, path, ticket, bindings, numpy_state, snap, callbacks)
+            self._uploads.submit(self._upload_held, path, owner, ticket, bindings, numpy_state, snap, callbacks)
         except BaseException:
-            self._end_held(path)
+            self._end_held(path, owner)
             raise
         return ticket
 
     def _upload_held(
-        self, path: held.HeldPath, ticket: SaveTicket, bindings: snapshot.Bindings,
+        self, path: held.HeldPath, owner: object, ticket: SaveTicket, bindings: snapshot.Bindings,
         numpy_state: NumpySnapshot | None, snap: snapshot.Snapshot, callbacks: tuple[options_lib.WriteCallback, ...],
     ) -> None:  # fmt: skip
         """The held save's call, on the upload thread: header, decision, then the end of the snapshot."""
@@ -444,13 +446,13 @@ class RemotePolicySaver(PolicySaverFacade):
                     "run %s: %s of step %s to %r failed: %s: %s",
                     *(self._run, ticket.kind.value, ticket.step, ticket.export_dir, type(error).__name__, error),
                 )
-                self._unlock_held(path)
+                self._unlock_held(path, owner)
                 ticket._fail(error)  # noqa: SLF001 - the saver's side completes tickets
                 if not isinstance(e, Exception):
                     raise
                 return
             offer = decision.shared_memory if decision.HasField("shared_memory") else None
-            unlock = functools.partial(self._unlock_held, path)
+            unlock = functools.partial(self._unlock_held, path, owner)
             if offer is not None and offer.path == path.segment.path:
                 stream.finish(ticket, [shm.WRITTEN], self._run, unlock)
             else:
@@ -469,19 +471,24 @@ class RemotePolicySaver(PolicySaverFacade):
                 ticket.export_dir,
             )  # fmt: skip
         finally:
-            self._end_held(path)
+            self._end_held(path, owner)
             self._release()
 
-    def _unlock_held(self, path: held.HeldPath) -> None:
-        """Lets go of the busy lock a held save took, once its call has ended; idempotent."""
-        with self._lock:
-            if self._held_busy:
-                path.lock.release()
-                self._held_busy = False
+    def _unlock_held(self, path: held.HeldPath, owner: object) -> None:
+        """Lets go of the busy lock the held save `owner` took, once its call has ended; idempotent.
 
-    def _end_held(self, path: held.HeldPath) -> None:
-        """Lets go of the busy lock (if still held), then of the save."""
-        self._unlock_held(path)
+        Only while that save is still this saver's held one: once its ticket
+        has ended, the trainer's next save may already hold the lock (the same
+        file description), and must keep it.
+        """
+        with self._lock:
+            if self._held_owner is owner:
+                path.lock.release()
+                self._held_owner = None
+
+    def _end_held(self, path: held.HeldPath, owner: object) -> None:
+        """Lets go of the busy lock (if `owner` still holds it), then of the save."""
+        self._unlock_held(path, owner)
         self._uploaded()
 
     def _drop_held(self, path: held.HeldPath) -> None:

@@ -193,3 +193,39 @@ def test_after_a_daemon_restart_the_next_save_goes_the_ordinary_way(
     # And the fast path comes back with the new daemon's lock.
     assert saver.save("fast-again").result(TIMEOUT) is not None
     assert _held_saves(second, "restarted") == 1
+
+
+def test_a_held_save_ending_never_lets_go_of_the_next_saves_lock(
+    fresh_daemon: Callable[..., Daemon], savers, tmp_path: Path
+) -> None:
+    """Save i's upload thread ends (its write callback, then its cleanup) after save i+1 took the lock.
+
+    The lock is one file description per saver, so save i's cleanup must not
+    release it then: save i+1 would reach the daemon holding nothing and fail
+    ("nobody holds it"). Each save's write callback waits until the next
+    save() has returned, which puts the cleanup exactly in that window.
+    """
+    daemon = fresh_daemon("--shm-dir", str(tmp_path))
+    saver, _ = savers(daemon, "next")
+    _ready(saver, "ready")
+    rounds = 8
+    taken = [threading.Event() for _ in range(rounds + 1)]
+
+    def waiting_for(i: int) -> tf.train.CheckpointOptions:
+        def callback(_: str) -> None:
+            assert taken[i + 1].wait(TIMEOUT), f"save {i + 1} did not start"
+
+        return tf.train.CheckpointOptions(experimental_write_callbacks=[callback])
+
+    for i in range(rounds):
+        # Save i-1 is durable (so not in flight: this one takes the lock), and
+        # its thread waits in its callback until this save() has returned.
+        ticket = saver.save_checkpoint(f"c{i}", options=waiting_for(i))
+        assert not ticket.skipped, ticket.reason
+        taken[i].set()  # save i-1's thread goes on now, while save i is in flight
+        assert ticket.result(TIMEOUT) is not None, i
+    taken[rounds].set()
+    saver.flush(TIMEOUT)
+    ok, _, failed = counts(daemon, "next")
+    assert (ok, failed) == (1 + rounds, 0)
+    assert _held_saves(daemon, "next") == rounds
