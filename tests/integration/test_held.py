@@ -12,44 +12,20 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import tensorflow as tf
 
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import RemotePolicySaver, SaveTicket
-from tests.integration import policies
 from tests.integration.daemon import Daemon
 from tests.integration.disk import saved_step
 from tests.integration.raw import TIMEOUT, RawSave, Stub, counts, saver_header
 from tests.integration.scrape import Metrics
+from tests.integration.test_shm import policy, savers  # noqa: F401 - test_shm's fixtures
 
 HAMMER = 30  # non-blocking saves per saver
-
-
-@pytest.fixture(scope="module")
-def policy() -> object:
-    return policies.build(policies.q())
-
-
-@pytest.fixture
-def savers(policy: object) -> Iterator[Callable[..., tuple[RemotePolicySaver, tf.Variable]]]:
-    made: list[RemotePolicySaver] = []
-
-    def make(daemon: Daemon, run: str, step: int = 0) -> tuple[RemotePolicySaver, tf.Variable]:
-        train_step = tf.Variable(step, dtype=tf.int64)
-        saver = RemotePolicySaver(policy, daemon.address, run=run, train_step=train_step, timeout=TIMEOUT)
-        made.append(saver)
-        return saver, train_step
-
-    yield make
-    for saver in made:
-        try:
-            saver.close(timeout=TIMEOUT)
-        except Exception:  # noqa: BLE001 - a daemon the test stopped; the test has judged it
-            pass
 
 
 def _held_saves(daemon: Daemon, run: str) -> int:
@@ -62,7 +38,9 @@ def _ready(saver: RemotePolicySaver, export_dir: str) -> None:
 
 
 def test_two_savers_hammering_one_run_get_exact_skips(
-    fresh_daemon: Callable[..., Daemon], savers, tmp_path: Path
+    fresh_daemon: Callable[..., Daemon],
+    savers,  # noqa: F811 - test_shm's fixture
+    tmp_path: Path,
 ) -> None:
     daemon = fresh_daemon("--shm-dir", str(tmp_path))
     a, _ = savers(daemon, "both", step=1)
@@ -113,7 +91,9 @@ def test_two_savers_hammering_one_run_get_exact_skips(
 
 
 def test_a_segment_dropped_under_the_cap_falls_back_to_chunks_and_commits(
-    fresh_daemon: Callable[..., Daemon], savers, tmp_path: Path
+    fresh_daemon: Callable[..., Daemon],
+    savers,  # noqa: F811 - test_shm's fixture
+    tmp_path: Path,
 ) -> None:
     probe = fresh_daemon("--shm-dir", str(tmp_path))  # learns one run's segment size
     learn, _ = savers(probe, "probe")
@@ -124,7 +104,7 @@ def test_a_segment_dropped_under_the_cap_falls_back_to_chunks_and_commits(
     assert probe.terminate() == 0
     # Room for one segment: each run's save evicts the other's idle one.
     daemon = fresh_daemon("--shm-dir", str(tmp_path), "--max-staging-bytes", str(size * 3 // 2))
-    a, _ = savers(daemon, "lru-a")
+    a, _ = savers(daemon, "lru-a", step=0)
     b, _ = savers(daemon, "lru-b")
     _ready(a, "ready")
     _ready(b, "ready")  # a's segment is gone now
@@ -148,7 +128,9 @@ time.sleep(600)
 
 
 def test_a_killed_process_holding_the_lock_does_not_wedge_the_run(
-    fresh_daemon: Callable[..., Daemon], savers, tmp_path: Path
+    fresh_daemon: Callable[..., Daemon],
+    savers,  # noqa: F811 - test_shm's fixture
+    tmp_path: Path,
 ) -> None:
     daemon = fresh_daemon("--shm-dir", str(tmp_path))
     saver, step = savers(daemon, "killed")
@@ -175,7 +157,9 @@ def test_a_killed_process_holding_the_lock_does_not_wedge_the_run(
 
 
 def test_after_a_daemon_restart_the_next_save_goes_the_ordinary_way(
-    fresh_daemon: Callable[..., Daemon], savers, tmp_path: Path
+    fresh_daemon: Callable[..., Daemon],
+    savers,  # noqa: F811 - test_shm's fixture
+    tmp_path: Path,
 ) -> None:
     shm_root = tmp_path / "shm"
     shm_root.mkdir()
@@ -196,7 +180,9 @@ def test_after_a_daemon_restart_the_next_save_goes_the_ordinary_way(
 
 
 def test_a_held_save_ending_never_lets_go_of_the_next_saves_lock(
-    fresh_daemon: Callable[..., Daemon], savers, tmp_path: Path
+    fresh_daemon: Callable[..., Daemon],
+    savers,  # noqa: F811 - test_shm's fixture
+    tmp_path: Path,
 ) -> None:
     """Save i's upload thread ends (its write callback, then its cleanup) after save i+1 took the lock.
 

@@ -34,15 +34,18 @@ def policy() -> object:
 def savers(policy: object) -> Iterator[Callable[..., tuple[RemotePolicySaver, tf.Variable]]]:
     made: list[RemotePolicySaver] = []
 
-    def make(daemon: Daemon, run: str, **kwargs: object) -> tuple[RemotePolicySaver, tf.Variable]:
-        step = tf.Variable(3, dtype=tf.int64)
-        saver = RemotePolicySaver(policy, daemon.address, run=run, train_step=step, timeout=TIMEOUT, **kwargs)
+    def make(daemon: Daemon, run: str, step: int = 3, **kwargs: object) -> tuple[RemotePolicySaver, tf.Variable]:
+        train_step = tf.Variable(step, dtype=tf.int64)
+        saver = RemotePolicySaver(policy, daemon.address, run=run, train_step=train_step, timeout=TIMEOUT, **kwargs)
         made.append(saver)
-        return saver, step
+        return saver, train_step
 
     yield make
     for saver in made:
-        saver.close(timeout=TIMEOUT)
+        try:
+            saver.close(timeout=TIMEOUT)
+        except Exception:  # noqa: BLE001 - a daemon the test stopped; the test has judged it
+            pass
 
 
 def _received(daemon: Daemon, transport: str) -> float:
