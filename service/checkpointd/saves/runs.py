@@ -72,9 +72,13 @@ class _Run:
     lane: Lane
     manifest: Manifest
     folder: str
-    lock: RunLock | None = None  # the run's busy lock, held by the daemon while `locked`
-    locked: bool = False
+    lock: RunLock | None = None  # the run's busy lock
     held_ticket: Ticket | None = None  # the held save in flight (its trainer holds the lock)
+
+    @property
+    def locked(self) -> bool:
+        """The daemon holds the run's busy lock (for the save in flight)."""
+        return self.lock is not None and self.lock.held
 
 
 class Lanes:
@@ -179,7 +183,7 @@ class Lanes:
                 if lock is not None and not entry.locked and (lane.idle or trainers):
                     # Free, or held by a trainer: now, or for a held save in flight.
                     if lane.idle and lock.try_hold():
-                        entry.locked = True
+                        pass  # held by the daemon for this save from now on
                     elif not spec.blocking:
                         if lane.idle:
                             return lane.skip(spec, _HELD_REASON, draining=self._draining)
@@ -245,9 +249,8 @@ class Lanes:
 
     def _unlock_idle(self, entry: _Run) -> None:
         """Lets go of the run's busy lock once its lane is idle."""
-        if entry.locked and entry.lane.idle and entry.lock is not None:
-            entry.lock.release()
-            entry.locked = False
+        if entry.lock is not None and entry.lane.idle:
+            entry.lock.release()  # a no-op unless the daemon holds it
 
     def forget_lock(self, run: str) -> None:
         """Lets go of the run's busy lock (its run closed); the next save that may use shared memory brings a new one."""
@@ -255,7 +258,7 @@ class Lanes:
             entry = self._runs.get(run)
             if entry is not None and entry.lock is not None:
                 entry.lock.release()
-                entry.lock, entry.locked = None, False
+                entry.lock = None
 
     def skipped_elsewhere(self, run: str, kinds: Sequence[SaveKind]) -> None:
         """Counts saves of `run` its trainer skipped on its own (one per kind listed).
@@ -282,8 +285,7 @@ class Lanes:
             started = entry.lane.finish(ticket, outcome)
             if started is not None and entry.lock is not None and not entry.locked:
                 # A save queued before the run had a lock: it holds it from now on.
-                entry.locked = entry.lock.try_hold()
-                if not entry.locked:
+                if not entry.lock.try_hold():
                     _LOGGER.warning("run %s: its busy lock is held elsewhere while a save starts", run)
             self._unlock_idle(entry)  # before the caller hears the result
             self._cond.notify_all()
