@@ -12,7 +12,7 @@ the daemon's own phase timings:
   requests, `upload.receive_snapshot` (checks, copies into the buffer),
   the daemon's tensors over that buffer (DLPack, no copy) beside TF's own
   conversion (a copy), SaveV2 into the page cache, then fsync without and
-  with the format's writeback (`storage.local.Writeback`), alternated;
+  with the format's writeback (`durable.Writeback`), alternated;
 - end to end: stall, call -> durable, and the daemon's transfer and write,
   over gRPC (`--transport grpc`, the default: shared memory off, as for a
   trainer on another host) or through shared memory (`--transport shm`).
@@ -104,10 +104,10 @@ def run(
     from bench import agents, scrape
     from bench.config import SIZES
     from bench.inprocess import fsync_tree
+    from checkpointd import durable
     from checkpointd.formats import policy
     from checkpointd.protocol import wire
     from checkpointd.rpc import upload
-    from checkpointd.storage import local
     from checkpointd.v1 import checkpointd_pb2 as pb
     from checkpointd_client import RemotePolicySaver
     from checkpointd_client import snapshot as snapshots
@@ -226,7 +226,7 @@ def run(
         def save_v2(writeback: bool = False) -> None:
             shutil.rmtree(out, ignore_errors=True)
             (out / "variables").mkdir(parents=True)
-            with local.Writeback(out / "variables") if writeback else contextlib.nullcontext():
+            with durable.Writeback(out / "variables") if writeback else contextlib.nullcontext():
                 tf.raw_ops.SaveV2(
                     prefix=str(out / "variables" / "variables"),
                     tensor_names=[f"v{i}" for i in range(len(tensors))],  # noqa: F821
@@ -241,7 +241,7 @@ def run(
             fsync_tree(out)
 
         # The two alternate, so that both see the machine in the same state.
-        labels = {False: "SaveV2, then fsync", True: "SaveV2 with writeback (local.Writeback), then fsync"}
+        labels = {False: "SaveV2, then fsync", True: "SaveV2 with writeback (durable.Writeback), then fsync"}
         seconds: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(reps):
             for writeback in (False, True):

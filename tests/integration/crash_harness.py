@@ -51,6 +51,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
+from checkpointd import durable  # noqa: E402
 from checkpointd.cli import verify
 from checkpointd.protocol.errors import CheckpointdError  # noqa: E402
 from checkpointd.saves import shm
@@ -209,7 +210,7 @@ def _leftovers(root: Path) -> list[Path]:
     found = []
     for dirpath, dirnames, _ in os.walk(root):
         for name in dirnames:
-            if name.startswith(local.TMP_PREFIX) or local._split_old(name) is not None:  # noqa: SLF001
+            if name.startswith(local.TMP_PREFIX) or durable.files._split_old(name) is not None:  # noqa: SLF001
                 found.append(Path(dirpath, name))
     staging = root / ".checkpointd" / "staging"
     if staging.is_dir():

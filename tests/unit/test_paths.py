@@ -8,6 +8,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from checkpointd.core.ports import CommittedSave
+from checkpointd.durable import make_temp_sibling, publish_dir
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import (
@@ -20,7 +21,7 @@ from checkpointd.protocol.names import (
     check_export_dir,
     check_run_name,
 )
-from checkpointd.storage.local import LocalStore, make_temp_sibling, publish_dir, resolve_export_dir
+from checkpointd.storage.local import LocalStore, resolve_export_dir
 
 
 @pytest.mark.parametrize("run", ["a", "run-1", "A.b_c-9", "7", "x" * 128])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpointd import durable
 from checkpointd.core.ports import SaveMeta, Staged
 from checkpointd.protocol.errors import SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
@@ -33,7 +34,7 @@ def make(root: Path, files: dict[str, str]) -> Path:
 
 def test_publish_imports_only_the_stdlib_and_the_core() -> None:
     code = (
-        "import sys, checkpointd.storage.local; "
+        "import sys, checkpointd.durable, checkpointd.storage.local; "
         "sys.exit(any(m.split('.')[0] in ('tensorflow', 'numpy', 'grpc') for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
@@ -41,7 +42,7 @@ def test_publish_imports_only_the_stdlib_and_the_core() -> None:
 
 def test_temp_sibling_is_a_fresh_dir_next_to_the_target(tmp_path: Path) -> None:
     target = tmp_path / "a" / "b" / "export"
-    first, second = local.make_temp_sibling(target), local.make_temp_sibling(target)
+    first, second = durable.make_temp_sibling(target), durable.make_temp_sibling(target)
     assert first.is_dir() and second.is_dir() and first != second
     assert first.parent == target.parent
     assert re.fullmatch(r"\.checkpointd-tmp-export-[0-9a-f]+", first.name)
@@ -51,21 +52,21 @@ def test_temp_sibling_is_a_fresh_dir_next_to_the_target(tmp_path: Path) -> None:
 def test_temp_sibling_under_a_file_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "blocker").write_text("x")
     with pytest.raises(NotADirectoryError, match="blocker"):
-        local.make_temp_sibling(tmp_path / "blocker" / "export")
+        durable.make_temp_sibling(tmp_path / "blocker" / "export")
 
 
 def test_publish_to_an_absent_target_renames_the_tree(tmp_path: Path) -> None:
     target = tmp_path / "export"
-    tmp = make(local.make_temp_sibling(target), {"a.txt": "new", "sub/b.txt": "new b"})
-    local.publish_dir(tmp, target)
+    tmp = make(durable.make_temp_sibling(target), {"a.txt": "new", "sub/b.txt": "new b"})
+    durable.publish_dir(tmp, target)
     assert tree(target) == {"a.txt": "new", "sub/b.txt": "new b"}
     assert os.listdir(tmp_path) == ["export"]
 
 
 def test_publish_over_a_directory_replaces_it_completely(tmp_path: Path) -> None:
     target = make(tmp_path / "export", {"stale.txt": "old", "a.txt": "old a", "old/c.txt": "c"})
-    tmp = make(local.make_temp_sibling(target), {"a.txt": "new a"})
-    local.publish_dir(tmp, target, fsync=False)
+    tmp = make(durable.make_temp_sibling(target), {"a.txt": "new a"})
+    durable.publish_dir(tmp, target, fsync=False)
     assert tree(target) == {"a.txt": "new a"}
     assert os.listdir(tmp_path) == ["export"]
 
@@ -78,9 +79,9 @@ def test_publish_over_a_non_directory_fails_and_touches_nothing(tmp_path: Path, 
         target.write_text("keep me")
     else:
         target.symlink_to(tmp_path / ("real.txt" if kind == "symlink_to_file" else "real_dir"))
-    tmp = make(local.make_temp_sibling(target), {"a.txt": "new"})
+    tmp = make(durable.make_temp_sibling(target), {"a.txt": "new"})
     with pytest.raises(SaveFailedError, match="not a directory"):
-        local.publish_dir(tmp, target)
+        durable.publish_dir(tmp, target)
     assert tree(tmp) == {"a.txt": "new"}  # left for the caller to remove
     if kind == "file":
         assert target.read_text() == "keep me"
@@ -91,7 +92,7 @@ def test_publish_over_a_non_directory_fails_and_touches_nothing(tmp_path: Path, 
 
 def test_a_failed_second_rename_puts_the_old_tree_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = make(tmp_path / "export", {"a.txt": "old"})
-    tmp = make(local.make_temp_sibling(target), {"a.txt": "new"})
+    tmp = make(durable.make_temp_sibling(target), {"a.txt": "new"})
     real_rename = os.rename
 
     def rename(src: os.PathLike[str], dst: os.PathLike[str]) -> None:
@@ -99,9 +100,9 @@ def test_a_failed_second_rename_puts_the_old_tree_back(tmp_path: Path, monkeypat
             raise OSError(28, "No space left on device", str(src))
         real_rename(src, dst)
 
-    monkeypatch.setattr(local.os, "rename", rename)
+    monkeypatch.setattr(durable.files.os, "rename", rename)
     with pytest.raises(OSError, match="No space"):
-        local.publish_dir(tmp, target, fsync=False)
+        durable.publish_dir(tmp, target, fsync=False)
     assert tree(target) == {"a.txt": "old"}
     assert sorted(os.listdir(tmp_path)) == sorted(["export", tmp.name])
 
@@ -121,7 +122,7 @@ def test_fsync_tree_syncs_a_tree_and_a_single_file(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(os, "open", recording_open)
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(opened[fd]))
 
-    local.fsync_tree(root)
+    durable.fsync_tree(root)
 
     # Every file and dir once, contents before their dir, the link never opened.
     assert sorted(synced) == sorted([".", "a.txt", "d", os.path.join("d", "e"), os.path.join("d", "e", "b.txt")])
@@ -133,7 +134,7 @@ def test_fsync_tree_syncs_a_tree_and_a_single_file(tmp_path: Path, monkeypatch: 
     ]:
         assert synced.index(inner) < synced.index(outer)
     synced.clear()
-    local.fsync_tree(root / "a.txt")
+    durable.fsync_tree(root / "a.txt")
     assert synced == ["a.txt"]
 
 
@@ -188,9 +189,9 @@ def test_a_commit_fsyncs_every_file_and_dir_once_its_dir_after_the_manifest_all_
 
 def test_remove_quietly_removes_trees_files_and_ignores_the_absent(tmp_path: Path) -> None:
     make(tmp_path, {"d/x.txt": "x", "f.txt": "f"})
-    local.remove_quietly(tmp_path / "d")
-    local.remove_quietly(tmp_path / "f.txt")
-    local.remove_quietly(tmp_path / "absent")
+    durable.remove_quietly(tmp_path / "d")
+    durable.remove_quietly(tmp_path / "f.txt")
+    durable.remove_quietly(tmp_path / "absent")
     assert os.listdir(tmp_path) == []
 
 
@@ -218,7 +219,7 @@ def test_recover_repairs_interrupted_publications_and_nothing_else(tmp_path: Pat
     outside = make(tmp_path / "outside", {".checkpointd-tmp-y-00/a": "via symlink"})
     (root / "run2" / "link").symlink_to(outside)
 
-    assert local.recover(root) == 4
+    assert durable.recover(root) == 4
     assert tree(root) == {
         "run1/export/saved_model.pb": "old export",
         "run1/kept/a.txt": "current",
@@ -228,9 +229,9 @@ def test_recover_repairs_interrupted_publications_and_nothing_else(tmp_path: Pat
         "run2/.checkpointd-tmp-a-file-not-a-dir": "a file",
     }
     assert tree(outside) == {".checkpointd-tmp-y-00/a": "via symlink"}
-    assert local.recover(root) == 0
+    assert durable.recover(root) == 0
 
 
 def test_recover_of_an_empty_or_absent_root_fixes_nothing(tmp_path: Path) -> None:
-    assert local.recover(tmp_path) == 0
-    assert local.recover(tmp_path / "absent") == 0
+    assert durable.recover(tmp_path) == 0
+    assert durable.recover(tmp_path / "absent") == 0

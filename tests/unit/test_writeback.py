@@ -1,4 +1,4 @@
-"""local.Writeback: a file's growth is handed to the disk as it is written (and for which saves), on real files, no TF."""
+"""writeback.Writeback: a file's growth is handed to the disk as it is written (and for which saves), on real files, no TF."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from checkpointd.core.ports import SaveMeta, Staged
+from checkpointd.durable import writeback
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.storage import local
 from checkpointd.storage.local import LocalStore
 
 DEADLINE = 10.0
@@ -55,7 +55,7 @@ def write_in_steps(path: Path, steps: list[bytes], recorder: Recorder) -> None:
 def test_each_range_is_handed_once_in_order_through_a_rename(tmp_path: Path) -> None:
     recorder = Recorder()
     steps = [b"a" * 5000, b"b" * 3, b"c" * 70000]
-    with local.Writeback(tmp_path, interval=0.001, sync_range=recorder):
+    with writeback.Writeback(tmp_path, interval=0.001, sync_range=recorder):
         write_in_steps(tmp_path / "data.tempstate123", steps, recorder)
         os.rename(tmp_path / "data.tempstate123", tmp_path / "data")  # as SaveV2 does
         write_in_steps(tmp_path / "data", [b"d" * 10], recorder)
@@ -71,7 +71,7 @@ def test_every_file_of_the_dir_is_followed_but_not_subdirs(tmp_path: Path) -> No
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "below").write_bytes(b"x" * 100)
     recorder = Recorder()
-    with local.Writeback(tmp_path, interval=0.001, sync_range=recorder):
+    with writeback.Writeback(tmp_path, interval=0.001, sync_range=recorder):
         write_in_steps(tmp_path / "index", [b"i" * 10], recorder)
         write_in_steps(tmp_path / "data", [b"d" * 20], recorder)
     assert {c[0] for c in recorder.calls} == {(tmp_path / n).stat().st_ino for n in ("index", "data")}
@@ -80,7 +80,7 @@ def test_every_file_of_the_dir_is_followed_but_not_subdirs(tmp_path: Path) -> No
 def test_errors_are_not_raised_and_files_are_closed(tmp_path: Path) -> None:
     fds = len(os.listdir("/proc/self/fd"))
     recorder = Recorder(fail=True)
-    with local.Writeback(tmp_path, interval=0.001, sync_range=recorder):
+    with writeback.Writeback(tmp_path, interval=0.001, sync_range=recorder):
         write_in_steps(tmp_path / "data", [b"d" * 10], recorder)
     assert recorder.calls
     assert len(os.listdir("/proc/self/fd")) == fds
@@ -88,14 +88,14 @@ def test_errors_are_not_raised_and_files_are_closed(tmp_path: Path) -> None:
 
 def test_a_missing_dir_is_no_error(tmp_path: Path) -> None:
     recorder = Recorder()
-    with local.Writeback(tmp_path / "absent", interval=0.001, sync_range=recorder):
+    with writeback.Writeback(tmp_path / "absent", interval=0.001, sync_range=recorder):
         pass
     assert recorder.calls == []
 
 
-@pytest.mark.skipif(local._libc_sync_file_range() is None, reason="libc has no sync_file_range")  # noqa: SLF001
+@pytest.mark.skipif(writeback._libc_sync_file_range() is None, reason="libc has no sync_file_range")  # noqa: SLF001
 def test_libc_sync_file_range_starts_writeback_of_a_real_file(tmp_path: Path) -> None:
-    sync_range = local._libc_sync_file_range()  # noqa: SLF001 - the real call behind the default
+    sync_range = writeback._libc_sync_file_range()  # noqa: SLF001 - the real call behind the default
     assert sync_range is not None
     path = tmp_path / "data"
     path.write_bytes(b"x" * 100_000)
@@ -114,17 +114,17 @@ def test_only_an_fsyncing_local_stores_large_staging_is_written_back(
     started: list[Path] = []
     trims: list[int] = []
 
-    class Started(local.Writeback):
-        def __enter__(self) -> local.Writeback:
+    class Started(writeback.Writeback):
+        def __enter__(self) -> writeback.Writeback:
             started.append(self._directory)  # noqa: SLF001
             return self
 
-    monkeypatch.setattr(local, "Writeback", Started)
-    monkeypatch.setattr(local, "release_free_memory", lambda: trims.append(1))
+    monkeypatch.setattr(writeback, "Writeback", Started)
+    monkeypatch.setattr(writeback, "release_free_memory", lambda: trims.append(1))
 
     def written_back(directory: Path, nbytes: int) -> bool:
         started.clear()
-        with local.writing(directory, nbytes):
+        with writeback.writing(directory, nbytes):
             pass
         return started == [directory]
 
@@ -132,7 +132,7 @@ def test_only_an_fsyncing_local_stores_large_staging_is_written_back(
     unsynced = LocalStore(tmp_path / "unsynced", fsync=False)
     try:
         staging = synced.stage(synced.target("run", "save"))
-        big = local.WRITEBACK_BYTES
+        big = writeback.WRITEBACK_BYTES
         assert written_back(staging, big)  # a training checkpoint's files
         assert written_back(staging / "variables", big)  # a policy's
         assert len(trims) == 4  # the free heap is handed back before and after each large write

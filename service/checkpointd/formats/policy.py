@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from checkpointd import __version__
+from checkpointd import __version__, durable
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
@@ -50,7 +50,6 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 from checkpointd.protocol.wire import ALIGNMENT  # Eigen's: TF wraps memory aligned to it without a copy
-from checkpointd.storage import local
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -117,20 +116,20 @@ class PolicyFormat:
             template = policy_template.validate(run, staged_dir, Manifest(tuple(variables)), checkpoint_object_graph)
             with self._register_lock:
                 target = self._templates_dir / run
-                tmp = local.make_temp_sibling(target)
+                tmp = durable.make_temp_sibling(target)
                 tmp.rmdir()
                 shutil.move(staged_dir, tmp)
                 try:
-                    local.publish_dir(tmp, target, fsync=self._fsync)
+                    durable.publish_dir(tmp, target, fsync=self._fsync)
                 except BaseException:
-                    local.remove_quietly(tmp)
+                    durable.remove_quietly(tmp)
                     raise
                 with self._lock:
                     kept = self._templates.setdefault(run, [])
                     kept.append(template)
                     del kept[:-_KEPT_TEMPLATES]
         except BaseException:
-            local.remove_quietly(staged_dir)
+            durable.remove_quietly(staged_dir)
             raise
         _LOGGER.debug(
             "run %s: registered a template of %d variables (%d bytes a snapshot)",
@@ -319,7 +318,7 @@ def _write_tree(
     else:
         raise SaveFailedError(f"unknown save kind {kind!r}")
     (tmp / "variables").mkdir(exist_ok=True)
-    with local.writing(tmp / "variables", template.manifest.nbytes):  # the disk starts while SaveV2 copies
+    with durable.writing(tmp / "variables", template.manifest.nbytes):  # the disk starts while SaveV2 copies
         tf.raw_ops.SaveV2(
             prefix=str(tmp / VARIABLES_PREFIX),
             tensor_names=[names[i] for i in order] + [OBJECT_GRAPH_KEY],

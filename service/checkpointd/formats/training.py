@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpointd import durable
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave, Snapshot, Staged
@@ -50,7 +51,6 @@ from checkpointd.protocol.errors import (
 )
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
-from checkpointd.storage import local
 
 # The staged files' stem: `ckpt.index`, `ckpt.data-00000-of-00001`. The
 # Store renames them to the save's own prefix when it commits them.
@@ -152,7 +152,7 @@ class TrainingFormat:
             raise SaveFailedError(f"run {run!r}: the training format writes TRAINING_CHECKPOINT saves only")
         parts = _parts(checkpoint, snapshot, run)
         values = [_value(t, part) for t, part in zip(checkpoint.tensors, parts, strict=True)]
-        with local.writing(staging, checkpoint.nbytes):  # the disk starts while SaveV2 copies
+        with durable.writing(staging, checkpoint.nbytes):  # the disk starts while SaveV2 copies
             tf.raw_ops.SaveV2(
                 prefix=str(staging / STAGED_STEM),
                 tensor_names=[*checkpoint.keys, tensors.OBJECT_GRAPH_KEY],

@@ -20,13 +20,12 @@ from pathlib import Path
 import grpc
 
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
-from checkpointd.protocol.names import check_run_name
+from checkpointd.protocol.names import TMP_PREFIX, check_run_name
 from checkpointd.rpc import messages, upload
 from checkpointd.rpc.errors import grpc_errors
 from checkpointd.saves import catalog, restore
 from checkpointd.saves.pipeline import SavePipeline
 from checkpointd.saves.shm import Segment
-from checkpointd.storage.local import TMP_PREFIX
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 

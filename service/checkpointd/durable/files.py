@@ -1,0 +1,233 @@
+"""Files made durable: temp siblings, fsync, publication by rename, and repair after a crash.
+
+A tree is written into a temp sibling of its target (`make_temp_sibling`),
+fsynced, and renamed into place (`publish_dir`). At every instant the target
+is the complete old tree, the complete new tree, or (only between the two
+renames of a replacement) absent with the old tree parked beside it as
+`.checkpointd-old-<name>-<hex>`. `recover` repairs that window and clears
+leftover temp entries when the daemon starts.
+
+Below both `checkpointd.formats` and `checkpointd.storage`: a format
+publishing a tree and the local store committing one share these, and
+neither imports the other. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from checkpointd.protocol.errors import SaveFailedError
+from checkpointd.protocol.names import OLD_PREFIX, SUFFIX_HEX_LEN, TMP_PREFIX
+
+_LOGGER = logging.getLogger(__name__)
+
+# The names derived from a target's <name> (TMP_PREFIX, OLD_PREFIX,
+# RETIRED_PREFIX, each with "-<16 hex>") are defined with the export-dir rules
+# in checkpointd.protocol.names, which limit <name> to MAX_EXPORT_NAME_BYTES so
+# that they fit a filesystem name.
+_HEX_LEN = SUFFIX_HEX_LEN
+
+
+def new_suffix() -> str:
+    """A fresh random `<hex>` for a derived name (`<prefix><name>-<hex>`)."""
+    return secrets.token_hex(_HEX_LEN // 2)
+
+
+def make_temp_sibling(target: Path) -> Path:
+    """Creates an empty temp dir next to `target` to write into.
+
+    Args:
+        target: Where the finished tree will be published.
+
+    Returns:
+        `<target.parent>/.checkpointd-tmp-<target.name>-<hex>`, created, with
+        any missing parents of `target` created too.
+
+    Raises:
+        OSError: if the parents or the temp dir cannot be created.
+    """
+    target = Path(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        # mkdir says "File exists" when the parent is a file; say what is wrong.
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(target.parent)) from None
+    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{new_suffix()}"
+    tmp.mkdir()
+    return tmp
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Fsyncs the directory `path`, so its new or renamed entries are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path | str) -> None:
+    """Fsyncs the file `path`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Fsyncs every regular file and directory under `path`, and `path`.
+
+    Directories are synced after their contents so new entries are durable.
+    Symlinks are not followed.
+    """
+    path = Path(path)
+    if not path.is_dir() or path.is_symlink():
+        fsync_file(path)
+        return
+    fsync_below(path)
+    fsync_dir(path)
+
+
+def fsync_below(path: Path, skip: str | None = None) -> None:
+    """Fsyncs every regular file and dir under the dir `path`, each dir after what is in it, but not `path`.
+
+    Symlinks are not followed, nor is the file `path/<skip>` synced (a
+    commit's manifest, which its writer syncs). `path` is the caller's to
+    fsync once no entry is added to it any more (`fsync_tree` at once; a
+    commit after the manifest).
+    """
+    top = os.fspath(path)
+    for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
+        for name in filenames:
+            file = os.path.join(dirpath, name)
+            if not os.path.islink(file) and not (name == skip and dirpath == top):
+                fsync_file(file)
+        if dirpath != top:
+            fsync_dir(dirpath)
+
+
+def remove_quietly(path: Path) -> None:
+    """Deletes a file or tree if it exists; logs, never raises, on failure."""
+    path = Path(path)
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as e:
+        _LOGGER.warning("could not remove %s: %s", path, e)
+
+
+def publish_dir(tmp: Path, target: Path, *, fsync: bool = True, synced: bool = False) -> None:
+    """Renames the finished tree `tmp` to `target`, replacing an old tree.
+
+    Args:
+        tmp: A complete tree, usually from `make_temp_sibling(target)`.
+        target: The published path; an existing directory there is replaced.
+        fsync: Whether to fsync the tree and the parent (off only in tests).
+        synced: The caller has fsynced every file and dir of `tmp` already
+            (a store's commit); only the parent is fsynced here.
+
+    Raises:
+        SaveFailedError: if `target` exists and is not a directory.
+        OSError: if a rename or fsync fails; `tmp` is then left for the caller.
+    """
+    tmp, target = Path(tmp), Path(target)
+    parent = target.parent
+    if fsync and not synced:
+        fsync_tree(tmp)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        # A symlink to a directory is refused too: renaming over it would
+        # replace the link, not the tree the user pointed it at.
+        raise SaveFailedError(
+            f"cannot publish to {target}: it exists and is not a directory; "
+            "move it away or choose another export_dir"
+        )
+    if not target.exists():
+        os.rename(tmp, target)
+        if fsync:
+            fsync_dir(parent)
+        return
+    old = parent / f"{OLD_PREFIX}{target.name}-{new_suffix()}"
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        # Put the old tree back so a failed save leaves what was there.
+        os.rename(old, target)
+        raise
+    if fsync:
+        fsync_dir(parent)
+    remove_quietly(old)
+
+
+def _split_old(name: str) -> str | None:
+    """Returns `<name>` of `.checkpointd-old-<name>-<hex>`, or None."""
+    return _split_suffixed(name, OLD_PREFIX)
+
+
+def _split_suffixed(name: str, head: str) -> str | None:
+    """Returns `<name>` of `<head><name>-<hex>`, or None."""
+    if not name.startswith(head):
+        return None
+    rest = name[len(head) :]
+    base, sep, hexpart = rest.rpartition("-")
+    if not sep or not base or len(hexpart) != _HEX_LEN:
+        return None
+    try:
+        int(hexpart, 16)
+    except ValueError:
+        return None
+    return base
+
+
+def recover(root: Path) -> int:
+    """Repairs interrupted publications under `root` (run at daemon start).
+
+    Deletes every `.checkpointd-tmp-*` dir, and every `.checkpointd-tmp-<name>-<hex>`
+    file (a state file being replaced, as `LocalStore.write_file` does). Renames every
+    `.checkpointd-old-<name>-<hex>` dir back to `<name>` if `<name>` is
+    absent, else deletes it. Symlinks are not followed; other names are
+    never touched.
+
+    Returns:
+        The number of entries deleted or renamed.
+    """
+    fixed = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in filenames:
+            if _split_suffixed(name, TMP_PREFIX) is not None:
+                _LOGGER.info("recover: deleting unfinished temp file %s", Path(dirpath, name))
+                Path(dirpath, name).unlink(missing_ok=True)
+                fixed += 1
+        keep = []
+        for name in sorted(dirnames):
+            entry = Path(dirpath, name)
+            if entry.is_symlink():
+                continue
+            if name.startswith(TMP_PREFIX):
+                _LOGGER.info("recover: deleting unfinished temp dir %s", entry)
+                remove_quietly(entry)
+                fixed += 1
+                continue
+            base = _split_old(name)
+            if base is None:
+                keep.append(name)
+                continue
+            original = Path(dirpath, base)
+            if os.path.lexists(original):
+                _LOGGER.info("recover: deleting replaced tree %s", entry)
+                remove_quietly(entry)
+            else:
+                _LOGGER.warning("recover: restoring %s from %s", original, entry)
+                os.rename(entry, original)
+                keep.append(base)
+            fixed += 1
+        dirnames[:] = keep
+    return fixed
