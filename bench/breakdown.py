@@ -105,7 +105,7 @@ def run(
     from bench.config import SIZES
     from bench.inprocess import fsync_tree
     from checkpointd import durable
-    from checkpointd.formats import policy
+    from checkpointd.formats import savev2
     from checkpointd.protocol import wire
     from checkpointd.rpc import upload
     from checkpointd.v1 import checkpointd_pb2 as pb
@@ -196,7 +196,7 @@ def run(
         laid_out = [np.frombuffer(r, a.dtype).reshape(a.shape) for r, a in zip(received, snap.arrays, strict=True)]
         tensors = _time(
             "the daemon's tensors over the receive buffer (DLPack)",
-            lambda: [policy._tensor(a) if a.nbytes else a for a in laid_out],  # noqa: F821, SLF001 - the format's
+            lambda: [savev2.as_input(a) if a.nbytes else a for a in laid_out],  # noqa: F821
             reps,
             steps,
         )

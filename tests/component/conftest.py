@@ -29,11 +29,11 @@ from checkpointd.core.lane import LaneStats
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.ports import Leases
 from checkpointd.core.retention import RetentionPolicy
-from checkpointd.formats.pool import WriterPool
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.rpc.auth import ServerAuth
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.pipeline import Decision, Formats, Result, SavePipeline, SaveRequest
+from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.retention import Retention
 from checkpointd.saves.runs import Lanes, RunView
 from checkpointd.server import Server

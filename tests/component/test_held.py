@@ -17,13 +17,13 @@ import pytest
 
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.retention import RetentionPolicy
-from checkpointd.formats.pool import WriterPool
 from checkpointd.protocol.busy_lock import BusyLock
 from checkpointd.protocol.codes import code_for
 from checkpointd.protocol.errors import DeadlineError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.pipeline import Decision, Formats, HeldSave, LocalSkip, Result, SavePipeline, SaveRequest
+from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.retention import Retention
 from checkpointd.saves.runs import HeldSaveError, Lanes
 from checkpointd.saves.shm import SharedMemory

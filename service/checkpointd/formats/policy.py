@@ -27,8 +27,6 @@ new one's graph or keys. The last few templates of a run are kept for that.
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import logging
 import os
 import shutil
@@ -37,19 +35,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from checkpointd import __version__, durable
+from checkpointd import durable
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.core.ports import CommittedSave, SaveValues, Snapshot, Staged
 from checkpointd.core.training import CheckpointSpec
-from checkpointd.formats import numpy_files, policy_template, reader
+from checkpointd.formats import numpy_files, policy_template, reader, savev2
 from checkpointd.formats.policy_template import VARIABLES_PREFIX, Template
 from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
-from checkpointd.protocol.wire import ALIGNMENT  # Eigen's: TF wraps memory aligned to it without a copy
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -202,7 +199,7 @@ class PolicyFormat:
         return Staged(
             path=staging,
             bytes_written=written,
-            versions=_versions(),
+            versions=savev2.versions(),
             known=known,
             extra=extra,
         )
@@ -227,19 +224,6 @@ class PolicyFormat:
         return reader.open_save(Path(save.path), save.kind, manifest, repr(save.export_dir))
 
 
-@functools.cache
-def _versions() -> dict[str, str]:
-    """Versions recorded in save manifests; tf-agents only if it is installed here."""
-    import tensorflow as tf
-
-    versions = {"checkpointd": __version__, "tensorflow": tf.__version__}
-    try:
-        versions["tf_agents"] = importlib.metadata.version("tf-agents")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    return versions
-
-
 def _arrays(manifest: Manifest, snapshot: Snapshot) -> list[Any]:
     """Each variable's value, as a tensor over the snapshot's bytes where TF allows it.
 
@@ -261,31 +245,8 @@ def _arrays(manifest: Manifest, snapshot: Snapshot) -> list[Any]:
         if memoryview(part).nbytes == 0:
             arrays.append(np.zeros(v.shape, dtype))
         else:
-            arrays.append(_tensor(np.frombuffer(part, dtype=dtype).reshape(v.shape)))
+            arrays.append(savev2.as_input(np.frombuffer(part, dtype=dtype).reshape(v.shape)))
     return arrays
-
-
-# DLPack carries these; others (bfloat16, bool) go through convert_to_tensor.
-_DLPACK_DTYPES = frozenset("float16 float32 float64 int8 int16 int32 int64 uint8 uint16 uint32 uint64".split())
-
-
-def _tensor(array: Any) -> Any:
-    """`array` as SaveV2 input: a tensor sharing its memory if TF can, else `array`.
-
-    TF copies every NumPy array it converts (0.5 s for 400 MB); DLPack wraps
-    one without a copy, but TF aborts the process on memory that is not
-    64-byte aligned, so only aligned, writable arrays take that way.
-    """
-    import tensorflow as tf
-
-    if (
-        array.dtype.name in _DLPACK_DTYPES
-        and array.flags.writeable
-        and array.flags.c_contiguous
-        and array.ctypes.data % ALIGNMENT == 0
-    ):
-        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
-    return array
 
 
 def _write_tree(

@@ -37,11 +37,7 @@ from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave, Snapshot, Staged
 from checkpointd.core.training import CheckpointSpec, TensorSpec, check_dtypes, check_keys
-from checkpointd.formats import object_graph
-
-# Private to the policy format's module, shared here rather than copied: the
-# versions a save manifest records, and SaveV2 input over received memory.
-from checkpointd.formats.policy import _tensor, _versions
+from checkpointd.formats import object_graph, savev2
 from checkpointd.protocol import tensors, wire
 from checkpointd.protocol.errors import (
     ChecksumError,
@@ -163,7 +159,7 @@ class TrainingFormat:
         return Staged(
             path=staging,
             bytes_written=sum(f.stat().st_size for f in staging.iterdir()),
-            versions=_versions(),
+            versions=savev2.versions(),
             extra={
                 EXTRA_FIELD: {
                     "max_to_keep": rules.max_to_keep,
@@ -282,7 +278,7 @@ def _value(t: TensorSpec, part: Any) -> Any:
     dtype = np.dtype(tf.as_dtype(t.dtype).as_numpy_dtype)  # native order is the wire's little-endian
     if t.nbytes == 0:
         return np.zeros(t.shape, dtype)
-    return _tensor(np.frombuffer(part, dtype=dtype).reshape(t.shape))
+    return savev2.as_input(np.frombuffer(part, dtype=dtype).reshape(t.shape))
 
 
 def _read(reader: Any, key: str, where: str) -> Any:

@@ -55,7 +55,6 @@ from checkpointd.core.ports import (
     Store,
 )
 from checkpointd.core.training import CheckpointRetention, CheckpointSpec
-from checkpointd.formats.pool import WriterPool
 from checkpointd.protocol.errors import (
     CheckpointdError,
     InvalidRequestError,
@@ -68,6 +67,7 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs, directory_of
+from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.runs import HeldSaveError, Lanes
 from checkpointd.saves.shm import RunLock, Segment, SharedMemory
 from checkpointd.saves.skip_log import SkipLog
