@@ -27,9 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from checkpointd.core.config import ServeConfig
+from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
 from checkpointd.core.ports import Leases, NoLeases, SaveFormat, Store
-from checkpointd.formats.pool import WriterPool
 from checkpointd.metrics import Metrics
 from checkpointd.protocol.errors import DeadlineError, RunNotFoundError, describe
 from checkpointd.protocol.kinds import SaveKind
@@ -39,6 +38,7 @@ from checkpointd.rpc.servicer import CheckpointServicer
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs
 from checkpointd.saves.pipeline import Formats, SavePipeline
+from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.retention import Retention
 from checkpointd.saves.runs import Lanes
 from checkpointd.saves.shm import SharedMemory
@@ -339,6 +339,9 @@ def _make_store(
 def _shared_memory(root: Path | None, max_bytes: int) -> SharedMemory | None:
     """The same-host snapshot transport, or None if it is off or cannot start (logged)."""
     if root is None:
+        return None
+    if root == DEFAULT_SHM_ROOT and not root.is_dir():  # the default, on a system without it: not an error
+        _LOGGER.info("shared memory is off: there is no %s here", root)
         return None
     try:
         return SharedMemory(root, max_bytes)

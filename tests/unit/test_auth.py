@@ -19,9 +19,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from checkpointd.cli import OpsCommand, config_from_args, ops
-from checkpointd.core.config import ServeConfig
+from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
 from checkpointd.rpc import auth
-from checkpointd.saves.shm import default_shm_root
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from tests.certs import Certs, make_certs
@@ -164,7 +163,7 @@ def test_serve_security_flags() -> None:
          "--tls-client-ca", "ca.crt", "--token-file", "tokens", "--insecure"]
     )  # fmt: skip
     assert config == ServeConfig(
-        shm_root=default_shm_root(),
+        shm_root=DEFAULT_SHM_ROOT,
         host="0.0.0.0", tls_cert=Path("s.crt"), tls_key=Path("s.key"), tls_client_ca=Path("ca.crt"),
         token_file=Path("tokens"), insecure=True,
     )  # fmt: skip

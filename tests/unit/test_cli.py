@@ -10,8 +10,7 @@ import pytest
 
 from checkpointd.cli import OpsCommand, config_from_args
 from checkpointd.cli.ops import format_status
-from checkpointd.core.config import ServeConfig
-from checkpointd.saves.shm import default_shm_root
+from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 # A subprocess that imports the CLI only; generous for a slow CI machine.
@@ -27,7 +26,7 @@ def serve(*args: str) -> ServeConfig:
 def test_serve_defaults() -> None:
     config, level = config_from_args(["serve"])
 
-    assert config == ServeConfig(shm_root=default_shm_root())  # the CLI picks /dev/shm where it exists
+    assert config == ServeConfig(shm_root=DEFAULT_SHM_ROOT)  # the CLI names /dev/shm; the server checks it at start
     assert config.root == Path("checkpoints")
     assert config.port == 7431
     assert config.metrics_port == 9431
@@ -53,7 +52,7 @@ def test_serve_options() -> None:
     )  # fmt: skip
 
     assert config == ServeConfig(
-        shm_root=default_shm_root(),
+        shm_root=DEFAULT_SHM_ROOT,
         root=Path("/data/ckpt"),
         port=0,
         port_file=Path("/tmp/port"),

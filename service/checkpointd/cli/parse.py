@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd import __version__
-from checkpointd.core.config import DEFAULT_METRICS_PORT, ServeConfig
+from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_SHM_ROOT, ServeConfig
 from checkpointd.protocol.address import DEFAULT_PORT
-from checkpointd.saves.shm import default_shm_root
 
 _LOGGER = logging.getLogger("checkpointd")
 
@@ -406,7 +405,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 token_file=args.token_file,
                 insecure=args.insecure,
                 write_nice=args.write_nice,
-                shm_root=None if args.no_shm else (args.shm_dir or default_shm_root()),
+                shm_root=None if args.no_shm else (args.shm_dir or DEFAULT_SHM_ROOT),
             )
         except ValueError as exc:
             commands["serve"].error(_with_flags(str(exc), commands["serve"]))

@@ -11,6 +11,9 @@ from checkpointd.core.retention import RetentionPolicy
 from checkpointd.protocol.address import DEFAULT_PORT
 
 DEFAULT_METRICS_PORT = 9431
+# Where same-host trainers get shared memory unless told otherwise (Linux's
+# tmpfs); the server checks at start that it is there.
+DEFAULT_SHM_ROOT = Path("/dev/shm")
 GiB = 1 << 30
 
 
@@ -94,7 +97,7 @@ class ServeConfig:
     insecure: bool = False
     keep_last: int | None = None
     keep_every_steps: int | None = None
-    shm_root: Path | None = None  # the CLI defaults it to /dev/shm (checkpointd.saves.shm)
+    shm_root: Path | None = None  # the CLI defaults it to DEFAULT_SHM_ROOT
     write_nice: int = 10
     s3_url: str | None = None
     s3_endpoint_url: str | None = None

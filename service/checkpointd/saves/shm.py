@@ -60,6 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpointd.core.config import DEFAULT_SHM_ROOT
 from checkpointd.protocol.busy_lock import BusyLock
 from checkpointd.protocol.wire import aligned_offsets
 
@@ -71,9 +72,8 @@ _FOLDER = re.compile(r"checkpointd-(\d+)-[0-9a-f]{16}")
 
 
 def default_shm_root() -> Path | None:
-    """/dev/shm where it exists (Linux), else None: no shared memory."""
-    root = Path("/dev/shm")
-    return root if root.is_dir() else None
+    """`DEFAULT_SHM_ROOT` (/dev/shm) where it exists (Linux), else None: no shared memory."""
+    return DEFAULT_SHM_ROOT if DEFAULT_SHM_ROOT.is_dir() else None
 
 
 @dataclass
