@@ -195,7 +195,7 @@ def boto3_puts(endpoint: str, bucket: str, part_bytes: int, concurrency: int) ->
     """The boto3 raw PUTs: plain, with Content-MD5, and with Content-MD5 plus a head per object."""
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
-    from checkpointd.storage.s3 import _content_md5, make_client
+    from checkpointd.storage.s3_client import content_md5, make_client
 
     def via(md5: bool, head: bool) -> RawPut:
         # The store's client (make_client, with its pool of 4 x concurrency),
@@ -203,9 +203,9 @@ def boto3_puts(endpoint: str, bucket: str, part_bytes: int, concurrency: int) ->
         # store sends it over HTTPS only; over HTTP the body's SHA-256 is signed).
         client = make_client(endpoint, REGION, 4 * concurrency)
         for operation in ("PutObject", "UploadPart"):
-            client.meta.events.unregister(f"before-call.s3.{operation}", _content_md5)
+            client.meta.events.unregister(f"before-call.s3.{operation}", content_md5)
             if md5:
-                client.meta.events.register(f"before-call.s3.{operation}", _content_md5)
+                client.meta.events.register(f"before-call.s3.{operation}", content_md5)
         transfers = create_transfer_manager(
             client,
             TransferConfig(multipart_threshold=part_bytes, multipart_chunksize=part_bytes, max_concurrency=concurrency),
@@ -306,7 +306,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     from bench.config import SIZES
     from bench.scrape import phase_means, phase_totals
     from bench.stats import summarize
-    from checkpointd.storage.s3 import make_client
+    from checkpointd.storage.s3_client import make_client
     from checkpointd_client import RemotePolicySaver
     from tests.integration.daemon import start_daemon
 

@@ -308,7 +308,8 @@ def _make_store(
     """
     if config.s3_url is None:
         return LocalStore(config.root, fsync=config.fsync, thread_initializer=pool.initializer), NoLeases()
-    from checkpointd.storage.s3 import S3Store, S3Url, make_client  # boto3 loads only for an s3:// root
+    from checkpointd.storage.s3 import S3Store  # boto3 loads only for an s3:// root
+    from checkpointd.storage.s3_client import S3Url, make_client
     from checkpointd.storage.s3_lease import S3Leases
 
     url = S3Url.parse(config.s3_url)

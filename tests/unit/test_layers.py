@@ -62,7 +62,8 @@ LAYERS: dict[str, Layer] = {
         {"grpc", "grpc_health", "grpc_reflection", "prometheus_client", "tensorflow"},
     ),
     "cli": _layer(
-        {"checkpointd", "core", "protocol", "rpc", "saves", "server", "storage", "v1"}, {"google.protobuf", "grpc"}
+        {"checkpointd", "core", "protocol", "rpc", "saves", "server", "storage", "v1"},
+        {"crc32c", "google.protobuf", "grpc"},
     ),
     "__main__": _layer({"cli"}),
     # The trainer side shares only the protocol and the generated code with the daemon.

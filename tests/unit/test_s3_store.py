@@ -11,7 +11,7 @@ import pytest
 
 from checkpointd.cli.parse import FetchCommand, VerifyCommand, config_from_args
 from checkpointd.core.config import ServeConfig
-from checkpointd.storage.s3 import S3Url, _content_md5, body_is_signed, make_client
+from checkpointd.storage.s3_client import S3Url, body_is_signed, content_md5, make_client
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def test_content_md5_is_the_bodys_and_a_file_body_is_rewound(body: bytes | io.By
         body.seek(5)
         data = data[5:]
     params: dict[str, object] = {"headers": {}, "body": body}
-    _content_md5(params)
+    content_md5(params)
     assert params["headers"] == {"Content-MD5": base64.b64encode(hashlib.md5(data).digest()).decode()}
     if isinstance(body, io.BytesIO):
         assert body.tell() == 5
@@ -142,12 +142,12 @@ def test_an_upload_carries_content_md5_exactly_where_its_body_is_not_signed(
 def test_the_etag_log_keeps_the_answered_etag_of_awaited_keys_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from botocore.awsrequest import AWSResponse
 
-    from checkpointd.storage.s3 import _ETagLog
+    from checkpointd.storage.s3_client import ETagLog
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     client = make_client("http://rgw.example", "us-east-1")
-    log = _ETagLog(client)
+    log = ETagLog(client)
     etag = {"a": '"e-a"', "b": '"e-b"', "m": '""'}  # radosgw answers a CompleteMultipartUpload with ""
 
     def put(request: object, **_: object) -> AWSResponse:  # never leaves the process

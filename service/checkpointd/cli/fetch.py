@@ -20,11 +20,13 @@ from pathlib import Path, PurePosixPath
 from typing import IO
 
 from checkpointd.cli.verify import print_reports
+from checkpointd.cli.verify_bucket import verify_bucket
 from checkpointd.core.ports import CommittedSave
 from checkpointd.core.retention import age
 from checkpointd.protocol.errors import CheckpointdError
 from checkpointd.protocol.names import check_run_name
 from checkpointd.storage import s3
+from checkpointd.storage.s3_client import S3Url
 
 
 class _Progress:
@@ -111,7 +113,7 @@ def fetch(
 
 
 def _listed_bytes(store: s3.S3Store, save: CommittedSave) -> int:
-    document = store._manifest(store._layout(save)[1], None) or {"files": []}
+    document = store.manifest(store.keys_of(save).manifest, None) or {"files": []}
     return sum(e.size for e in document["files"])
 
 
@@ -143,7 +145,7 @@ def verify(
     out, err = out or sys.stdout, err or sys.stderr
     reports = []
     for url in urls:
-        parsed = s3.S3Url.parse(url)
+        parsed = S3Url.parse(url)
         # s3://BUCKET/PREFIX/RUN checks one run folder: try it as a folder first.
         base, _, last = parsed.prefix.rpartition("/")
         try:
@@ -153,11 +155,11 @@ def verify(
             return 2
         try:
             if last and last in store.folders():
-                reports.extend(s3.verify_bucket(store, [last]))
+                reports.extend(verify_bucket(store, [last]))
             else:
                 store.close()
                 store = _store(url, endpoint_url, region, Path.cwd())
-                reports.extend(s3.verify_bucket(store))
+                reports.extend(verify_bucket(store))
         finally:
             store.close()
     return print_reports(reports, as_json, out)

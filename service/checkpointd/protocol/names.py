@@ -61,6 +61,11 @@ def check_run_name(run: str) -> str:
     return run
 
 
+def is_run_name(name: str) -> bool:
+    """Whether `name` is a valid run name (`check_run_name` without the error): a folder a listing may report."""
+    return _RUN_NAME.match(name) is not None
+
+
 def check_export_dir(export_dir: str) -> PurePosixPath:
     """Checks a client's export dir as text; returns it normalized.
 

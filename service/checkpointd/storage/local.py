@@ -21,7 +21,14 @@ from pathlib import Path, PurePath
 from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
 from checkpointd.durable import files, writeback
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
-from checkpointd.protocol.names import RESERVED_PREFIX, RETIRED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name
+from checkpointd.protocol.names import (
+    RESERVED_PREFIX,
+    RETIRED_PREFIX,
+    TMP_PREFIX,
+    check_export_dir,
+    check_run_name,
+    is_run_name,
+)
 from checkpointd.storage import prefix, save_manifest
 
 _LOGGER = logging.getLogger(__name__)
@@ -179,7 +186,7 @@ class LocalStore:
         return sorted(
             e.name
             for e in os.scandir(self.root)
-            if e.is_dir(follow_symlinks=False) and not e.name.startswith(RESERVED_PREFIX) and _is_run_name(e.name)
+            if e.is_dir(follow_symlinks=False) and not e.name.startswith(RESERVED_PREFIX) and is_run_name(e.name)
         )
 
     def read_file(self, path: PurePath) -> bytes | None:
@@ -212,14 +219,6 @@ class LocalStore:
     def _folder_dir(self, folder: str) -> Path:
         # Absolute and real, as resolve_export_dir makes save paths.
         return Path(os.path.realpath(self.root / check_run_name(folder)))
-
-
-def _is_run_name(name: str) -> bool:
-    try:
-        check_run_name(name)
-    except InvalidRequestError:
-        return False
-    return True
 
 
 def _read(save_dir: Path, folder_dir: Path, *, is_prefix: bool = False) -> CommittedSave | None:

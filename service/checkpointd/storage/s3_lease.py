@@ -41,6 +41,7 @@ from checkpointd.core import lease
 from checkpointd.core.lease import Holding, LeaseDoc, LeaseDocError, Sighting
 from checkpointd.protocol.errors import RunHeldError, UnavailableError
 from checkpointd.protocol.names import RESERVED_PREFIX, check_run_name
+from checkpointd.storage.s3_client import error_code
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -73,24 +74,17 @@ class _Held:
     error: str = ""  # the last renewal's failure, if it failed
 
 
-def _code(e: BaseException) -> str:
-    response = getattr(e, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
 def _etag(response: Mapping[str, Any]) -> str:
     """A response's ETag without its quotes."""
     return str(response["ETag"]).strip('"')
 
 
 def _precondition_failed(e: BaseException) -> bool:
-    return _code(e) in ("PreconditionFailed", "412")
+    return error_code(e) in ("PreconditionFailed", "412")
 
 
 def _missing(e: BaseException) -> bool:
-    return _code(e) in ("NoSuchKey", "404")
+    return error_code(e) in ("NoSuchKey", "404")
 
 
 class S3Leases:
