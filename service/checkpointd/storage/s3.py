@@ -61,13 +61,9 @@ from checkpointd.protocol.errors import ChecksumError, RunHeldError, RunNotFound
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
 from checkpointd.storage import prefix, s3_keys, s3_recovery, s3_restore, save_manifest
 from checkpointd.storage.s3_client import ETagLog, S3Url, StoreSetupError, error_code, make_client, unavailable_on_error
-from checkpointd.storage.s3_keys import MANIFEST, PREFIX_MANIFEST
+from checkpointd.storage.s3_keys import ETAGS, MANIFEST, PREFIX_MANIFEST, STORE_FIELDS, WRITER
 
 _LOGGER = logging.getLogger(__name__)
-
-ETAGS = "s3_etags"  # the manifest's extra field: path -> ETag
-_WRITER = "writer"  # the manifest's extra field: the owner id of the daemon that committed it
-_STORE_FIELDS = frozenset({ETAGS, _WRITER})  # manifest fields this store adds, not the format's
 
 
 class S3Store:
@@ -271,7 +267,7 @@ class S3Store:
                 etags[key] = head["ETag"].strip('"')
         document[ETAGS] = {rel: etags[key] for key, rel in keys.items()}
         if self.writer is not None:
-            document[_WRITER] = self.writer
+            document[WRITER] = self.writer
         body = (json.dumps(document, indent=1) + "\n").encode("utf-8")
         self._fence(meta.run)  # the lease, checked last before the commit
         try:
@@ -381,7 +377,7 @@ class S3Store:
                 PurePosixPath(save_key),
                 save_key[len(folder_key) :],
                 prefix=is_prefix,
-                store_fields=_STORE_FIELDS,
+                store_fields=STORE_FIELDS,
             )
         except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
             _LOGGER.debug("not a committed save: %s (%s)", manifest_key, e)

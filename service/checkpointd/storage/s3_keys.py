@@ -1,4 +1,4 @@
-"""Where a save's objects and manifest live in the bucket: the one place that decides dir or prefix layout.
+"""Where a save's objects and manifest are in the bucket (the one place deciding dir or prefix), and the store's manifest fields.
 
 A save that is a dir of its own keeps its files under `<save key>/` and its
 manifest at `<save key>/<MANIFEST>`; a training checkpoint's prefix keeps its
@@ -15,6 +15,9 @@ from checkpointd.storage import save_manifest
 
 MANIFEST = save_manifest.MANIFEST_NAME
 PREFIX_MANIFEST = save_manifest.PREFIX_MANIFEST_SUFFIX
+ETAGS = "s3_etags"  # the manifest's extra field: path -> ETag
+WRITER = "writer"  # the manifest's extra field: the owner id of the daemon that committed it
+STORE_FIELDS = frozenset({ETAGS, WRITER})  # manifest fields the store adds, not the format's
 
 
 @dataclass(frozen=True)
