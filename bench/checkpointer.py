@@ -1,4 +1,4 @@
-"""Section 7: the whole training state (issue 10): Checkpointer.save, TF's async checkpoint, RemoteCheckpointer.
+"""Section 7: the whole training state: Checkpointer.save, TF's async checkpoint, RemoteCheckpointer.
 
 `python -m bench.checkpointer --case medium --reps 3 --window 4 --workdir DIR --out FILE`
 builds, in a process of its own, a DQN agent with Adam (slots trained) and a
@@ -294,7 +294,7 @@ MEMORY_FACTOR = 1.5
 
 def table(r: dict[str, Any]) -> list[str]:
     """Section 7's lines: one column per case."""
-    from bench.report import fmt_bytes, fmt_sps, fmt_time
+    from bench.fmt import fmt_bytes, fmt_sps, fmt_time
 
     cases = r.get("training_checkpoint") or {}
     if not cases:
@@ -348,28 +348,33 @@ def _saves(c: dict[str, int]) -> str:
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 10's targets for every measured case, and issue 12's training slowdown, each with its group.
+    """The training-state targets for every measured case, and its training slowdown, each with its group.
 
     Not measured (one row per target) when the run has no section 7.
     """
-    from bench.report import ISSUE_12, at, at_most, fmt_bytes, fmt_time, judge, median, not_measured
+    from bench.fmt import fmt_bytes, fmt_time
+    from bench.judge import TRAINING_SPEED, TRAINING_STATE, at, at_most, judge, median, not_measured
 
-    group = "issue 10"
+    group = TRAINING_STATE
     stall_name = (
         f"training checkpoints: save() stall <= {STALL_MEMCPY_FACTOR:g} x memcpy of the state "
         f"+ {STALL_MEMCPY_SLACK * 1e3:g} ms"
     )
     latency_name = f"training checkpoints: call -> durable <= {LATENCY_VS_CHECKPOINTER:g} x Checkpointer.save"
     slowed_name = (
-        f"training slowed <= {100 * TRAINING_SLOWDOWN:g}%: DQN steps/s with training checkpoints "
-        "(section 7; issue 10's too)"
+        f"training slowed <= {100 * TRAINING_SLOWDOWN:g}%: DQN steps/s with training checkpoints " "(section 7)"
     )
     memory_name = f"training checkpoints: daemon peak <= idle + {MEMORY_FACTOR:g} x state"
     cases = r.get("training_checkpoint") or {}
     if not cases:
         return [
             {"group": g, **not_measured(name, None, "no section 7 in this run")}
-            for g, name in ((ISSUE_12, slowed_name), (group, stall_name), (group, latency_name), (group, memory_name))
+            for g, name in (
+                (TRAINING_SPEED, slowed_name),
+                (group, stall_name),
+                (group, latency_name),
+                (group, memory_name),
+            )
         ]
     out = []
     for name, c in cases.items():
@@ -403,7 +408,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             return at_most(value, idle + MEMORY_FACTOR * state, fmt_bytes, anchor)
 
         out += [
-            judge(slowed_name, name, slowed),
+            judge(slowed_name, name, slowed, TRAINING_SPEED),
             judge(stall_name, name, stall, group),
             judge(latency_name, name, latency, group),
             judge(memory_name, name, peak, group),

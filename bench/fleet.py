@@ -1,4 +1,4 @@
-"""Section 9: fan-in at fleet scale (issue 12): 256 simulated trainers, 1 save/s each, on one daemon, then on 3 sharing S3.
+"""Section 9: fan-in at fleet scale: 256 simulated trainers, 1 save/s each, on one daemon, then on 3 sharing S3.
 
 `python -m bench` runs it (`--fleet-only` alone, `--no-fleet` skips it;
 `--quick` skips it unless `--fleet`); `--fleet-trainers N` (default 256) and
@@ -283,11 +283,11 @@ def _phase(
 
 
 def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Issue 12's fleet targets, in bench.report's form (group "issue 12"): met, MISSED or not measured.
+    """The fleet targets, in bench.judge's form (group FLEET): met, MISSED or not measured.
 
-    p99 is judged at the issue's scale only (256 trainers x 1 save/s); zero lost at any.
+    p99 is judged at the target's scale only (256 trainers x 1 save/s); zero lost at any.
     """
-    from bench.report import ISSUE_12, Missing, at, at_most, judge, not_measured
+    from bench.judge import FLEET, Missing, at, at_most, judge, not_measured
 
     p99_name = (
         f"fleet, one daemon, {TRAINERS} trainers x {RATE_HZ:g} save/s: p99 call -> durable <= {P99_TARGET * 1e3:g} ms"
@@ -298,7 +298,7 @@ def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
     }
     if not result:
         return [
-            {"group": ISSUE_12, **not_measured(name, None, "no section 9 in this run")}
+            {"group": FLEET, **not_measured(name, None, "no section 9 in this run")}
             for name in (p99_name, *lost_names.values())
         ]
     ms = lambda x: f"{1000 * x:.0f} ms"  # noqa: E731
@@ -324,7 +324,10 @@ def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
 
         return measure
 
-    return [judge(p99_name, None, p99), *(judge(name, None, lost(phase)) for phase, name in lost_names.items())]
+    return [
+        judge(p99_name, None, p99, FLEET),
+        *(judge(name, None, lost(phase), FLEET) for phase, name in lost_names.items()),
+    ]
 
 
 def table(results: dict[str, Any]) -> str:

@@ -4,11 +4,10 @@
 targets judged by this code, not the code of the run: a target whose
 measurement an older run lacks is "not measured", never an error.
 
-Every target is a ratio against an anchor measured in the same run (issue
-12, "performance, round two", unless labelled): the machine's limits
-(section 4), the in-process savers (sections 1 and 2). Sections 7 and 8
-keep the targets of their own issues (10 and 11), judged by their modules
-(`bench.checkpointer`, `bench.s3`); section 9's are `bench.fleet`'s.
+Every target is a ratio against an anchor measured in the same run: the
+machine's limits (section 4), the in-process savers (sections 1 and 2).
+Targets are grouped by subject (`bench.judge.GROUPS`); sections 7, 8 and 9
+judge their own (`bench.checkpointer`, `bench.s3`, `bench.fleet`).
 """
 
 from __future__ import annotations
@@ -20,8 +19,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-ISSUE_12 = "issue 12"
-# Issue 12's limits.
+from bench.fmt import fmt_bytes, fmt_rate, fmt_share, fmt_sps, fmt_time, num
+from bench.judge import (
+    CROSS_HOST,
+    FANIN,
+    GROUPS,
+    MEMORY,
+    STALL,
+    TRAINING_SPEED,
+    Measure,
+    Missing,
+    at,
+    at_most,
+    at_or,
+    judge,
+    median,
+    not_measured,
+)
+
+# The limits of the targets judged here.
 WIRE_VS_LIMIT = 0.6  # large over gRPC: bytes / call->durable, against min(gRPC loopback, fsync'd disk)
 WIRE_LATENCY_VS_FSYNCED = 1.0  # call->durable over gRPC, against PolicySaver.save then fsync
 FIRST_SAVE_FACTOR = 1.5  # 1st save, against a later save + the one-time PolicySaver export
@@ -31,79 +47,8 @@ FANIN_PROCS, FANIN_RATE, FANIN_P99 = 8, 5.0, 0.150
 MEMORY_FACTOR, MEMORY_MIN_PAYLOAD = 1.2, 10e6
 
 
-class Missing(Exception):
-    """A measurement a target needs is not in the results (an older run, or a section not run).
-
-    Its text is the target's detail: what is missing.
-    """
-
-
-def at(node: Any, *path: str) -> Any:
-    """`node[path[0]][path[1]]...`, or Missing naming the path if any step is absent or None."""
-    for i, key in enumerate(path):
-        if not isinstance(node, dict) or node.get(key) is None:
-            raise Missing(f"no {'/'.join(path[: i + 1])} in the results")
-        node = node[key]
-    return node
-
-
-def median(node: Any, *path: str) -> float:
-    return float(at(node, *path, "median"))
-
-
-def _target(
-    name: str, size: str | None, value: float, limit: float, met: bool, ratio: float | None, detail: str
-) -> dict[str, Any]:
-    """One judged target; `ratio` is value / limit (None where the limit is 0)."""
-    return {
-        "target": name,
-        "size": size,
-        "value": value,
-        "limit": limit,
-        "ratio": ratio,
-        "met": bool(met),
-        "status": "met" if met else "MISSED",
-        "detail": detail,
-    }
-
-
-def not_measured(name: str, size: str | None, detail: str) -> dict[str, Any]:
-    return {
-        "target": name,
-        "size": size,
-        "value": None,
-        "limit": None,
-        "ratio": None,
-        "met": None,
-        "status": "not measured",
-        "detail": detail,
-    }
-
-
-Measure = Callable[[], tuple[float, float, bool, str]]
-
-
-def judge(name: str, size: str | None, measure: Measure, group: str = ISSUE_12) -> dict[str, Any]:
-    """`measure()` gives (value, limit, met, detail); a Missing measurement gives "not measured"."""
-    try:
-        value, limit, met, detail = measure()
-    except Missing as e:
-        row = not_measured(name, size, str(e))
-    else:
-        row = _target(name, size, value, limit, met, value / limit if limit else None, detail)
-    return {"group": group, **row}
-
-
-def at_most(
-    value: float, limit: float, show: Callable[[float], str], anchor: str = ""
-) -> tuple[float, float, bool, str]:
-    detail = f"{show(value)} vs limit {show(limit)}" + (f" ({anchor})" if anchor else "")
-    return value, limit, value <= limit, detail
-
-
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every target, met, MISSED or not measured: issue 12's (section 7's slowdown and section 9's
-    among them), then issue 10's (section 7) and issue 11's (section 8), each row with its group.
+    """Every target, met, MISSED or not measured, each row with its group, in the order of `GROUPS`.
 
     A target needs the sizes it names: the large-only one is "not measured"
     in a run without large; the per-size ones are judged at the run's sizes.
@@ -112,28 +57,30 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
 
     sizes = list(r.get("sizes") or {})
     out = [*_cross_host(r, sizes), *_first_save(r, sizes), *_stall(r, sizes), *_training(r, sizes)]
-    out.extend(t for t in checkpointer.targets(r) if t["group"] == ISSUE_12)
+    out.extend(checkpointer.targets(r))
     out.extend(_fanin(r))
     out.extend(fleet.targets(r.get("fleet")))
     out.extend(_memory(r, sizes))
-    out.extend(t for t in checkpointer.targets(r) if t["group"] != ISSUE_12)
     out.extend(s3.targets(r.get("s3")))
-    return out
+    order = list(GROUPS)
+    return sorted(out, key=lambda t: order.index(t["group"]))  # stable: each group keeps its rows' order
 
 
-def _per_size(name: str, sizes: list[str], measure: Callable[[str], Measure], section: str) -> list[dict[str, Any]]:
+def _per_size(
+    group: str, name: str, sizes: list[str], measure: Callable[[str], Measure], section: str
+) -> list[dict[str, Any]]:
     """The target at each of the run's sizes; one "not measured" row if the run has none."""
     if not sizes:
-        return [{"group": ISSUE_12, **not_measured(name, None, f"no {section} in this run")}]
-    return [judge(name, s, measure(s)) for s in sizes]
+        return [{"group": group, **not_measured(name, None, f"no {section} in this run")}]
+    return [judge(name, s, measure(s), group) for s in sizes]
 
 
-def _at_size(name: str, size: str, sizes: list[str], measure: Measure, section: str) -> dict[str, Any]:
+def _at_size(group: str, name: str, size: str, sizes: list[str], measure: Measure, section: str) -> dict[str, Any]:
     """The target at one size, "not measured" if the run did not measure that size."""
     if size in sizes:
-        return judge(name, size, measure)
+        return judge(name, size, measure, group)
     why = f"no {size} in this run (sizes: {', '.join(sizes)})" if sizes else f"no {section} in this run"
-    return {"group": ISSUE_12, **not_measured(name, size, why)}
+    return {"group": group, **not_measured(name, size, why)}
 
 
 def _cross_host(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
@@ -151,7 +98,7 @@ def _cross_host(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
         detail = f"{mbs(rate)} vs limit {mbs(limit)} (loopback {mbs(loopback)}, disk {mbs(disk)})"
         return rate, limit, rate >= limit, detail
 
-    out = [_at_size(name, "large", sizes, throughput, "section 3b")]
+    out = [_at_size(CROSS_HOST, name, "large", sizes, throughput, "section 3b")]
 
     def latency(s: str) -> Measure:
         def measure() -> tuple[float, float, bool, str]:
@@ -163,6 +110,7 @@ def _cross_host(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
         return measure
 
     out += _per_size(
+        CROSS_HOST,
         f"cross-host: call->durable over gRPC <= {WIRE_LATENCY_VS_FSYNCED:g} x in-process PolicySaver.save then fsync",
         sizes,
         latency,
@@ -184,6 +132,7 @@ def _first_save(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
         return first
 
     return _per_size(
+        CROSS_HOST,
         f"first save over gRPC (export, register, save) <= {FIRST_SAVE_FACTOR:g} x "
         "(a later save + the one-time PolicySaver export)",
         sizes,
@@ -204,6 +153,7 @@ def _stall(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
 
     slack = f"{STALL_MEMCPY_SLACK * 1e3:g} ms"
     out = _per_size(
+        STALL,
         f"stall: save() (shared memory) <= {STALL_MEMCPY_FACTOR:g} x memcpy of the weights + {slack}",
         sizes,
         memcpy,
@@ -215,7 +165,7 @@ def _stall(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
         stall = median(r, "remote", "small", "save_stall")
         return at_most(stall, median(r, "async", "small", "tf_async_checkpoint", "write_blocked"), fmt_time)
 
-    out.append(_at_size(name, "small", sizes, tf_async, "section 3"))
+    out.append(_at_size(STALL, name, "small", sizes, tf_async, "section 3"))
     return out
 
 
@@ -225,12 +175,13 @@ def _training(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
             base = median(r, "training", s, "steps_per_second", "baseline")
             with_saves = median(r, "training", s, "steps_per_second", "checkpointd")
             slowdown = 1.0 - with_saves / base
-            detail = f"{100 * slowdown:.1f}% vs limit {100 * TRAINING_SLOWDOWN:g}% ({_num(with_saves)} vs {_num(base)} steps/s)"
+            detail = f"{100 * slowdown:.1f}% vs limit {100 * TRAINING_SLOWDOWN:g}% ({num(with_saves)} vs {num(base)} steps/s)"
             return slowdown, TRAINING_SLOWDOWN, slowdown <= TRAINING_SLOWDOWN, detail
 
         return slowed
 
     return _per_size(
+        TRAINING_SPEED,
         f"training slowed <= {100 * TRAINING_SLOWDOWN:g}%: DQN steps/s with policy saves (sections 2+3)",
         sizes,
         measure,
@@ -260,8 +211,8 @@ def _fanin(r: dict[str, Any]) -> list[dict[str, Any]]:
 
     lost_name = "fan-in: zero accepted saves lost"
     if not f:
-        return [{"group": ISSUE_12, **not_measured(n, None, "no section 5 in this run")} for n in (name, lost_name)]
-    return [judge(name, None, p99), judge(lost_name, None, lost)]
+        return [{"group": FANIN, **not_measured(n, None, "no section 5 in this run")} for n in (name, lost_name)]
+    return [judge(name, None, p99, FANIN), judge(lost_name, None, lost, FANIN)]
 
 
 def _memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
@@ -269,7 +220,7 @@ def _memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
     big = [s for s in sizes if at_or(r, 0, "sizes", s, "payload_bytes") >= MEMORY_MIN_PAYLOAD]
     if not big:
         detail = f"no payload >= 10 MB in this run (sizes: {', '.join(sizes)})" if sizes else "no section 6 in this run"
-        return [{"group": ISSUE_12, **not_measured(name, None, detail)}]
+        return [{"group": MEMORY, **not_measured(name, None, detail)}]
 
     def measure(s: str) -> Measure:
         def peak() -> tuple[float, float, bool, str]:
@@ -281,64 +232,7 @@ def _memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
 
         return peak
 
-    return [judge(name, s, measure(s)) for s in big]
-
-
-def at_or(node: Any, default: Any, *path: str) -> Any:
-    try:
-        return at(node, *path)
-    except Missing:
-        return default
-
-
-# Formatting.
-
-
-def _time(seconds: float) -> tuple[float, str]:
-    if seconds < 1e-3:
-        return 1e6, "µs"
-    if seconds < 1.0:
-        return 1e3, "ms"
-    return 1.0, "s"
-
-
-def _num(x: float) -> str:
-    return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
-
-
-def fmt_time(stats: dict[str, Any] | float | None) -> str:
-    if stats is None:
-        return "-"
-    if not isinstance(stats, dict):
-        scale, unit = _time(stats)
-        return f"{_num(stats * scale)} {unit}"
-    scale, unit = _time(stats["median"])
-    spread = f" ({_num(stats['min'] * scale)}–{_num(stats['max'] * scale)})" if stats["n"] > 1 else ""
-    return f"{_num(stats['median'] * scale)} {unit}{spread}"
-
-
-def fmt_bytes(n: float) -> str:
-    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_rate(stats: dict[str, Any]) -> str:
-    scale, unit = (1e9, "GB/s") if stats["median"] >= 1e9 else (1e6, "MB/s")
-    spread = f" ({_num(stats['min'] / scale)}–{_num(stats['max'] / scale)})" if stats["n"] > 1 else ""
-    return f"{_num(stats['median'] / scale)} {unit}{spread}"
-
-
-def fmt_share(stats: dict[str, Any]) -> str:
-    return f"{100 * stats['median']:.1f}% ({100 * stats['min']:.1f}–{100 * stats['max']:.1f})"
-
-
-def fmt_sps(stats: dict[str, Any], base: float | None = None) -> str:
-    text = f"{_num(stats['median'])} ({_num(stats['min'])}–{_num(stats['max'])})"
-    if base:
-        text += f" {100 * (stats['median'] / base - 1):+.0f}%"
-    return text
+    return [judge(name, s, measure(s), MEMORY) for s in big]
 
 
 def table(r: dict[str, Any]) -> str:
@@ -509,13 +403,6 @@ def _counts(c: dict[str, int]) -> str:
     if "skipped" in c:
         text += f" ({c['skipped']} skipped, told)"
     return text
-
-
-GROUPS = {
-    ISSUE_12: "issue 12, performance round two",
-    "issue 10": "issue 10, training checkpoints (section 7)",
-    "issue 11": "issue 11, object store (section 8)",
-}
 
 
 def targets_text(r: dict[str, Any]) -> str:

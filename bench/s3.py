@@ -1,4 +1,4 @@
-"""Section 8: saves committed to an S3 object store (issue 11), against a raw multipart PUT of the same bytes.
+"""Section 8: saves committed to an S3 object store, against a raw multipart PUT of the same bytes.
 
 `python -m bench` runs it (`--s3-only` alone, `--no-s3` skips it; `--quick`
 skips it unless `--s3`). The section starts its own Ceph radosgw on loopback
@@ -466,10 +466,11 @@ def ratios(s: dict[str, Any]) -> dict[str, float]:
 
 
 def targets(section: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Issue 11's benchmark targets for every measured size, met, MISSED or not measured (group "issue 11")."""
-    from bench.report import at_most, fmt_time, judge, median, not_measured
+    """The object-store targets for every measured size, met, MISSED or not measured (group OBJECT_STORE)."""
+    from bench.fmt import fmt_time
+    from bench.judge import OBJECT_STORE, at_most, judge, median, not_measured
 
-    group = "issue 11"
+    group = OBJECT_STORE
     commit_name = f"S3 save() call->committed throughput >= {COMMIT_VS_RAW} x raw boto3 multipart PUT"
     stall_name = f"S3 save() stall <= {STALL_VS_LOCAL} x the local root's"
     if not section or not section.get("sizes"):
@@ -511,7 +512,7 @@ def header(r: dict[str, Any]) -> str:
 
 def table(r: dict[str, Any]) -> str:
     """Section 8's lines (its targets are in bench.report's block); empty if the section did not run."""
-    from bench.report import fmt_bytes, fmt_rate, fmt_time
+    from bench.fmt import fmt_bytes, fmt_rate, fmt_time
 
     section = r.get("s3")
     if section is None:

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from bench.judge import GROUPS, OBJECT_STORE, TRAINING_STATE
+
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = (
     "inprocess",
@@ -124,7 +126,8 @@ def test_fanin_lost_no_accepted_save(result: dict[str, Any]) -> None:
     assert fanin["latency_p50"] > 0 and fanin["latency_p99"] > 0
 
 
-# Issue 12's targets by the start of their names, and the sizes a quick run (small only) judges them at:
+# The targets judged against the run's own anchors, by the start of their names, and the sizes a quick
+# run (small only) judges them at:
 # () where it cannot (the target needs large, a payload >= 10 MB, 8 fan-in trainers, or section 8 or 9).
 QUICK_TARGETS = {
     "cross-host: a save's bytes / call->durable": (),
@@ -149,20 +152,21 @@ def test_every_target_is_judged(result: dict[str, Any]) -> None:
     assert {t["status"] for t in rows} <= {"met", "MISSED", "not measured"}
     for t in rows:  # met is the status as a bool, None when not measured
         assert t["met"] is {"met": True, "MISSED": False, "not measured": None}[t["status"]], t
-    issue_12 = [t for t in rows if t["group"] == "issue 12"]
+    assert [t["group"] for t in rows] == sorted((t["group"] for t in rows), key=list(GROUPS).index)  # grouped
     for start, judged in QUICK_TARGETS.items():
-        found = [t for t in issue_12 if t["target"].startswith(start)]
-        assert found, f"no target {start!r} in {[t['target'] for t in issue_12]}"
+        found = [t for t in rows if t["target"].startswith(start)]
+        assert found, f"no target {start!r} in {[t['target'] for t in rows]}"
         measured = tuple(t["size"] for t in found if t["status"] != "not measured")
         assert measured == judged, (start, found)
         for t in found:
             if t["status"] != "not measured":
                 assert t["value"] is not None and t["limit"] is not None and " vs limit " in t["detail"], t
-    # Sections 7 and 8 keep their issues' targets: section 7's judged at small, section 8 (not run) not measured.
-    issue_10 = [t for t in rows if t["group"] == "issue 10"]
-    assert len(issue_10) == 3 and all(t["size"] == "small" and t["status"] != "not measured" for t in issue_10)
-    issue_11 = [t for t in rows if t["group"] == "issue 11"]
-    assert issue_11 and all(t["status"] == "not measured" for t in issue_11)
+    # Section 7's training-state targets are judged at small; section 8 (not run) is not measured.
+    training_state = [t for t in rows if t["group"] == TRAINING_STATE]
+    assert len(training_state) == 3
+    assert all(t["size"] == "small" and t["status"] != "not measured" for t in training_state)
+    object_store = [t for t in rows if t["group"] == OBJECT_STORE]
+    assert object_store and all(t["status"] == "not measured" for t in object_store)
 
 
 @pytest.mark.slow

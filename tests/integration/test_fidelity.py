@@ -1,4 +1,4 @@
-"""Saves PolicySaver makes that RemotePolicySaver must make too (issue 13), against the real daemon.
+"""Saves PolicySaver makes that RemotePolicySaver must make too, against the real daemon.
 
 - TF1 graph mode: a policy and saver built inside `tf.compat.v1.Graph().as_default()`
   with a Session, as half of upstream policy_saver_test's testSaveAction* cases

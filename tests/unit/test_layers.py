@@ -247,3 +247,45 @@ def test_a_module_rule_is_narrower_than_its_layer(tmp_path: Path) -> None:
     assert violations(trees, _TABLE, {"checkpointd.saves.parse": frozenset()}) == [
         "checkpointd.saves.parse:1 imports checkpointd.core.ports (saves -> core)"
     ]
+
+
+# --- the bench ----------------------------------------------------------------
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` (module -> the modules it imports), or [] if it has none."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return []
+        for nxt in sorted(graph.get(node, ())):
+            found = visit(nxt, [*path, node])
+            if found:
+                return found
+        done.add(node)
+        return []
+
+    for start in sorted(graph):
+        found = visit(start, [])
+        if found:
+            return found
+    return []
+
+
+def test_the_bench_has_no_import_cycle() -> None:
+    # Its judging helpers (bench.judge, bench.fmt) sit below the report and the sections that use them.
+    found = modules({"bench": ROOT / "bench"})
+    graph = {
+        m: {i.target for i in imports(m, p, set(found)) if i.target in found and i.target != m}
+        for m, p in found.items()
+    }
+    assert _cycle(graph) == []
+    assert {m for m in found if "bench.report" in graph[m]} <= {"bench.__main__"}
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
