@@ -22,10 +22,10 @@ from checkpointd.protocol.codes import code_for
 from checkpointd.protocol.errors import DeadlineError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.budget import UploadBudget
-from checkpointd.saves.pipeline import Decision, Formats, HeldSave, LocalSkip, Result, SavePipeline, SaveRequest
+from checkpointd.saves.pipeline import Decision, Formats, LocalSkip, Result, SavePipeline, SaveRequest, TrainerDecided
 from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.retention import Retention
-from checkpointd.saves.runs import HeldSaveError, Lanes
+from checkpointd.saves.runs import Lanes, TrainerDecidedError
 from checkpointd.saves.shm import SharedMemory
 from tests.component.conftest import Rig, request
 from tests.component.fakes import LIMIT, FakeFormat, FakeStore, RecordingSink
@@ -76,7 +76,7 @@ def first_save(rig: Rig) -> tuple[Decision, BusyLock]:
 def held_request(decision: Decision, export_dir: str, step: int = 2, segment: str | None = None) -> SaveRequest:
     assert decision.segment is not None
     path = segment if segment is not None else str(decision.segment.path)
-    return shm_request(export_dir, step, held=HeldSave(path, decision.lock_path))
+    return shm_request(export_dir, step, trainer_decided=TrainerDecided(path, decision.lock_path))
 
 
 def test_the_daemon_holds_the_lock_for_each_save_it_accepts_and_lets_go_before_the_result(shm_rig) -> None:
@@ -163,7 +163,7 @@ def test_a_held_save_on_a_busy_lane_fails_precondition_and_writes_nothing(shm_ri
     in_flight, gate = rig.hold(shm_request("in-flight", step=5))
     before = rig.stats()
 
-    with pytest.raises(HeldSaveError, match="'in-flight' in flight") as refused:
+    with pytest.raises(TrainerDecidedError, match="'in-flight' in flight") as refused:
         rig.save(held_request(first, "broken"))
 
     assert code_for(refused.value) == grpc.StatusCode.FAILED_PRECONDITION
@@ -181,9 +181,13 @@ def test_a_held_save_without_the_current_lock_fails_precondition(shm_rig, what: 
     request_ = held_request(first, "claimed")
     if what == "another lock":
         assert lock.try_take()
-        request_ = dataclasses.replace(request_, held=HeldSave(str(first.segment.path), "/elsewhere/a.lock"))
+        request_ = dataclasses.replace(
+            request_, trainer_decided=TrainerDecided(str(first.segment.path), "/elsewhere/a.lock")
+        )
 
-    with pytest.raises(HeldSaveError, match="nobody holds it" if what == "nobody holds it" else "not this daemon's"):
+    with pytest.raises(
+        TrainerDecidedError, match="nobody holds it" if what == "nobody holds it" else "not this daemon's"
+    ):
         rig.save(request_)
 
     assert "claimed" not in {s.export_dir for s in rig.store.saves()}
@@ -198,8 +202,10 @@ def test_local_skips_are_counted_and_logged_even_when_the_save_is_refused(
     skips = (LocalSkip(SaveKind.SAVED_MODEL, "x", 4), LocalSkip(SaveKind.CHECKPOINT, "y", 5))
 
     rig.save(dataclasses.replace(request("carrier", step=6), local_skips=skips))
-    with pytest.raises(HeldSaveError):  # nobody holds the lock: refused, skips still counted
-        rig.save(dataclasses.replace(request("bad", step=7), held=HeldSave("s", "l"), local_skips=skips[:1]))
+    with pytest.raises(TrainerDecidedError):  # nobody holds the lock: refused, skips still counted
+        rig.save(
+            dataclasses.replace(request("bad", step=7), trainer_decided=TrainerDecided("s", "l"), local_skips=skips[:1])
+        )
     rig.pipeline.count_local_skips("a", skips[1:])  # as Flush reports them
 
     assert rig.stats().skipped == 4
@@ -249,7 +255,7 @@ def test_closing_the_run_unlinks_its_lock_and_a_reopened_run_refuses_the_old_one
     rig.register("a")  # reopened
 
     assert lock.try_take()  # a trainer that missed the close
-    with pytest.raises(HeldSaveError, match="not this daemon's"):
+    with pytest.raises(TrainerDecidedError, match="not this daemon's"):
         rig.save(held_request(first, "stale"))
     lock.release()
     decision, result = rig.save(shm_request("fresh", step=3))

@@ -19,7 +19,7 @@ from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.protocol.wire import variable_to_pb
 from checkpointd.saves.catalog import StoredRuns
-from checkpointd.saves.pipeline import Decision, HeldSave, LocalSkip, Result, SaveRequest
+from checkpointd.saves.pipeline import Decision, LocalSkip, Result, SaveRequest, TrainerDecided
 from checkpointd.saves.restore import Opened
 from checkpointd.saves.runs import RunView
 from checkpointd.saves.shm import Segment
@@ -75,7 +75,7 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
             raise InvalidRequestError("Save: held is for non-blocking saves only; send a blocking save without it")
         if not header.held.segment_path or not header.held.lock_path:
             raise InvalidRequestError("Save: held needs the segment_path and lock_path the daemon offered")
-        held = HeldSave(header.held.segment_path, header.held.lock_path)
+        held = TrainerDecided(header.held.segment_path, header.held.lock_path)
     return SaveRequest(
         run=header.run,
         kind=kind,
@@ -87,7 +87,7 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         numpy_state=numpy_state_from_pb(header.numpy_state) if header.HasField("numpy_state") else None,
         shared_memory=header.shared_memory,
         checkpoint=checkpoint,
-        held=held,
+        trainer_decided=held,
         local_skips=local_skips(header.local_skips, "Save"),
     )
 

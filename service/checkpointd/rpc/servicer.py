@@ -53,7 +53,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         staging: where uploaded templates are received, in the daemon's state dir.
         """
         self._pipeline = pipeline
-        self._runs = pipeline.runs
+        self._lanes = pipeline.lanes
         self._staging = staging
 
     @grpc_errors
@@ -82,7 +82,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         finally:
             shutil.rmtree(staged, ignore_errors=True)
         run = check_run_name(header.run)
-        return messages.register_response(run, self._runs.folder(run), manifest)
+        return messages.register_response(run, self._lanes.folder(run), manifest)
 
     @grpc_errors
     def Save(
@@ -97,7 +97,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             return upload.within(chunks, request_iterator, deadline, self._pipeline.upload_timeout)
 
         # A blocking save waiting for its turn wakes when the caller goes away.
-        context.add_callback(self._runs.wake)
+        context.add_callback(self._lanes.wake)
         events = self._pipeline.save(request, receive, timeout=context.time_remaining(), is_active=context.is_active)
         for event in events:
             yield messages.save_response(event)
@@ -110,7 +110,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self._pipeline.count_local_skips(
                 check_run_name(request.run), messages.local_skips(request.local_skips, "Flush")
             )
-        runs = self._runs.flush(request.run or None, _wait_seconds(request.timeout_seconds, "Flush"))
+        runs = self._lanes.flush(request.run or None, _wait_seconds(request.timeout_seconds, "Flush"))
         return pb.FlushResponse(runs=runs)
 
     @grpc_errors
@@ -121,14 +121,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @grpc_errors
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         if not request.stored:
-            runs = [messages.run_status(view) for view in self._runs.views(request.run or None)]
-            return pb.StatusResponse(runs=runs, draining=self._runs.draining)
+            runs = [messages.run_status(view) for view in self._lanes.views(request.run or None)]
+            return pb.StatusResponse(runs=runs, draining=self._lanes.draining)
         run = check_run_name(request.run) if request.run else None
         try:
-            views = self._runs.views(run)
+            views = self._lanes.views(run)
         except RunNotFoundError:
             views = []  # not registered here, but the store may hold its saves
-        response = pb.StatusResponse(runs=[messages.run_status(v) for v in views], draining=self._runs.draining)
+        response = pb.StatusResponse(runs=[messages.run_status(v) for v in views], draining=self._lanes.draining)
         # One run: its folder only (as GetLatest searches); else every folder.
         folders = None if run is None else [self._pipeline.folder(run)]
         leases = getattr(self._pipeline, "leases", None)  # a fleet's store has leases
@@ -147,7 +147,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @grpc_errors
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[pb.RestoreResponse]:
         run = check_run_name(request.run)
-        manifest, folder = self._runs.manifest(run), self._runs.folder(run)
+        manifest, folder = self._lanes.manifest(run), self._lanes.folder(run)
         with self._pipeline.retention.holding(folder):  # retention must not delete it mid-stream
             with restore.opening(
                 self._pipeline.store, self._pipeline.formats, folder, run, request.export_dir, manifest

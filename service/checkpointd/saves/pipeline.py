@@ -18,7 +18,8 @@ releases it. A run held elsewhere is refused with RunHeldError (ABORTED).
 
 On the daemon's host a trainer may skip the decision's round trip: it takes
 the run's busy lock itself (`checkpointd.saves.shm`, `checkpointd.saves.runs`),
-copies into the run's segment and sends a "held" request, which is checked
+copies into the run's segment and sends a trainer-decided request (`held`
+on the wire, `TrainerDecided` here), which is checked
 like any other and then started on the idle lane without a decision; the
 saves it skipped on its own (the lock was taken) arrive as `local_skips` on
 its next request or Flush and are counted and logged like the daemon's own.
@@ -68,7 +69,7 @@ from checkpointd.protocol.names import check_run_name
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs, directory_of
 from checkpointd.saves.pool import WriterPool
-from checkpointd.saves.runs import HeldSaveError, Lanes
+from checkpointd.saves.runs import Lanes, TrainerDecidedError
 from checkpointd.saves.shm import RunLock, Segment, SharedMemory
 from checkpointd.saves.skip_log import SkipLog
 
@@ -93,14 +94,14 @@ class SaveRequest:
     # checkpoint prefix <dir>/ckpt-<step>); None for policy saves.
     checkpoint: CheckpointSpec | None = None
     # The trainer holds the run's busy lock and wrote this segment: no skip decision.
-    held: HeldSave | None = None
+    trainer_decided: TrainerDecided | None = None
     # Saves the trainer skipped on its own since its last report.
     local_skips: tuple[LocalSkip, ...] = ()
 
 
 @dataclass(frozen=True)
-class HeldSave:
-    """A request's claim to hold the run's busy lock (SaveHeader.held)."""
+class TrainerDecided:
+    """A request the trainer decided itself under the run's busy lock, which it holds (SaveHeader.held)."""
 
     segment_path: str
     lock_path: str
@@ -173,7 +174,7 @@ class SavePipeline:
     def __init__(
         self,
         config: ServeConfig,
-        runs: Lanes,
+        lanes: Lanes,
         store: Store,
         formats: Formats,
         pool: WriterPool,
@@ -185,7 +186,7 @@ class SavePipeline:
         leases: Leases | None = None,
     ) -> None:
         self._config = config
-        self.runs = runs
+        self.lanes = lanes
         self.store = store
         self.formats = formats
         self._pool = pool
@@ -259,7 +260,7 @@ class SavePipeline:
             manifest = fmt.register(run, receive_template(), variables, checkpoint_object_graph)
         except OSError as e:  # the state dir: unwritable, full, gone (logged as the call ends)
             raise SaveFailedError(f"run {run!r}: could not store its template: {describe(e)}") from e
-        self.runs.register(run, manifest, folder)
+        self.lanes.register(run, manifest, folder)
         self._skips.forget(run)  # a restarted trainer's first skip is logged as a first again
         self._run_kinds[run] = tuple(fmt.kinds)
         _LOGGER.info(
@@ -281,7 +282,7 @@ class SavePipeline:
         if asked:
             return check_folder(asked)
         try:
-            return self.runs.folder(run)
+            return self.lanes.folder(run)
         except RunNotFoundError:
             return run  # not registered (yet, or since a restart): its default folder
 
@@ -318,8 +319,8 @@ class SavePipeline:
             Receiver's errors, SaveFailedError.
         """
         run = check_run_name(request.run)
-        manifest = self.runs.manifest(run)
-        folder = self.runs.folder(run)
+        manifest = self.lanes.manifest(run)
+        folder = self.lanes.folder(run)
         self.count_local_skips(run, request.local_skips)  # counted even if this save is refused
         self.store.target(folder, request.export_dir)  # refuses a bad export dir now
         fmt = self.formats(request.kind)
@@ -338,7 +339,9 @@ class SavePipeline:
         # A run's lock is made by its first save that may use shared memory:
         # until a trainer has been offered it, nobody else can hold it.
         lock = (
-            self._held_lock(run, request.held) if request.held is not None else self._lock(run, request.shared_memory)
+            self._trainer_decided_lock(run, request.trainer_decided)
+            if request.trainer_decided is not None
+            else self._lock(run, request.shared_memory)
         )
         self.leases.hold(run, None)
         # Reserved before the lane decides: past a limit the request is refused
@@ -346,8 +349,13 @@ class SavePipeline:
         with self._budget.reserve(request.snapshot_bytes, run) as release:
             spec = SaveSpec(request.kind, request.export_dir, request.blocking, request.step)
             asked = time.monotonic()
-            decision = self.runs.begin(
-                run, spec, timeout=timeout, is_active=is_active, lock=lock, held=request.held is not None
+            decision = self.lanes.begin(
+                run,
+                spec,
+                timeout=timeout,
+                is_active=is_active,
+                lock=lock,
+                trainer_decided=request.trainer_decided is not None,
             )
             if isinstance(decision, Skipped):
                 self._skips.skipped(run, request.kind.value, request.export_dir, request.step, decision.reason)
@@ -364,18 +372,18 @@ class SavePipeline:
         """
         if not skips:
             return
-        self.runs.skipped_elsewhere(run, [skip.kind for skip in skips])
+        self.lanes.skipped_elsewhere(run, [skip.kind for skip in skips])
         for skip in skips:
             self._skips.skipped(run, skip.kind.value, skip.export_dir, skip.step, _LOCAL_REASON)
 
     def _lock(self, run: str, make: bool = True) -> RunLock | None:
         return self._shm.lock(run, make=make) if self._shm is not None else None
 
-    def _held_lock(self, run: str, held: HeldSave) -> RunLock:
-        """The run's busy lock, if it is the one a held request names; else HeldSaveError."""
+    def _trainer_decided_lock(self, run: str, held: TrainerDecided) -> RunLock:
+        """The run's busy lock, if it is the one a trainer-decided request names; else TrainerDecidedError."""
         lock = self._lock(run)
         if lock is None or str(lock.path) != held.lock_path:
-            raise HeldSaveError(
+            raise TrainerDecidedError(
                 f"run {run!r}: the save holds the busy lock {held.lock_path!r}, which is not this "
                 f"daemon's for the run ({'none: it has no shared memory' if lock is None else str(lock.path)}); "
                 "nothing was written. Send the save without `held`: the daemon then decides it"
@@ -406,7 +414,11 @@ class SavePipeline:
             lock_path = ""
             if request.shared_memory and self._shm is not None:
                 segment = self._shm.segment(run, parts)  # safe: this save holds the lane
-                if segment is not None and request.held is not None and str(segment.path) != request.held.segment_path:
+                if (
+                    segment is not None
+                    and request.trainer_decided is not None
+                    and str(segment.path) != request.trainer_decided.segment_path
+                ):
                     self._shm.release(run)  # the trainer wrote another (older) segment: it sends chunks
                     segment = None
                 lock = self._shm.lock(run)
@@ -436,7 +448,7 @@ class SavePipeline:
             if segment is not None and self._shm is not None:
                 self._shm.release(run)  # idle again: may give way to another run's
             release()  # before the caller hears the result, so its next save fits
-            self.runs.finish(run, ticket, outcome)
+            self.lanes.finish(run, ticket, outcome)
             seconds = time.time() - (ticket.accepted_at or time.time())
             _log_outcome(request, run, outcome, seconds, transport)
         assert isinstance(outcome, Written)
@@ -471,10 +483,10 @@ class SavePipeline:
     def close_run(self, run: str, timeout: float | None) -> None:
         """Refuses new saves on the run, waits for its lane to end, frees its segment."""
         run = check_run_name(run)
-        self.runs.close(run, timeout)
+        self.lanes.close(run, timeout)
         if self._shm is not None:
             self._shm.drop(run)
-            self.runs.forget_lock(run)
+            self.lanes.forget_lock(run)
             self._shm.drop_lock(run)  # its trainers' next saves ask, and hear the run is closed
         # Retention of its last saves (under the lease, on a shared store) ends
         # before the close returns: the dir is then as CheckpointManager leaves it.
@@ -566,7 +578,7 @@ def _log_outcome(request: SaveRequest, run: str, outcome: Written | Failed, seco
         _LOGGER.info(
             "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs%s transport=%s",
             run, request.kind.value, request.export_dir, request.step, outcome.bytes_written,
-            seconds, " held=yes" if request.held is not None else "", transport,
+            seconds, " held=yes" if request.trainer_decided is not None else "", transport,
         )  # fmt: skip
     else:
         _LOGGER.warning(

@@ -14,8 +14,9 @@ trainer holds it, an ordinary non-blocking save is skipped and a blocking
 one waits here, polling the lock with a short back-off (a flock cannot be
 waited on together with the condition), within its deadline; blocking
 saves therefore queue FIFO behind saves the daemon holds the lock for, but
-not behind a trainer's. A "held" save (the trainer holds the lock) is
-started on an idle lane without a decision.
+not behind a trainer's. A trainer-decided save (the trainer took the lock
+and decided skip-if-busy itself; `held` on the wire) is started on an idle
+lane without a decision.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class RunView:
     manifest: Manifest
 
 
-class HeldSaveError(RunClosedError):
-    """A "held" save (the trainer holds the busy lock) met a busy lane or a stale lock: FAILED_PRECONDITION."""
+class TrainerDecidedError(RunClosedError):
+    """A trainer-decided save (the trainer holds the busy lock) met a busy lane or a stale lock: FAILED_PRECONDITION."""
 
 
 # Back-off of a blocking save polling a busy lock a trainer holds: first and longest wait, seconds.
@@ -73,7 +74,7 @@ class _Run:
     manifest: Manifest
     folder: str
     lock: RunLock | None = None  # the run's busy lock
-    held_ticket: Ticket | None = None  # the held save in flight (its trainer holds the lock)
+    decided_ticket: Ticket | None = None  # the trainer-decided save in flight (its trainer holds the lock)
 
     @property
     def locked(self) -> bool:
@@ -141,7 +142,7 @@ class Lanes:
         timeout: float | None = None,
         is_active: Callable[[], bool] = lambda: True,
         lock: RunLock | None = None,
-        held: bool = False,
+        trainer_decided: bool = False,
     ) -> Ticket | Skipped:
         """Asks the run's lane for a save; a blocking save waits its turn here.
 
@@ -153,8 +154,8 @@ class Lanes:
                 RPC calls `wake` when it does, so the wait need not poll.
             lock: the run's busy lock (kept from the first save that gives
                 one); None: the daemon has no shared memory.
-            held: the caller's trainer holds the busy lock: start the save
-                on the idle lane, or HeldSaveError.
+            trainer_decided: the caller's trainer decided the save under the busy lock it holds: start it
+                on the idle lane, or TrainerDecidedError.
 
         Returns:
             An ACTIVE ticket (the caller must `finish` it) or Skipped.
@@ -163,7 +164,7 @@ class Lanes:
             RunNotFoundError, RunClosedError, UnavailableError: as the lane says.
             DeadlineError: a blocking save waited longer than `timeout`, or
                 its caller went away.
-            HeldSaveError: `held`, and the lane has a save in flight or queued.
+            TrainerDecidedError: `trainer_decided`, and the lane has a save in flight or queued.
         """
         # gRPC reports a call without a deadline as ~292 years left, past what a
         # lock can wait (threading.TIMEOUT_MAX): that is no deadline.
@@ -177,11 +178,11 @@ class Lanes:
                 if lock is not None and not lock.closed and (entry.lock is None or entry.lock.closed):
                     entry.lock = lock
                 lock = entry.lock if entry.lock is not None and not entry.lock.closed else None
-                if held:
-                    return self._begin_held(run, entry, spec)
-                trainers = lane.in_flight is not None and lane.in_flight is entry.held_ticket
+                if trainer_decided:
+                    return self._begin_trainer_decided(run, entry, spec)
+                trainers = lane.in_flight is not None and lane.in_flight is entry.decided_ticket
                 if lock is not None and not entry.locked and (lane.idle or trainers):
-                    # Free, or held by a trainer: now, or for a held save in flight.
+                    # Free, or held by a trainer: now, or for a trainer-decided save in flight.
                     if lane.idle and lock.try_hold():
                         pass  # held by the daemon for this save from now on
                     elif not spec.blocking:
@@ -213,12 +214,12 @@ class Lanes:
                 self._cond.wait(remaining)  # `wake` when a caller goes away
             return decision
 
-    def _begin_held(self, run: str, entry: _Run, spec: SaveSpec) -> Ticket:
+    def _begin_trainer_decided(self, run: str, entry: _Run, spec: SaveSpec) -> Ticket:
         lane = entry.lane
         lane.check_open(spec, draining=self._draining)  # a closed or draining run says so first
         if not lane.idle:
             busy = lane.in_flight or lane.waiting[0]
-            raise HeldSaveError(
+            raise TrainerDecidedError(
                 f"run {run!r}: a save sent as holding the run's busy lock found a {busy.spec.kind.value} "
                 f"save to {busy.spec.export_dir!r} in flight, so the client did not hold the lock "
                 "the daemon offered; nothing was written. Send saves without `held` (or fix the client)"
@@ -226,14 +227,14 @@ class Lanes:
         if entry.lock is None or entry.lock.try_hold():
             if entry.lock is not None:
                 entry.lock.release()
-            raise HeldSaveError(
+            raise TrainerDecidedError(
                 f"run {run!r}: a save sent as holding the run's busy lock, but nobody holds it; "
                 "nothing was written. Take the lock (SharedMemory.lock_path) before sending `held`, "
                 "or send the save without it"
             )
         ticket = lane.request(spec, draining=self._draining)
         assert isinstance(ticket, Ticket) and ticket.state is TicketState.ACTIVE
-        entry.held_ticket = ticket
+        entry.decided_ticket = ticket
         return ticket
 
     def _wait_poll(
@@ -280,8 +281,8 @@ class Lanes:
         """Ends an accepted save; the next queued blocking save starts."""
         with self._cond:
             entry = self._runs[run]
-            if entry.held_ticket is ticket:
-                entry.held_ticket = None
+            if entry.decided_ticket is ticket:
+                entry.decided_ticket = None
             started = entry.lane.finish(ticket, outcome)
             if started is not None and entry.lock is not None and not entry.locked:
                 # A save queued before the run had a lock: it holds it from now on.
