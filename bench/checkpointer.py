@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tf_agents.replay_buffers import tf_uniform_replay_buffer
     from tf_agents.utils import common
 
-    from bench import agents, inprocess, limits, memory, training
+    from bench import agents, inprocess, limits, memory, training_speed
     from bench.config import Size
     from bench.stats import summarize, timed
     from checkpointd_client import RemoteCheckpointer
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _TfAsyncDriver(tf_checkpoint, inprocess.ASYNC, out / "windows"),
                 _RemoteDriver(remote, step),
             ]
-            windows = training.interleaved_windows(
+            windows = training_speed.interleaved_windows(
                 trainer, drivers, args.reps, args.window, args.min_steps, cadence, say
             )
         finally:

@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tf_agents.policies import async_policy_saver, policy_saver
 
-    from bench import agents, inprocess, memory, remote, training
+    from bench import agents, inprocess, memory, remote, training_speed
     from bench.config import SIZES
     from bench.stats import summarize
     from checkpointd_client import RemotePolicySaver
@@ -134,11 +134,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             asaver = async_policy_saver.AsyncPolicySaver(saver)
             try:
                 drivers = [
-                    training.AsyncPolicySaverDriver(asaver, out),
-                    training.TfAsyncCheckpointDriver(checkpoint, inprocess.ASYNC, out),
-                    training.CheckpointdDriver(remote_saver, daemon.root / "trainer", "window", SAVE_TIMEOUT),
+                    training_speed.AsyncPolicySaverDriver(asaver, out),
+                    training_speed.TfAsyncCheckpointDriver(checkpoint, inprocess.ASYNC, out),
+                    training_speed.CheckpointdDriver(remote_saver, daemon.root / "trainer", "window", SAVE_TIMEOUT),
                 ]
-                windows = training.interleaved_windows(
+                windows = training_speed.interleaved_windows(
                     trainer, drivers, args.reps, args.window, args.min_steps, cadence, say
                 )
             finally:

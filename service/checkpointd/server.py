@@ -135,7 +135,7 @@ class Server:
             _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, self._store.describe())
         if self._formats is None:
             from checkpointd.formats.policy import PolicyFormat  # TensorFlow loads in its writes
-            from checkpointd.formats.training import TrainingFormat
+            from checkpointd.formats.training_checkpoint import TrainingFormat
 
             self._formats = [PolicyFormat(config.state_dir, fsync=config.fsync), TrainingFormat()]
             # Import TensorFlow (~2.5 s) while the port opens, not inside the

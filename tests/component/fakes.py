@@ -28,7 +28,7 @@ from pathlib import Path
 
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
-from checkpointd.core.ports import CommittedSave, SaveMeta, Snapshot, Staged
+from checkpointd.core.ports import CommittedSave, SaveMeta, SnapshotBytes, Staged
 from checkpointd.protocol.errors import (
     InvalidRequestError,
     RunNotFoundError,
@@ -251,7 +251,7 @@ NUMPY_SPEC_FILE = "numpy_state/spec.json"
 TEMPLATE_MARKER = "saved_model.pb"
 
 
-def _join(snapshot: Snapshot) -> bytes:
+def _join(snapshot: SnapshotBytes) -> bytes:
     if isinstance(snapshot, (bytes, bytearray, memoryview)):
         return bytes(snapshot)
     return b"".join(bytes(memoryview(part)) for part in snapshot)
@@ -348,7 +348,7 @@ class FakeFormat:
         kind: SaveKind,
         manifest: Manifest,
         staging: Path,
-        snapshot: Snapshot,
+        snapshot: SnapshotBytes,
         numpy_state: NumpyPayload | None,
     ) -> Staged:
         gate, error = self._write.take()

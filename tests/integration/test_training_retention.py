@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from checkpointd.core.training import CheckpointRetention
+from checkpointd.core.checkpoint_spec import CheckpointRetention
 from checkpointd_client import RemoteCheckpointer
 from tests.integration.daemon import Daemon, wait_until
 from tests.unit.test_checkpoint_state import _Manager

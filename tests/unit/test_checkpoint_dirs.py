@@ -12,9 +12,9 @@ from pathlib import Path
 
 from checkpointd.cli.verify import verify_paths
 from checkpointd.core import checkpoint_state
+from checkpointd.core.checkpoint_spec import CheckpointRetention
 from checkpointd.core.ports import SaveMeta, Staged
 from checkpointd.core.retention import RetentionPolicy
-from checkpointd.core.training import CheckpointRetention
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.checkpoint_dirs import RULES_FIELD, CheckpointDirs
 from checkpointd.saves.retention import Retention

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 
 from checkpointd.core import checkpoint_state
-from checkpointd.core.training import CheckpointRetention
+from checkpointd.core.checkpoint_spec import CheckpointRetention
 
 HOUR = 3600.0
 

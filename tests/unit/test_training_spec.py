@@ -1,4 +1,4 @@
-"""A training checkpoint's own description, checked before the decision (core.training)."""
+"""A training checkpoint's own description, checked before the decision (core.checkpoint_spec)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from checkpointd.core.training import CheckpointRetention, CheckpointSpec, TensorSpec, check_dtypes, check_keys
+from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec, TensorSpec, check_dtypes, check_keys
 from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError
 
 K = "agent/w/.ATTRIBUTES/VARIABLE_VALUE"

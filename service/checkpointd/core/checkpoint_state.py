@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from checkpointd.core.checkpoint_spec import CheckpointRetention
 from checkpointd.core.retention import age
-from checkpointd.core.training import CheckpointRetention
 
 STATE_FILE = "checkpoint"  # CheckpointManager's (and tf.train.latest_checkpoint's) file name
 _NAME = re.compile(r"[A-Za-z0-9._-]+\Z")

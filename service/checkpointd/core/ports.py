@@ -8,7 +8,7 @@ The two seams a new backend or save kind plugs into:
   dir with others (training checkpoints, as TensorFlow lays them out).
 - `SaveFormat`: how one kind of save is checked, written into staging and
   read back (`checkpointd.formats.policy` for policy SavedModels and
-  checkpoints, `checkpointd.formats.training` for training checkpoints).
+  checkpoints, `checkpointd.formats.training_checkpoint` for training checkpoints).
 `checkpointd.server` picks the implementations.
 """
 
@@ -21,13 +21,13 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from checkpointd.core.checkpoint_spec import CheckpointSpec
     from checkpointd.core.manifest import Manifest, VariableSpec
     from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
-    from checkpointd.core.training import CheckpointSpec
     from checkpointd.protocol.kinds import SaveKind
 
 # A snapshot: every variable's bytes concatenated, or one buffer per variable.
-Snapshot = bytes | bytearray | memoryview | Sequence[memoryview]
+SnapshotBytes = bytes | bytearray | memoryview | Sequence[memoryview]
 
 
 class Clock(Protocol):
@@ -375,7 +375,7 @@ class SaveFormat(Protocol):
         kind: SaveKind,
         manifest: Manifest,
         staging: Path,
-        snapshot: Snapshot,
+        snapshot: SnapshotBytes,
         numpy_state: NumpyPayload | None,
         *,
         checkpoint: CheckpointSpec | None = None,

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from checkpointd import durable
+from checkpointd.core.checkpoint_spec import CheckpointSpec
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
-from checkpointd.core.ports import CommittedSave, SaveValues, Snapshot, Staged
-from checkpointd.core.training import CheckpointSpec
+from checkpointd.core.ports import CommittedSave, SaveValues, SnapshotBytes, Staged
 from checkpointd.formats import numpy_files, policy_template, reader, savev2
 from checkpointd.formats.policy_template import VARIABLES_PREFIX, Template
 from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
@@ -142,7 +142,7 @@ class PolicyFormat:
         kind: SaveKind,
         manifest: Manifest,
         staging: Path,
-        snapshot: Snapshot,
+        snapshot: SnapshotBytes,
         numpy_state: NumpyPayload | None,
         *,
         checkpoint: CheckpointSpec | None = None,  # training checkpoints only: never given here
@@ -224,7 +224,7 @@ class PolicyFormat:
         return reader.open_save(Path(save.path), save.kind, manifest, repr(save.export_dir))
 
 
-def _arrays(manifest: Manifest, snapshot: Snapshot) -> list[Any]:
+def _arrays(manifest: Manifest, snapshot: SnapshotBytes) -> list[Any]:
     """Each variable's value, as a tensor over the snapshot's bytes where TF allows it.
 
     `snapshot` is the concatenation of the variables' bytes, or one buffer per
@@ -250,7 +250,7 @@ def _arrays(manifest: Manifest, snapshot: Snapshot) -> list[Any]:
 
 
 def _write_tree(
-    template: Template, kind: SaveKind, tmp: Path, snapshot: Snapshot
+    template: Template, kind: SaveKind, tmp: Path, snapshot: SnapshotBytes
 ) -> tuple[int, dict[str, tuple[int, int]] | None]:
     """Writes a save's files into the empty dir `tmp`.
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec, TensorSpec
 from checkpointd.core.lane import LaneStats
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave
-from checkpointd.core.training import CheckpointRetention, CheckpointSpec, TensorSpec
 from checkpointd.protocol import wire
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire

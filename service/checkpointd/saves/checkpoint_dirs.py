@@ -37,16 +37,16 @@ from collections.abc import Iterable
 from pathlib import PurePath
 
 from checkpointd.core import checkpoint_state
+from checkpointd.core.checkpoint_spec import CheckpointRetention
 from checkpointd.core.ports import CommittedSave, Store
 from checkpointd.core.retention import age
-from checkpointd.core.training import CheckpointRetention
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
 
 _LOGGER = logging.getLogger(__name__)
 
 # The manifest field where the training format records a save's rules
-# (checkpointd.formats.training.EXTRA_FIELD; named here to keep saves/ off formats/).
+# (checkpointd.formats.training_checkpoint.EXTRA_FIELD; named here to keep saves/ off formats/).
 RULES_FIELD = "training_checkpoint"
 
 

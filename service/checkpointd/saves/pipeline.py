@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Protocol
 
+from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.lane import Failed, SaveSpec, Skipped, Ticket, Written
 from checkpointd.core.manifest import Manifest, VariableSpec
@@ -52,10 +53,9 @@ from checkpointd.core.ports import (
     PhaseSink,
     SaveFormat,
     SaveMeta,
-    Snapshot,
+    SnapshotBytes,
     Store,
 )
-from checkpointd.core.training import CheckpointRetention, CheckpointSpec
 from checkpointd.protocol.errors import (
     CheckpointdError,
     InvalidRequestError,
@@ -516,7 +516,7 @@ def write_save(
     meta: SaveMeta,
     manifest: Manifest,
     target: PurePath,
-    snapshot: Snapshot,
+    snapshot: SnapshotBytes,
     numpy_state: NumpyPayload | None = None,
     *,
     checkpoint: CheckpointSpec | None = None,

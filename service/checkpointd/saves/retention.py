@@ -24,9 +24,9 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from checkpointd.core.checkpoint_spec import CheckpointRetention
 from checkpointd.core.ports import Store
 from checkpointd.core.retention import RetentionPolicy
-from checkpointd.core.training import CheckpointRetention
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs
 

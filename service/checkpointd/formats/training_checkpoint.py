@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from checkpointd import durable
+from checkpointd.core.checkpoint_spec import CheckpointSpec, TensorSpec, check_dtypes, check_keys
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
-from checkpointd.core.ports import CommittedSave, Snapshot, Staged
-from checkpointd.core.training import CheckpointSpec, TensorSpec, check_dtypes, check_keys
+from checkpointd.core.ports import CommittedSave, SnapshotBytes, Staged
 from checkpointd.formats import object_graph, savev2
 from checkpointd.protocol import tensors, wire
 from checkpointd.protocol.errors import (
@@ -126,7 +126,7 @@ class TrainingFormat:
         kind: SaveKind,
         manifest: Manifest,
         staging: Path,
-        snapshot: Snapshot,
+        snapshot: SnapshotBytes,
         numpy_state: NumpyPayload | None,
         *,
         checkpoint: CheckpointSpec | None = None,
@@ -251,7 +251,7 @@ def graph_attributes(data: bytes, what: str) -> list[tuple[str, str]]:
     return [(key, name) for node in graph.nodes for name, key in node.attributes]
 
 
-def _parts(checkpoint: CheckpointSpec, snapshot: Snapshot, run: str) -> Sequence[Any]:
+def _parts(checkpoint: CheckpointSpec, snapshot: SnapshotBytes, run: str) -> Sequence[Any]:
     sizes = [t.nbytes for t in checkpoint.tensors]
     if isinstance(snapshot, (bytes, bytearray, memoryview)):
         whole = memoryview(snapshot)

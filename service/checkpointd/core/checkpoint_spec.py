@@ -5,7 +5,7 @@ manifest registered once: the tensors a `tf.train.Checkpoint` holds change
 between saves (optimizer slots appear after the first train step, Python
 state changes size), and nothing of a policy template applies. The daemon
 checks the description against itself here (sizes, dtypes, names) and
-against its object graph in `checkpointd.formats.training`, before the
+against its object graph in `checkpointd.formats.training_checkpoint`, before the
 decision, so a save that does not add up is refused and writes nothing.
 
 Pure: the object graph is carried, not parsed, here.
