@@ -138,7 +138,7 @@ class Server:
             from checkpointd.formats.training_checkpoint import TrainingFormat
 
             self._formats = [PolicyFormat(config.state_dir, fsync=config.fsync), TrainingFormat()]
-            # Import TensorFlow (~2.5 s) while the port opens, not inside the
+            # Import TensorFlow (seconds) while the port opens, not inside the
             # first registration a trainer is waiting on.
             threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()
         # A fleet's daemon touches only the runs it holds: each run's holder

@@ -60,7 +60,7 @@ class Writeback:
     `sync_file_range`, SYNC_FILE_RANGE_WRITE) to start writing out what each
     regular file has grown by since the last look. The daemon's dirty
     threshold (a tenth of free memory by default) is far above a save's
-    size, so without this the disk would start on a 400 MB data file only at
+    size, so without this the disk would start on a large data file only at
     the commit's fsync; with it, the disk works while SaveV2 still copies,
     and the fsync finds little left to write. It never waits for the disk
     and guarantees nothing: the fsync before publishing does. Files are
@@ -185,12 +185,11 @@ def release_free_memory() -> None:
 
     SaveV2 writes through an 8 MiB buffer of its own, freed when it returns;
     glibc keeps freed memory in its arenas wherever a live allocation sits
-    above it (the writeback thread's, for one), so without this the daemon
-    kept those 8 MiB (and other freed pages) resident after a large save: a
-    medium (40 MB) save's peak over idle was 1.22-1.32 x its payload with the
-    writeback, 1.09-1.20 with a trim after the write, 1.10 with one before
-    it too (what is freed by then is not in the save's peak). About a
-    millisecond each, on writes of WRITEBACK_BYTES or more only.
+    above it (the writeback thread's, for one), so without a trim the daemon
+    keeps that buffer (and other freed pages) resident after a large save,
+    and the next save's peak starts from there. Trimming before the write
+    too keeps what was freed by then out of the save's peak. Cheap next to
+    the write, so it runs on writes of WRITEBACK_BYTES or more only.
     """
     trim = _libc_malloc_trim()
     if trim is not None:

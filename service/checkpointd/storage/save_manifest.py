@@ -71,8 +71,8 @@ class Report:
 
 # The window `file_checksum(mapped=True)` maps at once; a multiple of any page size.
 # Mapped page-cache pages count in the daemon's RSS while mapped, so a save's
-# peak grows by one window: 64 MiB took a 40 MB save's peak from 1.2 to 2.0
-# times its payload, and 4 MiB checksums as fast (40 against 45 ms for 400 MB).
+# peak grows by one window: small enough to stay well under a medium save's
+# payload, large enough that the checksum runs as fast as with a bigger one.
 _MAP_BYTES = 4 << 20
 
 
