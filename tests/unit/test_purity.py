@@ -3,7 +3,9 @@
 The core is pure (stdlib only), the protocol carries only what its codecs need,
 and the client shares only `checkpointd.protocol` and `checkpointd.v1` with
 the daemon. Each probe imports a package's modules in a fresh interpreter and
-reports the modules that import added to `sys.modules`.
+reports the modules that import added to `sys.modules`. Which layer may
+import which is `test_layers.LAYERS` (checked statically, every import
+statement); this checks what those imports load at run time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.unit.test_layers import LAYERS
 
 # A fresh interpreter importing a package; the client's imports TensorFlow.
 # Generous for a loaded CI machine: a hang fails, a slow import does not.
@@ -201,9 +205,11 @@ def test_the_probe_imported_every_client_module(client: Probe) -> None:
 
 
 def test_client_imports_only_protocol_and_v1_of_the_daemon(client: Probe) -> None:
+    shared = tuple(f"checkpointd.{layer}" for layer in sorted(LAYERS["checkpointd_client"].layers))
+    assert shared == ("checkpointd.protocol", "checkpointd.v1")
     daemon = [m for m in client.added if _within(m, ("checkpointd",)) and m != "checkpointd"]
     assert daemon, "the client uses the protocol and v1"
-    assert [m for m in daemon if not _within(m, ("checkpointd.protocol", "checkpointd.v1"))] == []
+    assert [m for m in daemon if not _within(m, shared)] == []
 
 
 def test_client_loads_no_daemon_dependency(client: Probe) -> None:
