@@ -12,9 +12,9 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # Temp and backup dirs the daemon makes start with this; clients may not.
 RESERVED_PREFIX = ".checkpointd"
 # The names the daemon derives from an export dir's last component <name>, in
-# the same directory (checkpointd.storage.local): the save is written into
-# `<TMP_PREFIX><name>-<hex>`, a replaced save is parked as
-# `<OLD_PREFIX><name>-<hex>`, and retention renames a save it deletes to
+# the same directory (checkpointd.durable.files and the local store): the
+# save is written into `<TMP_PREFIX><name>-<hex>`, a replaced save is parked
+# as `<OLD_PREFIX><name>-<hex>`, and retention renames a save it deletes to
 # `<RETIRED_PREFIX><name>-<hex>` first. They live here, not in the store,
 # because the limit they set on <name> is part of what a client may send.
 TMP_PREFIX = RESERVED_PREFIX + "-tmp-"
