@@ -43,6 +43,7 @@ from checkpointd.saves.retention import Retention
 from checkpointd.saves.runs import Lanes
 from checkpointd.saves.shm import SharedMemory
 from checkpointd.storage.local import LocalStore
+from checkpointd.storage.ownership import DirLock
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
@@ -99,6 +100,7 @@ class Server:
         self._grpc: grpc.Server | None = None
         self._http: WSGIServer | None = None
         self._stopped = threading.Event()
+        self._dir_lock: DirLock | None = None
         self.port = 0
         self.metrics_port: int | None = None
 
@@ -127,6 +129,9 @@ class Server:
     def _start(self, config: ServeConfig, auth: ServerAuth) -> None:
         _check_writable_dir(config.root, "the root (--root)")
         _check_writable_dir(config.state_dir, "the daemon's state dir")
+        # Before recovery: it deletes temp dirs, which are another live daemon's
+        # saves in flight unless this daemon owns the dir alone.
+        self._dir_lock = _own_dir(config)
         self._pool = WriterPool(config.write_nice)
         if self._store is None:
             self._store, self.leases = _make_store(config, self._pool, self.metrics, self._busy)
@@ -285,6 +290,9 @@ class Server:
             close = getattr(self._store, "close", None)  # LocalStore's fsync threads, S3Store's transfers
             if close is not None:
                 close()
+        if self._dir_lock is not None:  # last: nothing of this daemon's touches the dir after it
+            self._dir_lock.release()
+            self._dir_lock = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until stop() has finished."""
@@ -334,6 +342,20 @@ def _make_store(
         store.close()
         raise
     return store, leases
+
+
+def _own_dir(config: ServeConfig) -> DirLock:
+    """Takes the lock of the daemon's local dir: the root, or an s3:// root's work dir.
+
+    Raises:
+        DirInUseError: another daemon holds it; the message names it and the flag to change.
+    """
+    if config.s3_url is None:
+        what, flag = f"the root {config.root}", "--root"
+    else:
+        what = f"the work dir {config.root} (of s3:// roots' templates and staging)"
+        flag = "--work-dir (each daemon on a host needs its own; the default is ./checkpointd-work)"
+    return DirLock.take(config.state_dir, what=what, flag=flag)
 
 
 def _shared_memory(root: Path | None, max_bytes: int) -> SharedMemory | None:
