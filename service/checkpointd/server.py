@@ -134,7 +134,7 @@ class Server:
         self._dir_lock = _own_dir(config)
         self._pool = WriterPool(config.write_nice)
         if self._store is None:
-            self._store, self.leases = _make_store(config, self._pool, self.metrics, self._busy)
+            self._store, self.leases = _make_store(config, self._pool, self.metrics, self._busy, self._taken_over)
         fixed = self._store.recover()
         if fixed:
             _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, self._store.describe())
@@ -298,6 +298,27 @@ class Server:
         """Blocks until stop() has finished."""
         return self._stopped.wait(timeout)
 
+    def _taken_over(self, run: str) -> None:
+        """This daemon just took the run's lease: its retention first, as the last holder may not have finished it."""
+        retention = self.retention
+        if retention is None:
+            return
+        try:
+            folder = self.lanes.folder(run)
+        except RunNotFoundError:
+            folder = run  # not registered here yet: its default folder
+        try:
+            deleted = retention.take_over(run, folder)
+        except RunNotFoundError:
+            return  # nothing of it stored yet
+        except Exception:  # noqa: BLE001 - its next save's retention tries again; the takeover stands
+            _LOGGER.exception("retention of run=%s after taking its lease failed", run)
+            return
+        if deleted:
+            _LOGGER.info(
+                "run=%s taken over: retention deleted %d saves past its rules before its first save here", run, deleted
+            )
+
     def _busy(self, run: str) -> bool:
         """A save of the run is in flight or queued (its lease is not idle)."""
         try:
@@ -308,7 +329,11 @@ class Server:
 
 
 def _make_store(
-    config: ServeConfig, pool: WriterPool, metrics: Metrics, busy: Callable[[str], bool]
+    config: ServeConfig,
+    pool: WriterPool,
+    metrics: Metrics,
+    busy: Callable[[str], bool],
+    taken: Callable[[str], None],
 ) -> tuple[Store, Leases]:
     """The Store for --root and its Leases: the local disk alone, or an object store shared by a fleet for s3://.
 
@@ -323,7 +348,7 @@ def _make_store(
     client = make_client(config.s3_endpoint_url, config.s3_region, 4 * _S3_CONCURRENCY)
     leases = S3Leases(
         client, url.bucket, url.prefix, ttl=config.lease_seconds, idle=config.lease_idle_seconds,
-        busy=busy, sink=metrics,
+        busy=busy, sink=metrics, taken=taken,
     )  # fmt: skip
     store = S3Store(
         config.s3_url,

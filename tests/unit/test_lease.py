@@ -369,3 +369,19 @@ def test_holders_lists_the_leases_once_and_reads_only_those_there(bucket: FakeBu
     assert found["s"] is None and found["never"] is None
     assert str(found["r"]).startswith(f"{b._host} (pid ")  # noqa: SLF001 - both fakes run on this host
     assert a.holders(["r"]) == {"r": ""}
+
+
+def test_taken_is_called_once_per_acquisition_not_per_hold_or_renewal(bucket: FakeBucket, clock: FakeClock) -> None:
+    taken: list[tuple[str, str]] = []
+    a = _leases(bucket, clock, "a-1-x", taken=lambda run: taken.append(("a", run)))
+    b = _leases(bucket, clock, "b-2-y", taken=lambda run: taken.append(("b", run)))
+    a.hold("r", None)
+    a.hold("r", None)
+    clock.now += 3
+    a.tick()  # renewed, not taken again
+    with pytest.raises(RunHeldError):
+        b.hold("r", None)
+    assert taken == [("a", "r")]
+    a.release("r")
+    b.hold("r", None)  # a takeover: b's saves of r may follow a's unfinished retention
+    assert taken == [("a", "r"), ("b", "r")]

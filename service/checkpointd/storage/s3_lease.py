@@ -110,6 +110,7 @@ class S3Leases:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         background: bool = True,
+        taken: Callable[[str], None] | None = None,
     ) -> None:
         """Args:
         client: a boto3 S3 client (the store's).
@@ -121,6 +122,11 @@ class S3Leases:
         owner: this daemon's owner id; a fresh one by default.
         clock, wall: monotonic and Unix time (tests pass fakes).
         background: run the renewal thread; tests call `tick()` instead.
+        taken: called with the run each time `hold` takes its lease (not when
+            it renews one this daemon holds), before `hold` returns and
+            outside the run's lock: the run's saves in the bucket may be
+            another daemon's, left as it left them (the server applies the
+            run's retention there).
         """
         lease.check_timing(ttl, idle)
         self.client = client
@@ -132,6 +138,7 @@ class S3Leases:
         self._host = socket.gethostname()
         self._pid = os.getpid()
         self._busy = busy or (lambda run: False)
+        self._taken = taken or (lambda run: None)
         self._sink = sink or _NullSink()
         self._clock = clock
         self._wall = wall
@@ -165,8 +172,9 @@ class S3Leases:
         while True:
             with self._run_lock(run):
                 other = self._try_acquire(run)
-                if other is None:
-                    return
+            if other is None:
+                self._taken(run)
+                return
             doc, sighting = other
             now = self._clock()
             if deadline is None or now >= deadline:
