@@ -11,6 +11,7 @@ kind is one module and one line here.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import socket
@@ -35,6 +36,7 @@ from checkpointd.protocol.errors import DeadlineError, RunNotFoundError, describ
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
+from checkpointd.rpc.calls import OpenCalls
 from checkpointd.rpc.servicer import CheckpointServicer
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs
@@ -97,6 +99,7 @@ class Server:
         self.retention: Retention | None = None
         self.shared_memory: SharedMemory | None = None
         self._health = health.HealthServicer()
+        self._calls = OpenCalls(SERVICE_NAME)  # ended with a status by abandon()
         self._grpc: grpc.Server | None = None
         self._http: WSGIServer | None = None
         self._stopped = threading.Event()
@@ -174,7 +177,7 @@ class Server:
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
-            interceptors=auth.interceptors(),
+            interceptors=[*auth.interceptors(), self._calls],
         )
         pb_grpc.add_CheckpointServiceServicer_to_server(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -254,15 +257,29 @@ class Server:
                 found.append(f"run={view.run}: {view.waiting} blocking saves queued")
         return found
 
-    def abandon(self) -> None:
-        """Frees what outlives the process (the shared-memory folder) before an exit without a drain.
+    def abandon(self, why: str = "a second SIGTERM or SIGINT during its drain") -> int:
+        """Tells every open call it is abandoned, and frees what outlives the process, before an exit without a drain.
 
         Saves in flight are cut off where they are: their temp dirs are left
-        for the next daemon's recovery, and no export dir is torn.
+        for the next daemon's recovery, and no export dir is torn. Their
+        callers get UNAVAILABLE saying the daemon was stopped at once (not a
+        dropped connection), within about a second.
+
+        Args:
+            why: what stopped the daemon, for the callers' message.
+
+        Returns:
+            How many open calls were told.
         """
+        told = self._calls.end_all(grpc.StatusCode.UNAVAILABLE, functools.partial(_abandoned, why), timeout=1.0)
+        if self._grpc is not None:
+            # Sends GOAWAY and closes the connections cleanly, so the statuses
+            # reach the callers before the process exits; bounded.
+            self._grpc.stop(grace=0.5).wait(1.0)
         if self.shared_memory is not None:
             self.shared_memory.close()
             self.shared_memory = None
+        return told
 
     def _release(self, *, grpc_grace: float | None, retention_timeout: float) -> None:
         """Frees what start() made, whatever it got to; each part once."""
@@ -326,6 +343,19 @@ class Server:
         except RunNotFoundError:
             return False
         return view.in_flight is not None or view.waiting > 0
+
+
+def _abandoned(why: str, method: str) -> str:
+    """What the caller of an abandoned call is told (UNAVAILABLE: retry elsewhere or later)."""
+    if method == "Save":
+        return (
+            f"the daemon was stopped at once ({why}) before this save was reported durable; treat it as "
+            "not saved: save again on another daemon or after the daemon restarts"
+        )
+    return (
+        f"the daemon was stopped at once ({why}) before this {method} call finished; call again on another "
+        "daemon or after the daemon restarts"
+    )
 
 
 def _make_store(
