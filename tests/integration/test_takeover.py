@@ -19,20 +19,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import tensorflow as tf
 
+from checkpointd.protocol.names import LEASE_WAIT_METADATA
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import CheckpointdError, RemoteCheckpointer, RemotePolicySaver
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.raw import Stub
+from tests.integration.raw import Stub, export_template, register_requests
 from tests.integration.rgw import Rgw
 
 TIMEOUT = 60.0
@@ -164,3 +168,30 @@ def test_a_training_dir_past_max_to_keep_is_swept_when_the_new_holder_takes_the_
     state = pair.client.get_object(Bucket=pair.rgw.bucket, Key=f"{pair.prefix}/trainer/train/checkpoint")["Body"].read()
     assert b'model_checkpoint_path: "ckpt-4"' in state and b'"ckpt-1"' not in state
     assert os.path.basename(on_b.manager.latest_checkpoint or "") == "ckpt-4"
+
+
+def test_a_registration_that_waits_for_the_lease_says_so_first_in_its_metadata_and_the_log(
+    pair: Pair, tmp_path: Path
+) -> None:
+    a, b = pair.daemon(), pair.daemon()
+    template = export_template(policies.build(policies.q(hidden=(4,))), tmp_path / "template")
+
+    def requests() -> Iterator[pb.RegisterRunRequest]:
+        return register_requests("waited", template.dir, template.bindings.protos(), template.bindings.object_graph)
+
+    with a.channel() as channel:
+        Stub(channel).RegisterRun(requests(), timeout=TIMEOUT)  # A holds the run and stays alive
+    with b.channel() as channel:
+        call = Stub(channel).RegisterRun.future(requests(), timeout=8.0)
+        metadata = dict(call.initial_metadata())  # before the wait ends: B sends it as it starts waiting
+        assert not call.done()
+        with pytest.raises(grpc.RpcError) as refused:
+            call.result()
+    text = metadata[LEASE_WAIT_METADATA]
+    assert re.fullmatch(
+        rf"waiting up to \d+ s for the lease of run waited held by host {re.escape(socket.gethostname())}, "
+        rf"pid {a.proc.pid}, renewed \d+ s ago",
+        text,
+    ), text
+    assert refused.value.code() == grpc.StatusCode.ABORTED  # A still holds it at the deadline
+    assert f"lease: {text}" in b.log()

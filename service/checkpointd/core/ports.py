@@ -14,7 +14,7 @@ The two seams a new backend or save kind plugs into:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -261,11 +261,13 @@ class Leases(Protocol):
     request.
     """
 
-    def hold(self, run: str, deadline: float | None) -> None:
+    def hold(self, run: str, deadline: float | None, waiting: Callable[[str], None] | None = None) -> None:
         """Makes this daemon the run's holder, or confirms it is; called before a run's template or save is written.
 
         Waits (until `deadline`, time.monotonic() seconds; None: no wait) for
-        another daemon's lease to be released or to expire.
+        another daemon's lease to be released or to expire. Before it waits,
+        it logs at INFO and calls `waiting` (once) with the same sentence:
+        how long, and who holds the lease.
 
         Raises:
             RunHeldError: another daemon still holds it at the deadline
@@ -289,7 +291,7 @@ class Leases(Protocol):
 class NoLeases:
     """The Leases of a store that one daemon owns alone: every run is always this daemon's."""
 
-    def hold(self, run: str, deadline: float | None) -> None:
+    def hold(self, run: str, deadline: float | None, waiting: Callable[[str], None] | None = None) -> None:
         pass
 
     def check(self, run: str) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
-from checkpointd.protocol.names import check_run_name
+from checkpointd.protocol.names import LEASE_WAIT_METADATA, check_run_name
 from checkpointd.rpc import messages, upload
 from checkpointd.rpc.errors import grpc_errors
 from checkpointd.saves import catalog, restore
@@ -79,6 +79,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 receive,
                 kind=messages.kind_from_pb(header.kind, "RegisterRun", optional=True),
                 timeout=context.time_remaining(),  # how long it may wait for another daemon's lease
+                on_lease_wait=lambda text: context.send_initial_metadata(((LEASE_WAIT_METADATA, text),)),
             )
         finally:
             shutil.rmtree(staged, ignore_errors=True)

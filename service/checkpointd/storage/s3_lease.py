@@ -161,8 +161,9 @@ class S3Leases:
 
     # The Leases protocol.
 
-    def hold(self, run: str, deadline: float | None) -> None:
+    def hold(self, run: str, deadline: float | None, waiting: Callable[[str], None] | None = None) -> None:
         started = self._clock()
+        told = False
         with self._run_lock(run):
             self._touch(run)
             if self._valid(run):
@@ -179,6 +180,12 @@ class S3Leases:
             now = self._clock()
             if deadline is None or now >= deadline:
                 raise RunHeldError(lease.held_message(run, doc, sighting, now, self._wall(), now - started))
+            if not told:  # once per call: who it waits for, before the first pause
+                told = True
+                text = lease.wait_message(run, doc, self._wall(), deadline - now)
+                _LOGGER.info("lease: %s", text)
+                if waiting is not None:
+                    waiting(text)
             pause = min(deadline - now, _POLL_SECONDS, max(sighting.expires_in(doc, now), 0.01))
             with self._cond:
                 if self._closed:
