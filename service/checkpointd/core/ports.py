@@ -181,6 +181,15 @@ class Store(Protocol):
         """Where the saves go, for logs (e.g. the root's absolute path)."""
         ...
 
+    def location(self, path: PurePath) -> str:
+        """A save's path (a target, or a CommittedSave's) as a person or a tool takes it.
+
+        What clients are told a save is at (SaveResult.path, GetLatest,
+        status): a path on the daemon's host, or `s3://BUCKET/KEY`, which
+        `checkpointd fetch` and `verify` take.
+        """
+        ...
+
     def recover(self) -> int:
         """Cleans up what interrupted saves left behind (at start); returns how many."""
         ...
@@ -203,6 +212,9 @@ class Store(Protocol):
 
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         """Makes a staged save durable at `target`, its manifest last; returns its bytes.
+
+        Its bytes are those of the files its manifest lists (what `checkpointd
+        verify` counts); the manifest itself is not counted.
 
         A save already at `target` is replaced. On failure nothing new is
         committed and the staging dir is left for `discard`.

@@ -135,7 +135,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         folders = None if run is None else [self._pipeline.folder(run)]
         leases = getattr(self._pipeline, "leases", None)  # a fleet's store has leases
         found = catalog.stored_runs(self._pipeline.store, leases, folders=folders, run=run)
-        messages.add_stored_runs(response, found)
+        messages.add_stored_runs(response, found, self._pipeline.store.location)
         return response
 
     @grpc_errors
@@ -144,7 +144,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         kind = messages.kind_from_pb(request.kind, "GetLatest", optional=True)
         folder = self._pipeline.folder(run, request.folder)
         save = catalog.find_latest(self._pipeline.store, folder, run, kind)
-        return messages.latest_response(save, self._pipeline.active_checkpoints(folder, save))
+        checkpoints = self._pipeline.active_checkpoints(folder, save)
+        return messages.latest_response(save, checkpoints, self._pipeline.store.location)
 
     @grpc_errors
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[pb.RestoreResponse]:
@@ -155,5 +156,5 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 self._pipeline.store, self._pipeline.formats, folder, run, request.export_dir, manifest
             ) as opened:  # an object store's save: a local copy until the stream ends
                 started = time.monotonic()
-                yield from messages.restore_responses(opened, manifest)
+                yield from messages.restore_responses(opened, manifest, location=self._pipeline.store.location)
         restore.log_restored(run, opened, time.monotonic() - started)

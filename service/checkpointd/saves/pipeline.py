@@ -469,7 +469,7 @@ class SavePipeline:
         written = write_save(self.store, fmt, meta, manifest, target, variables, numpy_state, **_own(request))
         if dirs is not None:
             dirs.committed(folder, request.export_dir)  # the state file names it once committed
-        return str(target), written
+        return self.store.location(target), written
 
     # Closing.
 

@@ -479,6 +479,9 @@ class LocalStore:
     def describe(self) -> str:
         return str(self.root.resolve())
 
+    def location(self, path: PurePath) -> str:
+        return str(path)
+
     def recover(self) -> int:
         return recover(self.root)
 
@@ -504,7 +507,7 @@ class LocalStore:
         # dir once, before the rename.
         syncing = self._syncer.submit(_fsync_below, staged.path, save_manifest.MANIFEST_NAME) if self._fsync else None
         try:
-            manifest_bytes = save_manifest.write_staged_manifest(staged, meta, fsync=self._fsync)
+            save_manifest.write_staged_manifest(staged, meta, fsync=self._fsync)
         finally:
             if syncing is not None:
                 syncing.result()  # raises its OSError; the tree is not published
@@ -514,7 +517,7 @@ class LocalStore:
             prefix.publish(staged.path, target, fsync=self._fsync)
         else:
             publish_dir(staged.path, target, fsync=self._fsync, synced=True)
-        return staged.bytes_written + manifest_bytes
+        return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
 
     def discard(self, staged: Path) -> None:
         _unstage(staged)

@@ -276,6 +276,9 @@ class S3Store:
     def describe(self) -> str:
         return str(self.url)
 
+    def location(self, path: PurePath) -> str:
+        return f"s3://{self.bucket}/{path}"  # a save's path here is its key
+
     def close(self) -> None:
         self._transfer.shutdown()
 
@@ -318,7 +321,7 @@ class S3Store:
         uploading, uploaded, replacing = time.monotonic(), 0, False
         try:
             replacing = self._unpublish(manifest_key)  # an old save here stops counting first
-            uploaded, listed, manifest_bytes = self._upload(staged, files_base, manifest_key, meta)
+            uploaded, listed, _ = self._upload(staged, files_base, manifest_key, meta)
         finally:
             self._on_upload(meta.kind.value, time.monotonic() - uploading, uploaded)
             # The bucket has the save (or it failed): its local copy goes either way,
@@ -326,7 +329,7 @@ class S3Store:
             self.discard(staged.path)
         if replacing:  # a new place has nothing of another save to tidy (recover takes a failed one's)
             self._drop_unlisted(files_base, target.name if staged.files_prefix is not None else None, listed)
-        return staged.bytes_written + manifest_bytes
+        return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
 
     def _unpublish(self, manifest_key: str) -> bool:
         """Deletes the manifest of a save at `manifest_key`'s place, if there is one; True if there was."""
