@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -186,13 +187,13 @@ class Server:
             self._grpc,
         )
         address = f"{_bracket(config.host)}:{config.port}"
-        try:
-            if auth.credentials is None:
-                self.port = self._grpc.add_insecure_port(address)
-            else:
-                self.port = self._grpc.add_secure_port(address, auth.credentials)
-        except RuntimeError:  # grpcio raises where its docs say it returns 0
-            self.port = 0
+        credentials = auth.credentials
+        grpc_server = self._grpc
+        self.port = _bind_quietly(
+            lambda: grpc_server.add_insecure_port(address)
+            if credentials is None
+            else grpc_server.add_secure_port(address, credentials)
+        )
         if self.port == 0:
             raise _bind_error(config.host, config.port)
         self._grpc.start()
@@ -459,6 +460,33 @@ def _bind_failure(what: str, host: str, port: int, e: OSError, flags: tuple[str,
     elif e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
         reason += f": {host} is not an address of this machine (check {host_flag})"
     return OSError(f"cannot bind {what} to {_bracket(host)}:{port}: {reason}")
+
+
+def _bind_quietly(bind: Callable[[], int]) -> int:
+    """Runs gRPC's bind, returning its port (0 if it failed), without grpcio's own lines when it fails.
+
+    grpcio's C core writes its failure to fd 2 ("Failed to add port to
+    server", after absl's note on logging before InitializeLog), which says
+    less than the message the caller then makes (`_bind_error`). What fd 2
+    got meanwhile is kept and written out if the bind succeeded (other
+    threads' output included), and dropped with the failure.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            port = bind()
+        except RuntimeError:  # grpcio raises where its docs say it returns 0
+            port = 0
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        if port:
+            held.seek(0)
+            os.write(2, held.read())
+    return port
 
 
 def _bind_error(host: str, port: int) -> OSError:
