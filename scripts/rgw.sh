@@ -7,10 +7,13 @@
 #   scripts/rgw.sh stop-gw DIR / start-gw DIR        # kills / restarts the gateway alone (fault tests)
 #   RGW_BIND=10.231.0.1 scripts/rgw.sh start DIR     # the gateway on that address instead of 127.0.0.1
 #
-# mon + memstore OSD + radosgw, auth none, no ceph-mgr. The env lines are
-# AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION,
-# CHECKPOINTD_TEST_S3_ENDPOINT and CHECKPOINTD_TEST_S3_BUCKET; the keys are
-# fixed test keys. The gateway listens on 127.0.0.1 only, or on the one
+# mon + memstore OSD + radosgw, auth none, no ceph-mgr. The env lines (stdout,
+# also in DIR/env) are AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+# AWS_DEFAULT_REGION and AWS_ENDPOINT_URL (what checkpointd and boto3 read:
+# `set -a; . DIR/env; set +a` and checkpointd uses this server), then
+# CHECKPOINTD_TEST_S3_ENDPOINT and CHECKPOINTD_TEST_S3_BUCKET (what the tests
+# parse); the keys are fixed test keys. `start` also says on stderr what to
+# pass checkpointd (--s3-endpoint-url URL, or AWS_ENDPOINT_URL=URL). The gateway listens on 127.0.0.1 only, or on the one
 # address RGW_BIND names (an address of this machine, e.g. a bridge that
 # network namespaces reach: the fleet tests); the mon and OSD stay on loopback.
 # Exit codes: 0 started, 3 Ceph cannot be installed (not root, or apt
@@ -74,6 +77,7 @@ print_env() {
   echo "AWS_ACCESS_KEY_ID=$ACCESS_KEY"
   echo "AWS_SECRET_ACCESS_KEY=$SECRET_KEY"
   echo "AWS_DEFAULT_REGION=us-east-1"
+  echo "AWS_ENDPOINT_URL=http://$(bind_of "$dir"):$(cat "$dir/rgw.port")"
   echo "CHECKPOINTD_TEST_S3_ENDPOINT=http://$(bind_of "$dir"):$(cat "$dir/rgw.port")"
   echo "CHECKPOINTD_TEST_S3_BUCKET=$BUCKET"
 }
@@ -183,6 +187,14 @@ s3 = boto3.client("s3", endpoint_url=os.environ["CHECKPOINTD_TEST_S3_ENDPOINT"])
 s3.create_bucket(Bucket=os.environ["CHECKPOINTD_TEST_S3_BUCKET"])
 PY
   cat "$dir/env"
+  local url
+  url="http://$(bind_of "$dir"):$rgw_port"
+  cat >&2 <<EOF
+rgw.sh: radosgw is serving S3 at $url (bucket $BUCKET made; the keys are test keys).
+  For checkpointd and boto3 in this shell:  set -a; . $dir/env; set +a
+  Or pass the server to checkpointd:        --s3-endpoint-url $url  (credentials: the AWS_* lines above)
+  Stop it:                                  $0 stop $dir
+EOF
 }
 
 stop() {

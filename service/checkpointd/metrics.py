@@ -63,7 +63,7 @@ class Metrics:
         )
         self.written_bytes = Counter(
             "checkpointd_written_bytes",
-            "Bytes of files written by successful saves, by kind.",
+            "Bytes of the files successful saves wrote (as their manifests list them; SaveResult.bytes_written), by kind.",
             ["kind"],
             registry=registry,
         )

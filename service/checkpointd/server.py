@@ -11,9 +11,11 @@ kind is one module and one line here.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -34,6 +36,7 @@ from checkpointd.protocol.errors import DeadlineError, RunNotFoundError, describ
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
+from checkpointd.rpc.calls import OpenCalls
 from checkpointd.rpc.servicer import CheckpointServicer
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs
@@ -43,6 +46,7 @@ from checkpointd.saves.retention import Retention
 from checkpointd.saves.runs import Lanes
 from checkpointd.saves.shm import SharedMemory
 from checkpointd.storage.local import LocalStore
+from checkpointd.storage.ownership import DirLock
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
@@ -96,9 +100,11 @@ class Server:
         self.retention: Retention | None = None
         self.shared_memory: SharedMemory | None = None
         self._health = health.HealthServicer()
+        self._calls = OpenCalls(SERVICE_NAME)  # ended with a status by abandon()
         self._grpc: grpc.Server | None = None
         self._http: WSGIServer | None = None
         self._stopped = threading.Event()
+        self._dir_lock: DirLock | None = None
         self.port = 0
         self.metrics_port: int | None = None
 
@@ -127,9 +133,12 @@ class Server:
     def _start(self, config: ServeConfig, auth: ServerAuth) -> None:
         _check_writable_dir(config.root, "the root (--root)")
         _check_writable_dir(config.state_dir, "the daemon's state dir")
+        # Before recovery: it deletes temp dirs, which are another live daemon's
+        # saves in flight unless this daemon owns the dir alone.
+        self._dir_lock = _own_dir(config)
         self._pool = WriterPool(config.write_nice)
         if self._store is None:
-            self._store, self.leases = _make_store(config, self._pool, self.metrics, self._busy)
+            self._store, self.leases = _make_store(config, self._pool, self.metrics, self._busy, self._taken_over)
         fixed = self._store.recover()
         if fixed:
             _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, self._store.describe())
@@ -169,7 +178,7 @@ class Server:
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
-            interceptors=auth.interceptors(),
+            interceptors=[*auth.interceptors(), self._calls],
         )
         pb_grpc.add_CheckpointServiceServicer_to_server(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -178,13 +187,13 @@ class Server:
             self._grpc,
         )
         address = f"{_bracket(config.host)}:{config.port}"
-        try:
-            if auth.credentials is None:
-                self.port = self._grpc.add_insecure_port(address)
-            else:
-                self.port = self._grpc.add_secure_port(address, auth.credentials)
-        except RuntimeError:  # grpcio raises where its docs say it returns 0
-            self.port = 0
+        credentials = auth.credentials
+        grpc_server = self._grpc
+        self.port = _bind_quietly(
+            lambda: grpc_server.add_insecure_port(address)
+            if credentials is None
+            else grpc_server.add_secure_port(address, credentials)
+        )
         if self.port == 0:
             raise _bind_error(config.host, config.port)
         self._grpc.start()
@@ -249,15 +258,29 @@ class Server:
                 found.append(f"run={view.run}: {view.waiting} blocking saves queued")
         return found
 
-    def abandon(self) -> None:
-        """Frees what outlives the process (the shared-memory folder) before an exit without a drain.
+    def abandon(self, why: str = "a second SIGTERM or SIGINT during its drain") -> int:
+        """Tells every open call it is abandoned, and frees what outlives the process, before an exit without a drain.
 
         Saves in flight are cut off where they are: their temp dirs are left
-        for the next daemon's recovery, and no export dir is torn.
+        for the next daemon's recovery, and no export dir is torn. Their
+        callers get UNAVAILABLE saying the daemon was stopped at once (not a
+        dropped connection), within about a second.
+
+        Args:
+            why: what stopped the daemon, for the callers' message.
+
+        Returns:
+            How many open calls were told.
         """
+        told = self._calls.end_all(grpc.StatusCode.UNAVAILABLE, functools.partial(_abandoned, why), timeout=1.0)
+        if self._grpc is not None:
+            # Sends GOAWAY and closes the connections cleanly, so the statuses
+            # reach the callers before the process exits; bounded.
+            self._grpc.stop(grace=0.5).wait(1.0)
         if self.shared_memory is not None:
             self.shared_memory.close()
             self.shared_memory = None
+        return told
 
     def _release(self, *, grpc_grace: float | None, retention_timeout: float) -> None:
         """Frees what start() made, whatever it got to; each part once."""
@@ -285,10 +308,34 @@ class Server:
             close = getattr(self._store, "close", None)  # LocalStore's fsync threads, S3Store's transfers
             if close is not None:
                 close()
+        if self._dir_lock is not None:  # last: nothing of this daemon's touches the dir after it
+            self._dir_lock.release()
+            self._dir_lock = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until stop() has finished."""
         return self._stopped.wait(timeout)
+
+    def _taken_over(self, run: str) -> None:
+        """This daemon just took the run's lease: its retention first, as the last holder may not have finished it."""
+        retention = self.retention
+        if retention is None:
+            return
+        try:
+            folder = self.lanes.folder(run)
+        except RunNotFoundError:
+            folder = run  # not registered here yet: its default folder
+        try:
+            deleted = retention.take_over(run, folder)
+        except RunNotFoundError:
+            return  # nothing of it stored yet
+        except Exception:  # noqa: BLE001 - its next save's retention tries again; the takeover stands
+            _LOGGER.exception("retention of run=%s after taking its lease failed", run)
+            return
+        if deleted:
+            _LOGGER.info(
+                "run=%s taken over: retention deleted %d saves past its rules before its first save here", run, deleted
+            )
 
     def _busy(self, run: str) -> bool:
         """A save of the run is in flight or queued (its lease is not idle)."""
@@ -299,8 +346,25 @@ class Server:
         return view.in_flight is not None or view.waiting > 0
 
 
+def _abandoned(why: str, method: str) -> str:
+    """What the caller of an abandoned call is told (UNAVAILABLE: retry elsewhere or later)."""
+    if method == "Save":
+        return (
+            f"the daemon was stopped at once ({why}) before this save was reported durable; treat it as "
+            "not saved: save again on another daemon or after the daemon restarts"
+        )
+    return (
+        f"the daemon was stopped at once ({why}) before this {method} call finished; call again on another "
+        "daemon or after the daemon restarts"
+    )
+
+
 def _make_store(
-    config: ServeConfig, pool: WriterPool, metrics: Metrics, busy: Callable[[str], bool]
+    config: ServeConfig,
+    pool: WriterPool,
+    metrics: Metrics,
+    busy: Callable[[str], bool],
+    taken: Callable[[str], None],
 ) -> tuple[Store, Leases]:
     """The Store for --root and its Leases: the local disk alone, or an object store shared by a fleet for s3://.
 
@@ -316,7 +380,7 @@ def _make_store(
     client = make_client(config.s3_endpoint_url, config.s3_region, 4 * _S3_CONCURRENCY)
     leases = S3Leases(
         client, url.bucket, url.prefix, ttl=config.lease_seconds, idle=config.lease_idle_seconds,
-        busy=busy, sink=metrics,
+        busy=busy, sink=metrics, taken=taken,
     )  # fmt: skip
     store = S3Store(
         config.s3_url,
@@ -335,6 +399,20 @@ def _make_store(
         store.close()
         raise
     return store, leases
+
+
+def _own_dir(config: ServeConfig) -> DirLock:
+    """Takes the lock of the daemon's local dir: the root, or an s3:// root's work dir.
+
+    Raises:
+        DirInUseError: another daemon holds it; the message names it and the flag to change.
+    """
+    if config.s3_url is None:
+        what, flag = f"the root {config.root}", "--root"
+    else:
+        what = f"the work dir {config.root} (of s3:// roots' templates and staging)"
+        flag = "--work-dir (each daemon on a host needs its own; the default is ./checkpointd-work)"
+    return DirLock.take(config.state_dir, what=what, flag=flag)
 
 
 def _shared_memory(root: Path | None, max_bytes: int) -> SharedMemory | None:
@@ -386,6 +464,33 @@ def _bind_failure(what: str, host: str, port: int, e: OSError, flags: tuple[str,
     elif e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
         reason += f": {host} is not an address of this machine (check {host_flag})"
     return OSError(f"cannot bind {what} to {_bracket(host)}:{port}: {reason}")
+
+
+def _bind_quietly(bind: Callable[[], int]) -> int:
+    """Runs gRPC's bind, returning its port (0 if it failed), without grpcio's own lines when it fails.
+
+    grpcio's C core writes its failure to fd 2 ("Failed to add port to
+    server", after absl's note on logging before InitializeLog), which says
+    less than the message the caller then makes (`_bind_error`). What fd 2
+    got meanwhile is kept and written out if the bind succeeded (other
+    threads' output included), and dropped with the failure.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            port = bind()
+        except RuntimeError:  # grpcio raises where its docs say it returns 0
+            port = 0
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        if port:
+            held.seek(0)
+            os.write(2, held.read())
+    return port
 
 
 def _bind_error(host: str, port: int) -> OSError:

@@ -24,7 +24,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
@@ -166,6 +166,9 @@ class FakeStore:
 
     def describe(self) -> str:
         return f"memory ({self.ROOT})"
+
+    def location(self, path: PurePath) -> str:
+        return str(path)
 
     def recover(self) -> int:
         return 0

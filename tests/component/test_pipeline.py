@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -389,7 +390,7 @@ class RecordingLeases:
         self.calls: list[tuple[str, str, float | None]] = []
         self.held_by: str | None = None
 
-    def hold(self, run: str, deadline: float | None) -> None:
+    def hold(self, run: str, deadline: float | None, waiting: Callable[[str], None] | None = None) -> None:
         self.calls.append(("hold", run, deadline))
         if self.held_by is not None:
             raise RunHeldError(f"run {run!r} is written by daemon {self.held_by}")

@@ -65,7 +65,7 @@ def test_a_save_through_daemon_a_is_listed_by_daemon_b_on_one_bucket(s3: S3, pol
     row = rows["moving"]
     assert (row["folder"], row["saves"], row["kind"]) == ("moving", 2, "CHECKPOINT")
     assert (row["export_dir"], row["step"]) == ("policies/c6", "6")
-    assert row["path"] == f"{s3.prefix}/moving/policies/c6"  # an object key in the bucket
+    assert row["path"] == f"{s3.url}/moving/policies/c6"  # s3://BUCKET/KEY, as fetch and verify take it
     assert before - 60 < row["unix_seconds"] <= before
     # With run leases (a fleet's store), A writes the run and says so; B
     # names A. A build without leases leaves the holder unset everywhere.

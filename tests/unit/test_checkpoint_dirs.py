@@ -23,8 +23,16 @@ from checkpointd.storage.local import LocalStore
 FOLDER, RUN, DIR = "job", "job.train", "train/checkpoints"
 
 
-def _commit(store: LocalStore, dirs: CheckpointDirs, step: int, rules: CheckpointRetention | None = None) -> Path:
-    export_dir = f"{DIR}/ckpt-{step}"
+def _commit(
+    store: LocalStore,
+    dirs: CheckpointDirs,
+    step: int,
+    rules: CheckpointRetention | None = None,
+    *,
+    run: str = RUN,
+    directory: str = DIR,
+) -> Path:
+    export_dir = f"{directory}/ckpt-{step}"
     target = store.target(FOLDER, export_dir)
     staging = store.stage(target)
     (staging / "ckpt.index").write_bytes(b"index %d" % step)
@@ -33,7 +41,7 @@ def _commit(store: LocalStore, dirs: CheckpointDirs, step: int, rules: Checkpoin
     extra = {RULES_FIELD: {"max_to_keep": rules.max_to_keep, "keep_checkpoint_every_n_hours": None}}
     staged = Staged(staging, 0, {"test": "1"}, extra=extra, files_prefix="ckpt")
     dirs.replacing(FOLDER, export_dir)
-    store.commit(staged, target, SaveMeta(RUN, SaveKind.TRAINING_CHECKPOINT, step, export_dir))
+    store.commit(staged, target, SaveMeta(run, SaveKind.TRAINING_CHECKPOINT, step, export_dir))
     dirs.committed(FOLDER, export_dir)
     return target
 
@@ -115,6 +123,24 @@ def test_recovery_names_a_checkpoint_the_state_file_missed_and_applies_its_recor
     assert CheckpointDirs(store).recover() == 2
     assert _state(tmp_path) == ["ckpt-3"]
     assert [s.step for s in store.committed(FOLDER, RUN)] == [3]
+
+
+def test_taking_a_run_over_sweeps_its_dirs_by_their_recorded_rules_and_no_other_runs(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, fsync=False)
+    dirs = CheckpointDirs(store)
+    # The last holder died after committing ckpt-4 of a max_to_keep=3 dir, before its sweep.
+    for step in range(1, 5):
+        _commit(store, dirs, step, CheckpointRetention(3, None))
+    for step in (1, 2):  # another run's dir in the same folder, also past its rules: not this run's to tidy
+        _commit(store, dirs, step, CheckpointRetention(1, None), run="job.other", directory="other")
+    assert len(store.committed(FOLDER, RUN)) == 4
+
+    retention = Retention(store, RetentionPolicy(), dirs)
+    assert retention.take_over(RUN, FOLDER) == 1
+    assert _state(tmp_path) == ["ckpt-2", "ckpt-3", "ckpt-4"]
+    assert sorted(s.step for s in store.committed(FOLDER, RUN)) == [2, 3, 4]
+    assert sorted(s.step for s in store.committed(FOLDER, "job.other")) == [1, 2]
+    assert retention.take_over(RUN, FOLDER) == 0  # as its rules keep it: nothing more
 
 
 def test_files_left_without_a_manifest_fail_verify_and_do_not_count(tmp_path: Path) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import os
+import socket
 from typing import Any
 
 import pytest
@@ -369,3 +372,42 @@ def test_holders_lists_the_leases_once_and_reads_only_those_there(bucket: FakeBu
     assert found["s"] is None and found["never"] is None
     assert str(found["r"]).startswith(f"{b._host} (pid ")  # noqa: SLF001 - both fakes run on this host
     assert a.holders(["r"]) == {"r": ""}
+
+
+def test_taken_is_called_once_per_acquisition_not_per_hold_or_renewal(bucket: FakeBucket, clock: FakeClock) -> None:
+    taken: list[tuple[str, str]] = []
+    a = _leases(bucket, clock, "a-1-x", taken=lambda run: taken.append(("a", run)))
+    b = _leases(bucket, clock, "b-2-y", taken=lambda run: taken.append(("b", run)))
+    a.hold("r", None)
+    a.hold("r", None)
+    clock.now += 3
+    a.tick()  # renewed, not taken again
+    with pytest.raises(RunHeldError):
+        b.hold("r", None)
+    assert taken == [("a", "r")]
+    a.release("r")
+    b.hold("r", None)  # a takeover: b's saves of r may follow a's unfinished retention
+    assert taken == [("a", "r"), ("b", "r")]
+
+
+def test_a_hold_that_waits_says_once_for_whom_before_it_waits_and_logs_it(
+    bucket: FakeBucket, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = _leases(bucket, clock, "a-1-x"), _leases(bucket, clock, "b-2-y")
+    a.hold("r", None)
+    clock.now += 4  # a's last renewal, 4 s ago by the wall clock too
+    told: list[str] = []
+
+    def waiting(text: str) -> None:
+        told.append(text)
+        a.release("r")  # the holder lets go while b waits: b's next look takes it
+
+    with caplog.at_level(logging.INFO, logger="checkpointd.storage.s3_lease"):
+        b.hold("r", clock.now + 20, waiting)
+    assert told == [
+        f"waiting up to 20 s for the lease of run r held by host {socket.gethostname()}, pid {os.getpid()}, renewed 4 s ago"
+    ]
+    assert f"lease: {told[0]}" in caplog.messages
+    assert bucket.doc(KEY).owner == "b-2-y"
+    b.hold("r", clock.now + 20, waiting)  # held now: no wait, nothing said
+    assert len(told) == 1

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import grpc
 from google.protobuf import json_format
 
-from checkpointd.cli.parse import OpsCommand
+from checkpointd.cli.parse import DEFAULT_ADDRESS, OpsCommand
 from checkpointd.protocol import credentials
 from checkpointd.protocol.address import with_default_port
 from checkpointd.protocol.codes import error_for
@@ -92,19 +92,26 @@ def run(
     return 0
 
 
+def _default_hint(command: OpsCommand) -> str:
+    """For the default address: that it is the default, and the flag that names another."""
+    if command.address != DEFAULT_ADDRESS:
+        return ""
+    return " (the default address: give the daemon's with --address HOST:PORT, its serve --host and --port)"
+
+
 def _failure(command: OpsCommand, exc: grpc.RpcError, unanswered: bool, token_from: str | None) -> tuple[int, str]:
     """The exit code and message for a failed call, saying what to do about it."""
     code, details = exc.code(), exc.details() or exc.code().name
     address = with_default_port(command.address)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and unanswered:
         return FAILED, (
-            f"no answer from {address} within {command.timeout:g}s (--timeout): is a checkpointd daemon "
-            "listening there, and is it its gRPC --port?"
+            f"no answer from {address}{_default_hint(command)} within {command.timeout:g}s (--timeout): is a "
+            "checkpointd daemon listening there, and is it its gRPC --port?"
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the daemon's own answer
         return SAVES_BUSY, f"{type(error_for(code, details)).__name__}: {details}"
     if code == grpc.StatusCode.UNAVAILABLE:
-        return FAILED, f"cannot reach a daemon at {address}: {details}"
+        return FAILED, f"cannot reach a daemon at {address}{_default_hint(command)}: {details}"
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return FAILED, (
             f"the address {address} does not serve checkpointd (it answered: {details}); give the "

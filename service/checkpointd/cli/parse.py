@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import math
 import re
@@ -16,6 +17,9 @@ from checkpointd.protocol.address import DEFAULT_PORT
 
 _LOGGER = logging.getLogger("checkpointd")
 
+
+DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORT}"
+"""Where flush, status and close look for a daemon without --address."""
 
 STATUS_TIMEOUT = 30.0
 """Seconds `status` waits for an answer unless --timeout says otherwise."""
@@ -68,6 +72,7 @@ class FetchCommand:
 
 # The defaults, written once: ServeConfig's (the help text quotes them).
 _D = ServeConfig()
+_WORK_DIR = Path("checkpointd-work")  # serve --work-dir's default, with an s3:// --root
 
 
 def _human(nbytes: int) -> str:
@@ -123,8 +128,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     serve.add_argument(
         "--work-dir",
         type=Path,
-        default=Path("checkpointd-work"),
-        help="with an s3:// --root, the local dir for templates and staging (default: ./checkpointd-work)",
+        help=f"with an s3:// --root, the local dir for templates and staging, one per daemon (default: ./{_WORK_DIR}); "
+        "a local --root keeps them in ROOT/.checkpointd/",
     )
     serve.add_argument(
         "--s3-endpoint-url", help="with an s3:// --root, the S3 server (default: AWS's); credentials come from "
@@ -281,8 +286,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         cmd = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", allow_abbrev=False)
         cmd.add_argument(
             "--address",
-            default=f"127.0.0.1:{DEFAULT_PORT}",
-            help=f"daemon HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})",
+            default=DEFAULT_ADDRESS,
+            help=f"daemon HOST:PORT (default: {DEFAULT_ADDRESS})",
         )
         cmd.add_argument(
             "--run", required=name == "close", help="one run" + ("" if name == "close" else " (default: all runs)")
@@ -372,12 +377,27 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
         The serve config, the ops or verify command, and the log level.
     """
     parser, commands = _parser()
-    args = parser.parse_args(argv)
+    # Unknown flags are reported by the command's own parser (its usage, and
+    # the flag meant), not the top-level one's, which knows no command's flags.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands[args.command].error(_unrecognized(unknown, commands[args.command]))
     if args.command == "serve":
+        s3_root = args.root.startswith("s3://")
+        if not args.root.strip():
+            commands["serve"].error(
+                "--root is empty: give the dir to write runs under (e.g. --root ./checkpoints) or "
+                "s3://BUCKET[/PREFIX]; an empty one would serve the current directory"
+            )
+        if args.work_dir is not None and not s3_root:
+            commands["serve"].error(
+                f"--work-dir applies to s3:// roots only; a local --root ({args.root}) keeps the daemon's "
+                "templates and staging in ROOT/.checkpointd/: drop --work-dir"
+            )
         try:
             config = ServeConfig(
-                root=args.work_dir if args.root.startswith("s3://") else Path(args.root),
-                s3_url=args.root if args.root.startswith("s3://") else None,
+                root=(args.work_dir or _WORK_DIR) if s3_root else Path(args.root),
+                s3_url=args.root if s3_root else None,
                 s3_endpoint_url=args.s3_endpoint_url,
                 s3_region=args.s3_region,
                 s3_grace_seconds=args.s3_grace_seconds,
@@ -435,6 +455,32 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
         token_file=args.token_file, stored=getattr(args, "stored", False),
     )  # fmt: skip
     return command, "WARNING"
+
+
+def _unrecognized(unknown: Sequence[str], command: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments", with the command's flag each mistyped one is closest to."""
+    known = [o for action in command._actions for o in action.option_strings if o.startswith("--")]  # noqa: SLF001
+    guesses = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):
+            # Fewest typos first (a swapped pair counts as one: --prot is --port), then likeness.
+            ranked = sorted(known, key=lambda o: (_typos(flag, o), -difflib.SequenceMatcher(None, flag, o).ratio()))
+            if ranked and _typos(flag, ranked[0]) <= max(1, len(flag) // 4):
+                guesses.append(f"{flag}: did you mean {ranked[0]}?")
+    hint = f" ({'; '.join(guesses)})" if guesses else ""
+    return f"unrecognized arguments: {' '.join(unknown)}{hint}"
+
+
+def _typos(a: str, b: str) -> int:
+    """Edits from `a` to `b`: insertions, deletions, substitutions and swaps of neighbours (optimal string alignment)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
 
 
 # ServeConfig fields whose flag is not spelled after them.

@@ -4,7 +4,8 @@ The first SIGTERM or SIGINT drains: health NOT_SERVING, new saves refused,
 accepted ones finish within --grace-seconds, exit 0 (1 if some did not). A
 second one during the drain stops at once: the unfinished saves are logged
 and abandoned (their temp dirs are left for the next start's recovery; no
-export dir is torn), exit 1 if there were any.
+export dir is torn), every open call's caller gets UNAVAILABLE saying so,
+exit 1 if there were any unfinished saves.
 
 Signal handlers run on the main thread between two bytecodes, possibly while
 it holds a lock, so they do nothing here: Python's C-level handler writes the
@@ -102,7 +103,9 @@ def _stop_now(server: Server, name: str) -> None:
         )  # fmt: skip
     else:
         _LOGGER.warning("%s again: stopping now; no save was unfinished", name)
-    server.abandon()
+    told = server.abandon(f"{name} again during its drain")
+    if told:
+        _LOGGER.error("%s again: told %d open calls the daemon stopped at once (UNAVAILABLE)", name, told)
     logging.shutdown()  # flush the log: os._exit skips it
     # Not sys.exit: the threads of the abandoned saves (an upload waiting on
     # its stream, a write in TensorFlow) would hold the interpreter's exit.

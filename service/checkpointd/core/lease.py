@@ -246,3 +246,13 @@ def held_message(run: str, doc: LeaseDoc, sighting: Sighting, now: float, wall_n
         f"expires in {sighting.expires_in(doc, now):.0f} s if that daemon is gone{idle}){waited_text}; "
         "close the run there, or retry after the lease expires"
     )
+
+
+def wait_message(run: str, doc: LeaseDoc, wall_now: float, wait: float) -> str:
+    """What a daemon about to wait for another's lease says (its log, and the caller's metadata); ASCII."""
+    ago = max(0.0, wall_now - doc.renewed_at)
+    text = (
+        f"waiting up to {wait:.0f} s for the lease of run {run} held by host {doc.host}, pid {doc.pid}, "
+        f"renewed {ago:.0f} s ago"
+    )
+    return text.encode("ascii", "replace").decode("ascii")

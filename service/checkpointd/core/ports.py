@@ -14,7 +14,7 @@ The two seams a new backend or save kind plugs into:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -181,6 +181,15 @@ class Store(Protocol):
         """Where the saves go, for logs (e.g. the root's absolute path)."""
         ...
 
+    def location(self, path: PurePath) -> str:
+        """A save's path (a target, or a CommittedSave's) as a person or a tool takes it.
+
+        What clients are told a save is at (SaveResult.path, GetLatest,
+        status): a path on the daemon's host, or `s3://BUCKET/KEY`, which
+        `checkpointd fetch` and `verify` take.
+        """
+        ...
+
     def recover(self) -> int:
         """Cleans up what interrupted saves left behind (at start); returns how many."""
         ...
@@ -203,6 +212,9 @@ class Store(Protocol):
 
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         """Makes a staged save durable at `target`, its manifest last; returns its bytes.
+
+        Its bytes are those of the files its manifest lists (what `checkpointd
+        verify` counts); the manifest itself is not counted.
 
         A save already at `target` is replaced. On failure nothing new is
         committed and the staging dir is left for `discard`.
@@ -261,11 +273,13 @@ class Leases(Protocol):
     request.
     """
 
-    def hold(self, run: str, deadline: float | None) -> None:
+    def hold(self, run: str, deadline: float | None, waiting: Callable[[str], None] | None = None) -> None:
         """Makes this daemon the run's holder, or confirms it is; called before a run's template or save is written.
 
         Waits (until `deadline`, time.monotonic() seconds; None: no wait) for
-        another daemon's lease to be released or to expire.
+        another daemon's lease to be released or to expire. Before it waits,
+        it logs at INFO and calls `waiting` (once) with the same sentence:
+        how long, and who holds the lease.
 
         Raises:
             RunHeldError: another daemon still holds it at the deadline
@@ -289,7 +303,7 @@ class Leases(Protocol):
 class NoLeases:
     """The Leases of a store that one daemon owns alone: every run is always this daemon's."""
 
-    def hold(self, run: str, deadline: float | None) -> None:
+    def hold(self, run: str, deadline: float | None, waiting: Callable[[str], None] | None = None) -> None:
         pass
 
     def check(self, run: str) -> None:

@@ -6,7 +6,8 @@ the request-stream readers in `checkpointd.rpc.upload`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import PurePath
 
 from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec, TensorSpec
 from checkpointd.core.lane import LaneStats
@@ -24,6 +25,8 @@ from checkpointd.saves.restore import Opened
 from checkpointd.saves.runs import RunView
 from checkpointd.saves.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
+
+Location = Callable[[PurePath], str]  # Store.location: where clients are told a save is
 
 
 def variable_from_pb(v: pb.Variable) -> VariableSpec:
@@ -166,8 +169,8 @@ def run_status(view: RunView) -> pb.RunStatus:
     return status
 
 
-def add_stored_runs(response: pb.StatusResponse, found: StoredRuns) -> None:
-    """Fills a status response's stored runs (StatusRequest.stored)."""
+def add_stored_runs(response: pb.StatusResponse, found: StoredRuns, location: Location = str) -> None:
+    """Fills a status response's stored runs (StatusRequest.stored); `location` says where a save is (Store.location)."""
     for stored in found.runs:
         save = stored.newest
         entry = response.stored_runs.add(
@@ -178,7 +181,7 @@ def add_stored_runs(response: pb.StatusResponse, found: StoredRuns) -> None:
             export_dir=save.export_dir,
             step=save.step,
             unix_seconds=save.created,
-            path=str(save.path),
+            path=location(save.path),
         )
         if stored.holder is not None:
             entry.lease_holder = stored.holder
@@ -186,12 +189,14 @@ def add_stored_runs(response: pb.StatusResponse, found: StoredRuns) -> None:
     response.stored_folders = found.folders
 
 
-def latest_response(save: CommittedSave | None, checkpoints: Sequence[CommittedSave] = ()) -> pb.LatestResponse:
+def latest_response(
+    save: CommittedSave | None, checkpoints: Sequence[CommittedSave] = (), location: Location = str
+) -> pb.LatestResponse:
     if save is None:
         return pb.LatestResponse(found=False)
     return pb.LatestResponse(
         found=True,
-        path=str(save.path),
+        path=location(save.path),
         export_dir=save.export_dir,
         step=save.step,
         kind=to_wire(save.kind),
@@ -201,7 +206,7 @@ def latest_response(save: CommittedSave | None, checkpoints: Sequence[CommittedS
 
 
 def restore_responses(
-    opened: Opened, manifest: Manifest, chunk_bytes: int = wire.CHUNK_BYTES
+    opened: Opened, manifest: Manifest, chunk_bytes: int = wire.CHUNK_BYTES, *, location: Location = str
 ) -> Iterator[pb.RestoreResponse]:
     """Restore's answer, streamed the way a Save's snapshot arrives.
 
@@ -216,7 +221,7 @@ def restore_responses(
         kind=to_wire(save.kind),
         variables=[variable_to_pb(v) for v in manifest.variables],
         snapshot_bytes=values.nbytes,
-        path=str(save.path),
+        path=location(save.path),
         unix_seconds=save.created,
     )
     if values.numpy_state is not None:

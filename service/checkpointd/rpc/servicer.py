@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
-from checkpointd.protocol.names import TMP_PREFIX, check_run_name
+from checkpointd.protocol.names import LEASE_WAIT_METADATA, TMP_PREFIX, check_run_name
 from checkpointd.rpc import messages, upload
 from checkpointd.rpc.errors import grpc_errors
 from checkpointd.saves import catalog, restore
@@ -78,6 +78,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 receive,
                 kind=messages.kind_from_pb(header.kind, "RegisterRun", optional=True),
                 timeout=context.time_remaining(),  # how long it may wait for another daemon's lease
+                on_lease_wait=lambda text: context.send_initial_metadata(((LEASE_WAIT_METADATA, text),)),
             )
         finally:
             shutil.rmtree(staged, ignore_errors=True)
@@ -133,7 +134,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         folders = None if run is None else [self._pipeline.folder(run)]
         leases = getattr(self._pipeline, "leases", None)  # a fleet's store has leases
         found = catalog.stored_runs(self._pipeline.store, leases, folders=folders, run=run)
-        messages.add_stored_runs(response, found)
+        messages.add_stored_runs(response, found, self._pipeline.store.location)
         return response
 
     @grpc_errors
@@ -142,7 +143,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         kind = messages.kind_from_pb(request.kind, "GetLatest", optional=True)
         folder = self._pipeline.folder(run, request.folder)
         save = catalog.find_latest(self._pipeline.store, folder, run, kind)
-        return messages.latest_response(save, self._pipeline.active_checkpoints(folder, save))
+        checkpoints = self._pipeline.active_checkpoints(folder, save)
+        return messages.latest_response(save, checkpoints, self._pipeline.store.location)
 
     @grpc_errors
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[pb.RestoreResponse]:
@@ -153,5 +155,5 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 self._pipeline.store, self._pipeline.formats, folder, run, request.export_dir, manifest
             ) as opened:  # an object store's save: a local copy until the stream ends
                 started = time.monotonic()
-                yield from messages.restore_responses(opened, manifest)
+                yield from messages.restore_responses(opened, manifest, location=self._pipeline.store.location)
         restore.log_restored(run, opened, time.monotonic() - started)

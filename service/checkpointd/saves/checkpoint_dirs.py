@@ -149,13 +149,22 @@ class CheckpointDirs:
 
     def recover(self) -> int:
         """Rewrites every training dir's state file and tidies it (daemon start); returns deletions."""
+        return sum(self.recover_folder(folder) for folder in self._store.folders())
+
+    def recover_folder(self, folder: str, run: str | None = None) -> int:
+        """Rewrites the state file of each training dir in `folder` and tidies it; returns deletions.
+
+        Args:
+            folder: the run folder.
+            run: only the dirs holding checkpoints of this run (a run this
+                daemon just took over); None: every training dir there.
+        """
         deleted = 0
-        for folder in self._store.folders():
-            for directory in sorted(self._directories(folder)):
-                with self._lock(folder, directory):
-                    checkpoints = self._checkpoints(folder, directory)
-                    self._write(folder, directory, checkpoints, self._mark(folder, directory, checkpoints))
-                deleted += self.tidy(folder, directory)
+        for directory in sorted(self._directories(folder, run)):
+            with self._lock(folder, directory):
+                checkpoints = self._checkpoints(folder, directory)
+                self._write(folder, directory, checkpoints, self._mark(folder, directory, checkpoints))
+            deleted += self.tidy(folder, directory)
         return deleted
 
     # Internals.
@@ -171,10 +180,10 @@ class CheckpointDirs:
             if s.kind is SaveKind.TRAINING_CHECKPOINT and s.prefix and directory_of(s.export_dir) == directory
         ]
 
-    def _directories(self, folder: str) -> Iterable[str]:
+    def _directories(self, folder: str, run: str | None = None) -> Iterable[str]:
         return {
             directory_of(s.export_dir)
-            for s in self._store.committed(folder, None)
+            for s in self._store.committed(folder, run)
             if s.kind is SaveKind.TRAINING_CHECKPOINT and s.prefix
         }
 

@@ -218,6 +218,7 @@ class SavePipeline:
         receive_template: Callable[[], Path],
         kind: SaveKind | None = None,
         timeout: float | None = None,
+        on_lease_wait: Callable[[str], None] | None = None,
     ) -> Manifest:
         """Registers (or re-registers) a run from its uploaded policy template.
 
@@ -236,6 +237,8 @@ class SavePipeline:
                 it may wait for another daemon's lease on the run, less a
                 reserve so the refusal arrives before the caller gives up;
                 at most `ServeConfig.register_wait_seconds`.
+            on_lease_wait: called once, with a sentence for people, before it
+                waits for another daemon's lease (the servicer sends it on).
 
         Raises:
             InvalidRequestError, LimitExceededError: the request is refused;
@@ -252,7 +255,9 @@ class SavePipeline:
                 f"{self._config.max_template_bytes} (--max-template-bytes)"
             )
         started = time.monotonic()
-        self.leases.hold(run, started + self._lease_wait(timeout))  # before anything of the run is stored
+        self.leases.hold(
+            run, started + self._lease_wait(timeout), waiting=on_lease_wait
+        )  # before anything of the run is stored
         # A policy run's template goes to the format of policy saves; a
         # training run's (empty) registration to the training format.
         fmt = self.formats(kind or SaveKind.SAVED_MODEL)
@@ -476,7 +481,7 @@ class SavePipeline:
         written = write_save(self.store, fmt, meta, manifest, target, variables, numpy_state, **_own(request))
         if dirs is not None:
             dirs.committed(folder, request.export_dir)  # the state file names it once committed
-        return str(target), written
+        return self.store.location(target), written
 
     # Closing.
 

@@ -114,6 +114,25 @@ class Retention:
         self.deleted += deleted
         return deleted
 
+    def take_over(self, run: str, folder: str) -> int:
+        """Applies the run's retention now, before its first save here; returns how many saves it deleted.
+
+        For a run this daemon just took over from another (a fleet's lease):
+        the last holder may have died between a commit and its tidying, or
+        run with other rules, so the bucket can hold more of the run's saves
+        than its rules keep. Its policy saves get the daemon's policy; its
+        training checkpoint dirs get their state files rewritten and the
+        rules their newest checkpoint recorded (what `recover` does at a
+        lone daemon's start).
+        """
+        deleted = self.tidy(run, folder) if self.policy.enabled else 0
+        if self.checkpoints is not None:
+            with self._guard(folder).exclusive():
+                swept = self.checkpoints.recover_folder(folder, run)
+            self.deleted += swept
+            deleted += swept
+        return deleted
+
     def _guard(self, folder: str) -> _FolderGuard:
         with self._locks_guard:
             return self._guards[folder]

@@ -103,6 +103,9 @@ class LocalStore:
     def describe(self) -> str:
         return str(self.root.resolve())
 
+    def location(self, path: PurePath) -> str:
+        return str(path)
+
     def recover(self) -> int:
         return files.recover(self.root)
 
@@ -129,7 +132,7 @@ class LocalStore:
             self._syncer.submit(files.fsync_below, staged.path, save_manifest.MANIFEST_NAME) if self._fsync else None
         )
         try:
-            manifest_bytes = save_manifest.write_staged_manifest(staged, meta, fsync=self._fsync)
+            save_manifest.write_staged_manifest(staged, meta, fsync=self._fsync)
         finally:
             if syncing is not None:
                 syncing.result()  # raises its OSError; the tree is not published
@@ -139,7 +142,7 @@ class LocalStore:
             prefix.publish(staged.path, target, fsync=self._fsync)
         else:
             files.publish_dir(staged.path, target, fsync=self._fsync, synced=True)
-        return staged.bytes_written + manifest_bytes
+        return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
 
     def discard(self, staged: Path) -> None:
         writeback.unmark_fsynced(staged)

@@ -60,7 +60,16 @@ from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
 from checkpointd.protocol.errors import ChecksumError, RunHeldError, RunNotFoundError
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
 from checkpointd.storage import prefix, s3_keys, s3_recovery, s3_restore, save_manifest
-from checkpointd.storage.s3_client import ETagLog, S3Url, StoreSetupError, error_code, make_client, unavailable_on_error
+from checkpointd.storage.s3_client import (
+    ETagLog,
+    S3Url,
+    StoreSetupError,
+    create_bucket_command,
+    endpoint_hint,
+    error_code,
+    make_client,
+    unavailable_on_error,
+)
 from checkpointd.storage.s3_keys import ETAGS, MANIFEST, PREFIX_MANIFEST, STORE_FIELDS, WRITER
 
 _LOGGER = logging.getLogger(__name__)
@@ -151,18 +160,27 @@ class S3Store:
         except ClientError as e:
             code = error_code(e)
             if code in ("404", "NoSuchBucket"):
-                raise StoreSetupError(f"bucket {self.bucket!r} does not exist (--root {self.url})") from None
+                raise StoreSetupError(
+                    f"bucket {self.bucket!r} does not exist (--root {self.url}) at {self.client.meta.endpoint_url}; "
+                    f"create it first: {create_bucket_command(self.bucket, self.client.meta.endpoint_url)}"
+                ) from None
             if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 raise StoreSetupError(
                     f"access to bucket {self.bucket!r} was refused ({code}): check the AWS credentials "
                     "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the AWS config) and the bucket's policy"
+                    f"{endpoint_hint(self.client.meta.endpoint_url)}"
                 ) from None
             raise StoreSetupError(f"cannot use bucket {self.bucket!r}: {code or e}") from None
         except BotoCoreError as e:
-            raise StoreSetupError(f"cannot reach the S3 server for {self.url}: {e}") from None
+            raise StoreSetupError(
+                f"cannot reach the S3 server for {self.url}: {e}{endpoint_hint(self.client.meta.endpoint_url)}"
+            ) from None
 
     def describe(self) -> str:
         return str(self.url)
+
+    def location(self, path: PurePath) -> str:
+        return f"s3://{self.bucket}/{path}"  # a save's path here is its key
 
     def close(self) -> None:
         self.transfer.shutdown()
@@ -205,7 +223,7 @@ class S3Store:
         uploading, uploaded, replacing = time.monotonic(), 0, False
         try:
             replacing = self._unpublish(manifest_key)  # an old save here stops counting first
-            uploaded, listed, manifest_bytes = self._upload(staged, files_base, manifest_key, meta)
+            uploaded, listed, _ = self._upload(staged, files_base, manifest_key, meta)
         finally:
             self._on_upload(meta.kind.value, time.monotonic() - uploading, uploaded)
             # The bucket has the save (or it failed): its local copy goes either way,
@@ -213,7 +231,7 @@ class S3Store:
             self.discard(staged.path)
         if replacing:  # a new place has nothing of another save to tidy (recover takes a failed one's)
             self._drop_unlisted(files_base, target.name if staged.files_prefix is not None else None, listed)
-        return staged.bytes_written + manifest_bytes
+        return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
 
     def _unpublish(self, manifest_key: str) -> bool:
         """Deletes the manifest of a save at `manifest_key`'s place, if there is one; True if there was."""

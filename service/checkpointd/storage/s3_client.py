@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -59,6 +60,10 @@ def make_client(endpoint_url: str | None, region: str | None, max_connections: i
     import boto3
     from botocore.config import Config
 
+    # Resolved here, not left to boto3, so AWS_ENDPOINT_URL also picks path-style
+    # addressing and the body checks of a non-AWS server below.
+    endpoint_url = resolve_endpoint(endpoint_url)
+
     config = Config(
         region_name=region,
         # rgw rejects botocore's default trailing checksums over HTTPS (411)
@@ -77,6 +82,33 @@ def make_client(endpoint_url: str | None, region: str | None, max_connections: i
         for operation in ("PutObject", "UploadPart"):
             client.meta.events.register(f"before-call.s3.{operation}", content_md5)
     return client
+
+
+def _is_aws(endpoint_url: str | None) -> bool:
+    return endpoint_url is None or endpoint_url.rstrip("/").endswith(".amazonaws.com")
+
+
+def endpoint_hint(endpoint_url: str | None) -> str:
+    """For a failure at AWS's own endpoint: the flag (or variable) that names another S3 server."""
+    if not _is_aws(endpoint_url):
+        return ""
+    return (
+        f"; this went to AWS ({endpoint_url}): for another S3 server (radosgw, MinIO...) give "
+        "--s3-endpoint-url URL or set AWS_ENDPOINT_URL"
+    )
+
+
+def create_bucket_command(bucket: str, endpoint_url: str | None) -> str:
+    """A command that creates `bucket` at the endpoint: the AWS CLI's, and one with boto3 (checkpointd's)."""
+    aws = f"aws s3 mb s3://{bucket}" + ("" if _is_aws(endpoint_url) else f" --endpoint-url {endpoint_url}")
+    endpoint = "" if _is_aws(endpoint_url) else f"endpoint_url={endpoint_url!r}"
+    python = f"python -c \"import boto3; boto3.client('s3', {endpoint}).create_bucket(Bucket={bucket!r})\""
+    return f"{aws} (or, without the AWS CLI: {python})".replace("('s3', )", "('s3')")
+
+
+def resolve_endpoint(endpoint_url: str | None) -> str | None:
+    """The S3 server to use: the flag's, else AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (as boto3 reads them), else AWS's."""
+    return endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 def body_is_signed(endpoint_url: str | None) -> bool:

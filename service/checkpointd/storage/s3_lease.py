@@ -104,6 +104,7 @@ class S3Leases:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         background: bool = True,
+        taken: Callable[[str], None] | None = None,
     ) -> None:
         """Args:
         client: a boto3 S3 client (the store's).
@@ -115,6 +116,11 @@ class S3Leases:
         owner: this daemon's owner id; a fresh one by default.
         clock, wall: monotonic and Unix time (tests pass fakes).
         background: run the renewal thread; tests call `tick()` instead.
+        taken: called with the run each time `hold` takes its lease (not when
+            it renews one this daemon holds), before `hold` returns and
+            outside the run's lock: the run's saves in the bucket may be
+            another daemon's, left as it left them (the server applies the
+            run's retention there).
         """
         lease.check_timing(ttl, idle)
         self.client = client
@@ -126,6 +132,7 @@ class S3Leases:
         self._host = socket.gethostname()
         self._pid = os.getpid()
         self._busy = busy or (lambda run: False)
+        self._taken = taken or (lambda run: None)
         self._sink = sink or _NullSink()
         self._clock = clock
         self._wall = wall
@@ -148,8 +155,9 @@ class S3Leases:
 
     # The Leases protocol.
 
-    def hold(self, run: str, deadline: float | None) -> None:
+    def hold(self, run: str, deadline: float | None, waiting: Callable[[str], None] | None = None) -> None:
         started = self._clock()
+        told = False
         with self._run_lock(run):
             self._touch(run)
             if self._valid(run):
@@ -159,12 +167,19 @@ class S3Leases:
         while True:
             with self._run_lock(run):
                 other = self._try_acquire(run)
-                if other is None:
-                    return
+            if other is None:
+                self._taken(run)
+                return
             doc, sighting = other
             now = self._clock()
             if deadline is None or now >= deadline:
                 raise RunHeldError(lease.held_message(run, doc, sighting, now, self._wall(), now - started))
+            if not told:  # once per call: who it waits for, before the first pause
+                told = True
+                text = lease.wait_message(run, doc, self._wall(), deadline - now)
+                _LOGGER.info("lease: %s", text)
+                if waiting is not None:
+                    waiting(text)
             pause = min(deadline - now, _POLL_SECONDS, max(sighting.expires_in(doc, now), 0.01))
             with self._cond:
                 if self._closed:

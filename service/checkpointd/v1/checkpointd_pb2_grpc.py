@@ -74,7 +74,14 @@ class CheckpointServiceServicer(object):
         takes the run's lease, waiting within the call's deadline (without one,
         up to --lease-idle-seconds + 2 x --lease-seconds) for another daemon's
         lease to be released or to expire; ABORTED (naming the holder) if it is
-        still held then. Nothing is registered or written on ABORTED.
+        still held then. Nothing is registered or written on ABORTED. Before
+        it waits, the daemon sends the call's initial metadata with the key
+        "checkpointd-lease-wait" (LEASE_WAIT_METADATA in
+        checkpointd.protocol.names), whose value is a sentence for a person:
+        "waiting up to N s for the lease of run R held by host H, pid P,
+        renewed S s ago" (ASCII; the daemon logs the same at INFO). A client
+        may show it while the call goes on; a call that did not wait carries
+        no such key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
