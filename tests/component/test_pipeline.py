@@ -77,7 +77,8 @@ def test_a_non_blocking_save_while_one_is_in_flight_is_skipped_and_counted(rig: 
     assert "'held'" in decision.reason and "in flight" in decision.reason
     assert rig.stats().skipped == 1
     assert rig.sink.outcomes() == [("skipped", "a", "saved_model")]
-    assert rig.store.staged == [] and rig.fmt.writes == []
+    # The held save's files are open (it is receiving); the skipped one staged nothing.
+    assert [p.name.split("-")[0] for p in rig.store.live_staging()] == ["held"] and rig.fmt.writes == []
     assert rig.budget.in_use == (1, SNAPSHOT_BYTES)  # the skip's reservation is back
 
     gate.release()
@@ -196,7 +197,7 @@ def test_a_bad_upload_after_the_accept_fails_the_save_and_the_lane_lives_on(rig:
     assert bad.calls == 1
     assert rig.stats().failed == 1 and "CRC32C" in rig.stats().last_error
     assert rig.sink.outcomes() == [("failed", "a", "saved_model")]
-    assert rig.store.staged == [] and rig.store.saves() == []
+    assert rig.store.live_staging() == [] and rig.store.saves() == []  # its open files discarded
     assert rig.view().in_flight is None and rig.budget.in_use == (0, 0)
     (_, result) = rig.save(request("good", step=2))
     assert isinstance(result, Result)
