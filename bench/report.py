@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 ISSUE_12 = "issue 12"
+ISSUE_21 = "issue 21"
 # Issue 12's limits.
 WIRE_VS_LIMIT = 0.6  # large over gRPC: bytes / call->durable, against min(gRPC loopback, fsync'd disk)
 WIRE_LATENCY_VS_FSYNCED = 1.0  # call->durable over gRPC, against PolicySaver.save then fsync
@@ -29,6 +30,8 @@ STALL_MEMCPY_FACTOR, STALL_MEMCPY_SLACK = 1.2, 0.0005
 TRAINING_SLOWDOWN = 0.10
 FANIN_PROCS, FANIN_RATE, FANIN_P99 = 8, 5.0, 0.150
 MEMORY_FACTOR, MEMORY_MIN_PAYLOAD = 1.2, 10e6
+# Over gRPC the daemon writes each chunk as it lands: issue 21's bound, for payloads >= 40 MB.
+GRPC_MEMORY_FACTOR, GRPC_MEMORY_MIN_PAYLOAD = 0.25, 40e6
 
 
 class Missing(Exception):
@@ -103,7 +106,7 @@ def at_most(
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Every target, met, MISSED or not measured: issue 12's (section 7's slowdown and section 9's
-    among them), then issue 10's (section 7) and issue 11's (section 8), each row with its group.
+    among them), then issue 10's (section 7), issue 11's (section 8) and issue 21's, each row with its group.
 
     A target needs the sizes it names: the large-only one is "not measured"
     in a run without large; the per-size ones are judged at the run's sizes.
@@ -118,6 +121,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.extend(_memory(r, sizes))
     out.extend(t for t in checkpointer.targets(r) if t["group"] != ISSUE_12)
     out.extend(s3.targets(r.get("s3")))
+    out.extend(_grpc_memory(r, sizes))
     return out
 
 
@@ -282,6 +286,25 @@ def _memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
         return peak
 
     return [judge(name, s, measure(s)) for s in big]
+
+
+def _grpc_memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
+    name = f"memory over gRPC: daemon peak during a save <= idle + {GRPC_MEMORY_FACTOR:g} x payload (payloads >= 40 MB)"
+    big = [s for s in sizes if at_or(r, 0, "sizes", s, "payload_bytes") >= GRPC_MEMORY_MIN_PAYLOAD]
+    big = [s for s in big if at_or(r, None, "memory", s, "grpc", "save_peak_bytes") is not None]
+    if not big:
+        return [{"group": ISSUE_21, **not_measured(name, None, "no gRPC row of section 6 for a payload >= 40 MB")}]
+
+    def measure(s: str) -> Measure:
+        def peak() -> tuple[float, float, bool, str]:
+            value = median(r, "memory", s, "grpc", "save_peak_bytes")
+            idle, payload = float(at(r, "memory", s, "idle_rss_bytes")), float(at(r, "memory", s, "payload_bytes"))
+            anchor = f"idle {fmt_bytes(idle)}, payload {fmt_bytes(payload)}: idle + {(value - idle) / payload:.2f} x"
+            return at_most(value, idle + GRPC_MEMORY_FACTOR * payload, fmt_bytes, anchor)
+
+        return peak
+
+    return [judge(name, s, measure(s), ISSUE_21) for s in big]
 
 
 def at_or(node: Any, default: Any, *path: str) -> Any:
@@ -472,6 +495,18 @@ def table(r: dict[str, Any]) -> str:
             else "- (payload < 1 MB)"
         ),
     )
+    per_size(
+        "peak during a save over gRPC",
+        lambda s: fmt_bytes(mem[s]["grpc"]["save_peak_bytes"]["median"]) if mem[s].get("grpc") else "-",
+    )
+    per_size(
+        "over gRPC: (peak - idle) / payload",
+        lambda s: (
+            f"{(mem[s]['grpc']['save_peak_bytes']['median'] - mem[s]['idle_rss_bytes']) / mem[s]['payload_bytes']:.2f}"
+            if mem[s].get("grpc") and mem[s]["payload_bytes"] >= 1e6
+            else "-"
+        ),
+    )
 
     from bench import checkpointer  # section 7, whose rows live with it
 
@@ -515,6 +550,7 @@ GROUPS = {
     ISSUE_12: "issue 12, performance round two",
     "issue 10": "issue 10, training checkpoints (section 7)",
     "issue 11": "issue 11, object store (section 8)",
+    ISSUE_21: "issue 21, the daemon writes the tensor bundle (streamed)",
 }
 
 
