@@ -119,9 +119,10 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.extend(_fanin(r))
     out.extend(fleet.targets(r.get("fleet")))
     out.extend(_memory(r, sizes))
-    out.extend(t for t in checkpointer.targets(r) if t["group"] != ISSUE_12)
+    out.extend(t for t in checkpointer.targets(r) if t["group"] not in (ISSUE_12, ISSUE_21))
     out.extend(s3.targets(r.get("s3")))
     out.extend(_grpc_memory(r, sizes))
+    out.extend(t for t in checkpointer.targets(r) if t["group"] == ISSUE_21)
     return out
 
 

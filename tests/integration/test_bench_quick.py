@@ -160,7 +160,16 @@ def test_every_target_is_judged(result: dict[str, Any]) -> None:
                 assert t["value"] is not None and t["limit"] is not None and " vs limit " in t["detail"], t
     # Sections 7 and 8 keep their issues' targets: section 7's judged at small, section 8 (not run) not measured.
     issue_10 = [t for t in rows if t["group"] == "issue 10"]
-    assert len(issue_10) == 3 and all(t["size"] == "small" and t["status"] != "not measured" for t in issue_10)
+    assert len(issue_10) == 2 and all(t["size"] == "small" and t["status"] != "not measured" for t in issue_10)
+    # Issue 21's: section 7's call -> durable against the disk, judged at small; the gRPC memory
+    # bound needs a payload of 40 MB or more, so it is not measured here.
+    issue_21 = {t["target"].split(":")[0]: t for t in rows if t["group"] == "issue 21"}
+    assert set(issue_21) == {"training checkpoints", "memory over gRPC"}
+    assert (
+        issue_21["training checkpoints"]["size"] == "small"
+        and " vs limit " in issue_21["training checkpoints"]["detail"]
+    )
+    assert issue_21["memory over gRPC"]["status"] == "not measured"
     issue_11 = [t for t in rows if t["group"] == "issue 11"]
     assert issue_11 and all(t["status"] == "not measured" for t in issue_11)
 
