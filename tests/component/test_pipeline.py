@@ -8,6 +8,7 @@ by LIMIT.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 
@@ -448,3 +449,41 @@ def test_a_save_of_a_run_held_elsewhere_is_refused_before_its_decision_and_close
     assert rig.budget.in_use == (0, 0)
     rig.pipeline.close_run("a", LIMIT)
     assert leases.calls[-1] == ("release", "a", None)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux's")
+def test_the_thread_that_writes_a_saves_files_takes_the_writer_pools_priority() -> None:
+    from checkpointd.formats.pool import WriterPool
+    from checkpointd.saves import pipeline as pipeline_module
+
+    kept: list[tuple[int, int, bytes]] = []
+
+    class Kept:
+        def write(self, part: int, offset: int, data: object) -> None:
+            kept.append((part, offset, bytes(memoryview(data))))  # type: ignore[arg-type]
+
+        def finish(self) -> object:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    pool = WriterPool(nice=7)
+    try:
+        sink = pipeline_module._AtWriterPriority(Kept(), pool)  # type: ignore[arg-type]  # noqa: SLF001
+        seen: list[int] = []
+
+        def receiver() -> None:  # a thread of its own, as the upload's reader is
+            tid = threading.get_native_id()
+            seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+            sink.write(0, 0, b"ab")
+            sink.write(0, 2, b"cd")
+            seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+
+        thread = threading.Thread(target=receiver)
+        thread.start()
+        thread.join(LIMIT)
+        assert kept == [(0, 0, b"ab"), (0, 2, b"cd")]
+        assert seen[0] < 7 and seen[1] == 7
+    finally:
+        pool.close()

@@ -50,6 +50,8 @@ from checkpointd.core.ports import (
     PhaseSink,
     SaveFormat,
     SaveMeta,
+    SaveSink,
+    Staged,
     Store,
 )
 from checkpointd.core.training import CheckpointRetention, CheckpointSpec
@@ -354,7 +356,8 @@ class SavePipeline:
             ):  # fmt: skip
                 # A phase is timed when it ends, failed or not, as save_duration is.
                 try:
-                    transport = receive(parts, segment, accepted + self.upload_timeout, save.sink)
+                    sink = _AtWriterPriority(save.sink, self._pool)
+                    transport = receive(parts, segment, accepted + self.upload_timeout, sink)
                     self._phases.snapshot_received(kind, transport)
                 finally:
                     self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted)
@@ -409,6 +412,32 @@ class SavePipeline:
         self.retention.wait_idle()
         self.leases.release(run)  # another daemon may take the run at once
         _LOGGER.info("closed run=%s", run)
+
+
+class _AtWriterPriority:
+    """A save's sink that lowers whichever thread writes into it to the writer pool's priority.
+
+    The receiver writes the files as the bytes arrive, on its own thread, not
+    the pool's: lowered like the pool's threads (`--write-nice`, per thread and
+    never raised back), a save still takes only the CPU training leaves.
+    """
+
+    def __init__(self, sink: SaveSink, pool: WriterPool) -> None:
+        self._sink = sink
+        self._pool = pool
+        self._lowered: set[int] = set()
+
+    def write(self, part: int, offset: int, data: object) -> None:
+        if threading.get_ident() not in self._lowered:
+            self._pool.initializer()
+            self._lowered.add(threading.get_ident())
+        self._sink.write(part, offset, data)
+
+    def finish(self) -> Staged:
+        return self._sink.finish()
+
+    def close(self) -> None:
+        self._sink.close()
 
 
 class Retainer(Protocol):
