@@ -69,6 +69,8 @@ DATA_TYPES: dict[str, int] = {
 HEADER = b"\x08\x01" + b"\x1a\x02" + b"\x08\x01"
 
 _UINT32_MAX = 0xFFFFFFFF
+# A tensor's bytes are written and summed this much at a time (see BundleWriter.write).
+_SLICE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -215,8 +217,15 @@ class BundleWriter:
             raise ValueError(f"bundle key {entry.key!r} is a string tensor: give it whole (write_strings)")
         if done + view.nbytes > entry.size:
             raise ValueError(f"bundle key {entry.key!r}: {done + view.nbytes} bytes for a tensor of {entry.size}")
-        self._pwrite(view, self.offsets[i] + done)
-        self._crcs[i] = crc32c.crc32c(view, self._crcs[i])
+        at, crc = self.offsets[i] + done, self._crcs[i]
+        # In slices, each summed right after it is copied while it is still in
+        # the CPU's cache: a large tensor (from shared memory, whole) is then
+        # read from memory once, not once for the copy and again for the sum.
+        for start in range(0, view.nbytes, _SLICE_BYTES):
+            piece = view[start : start + _SLICE_BYTES]
+            self._pwrite(piece, at + start)
+            crc = crc32c.crc32c(piece, crc)
+        self._crcs[i] = crc
         self._written[i] = done + view.nbytes
 
     def write_strings(self, i: int, values: Sequence[bytes]) -> None:
