@@ -70,17 +70,20 @@ def streamed(
 
     Whatever ends the block early (a bad chunk, a broken stream, the
     deadline, a full disk) closes the files, after any write in progress,
-    and discards the staging dir. Errors that are not the daemon's own
+    and discards the staging dir and the parent dirs staging made. Errors that are not the daemon's own
     become SaveFailedError with the reason.
 
     Raises:
         RunNotFoundError: the run has no template in the format.
         SaveFailedError: the save could not be written, with the reason.
     """
+    made = _missing_dirs(PurePath(target).parent)
     try:
         staging = store.stage(target)
     except OSError as e:
         raise write_failed(meta, target, e) from e
+    if Path(staging).parent != Path(target).parent:  # staged elsewhere (an object store's local dir)
+        made = []
     try:
         sink = fmt.open(meta.run, meta.kind, manifest, staging, parts, numpy_state, **_own_spec(checkpoint))
         try:
@@ -89,9 +92,35 @@ def streamed(
             sink.close()
     except BaseException as e:
         store.discard(staging)
+        _remove_empty(made)
         if isinstance(e, CheckpointdError) or not isinstance(e, Exception):
             raise
         raise write_failed(meta, target, e) from e
+
+
+def _missing_dirs(parent: PurePath) -> list[Path]:
+    """The dirs from `parent` up that do not exist yet (staging beside the target will make them), deepest first."""
+    missing = []
+    path = Path(parent)
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Removes the dirs a discarded save's staging made, deepest first, while they are empty.
+
+    A save is staged at its accept, before its snapshot arrives; one that
+    fails then must leave the tree as it found it, its export dir's new
+    parents included. A dir another save has put something in meanwhile
+    stays (rmdir refuses it), and so do the ones above it.
+    """
+    for path in dirs:
+        try:
+            path.rmdir()
+        except OSError:
+            return
 
 
 def write_save(
