@@ -9,10 +9,10 @@ the daemon's own phase timings:
   as the client sends it (`wire.save_request_chunks`: CRC32C and serialized
   SaveRequests), and as Chunk messages;
 - daemon-side steps, run here with the same libraries: parsing the
-  requests, `upload.receive_snapshot` (checks, copies into the buffer),
-  the daemon's tensors over that buffer (DLPack, no copy) beside TF's own
-  conversion (a copy), SaveV2 into the page cache, then fsync without and
-  with the format's writeback (`durable.Writeback`), alternated;
+  requests, `upload.receive_snapshot` writing each checked chunk into the
+  tensor bundle where it goes (`formats.sink.BundleSink`, the daemon's
+  streamed write) into the page cache, then with fsync, without and with
+  the format's writeback (`durable.Writeback`), alternated;
 - end to end: stall, call -> durable, and the daemon's transfer and write,
   over gRPC (`--transport grpc`, the default: shared memory off, as for a
   trainer on another host) or through shared memory (`--transport shm`).
@@ -99,13 +99,13 @@ def run(
 ) -> dict[str, Any]:
     import crc32c
     import numpy as np
-    import tensorflow as tf
 
     from bench import agents, scrape
     from bench.config import SIZES
     from bench.inprocess import fsync_tree
     from checkpointd import durable
-    from checkpointd.formats import savev2
+    from checkpointd.formats import bundle
+    from checkpointd.formats.sink import BundleSink
     from checkpointd.protocol import wire
     from checkpointd.rpc import upload
     from checkpointd.v1 import checkpointd_pb2 as pb
@@ -186,73 +186,42 @@ def run(
         )
         del encoded
         parts = [a.nbytes for a in snap.arrays]
-        received, _ = _time(
-            "upload.receive_snapshot: checks, CRC32C, into the buffer",
-            lambda: upload.receive_snapshot(iter(requests), nbytes, _Active(), parts),  # noqa: F821
-            reps,
-            steps,
-        )
-        del requests
-        laid_out = [np.frombuffer(r, a.dtype).reshape(a.shape) for r, a in zip(received, snap.arrays, strict=True)]
-        tensors = _time(
-            "the daemon's tensors over the receive buffer (DLPack)",
-            lambda: [savev2.as_input(a) if a.nbytes else a for a in laid_out],  # noqa: F821
-            reps,
-            steps,
-        )
+        entries = [bundle.Entry(f"v{i}", a.dtype.name, tuple(a.shape), a.nbytes) for i, a in enumerate(snap.arrays)]
+        out = workdir / "bundle"
 
-        def receive() -> bytearray:
-            buffer = bytearray(nbytes)
-            view, offset = memoryview(buffer), 0
-            for c in chunks:  # noqa: F821
-                view[offset : offset + len(c.data)] = c.data
-                offset += len(c.data)
-            return buffer
-
-        buffer = _time("bytearray(total) filled from the chunks", receive, reps, steps)
-        del chunks
-        arrays, offset = [], 0
-        for a in snap.arrays:
-            arrays.append(np.frombuffer(buffer, a.dtype, a.size, offset).reshape(a.shape))
-            offset += a.nbytes
-        _time(
-            "tf.convert_to_tensor of the views (a copy; not the daemon's)",
-            lambda: [tf.convert_to_tensor(a) for a in arrays],  # noqa: F821
-            reps,
-            steps,
-        )
-        out = workdir / "savev2"
-
-        def save_v2(writeback: bool = False) -> None:
+        def streamed(writeback: bool = False) -> None:
+            """The daemon's streamed write: each chunk checked, then pwritten into the bundle where it goes."""
             shutil.rmtree(out, ignore_errors=True)
             (out / "variables").mkdir(parents=True)
             with durable.Writeback(out / "variables") if writeback else contextlib.nullcontext():
-                tf.raw_ops.SaveV2(
-                    prefix=str(out / "variables" / "variables"),
-                    tensor_names=[f"v{i}" for i in range(len(tensors))],  # noqa: F821
-                    shape_and_slices=[""] * len(tensors),  # noqa: F821
-                    tensors=tensors,  # noqa: F821
-                )
+                with BundleSink(
+                    out / "variables" / "variables", entries, list(range(len(parts))), parts, lambda i, t: None
+                ) as sink:
+                    upload.receive_snapshot(iter(requests), nbytes, _Active(), parts, None, sink)  # noqa: F821
+                    sink.finish()
 
-        _time("SaveV2 of the daemon's tensors into the page cache", save_v2, reps, steps)
+        _time("receive_snapshot into the bundle: checks, CRC32C, pwrite", streamed, reps, steps)
 
-        def save_v2_fsync(writeback: bool) -> None:
-            save_v2(writeback)
+        def streamed_fsync(writeback: bool) -> None:
+            streamed(writeback)
             fsync_tree(out)
 
         # The two alternate, so that both see the machine in the same state.
-        labels = {False: "SaveV2, then fsync", True: "SaveV2 with writeback (durable.Writeback), then fsync"}
+        labels = {
+            False: "streamed bundle write, then fsync",
+            True: "streamed bundle write, durable.Writeback, then fsync",
+        }
         seconds: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(reps):
             for writeback in (False, True):
                 start = time.perf_counter()
-                save_v2_fsync(writeback)
+                streamed_fsync(writeback)
                 seconds[writeback].append(time.perf_counter() - start)
         for writeback, label in labels.items():
             steps[label] = statistics.median(seconds[writeback])
             print(f"  {label:58s} {steps[label] * 1e3:9.1f} ms", flush=True)
         shutil.rmtree(out, ignore_errors=True)
-        del buffer, arrays, snap, views, received, laid_out, tensors
+        del requests, chunks, snap, views
 
         print(f"end to end, against the daemon (transport: {transport})")
         spies = []

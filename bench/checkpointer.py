@@ -287,7 +287,11 @@ if __name__ == "__main__":
 # The report: rows and targets, from the results alone (no TensorFlow).
 
 STALL_MEMCPY_FACTOR, STALL_MEMCPY_SLACK = 1.2, 0.001
-LATENCY_VS_CHECKPOINTER = 0.5
+# call -> durable against the disk: the state's bytes at the fsync'd bandwidth
+# section 4 measured in the same run, times this, plus a fixed allowance.
+# (Not against Checkpointer.save: that one is not fsynced, so the two times
+# do not measure the same thing.)
+LATENCY_VS_DISK, LATENCY_SLACK = 1.2, 0.050
 TRAINING_SLOWDOWN = 0.10
 MEMORY_FACTOR = 1.5
 
@@ -360,7 +364,10 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         f"training checkpoints: save() stall <= {STALL_MEMCPY_FACTOR:g} x memcpy of the state "
         f"+ {STALL_MEMCPY_SLACK * 1e3:g} ms"
     )
-    latency_name = f"training checkpoints: call -> durable <= {LATENCY_VS_CHECKPOINTER:g} x Checkpointer.save"
+    latency_name = (
+        f"training checkpoints: call -> durable <= {LATENCY_VS_DISK:g} x state bytes / fsync'd disk bandwidth "
+        f"+ {LATENCY_SLACK * 1e3:g} ms"
+    )
     slowed_name = (
         f"training slowed <= {100 * TRAINING_SLOWDOWN:g}%: DQN steps/s with training checkpoints " "(section 7)"
     )
@@ -385,10 +392,14 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             return at_most(value, limit, fmt_time, f"memcpy {fmt_time(copy)}")
 
         def latency(c: dict[str, Any] = c) -> tuple[float, float, bool, str]:
-            value, local = median(c, "remote", "save_latency"), median(c, "inprocess", "save")
+            value, state = median(c, "remote", "save_latency"), float(at(c, "case", "state_bytes"))
+            disk = median(r, "limits", "disk_fsync", "bytes_per_second")
             synced = median(c, "inprocess", "save_fsync")
-            anchor = f"Checkpointer.save {fmt_time(local)}, no fsync; {fmt_time(synced)} with"
-            return at_most(value, LATENCY_VS_CHECKPOINTER * local, fmt_time, anchor)
+            anchor = (
+                f"{fmt_bytes(state)} at the disk's {disk / 1e6:,.0f} MB/s = {fmt_time(state / disk)}; "
+                f"Checkpointer.save then fsync {fmt_time(synced)}"
+            )
+            return at_most(value, LATENCY_VS_DISK * state / disk + LATENCY_SLACK, fmt_time, anchor)
 
         def slowed(c: dict[str, Any] = c) -> tuple[float, float, bool, str]:
             sps = at(c, "training", "steps_per_second")

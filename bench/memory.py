@@ -88,3 +88,26 @@ def daemon_memory(
         result["rss_before_save_bytes"] = summarize(befores)
         result["save_peak_bytes"] = summarize(peaks)
     return result
+
+
+def grpc_peaks(saver: Any, daemon_pid: int, run_root: Path, reps: int) -> dict[str, Any]:
+    """The daemon's peak RSS during each blocking save of `saver` (shared memory off: every byte over gRPC).
+
+    Call it on a daemon already measured by `daemon_memory` (idle is that
+    one's); the run's first save (its registration) is not counted. The
+    daemon writes each chunk as it arrives, so the peak should not grow
+    with the payload.
+    """
+    saver.save("mem-grpc-first", blocking=True)
+    shutil.rmtree(run_root / "mem-grpc-first", ignore_errors=True)
+    peaks, befores = [], []
+    for i in range(reps):
+        if not reset_peak(daemon_pid):
+            break
+        befores.append(status(daemon_pid)["VmRSS"])
+        saver.save(f"mem-grpc-{i}", blocking=True)
+        peaks.append(status(daemon_pid)["VmHWM"])
+        shutil.rmtree(run_root / f"mem-grpc-{i}", ignore_errors=True)
+    if not peaks:
+        return {}
+    return {"rss_before_save_bytes": summarize(befores), "save_peak_bytes": summarize(peaks)}

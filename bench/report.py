@@ -45,6 +45,8 @@ STALL_MEMCPY_FACTOR, STALL_MEMCPY_SLACK = 1.2, 0.0005
 TRAINING_SLOWDOWN = 0.10
 FANIN_PROCS, FANIN_RATE, FANIN_P99 = 8, 5.0, 0.150
 MEMORY_FACTOR, MEMORY_MIN_PAYLOAD = 1.2, 10e6
+# Over gRPC the daemon writes each chunk as it lands: the memory bound for payloads >= 40 MB.
+GRPC_MEMORY_FACTOR, GRPC_MEMORY_MIN_PAYLOAD = 0.25, 40e6
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -62,6 +64,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.extend(fleet.targets(r.get("fleet")))
     out.extend(_memory(r, sizes))
     out.extend(s3.targets(r.get("s3")))
+    out.extend(_grpc_memory(r, sizes))
     order = list(GROUPS)
     return sorted(out, key=lambda t: order.index(t["group"]))  # stable: each group keeps its rows' order
 
@@ -235,6 +238,25 @@ def _memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
     return [judge(name, s, measure(s), MEMORY) for s in big]
 
 
+def _grpc_memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
+    name = f"memory over gRPC: daemon peak during a save <= idle + {GRPC_MEMORY_FACTOR:g} x payload (payloads >= 40 MB)"
+    big = [s for s in sizes if at_or(r, 0, "sizes", s, "payload_bytes") >= GRPC_MEMORY_MIN_PAYLOAD]
+    big = [s for s in big if at_or(r, None, "memory", s, "grpc", "save_peak_bytes") is not None]
+    if not big:
+        return [{"group": MEMORY, **not_measured(name, None, "no gRPC row of section 6 for a payload >= 40 MB")}]
+
+    def measure(s: str) -> Measure:
+        def peak() -> tuple[float, float, bool, str]:
+            value = median(r, "memory", s, "grpc", "save_peak_bytes")
+            idle, payload = float(at(r, "memory", s, "idle_rss_bytes")), float(at(r, "memory", s, "payload_bytes"))
+            anchor = f"idle {fmt_bytes(idle)}, payload {fmt_bytes(payload)}: idle + {(value - idle) / payload:.2f} x"
+            return at_most(value, idle + GRPC_MEMORY_FACTOR * payload, fmt_bytes, anchor)
+
+        return peak
+
+    return [judge(name, s, measure(s), MEMORY) for s in big]
+
+
 def table(r: dict[str, Any]) -> str:
     """The human-readable report: one column per size, then machine-wide rows."""
     sizes = list(r["sizes"])
@@ -364,6 +386,18 @@ def table(r: dict[str, Any]) -> str:
             f"{(mem[s]['save_peak_bytes']['median'] - mem[s]['idle_rss_bytes']) / mem[s]['payload_bytes']:.2f}"
             if mem[s]["payload_bytes"] >= 1e6
             else "- (payload < 1 MB)"
+        ),
+    )
+    per_size(
+        "peak during a save over gRPC",
+        lambda s: fmt_bytes(mem[s]["grpc"]["save_peak_bytes"]["median"]) if mem[s].get("grpc") else "-",
+    )
+    per_size(
+        "over gRPC: (peak - idle) / payload",
+        lambda s: (
+            f"{(mem[s]['grpc']['save_peak_bytes']['median'] - mem[s]['idle_rss_bytes']) / mem[s]['payload_bytes']:.2f}"
+            if mem[s].get("grpc") and mem[s]["payload_bytes"] >= 1e6
+            else "-"
         ),
     )
 

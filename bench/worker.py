@@ -82,6 +82,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 args.reps,
                 SAVE_TIMEOUT,
             )
+        # Over gRPC too (a trainer on another host), once the shared-memory run is closed.
+        with RemotePolicySaver(
+            policy, daemon.address, run="memory-grpc", train_step=counter, timeout=SAVE_TIMEOUT, shared_memory=False
+        ) as grpc_saver:
+            result["memory"]["grpc"] = memory.grpc_peaks(
+                grpc_saver, daemon.proc.pid, daemon.root / "memory-grpc", args.reps
+            )
         del tiny
 
         say("1. in-process PolicySaver")

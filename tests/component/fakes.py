@@ -10,8 +10,9 @@
 - `FakeFormat`: SAVED_MODEL and CHECKPOINT saves as one snapshot file (plus the
   template's files for SAVED_MODEL, and the numpy state's bytes and spec),
   read back from the store for Restore. Fails or holds the next write on demand.
-- `Upload`: a Receiver that hands over a snapshot's bytes in the pipeline's
-  parts, or holds, or raises.
+  `open` returns a `BufferedSink`, which keeps the parts and writes at `finish`.
+- `Upload`: a Receiver that writes a snapshot's bytes into the save's sink in
+  the pipeline's parts, or holds, or raises.
 - `RecordingSink`: a MetricsSink that keeps every call.
 """
 
@@ -28,7 +29,7 @@ from pathlib import Path, PurePath
 
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
-from checkpointd.core.ports import CommittedSave, SaveMeta, SnapshotBytes, Staged
+from checkpointd.core.ports import CommittedSave, SaveMeta, SaveSink, SnapshotBytes, Staged
 from checkpointd.protocol.errors import (
     InvalidRequestError,
     RunNotFoundError,
@@ -394,6 +395,21 @@ class FakeFormat:
             versions={"fake_format": "1"},
         )
 
+    def open(
+        self,
+        run: str,
+        kind: SaveKind,
+        manifest: Manifest,
+        staging: Path,
+        parts: Sequence[int],
+        numpy_state: NumpyStateSpec | None,
+    ) -> BufferedSink:
+        def finish(pieces: list[bytes]) -> Staged:
+            payload = NumpyPayload(numpy_state, pieces[-1]) if numpy_state is not None else None
+            return self.write(run, kind, manifest, staging, [memoryview(p) for p in pieces[:-1]], payload)
+
+        return BufferedSink(parts, finish)
+
     def read(self, save: CommittedSave, manifest: Manifest) -> FakeValues:
         files = self._files(save.path)
         data = files[SNAPSHOT_FILE]
@@ -413,8 +429,35 @@ class FakeFormat:
         return FakeValues(spec, sum(len(p) for p in parts), tuple(parts))
 
 
+class BufferedSink:
+    """A `SaveSink` that keeps each part's bytes and hands them to `finish` (the fake format's write)."""
+
+    def __init__(self, parts: Sequence[int], finish: Callable[[list[bytes]], Staged]) -> None:
+        self.parts = list(parts)
+        self._kept = [bytearray() for _ in parts]
+        self._finish = finish
+        self.closed = False
+
+    def write(self, part: int, offset: int, data: object) -> None:
+        if self.closed:
+            raise ValueError("the sink is closed")
+        kept = self._kept[part]
+        if offset != len(kept) or offset + memoryview(data).nbytes > self.parts[part]:  # type: ignore[arg-type]
+            raise InvalidRequestError(f"part #{part}: bytes at {offset}, expected {len(kept)}")
+        kept += memoryview(data)  # type: ignore[arg-type]
+
+    def finish(self) -> Staged:
+        for j, (kept, size) in enumerate(zip(self._kept, self.parts, strict=True)):
+            if len(kept) != size:
+                raise InvalidRequestError(f"part #{j} ended after {len(kept)} of its {size} bytes")
+        return self._finish([bytes(k) for k in self._kept])
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class Upload:
-    """A `Receiver` that hands over `data` in the pipeline's parts.
+    """A `Receiver` that writes `data` into the save's sink in the pipeline's parts.
 
     With `hold`, it waits at the gate first (the save is accepted and in
     flight meanwhile); with `error`, it raises it instead (a bad upload).
@@ -426,18 +469,19 @@ class Upload:
         self.error = error
         self.calls = 0
 
-    def __call__(self, parts: Sequence[int], segment: Segment | None, deadline: float) -> tuple[list[memoryview], str]:
+    def __call__(self, parts: Sequence[int], segment: Segment | None, deadline: float, sink: SaveSink) -> str:
         self.calls += 1
         if self.hold is not None:
             self.hold.pass_through()
         if self.error is not None:
             raise self.error
         assert sum(parts) == len(self.data), (list(parts), len(self.data))
-        views, start = [], 0
-        for size in parts:
-            views.append(memoryview(bytearray(self.data[start : start + size])))
+        start = 0
+        for j, size in enumerate(parts):
+            if size:
+                sink.write(j, 0, memoryview(self.data[start : start + size]))
             start += size
-        return views, "test"
+        return "test"
 
 
 @dataclass

@@ -8,6 +8,7 @@ by LIMIT.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -78,7 +79,8 @@ def test_a_non_blocking_save_while_one_is_in_flight_is_skipped_and_counted(rig: 
     assert "'held'" in decision.reason and "in flight" in decision.reason
     assert rig.stats().skipped == 1
     assert rig.sink.outcomes() == [("skipped", "a", "saved_model")]
-    assert rig.store.staged == [] and rig.fmt.writes == []
+    # The held save's files are open (it is receiving); the skipped one staged nothing.
+    assert [p.name.split("-")[0] for p in rig.store.live_staging()] == ["held"] and rig.fmt.writes == []
     assert rig.budget.in_use == (1, SNAPSHOT_BYTES)  # the skip's reservation is back
 
     gate.release()
@@ -197,7 +199,7 @@ def test_a_bad_upload_after_the_accept_fails_the_save_and_the_lane_lives_on(rig:
     assert bad.calls == 1
     assert rig.stats().failed == 1 and "CRC32C" in rig.stats().last_error
     assert rig.sink.outcomes() == [("failed", "a", "saved_model")]
-    assert rig.store.staged == [] and rig.store.saves() == []
+    assert rig.store.live_staging() == [] and rig.store.saves() == []  # its open files discarded
     assert rig.view().in_flight is None and rig.budget.in_use == (0, 0)
     (_, result) = rig.save(request("good", step=2))
     assert isinstance(result, Result)
@@ -448,3 +450,41 @@ def test_a_save_of_a_run_held_elsewhere_is_refused_before_its_decision_and_close
     assert rig.budget.in_use == (0, 0)
     rig.pipeline.close_run("a", LIMIT)
     assert leases.calls[-1] == ("release", "a", None)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux's")
+def test_the_thread_that_writes_a_saves_files_takes_the_writer_pools_priority() -> None:
+    from checkpointd.saves import pipeline as pipeline_module
+    from checkpointd.saves.pool import WriterPool
+
+    kept: list[tuple[int, int, bytes]] = []
+
+    class Kept:
+        def write(self, part: int, offset: int, data: object) -> None:
+            kept.append((part, offset, bytes(memoryview(data))))  # type: ignore[arg-type]
+
+        def finish(self) -> object:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    pool = WriterPool(nice=7)
+    try:
+        sink = pipeline_module._AtWriterPriority(Kept(), pool)  # type: ignore[arg-type]  # noqa: SLF001
+        seen: list[int] = []
+
+        def receiver() -> None:  # a thread of its own, as the upload's reader is
+            tid = threading.get_native_id()
+            seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+            sink.write(0, 0, b"ab")
+            sink.write(0, 2, b"cd")
+            seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+
+        thread = threading.Thread(target=receiver)
+        thread.start()
+        thread.join(LIMIT)
+        assert kept == [(0, 0, b"ab"), (0, 2, b"cd")]
+        assert seen[0] < 7 and seen[1] == 7
+    finally:
+        pool.close()

@@ -202,7 +202,7 @@ def test_a_bad_crc_after_the_accept_is_data_loss_and_counts_as_failed(up: Served
     assert call.refused().code() is grpc.StatusCode.DATA_LOSS
     row = status(up)
     assert (row.saves_ok, row.saves_failed) == (0, 1) and "CRC32C" in row.last_error
-    assert up.store.saves() == [] and up.store.staged == []
+    assert up.store.saves() == [] and up.store.live_staging() == []  # its open files discarded
     assert save(up, "after", step=2).step == 2  # the lane lives on
 
 

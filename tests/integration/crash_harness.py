@@ -19,10 +19,14 @@ consistent; after it (its `local.recover` has run once the port file exists):
 - the unrelated entries planted under the root survive.
 
 The kill's moment is classified from the frozen disk state and the trainer's
-view: `write` (the save's temp dir exists), `replace` (the replaced tree is
+view: `stream` (the save's temp dir holds its variables' data file, being
+written as the chunks arrive, and no index yet), `write` (the save's temp dir
+exists otherwise: opening, finishing, committing), `replace` (the replaced tree is
 parked), `published` (the new tree is in place, its reply not yet received),
 `upload` (a save was asked or accepted and nothing of it is on disk yet),
-`idle` (between two saves).
+`idle` (between two saves). Half the trials kill at a point inside the
+streamed write rather than at a random moment: as soon as a save's data file
+is being written and its index is not.
 
 Long mode (the pytest test runs a short subset; CHECKPOINTD_CRASH_TRIALS
 changes its count):
@@ -74,7 +78,7 @@ POOL = (
     ("ck-a", "checkpoint"),
     ("ck-b", "checkpoint"),
 )
-PHASES = ("upload", "write", "replace", "published", "idle")
+PHASES = ("upload", "stream", "write", "replace", "published", "idle")
 _TRAIN_STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"
 _DEADLINE = 120.0  # for any one wait in a trial: a registration, a save, a join
 
@@ -271,11 +275,33 @@ def _check_dirs(root: Path, runs: Sequence[_Run], figures: Figures) -> list[str]
     return problems
 
 
+def _streaming(run_dir: Path) -> bool:
+    """Whether a save of the run is inside its streamed write: a temp dir with a data file and no index yet."""
+    for tmp in _leftovers(run_dir):
+        if tmp.name.startswith(local.TMP_PREFIX):
+            try:
+                names = os.listdir(tmp / "variables")
+            except OSError:  # not made yet, or committed meanwhile
+                continue
+            if any(n.startswith("variables.data-") for n in names) and "variables.index" not in names:
+                return True
+    return False
+
+
+def _until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Polls `condition` (a kill point's trigger, so as often as the disk allows) until true or `timeout`."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+    return False
+
+
 def _classify(root: Path, run: _Run, pending: tuple[str, int] | None) -> str:
     """Which moment of a save the kill hit, from the frozen disk state."""
     parked = _leftovers(root / run.name)
     if any(p.name.startswith(local.TMP_PREFIX) for p in parked):
-        return "write"
+        return "stream" if _streaming(root / run.name) else "write"
     if parked:
         return "replace"
     if pending is None:
@@ -389,9 +415,13 @@ def _trial(
         if not driver.started.wait(_DEADLINE):
             raise RuntimeError("the driver never started a save")
         # The kill's moment: after 0, 1 or 2 durable saves (so there are dirs
-        # to replace), then uniform over about one and a half saves.
+        # to replace), then inside a streamed write (the kill point) or
+        # uniform over about one and a half saves.
         driver.wait_saves(rng.choice((0, 1, 2)), _DEADLINE)
-        threading.Event().wait(rng.uniform(0.0, 1.5 * cycle[run.size]))
+        if rng.random() < 0.5:
+            _until(lambda: _streaming(daemon.root / run.name), 3.0 * cycle[run.size] + 1.0)
+        else:
+            threading.Event().wait(rng.uniform(0.0, 1.5 * cycle[run.size]))
         driver.killed.set()
         os.kill(daemon.proc.pid, signal.SIGKILL)
         daemon.proc.wait(_DEADLINE)

@@ -12,11 +12,13 @@ trainers save through it at once:
 
 The large sizes put a variables file above the daemon's 16 MiB multipart
 threshold (two parts each). The daemon is SIGKILLed at a moment the trial's
-seeded RNG picks by one of three aims: `random` (a uniform delay after 0-2
+seeded RNG picks by one of four aims: `random` (a uniform delay after 0-2
 durable saves), `multipart` (as soon as a multipart upload is open under the
 prefix, plus up to 0.1 s), `unmanifested` (as soon as every file a staged
 save lists is in the bucket with its bytes' ETag and its manifest is not:
-the window between the last data object and the commit). Aiming is only a
+the window between the last data object and the commit), `stream` (a kill
+point inside the streamed write: as soon as a staging dir holds a bundle's
+data file being written as the chunks arrive, and no index yet). Aiming is only a
 way to get there often; what the kill hit is judged afterwards, per run,
 from the frozen state: the daemon's staging dir (its manifest lists the
 save's files, sizes and CRC32Cs before the upload starts) against the bucket:
@@ -120,7 +122,7 @@ SIZES = {"small": (16,), "large": (2304, 2304)}
 # The training state's big tensor: 64 KB, or 19 MB (2 parts).
 TRAIN_SHAPES = {"small": (128, 128), "large": (2048, 2304)}
 PHASES = s3_bucket.PHASES
-AIMS = ("random", "multipart", "unmanifested")
+AIMS = ("random", "multipart", "unmanifested", "stream")
 TRAIN_DIR, MAX_TO_KEEP = "train", 2
 GRACE_SECONDS = 1.0
 # The killed daemon's run leases block its successor (another holder) until
@@ -416,7 +418,7 @@ class _Harness:
                 until = time.monotonic() + _DEADLINE
                 while trainer.is_alive() and time.monotonic() < until and not trainer.first_durable.wait(0.05):
                     pass  # a trainer that failed ends the wait; its error is reported below
-            aim = self.rng.choice(AIMS if self.size == "large" else ("random", "unmanifested"))
+            aim = self.rng.choice(AIMS if self.size == "large" else ("random", "unmanifested", "stream"))
             self.figures.aims[aim] += 1
             self.last = (aim, "", "")
             with self._timed("saves"):
@@ -479,6 +481,9 @@ class _Harness:
             if aim == "multipart":
                 if self.reader.uploads(self.base):
                     threading.Event().wait(self.rng.uniform(0.0, 0.1))
+                    return
+            elif aim == "stream":
+                if any(_streaming(d) for d in self.staging.dirs()):
                     return
             else:
                 staged = [s for s in map(self.staging.staged, self.staging.dirs()) if s is not None]
@@ -607,6 +612,18 @@ class _Harness:
     def close(self) -> None:
         self.store.close()
         self.reader.delete_all()
+
+
+def _streaming(staging: Path) -> bool:
+    """Whether a staged save is inside its streamed write: a bundle's data file there, its index not yet."""
+    for bundle_dir, stem in ((staging / "variables", "variables"), (staging, "ckpt")):
+        try:
+            names = os.listdir(bundle_dir)
+        except OSError:  # a training checkpoint's staging has no variables/, or the save is over
+            continue
+        if any(n.startswith(f"{stem}.data-") for n in names) and f"{stem}.index" not in names:
+            return True
+    return False
 
 
 def run_trials(

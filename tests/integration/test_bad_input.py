@@ -388,6 +388,9 @@ def test_symlink_planted_after_the_accept_is_not_followed(daemon: Daemon, stub: 
     run_dir.mkdir(exist_ok=True)
     with RawSave(stub, pb.SaveRequest(header=run.header("later/policy"))) as call:
         assert call.decision().accepted  # "later" does not exist yet: the path is fine
+        # The save is staged at its accept, in a "later" the daemon made: swap it for the symlink.
+        if (run_dir / "later").is_dir():
+            (run_dir / "later").rename(run_dir / "later-moved")
         (run_dir / "later").symlink_to(outside, target_is_directory=True)
         call.send_chunks(run.chunks())
         call.half_close()
@@ -398,6 +401,7 @@ def test_symlink_planted_after_the_accept_is_not_followed(daemon: Daemon, stub: 
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert written is None, f"saved through the symlink into {os.path.realpath(written)}"
     assert listing(outside) == {}
+    shutil.rmtree(run_dir / "later-moved", ignore_errors=True)  # the staging the swap orphaned
 
 
 # Snapshots that go wrong after the accept: the save counts as failed.

@@ -40,7 +40,7 @@ from checkpointd.formats.policy import PolicyFormat
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.tensors import TEMPLATE_OBJECT_GRAPH
-from checkpointd.saves.pipeline import write_save
+from checkpointd.saves.writes import write_save
 from checkpointd.storage import save_manifest
 from checkpointd.storage.local import LocalStore
 from checkpointd.storage.save_manifest import MANIFEST_NAME

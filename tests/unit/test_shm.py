@@ -17,6 +17,7 @@ from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.rpc import upload
 from checkpointd.saves import shm
 from checkpointd.v1 import checkpointd_pb2 as pb
+from tests.unit.test_upload import Parts
 
 PARTS = [40, 0, 4096, 8, 3]
 
@@ -163,16 +164,19 @@ def test_shared_memory_written_hands_over_the_segments_views(memory: shm.SharedM
     assert segment is not None
     segment.views()[0][:] = b"v" * 40
 
-    parts, transport = upload.receive_snapshot(iter([_written()]), sum(PARTS), _Context(), PARTS, segment)
+    sink = Parts(PARTS)
+    transport = upload.receive_snapshot(iter([_written()]), sum(PARTS), _Context(), PARTS, segment, sink)
 
     assert transport == "shm"
-    assert [len(p) for p in parts] == PARTS
-    assert bytes(parts[0]) == b"v" * 40
+    # Each part written once, straight from the segment's memory.
+    assert [(part, offset) for part, offset, _ in sink.writes] == [(j, 0) for j, n in enumerate(PARTS) if n]
+    assert [len(p) for p in sink.joined()] == PARTS
+    assert sink.joined()[0] == b"v" * 40
 
 
 def test_shared_memory_written_without_an_offer_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="offered no shared memory"):
-        upload.receive_snapshot(iter([_written()]), sum(PARTS), _Context(), PARTS, None)
+        upload.receive_snapshot(iter([_written()]), sum(PARTS), _Context(), PARTS, None, Parts(PARTS))
 
 
 def test_nothing_may_follow_shared_memory_written(memory: shm.SharedMemory) -> None:
@@ -180,7 +184,7 @@ def test_nothing_may_follow_shared_memory_written(memory: shm.SharedMemory) -> N
     chunk = pb.SaveRequest(chunk=pb.Chunk(offset=0, data=b"x"))
 
     with pytest.raises(InvalidRequestError, match="nothing may follow"):
-        upload.receive_snapshot(iter([_written(), chunk]), sum(PARTS), _Context(), PARTS, segment)
+        upload.receive_snapshot(iter([_written(), chunk]), sum(PARTS), _Context(), PARTS, segment, Parts(PARTS))
 
 
 def test_chunks_still_work_when_a_segment_was_offered(memory: shm.SharedMemory) -> None:
@@ -188,6 +192,7 @@ def test_chunks_still_work_when_a_segment_was_offered(memory: shm.SharedMemory) 
     data = b"abcd"
     chunk = pb.SaveRequest(chunk=pb.Chunk(offset=0, data=data, crc32c=crc32c.crc32c(data)))
 
-    parts, transport = upload.receive_snapshot(iter([chunk]), 4, _Context(), [4], segment)
+    sink = Parts([4])
+    transport = upload.receive_snapshot(iter([chunk]), 4, _Context(), [4], segment, sink)
 
-    assert transport == "grpc" and bytes(parts[0]) == data
+    assert transport == "grpc" and sink.joined() == [data]

@@ -9,6 +9,8 @@ The two seams a new backend or save kind plugs into:
 - `SaveFormat`: how one kind of save is checked, written into staging and
   read back (`checkpointd.formats.policy` for policy SavedModels and
   checkpoints, `checkpointd.formats.training_checkpoint` for training checkpoints).
+  A save's files are opened before its snapshot arrives (`SaveFormat.open`)
+  and written as it does (`SaveSink`), so no snapshot is held whole.
 `checkpointd.server` picks the implementations.
 """
 
@@ -338,6 +340,39 @@ class LocalCopies(Protocol):
         ...
 
 
+class SaveSink(Protocol):
+    """A save's files, open in staging, taking the snapshot's parts as they arrive.
+
+    The parts are the wire's (each variable or tensor, then the numpy
+    state's bytes), each one's bytes in order; the parts themselves may come
+    in any order. `close` may be called from another thread than the writer's
+    (a save given up mid-upload): it waits for a write in progress, and
+    later writes fail.
+    """
+
+    def write(self, part: int, offset: int, data: Any) -> None:
+        """Takes `data`, the bytes of part #`part` from `offset` on (the bytes it has so far).
+
+        Raises:
+            InvalidRequestError: out of order or past the part's size.
+            Exception: the files could not be written.
+        """
+        ...
+
+    def finish(self) -> Staged:
+        """Completes the files once every part has come; returns them staged for the Store.
+
+        Raises:
+            InvalidRequestError: a part is incomplete.
+            Exception: the files could not be written.
+        """
+        ...
+
+    def close(self) -> None:
+        """Closes the files (again: nothing); the staging dir is the caller's to discard."""
+        ...
+
+
 class SaveFormat(Protocol):
     """One family of save kinds: how a run registers, and how its saves are written and read."""
 
@@ -406,6 +441,31 @@ class SaveFormat(Protocol):
             SaveFailedError: the snapshot does not fit the run's template.
             Exception: the files could not be written (the pipeline reports
                 it as SaveFailedError with the reason).
+        """
+        ...
+
+    def open(
+        self,
+        run: str,
+        kind: SaveKind,
+        manifest: Manifest,
+        staging: Path,
+        parts: Sequence[int],
+        numpy_state: NumpyStateSpec | None,
+        *,
+        checkpoint: CheckpointSpec | None = None,
+    ) -> SaveSink:
+        """Opens one save's files in the empty dir `staging`, before its snapshot arrives.
+
+        `parts` are the snapshot's part sizes as the pipeline receives them:
+        each variable (or a training checkpoint's tensor), then the numpy
+        state's bytes (0 without). Otherwise as `write`, whose snapshot the
+        returned sink takes piece by piece.
+
+        Raises:
+            RunNotFoundError: the run has no template here.
+            SaveFailedError: the parts do not fit the run's template.
+            Exception: the files could not be created.
         """
         ...
 

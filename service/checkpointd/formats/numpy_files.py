@@ -2,13 +2,14 @@
 
 A save's numpy state becomes `<export_dir>/numpy_state/numpy_state.{index,
 data-00000-of-00001}`: byte for byte the checkpoint that
-`tf.train.Checkpoint(numpy_arrays=state).write(prefix)` writes in the trainer.
+`tf.train.Checkpoint(numpy_arrays=state).write(prefix)` writes in the trainer,
+written by the daemon's own bundle writer (`checkpointd.formats.bundle`).
 Each array is a scalar string tensor holding NumPy's `.npy` serialization (what
 `NumpyState`'s PythonState produces), under its checkpoint key, written in the
 order of the object graph's attributes (TensorFlow's saver order), then the
 object graph itself. The daemon never parses the arrays.
 
-TensorFlow is imported inside functions only, as in `checkpointd.formats.policy`.
+TensorFlow is imported inside functions only (to read), as in `checkpointd.formats.policy`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd.core.numpy_state import PREFIX, NumpyEntry, NumpyPayload, NumpyStateSpec
-from checkpointd.formats import object_graph
+from checkpointd.formats import bundle, object_graph
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 
@@ -81,21 +82,15 @@ def write(save_dir: Path, payload: NumpyPayload) -> int:
         The size of the files written, in bytes.
 
     Raises:
-        tf.errors.OpError, OSError: the files could not be written.
+        OSError: the files could not be written.
     """
-    import tensorflow as tf
-
     prefix = Path(save_dir) / PREFIX
     prefix.parent.mkdir()
     data = memoryview(payload.data)
-    names = [e.checkpoint_key for e in payload.spec.entries]
-    tensors = [tf.constant(bytes(data[start:end])) for start, end in payload.spec.offsets(0)]
-    tf.raw_ops.SaveV2(
-        prefix=str(prefix),
-        tensor_names=names + [OBJECT_GRAPH_KEY],
-        shape_and_slices=[""] * (len(names) + 1),
-        tensors=tensors + [tf.constant(payload.spec.object_graph)],
-    )
+    values = [bytes(data[start:end]) for start, end in payload.spec.offsets(0)]
+    values.append(payload.spec.object_graph)
+    names = [e.checkpoint_key for e in payload.spec.entries] + [OBJECT_GRAPH_KEY]
+    bundle.write(prefix, [bundle.string_entry(k, v) for k, v in zip(names, values, strict=True)], [[v] for v in values])
     return sum(f.stat().st_size for f in prefix.parent.iterdir())
 
 

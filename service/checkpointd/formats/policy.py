@@ -9,9 +9,13 @@ A SAVED_MODEL save copies the template's graph files and writes a new
 `variables/` checkpoint holding the snapshot, under the SavedModel's own
 checkpoint keys and object graph, then a fingerprint computed from the result.
 A CHECKPOINT save writes the `variables/` checkpoint alone, under the keys and
-object graph of `PolicySaver.save_checkpoint`. Tensors are written in the order
-of the object graph's nodes, which is the order TensorFlow's own saver uses, so
-the variable files are byte-identical to PolicySaver's for the same values.
+object graph of `PolicySaver.save_checkpoint`. The daemon writes the
+`variables/` bundle itself (`checkpointd.formats.bundle`), no SaveV2: the
+tensors in the order of the object graph's nodes, which is the order
+TensorFlow's own saver uses, so the variable files are byte-identical to
+PolicySaver's for the same values. A save is opened before its snapshot
+arrives (`open`) and each variable is written where it goes as its bytes
+land (`checkpointd.formats.sink`).
 The Store then commits the staged files with `checkpointd.manifest.json`
 listing each with its size and CRC32C (template files' sums are known here),
 so a crash or a bad disk can be told from a complete save without TensorFlow.
@@ -27,13 +31,13 @@ new one's graph or keys. The last few templates of a run are kept for that.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from checkpointd import durable
 from checkpointd.core.checkpoint_spec import CheckpointSpec
@@ -41,8 +45,9 @@ from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.core.ports import CommittedSave, SaveValues, SnapshotBytes, Staged
-from checkpointd.formats import numpy_files, policy_template, reader, savev2
+from checkpointd.formats import bundle, numpy_files, policy_template, reader, sink, versions
 from checkpointd.formats.policy_template import VARIABLES_PREFIX, Template
+from checkpointd.formats.sink import BundleSink
 from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
@@ -147,7 +152,7 @@ class PolicyFormat:
         *,
         checkpoint: CheckpointSpec | None = None,  # training checkpoints only: never given here
     ) -> Staged:
-        """Writes one save's files into the empty dir `staging`.
+        """Writes one save's files into the empty dir `staging`, from a snapshot in memory.
 
         Args:
             run: A registered run.
@@ -156,50 +161,124 @@ class PolicyFormat:
             manifest: The run's manifest the snapshot was checked against.
             staging: The empty dir to write into.
             snapshot: Every variable's raw little-endian C-order bytes,
-                concatenated in manifest order, or one buffer per variable
-                (64-byte aligned and writable ones are written without a copy).
+                concatenated in manifest order, or one buffer per variable.
             numpy_state: A NumpyState to write beside the variables, as
                 `numpy_state/numpy_state` (see checkpointd.formats.numpy_files).
 
         Raises:
             RunNotFoundError: the run has no template.
             SaveFailedError: the snapshot does not fit the template.
-            OSError, tf.errors.OpError: the files could not be written (the
-                pipeline reports them as SaveFailedError with the reason).
+            OSError: the files could not be written (the pipeline reports
+                them as SaveFailedError with the reason).
         """
+        template = self._template(run, manifest)
+        pieces = sink.split(snapshot, [v.nbytes for v in template.manifest.variables], f"run {run!r}", "the manifest")
+        tail = numpy_state.data if numpy_state is not None else b""
+        parts = [memoryview(p).nbytes for p in pieces] + [memoryview(tail).nbytes]
+        spec = numpy_state.spec if numpy_state is not None else None
+        with self.open(run, kind, manifest, staging, parts, spec) as opened:
+            return sink.feed(opened, [*pieces, tail])
+
+    def open(
+        self,
+        run: str,
+        kind: SaveKind,
+        manifest: Manifest,
+        staging: Path,
+        parts: Sequence[int],
+        numpy_state: NumpyStateSpec | None,
+        *,
+        checkpoint: CheckpointSpec | None = None,  # training checkpoints only: never given here
+    ) -> BundleSink:
+        """Opens one save's files in the empty dir `staging`; the sink takes the snapshot as it arrives.
+
+        A SAVED_MODEL save's template files are written now; the variables'
+        bundle (`variables/variables.*`) takes each variable where it goes
+        in data order (the object graph's), its object graph written now;
+        the numpy state's bytes (the last part) are kept and written, with
+        the index and fingerprint.pb, when the sink finishes.
+
+        Args:
+            parts: each variable's size in manifest order, then the numpy
+                state's (0 without).
+
+        Raises:
+            RunNotFoundError: the run has no template.
+            SaveFailedError: the parts do not fit the template.
+            OSError: the files could not be created.
+        """
+        template = self._template(run, manifest)
+        variables = template.manifest.variables
+        tail = numpy_state.nbytes if numpy_state is not None else 0
+        if list(parts) != [*(v.nbytes for v in variables), tail]:
+            raise SaveFailedError(f"run {run!r}: snapshot parts do not match the manifest")
+        if kind is SaveKind.SAVED_MODEL:
+            for rel in template.dirs:
+                (staging / rel).mkdir(exist_ok=True)
+            for rel, content in template.files:
+                _write_new(os.path.join(staging, rel), content)
+            order, names, graph = (
+                template.saved_model_order,
+                [v.key for v in variables],
+                template.saved_model_graph,
+            )
+        elif kind is SaveKind.CHECKPOINT:
+            order, names = template.checkpoint_order, [v.checkpoint_key for v in variables]
+            graph = template.checkpoint_graph
+        else:
+            raise SaveFailedError(f"unknown save kind {kind!r}")
+        (staging / "variables").mkdir(exist_ok=True)
+        entries = [bundle.Entry(names[i], variables[i].dtype, variables[i].shape, variables[i].nbytes) for i in order]
+        entries.append(bundle.string_entry(OBJECT_GRAPH_KEY, graph))
+        position = {i: at for at, i in enumerate(order)}
+        routes: list[int | None] = [position[j] for j in range(len(variables))]
+        routes.append(None)  # the numpy state, kept for finish
+        return BundleSink(
+            staging / VARIABLES_PREFIX,
+            entries,
+            routes,
+            parts,
+            functools.partial(self._finish, template, kind, staging, numpy_state),
+            strings={len(order): graph},
+        )
+
+    def _template(self, run: str, manifest: Manifest) -> Template:
+        """The template a save was checked against: the registration whose manifest it is."""
         with self._lock:
             kept = list(self._templates.get(run, ()))
         if not kept:
             raise RunNotFoundError(f"run {run!r} has no template on this daemon; register it first")
-        # The template of this save's accept: the registration whose manifest it was checked against.
         template = next((t for t in reversed(kept) if t.manifest is manifest), None)
         if template is None:
             raise SaveFailedError(
                 f"run {run!r} was registered again {_KEPT_TEMPLATES} times while this save was in flight; save again"
             )
-        if isinstance(snapshot, (bytes, bytearray, memoryview)):
-            size = memoryview(snapshot).nbytes
-        else:
-            sizes = [memoryview(p).nbytes for p in snapshot]
-            if sizes != [v.nbytes for v in manifest.variables]:
-                raise SaveFailedError(f"run {run!r}: snapshot parts do not match the manifest")
-            size = sum(sizes)
-        if size != manifest.nbytes:
-            raise SaveFailedError(f"run {run!r}: snapshot has {size} bytes; the manifest needs {manifest.nbytes}")
-        written, known = _write_tree(template, kind, staging, snapshot)
+        return template
+
+    def _finish(
+        self,
+        template: Template,
+        kind: SaveKind,
+        staging: Path,
+        numpy_state: NumpyStateSpec | None,
+        index: bytes,
+        tail: bytes,
+    ) -> Staged:
+        """The files written after the variables' bundle: fingerprint.pb (SAVED_MODEL) and the numpy state."""
+        written, known = _sizes(template, kind, staging, index)
         extra = None
         if numpy_state is not None:
-            written += numpy_files.write(staging, numpy_state)
+            written += numpy_files.write(staging, NumpyPayload(numpy_state, tail))
             extra = {
                 "numpy_state": {
                     "prefix": NUMPY_STATE_PREFIX,
-                    "keys": [e.checkpoint_key for e in numpy_state.spec.entries],
+                    "keys": [e.checkpoint_key for e in numpy_state.entries],
                 }
             }
         return Staged(
             path=staging,
             bytes_written=written,
-            versions=savev2.versions(),
+            versions=versions.recorded(),
             known=known,
             extra=extra,
         )
@@ -224,71 +303,17 @@ class PolicyFormat:
         return reader.open_save(Path(save.path), save.kind, manifest, repr(save.export_dir))
 
 
-def _arrays(manifest: Manifest, snapshot: SnapshotBytes) -> list[Any]:
-    """Each variable's value, as a tensor over the snapshot's bytes where TF allows it.
-
-    `snapshot` is the concatenation of the variables' bytes, or one buffer per
-    variable (as `checkpointd.rpc.upload.receive_snapshot` lays them out).
-    """
-    import numpy as np
-    import tensorflow as tf
-
-    if isinstance(snapshot, (bytes, bytearray, memoryview)):
-        whole = memoryview(snapshot)
-        parts: Sequence[Any] = [whole[s:e] for s, e in manifest.offsets()]
-    else:
-        parts = snapshot
-    arrays = []
-    for v, part in zip(manifest.variables, parts, strict=True):
-        # Native order equals the wire's little-endian on every platform TF ships for.
-        dtype = np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype)
-        if memoryview(part).nbytes == 0:
-            arrays.append(np.zeros(v.shape, dtype))
-        else:
-            arrays.append(savev2.as_input(np.frombuffer(part, dtype=dtype).reshape(v.shape)))
-    return arrays
-
-
-def _write_tree(
-    template: Template, kind: SaveKind, tmp: Path, snapshot: SnapshotBytes
+def _sizes(
+    template: Template, kind: SaveKind, tmp: Path, index: bytes
 ) -> tuple[int, dict[str, tuple[int, int]] | None]:
-    """Writes a save's files into the empty dir `tmp`.
+    """Writes a SAVED_MODEL's fingerprint.pb; returns the size of the save's files so far.
 
     Returns:
         Their total size, and the (size, CRC32C) of those whose bytes were in
         memory here (a SAVED_MODEL's template files, fingerprint.pb and the
         index it hashes), so that the manifest need not read them back.
     """
-    import tensorflow as tf
-
-    arrays = _arrays(template.manifest, snapshot)
-    variables = template.manifest.variables
     if kind is SaveKind.SAVED_MODEL:
-        for rel in template.dirs:
-            (tmp / rel).mkdir(exist_ok=True)
-        for rel, content in template.files:
-            _write_new(os.path.join(tmp, rel), content)
-        order, names, graph = (
-            template.saved_model_order,
-            [v.key for v in variables],
-            template.saved_model_graph,
-        )
-    elif kind is SaveKind.CHECKPOINT:
-        order, names = template.checkpoint_order, [v.checkpoint_key for v in variables]
-        graph = template.checkpoint_graph
-    else:
-        raise SaveFailedError(f"unknown save kind {kind!r}")
-    (tmp / "variables").mkdir(exist_ok=True)
-    with durable.writing(tmp / "variables", template.manifest.nbytes):  # the disk starts while SaveV2 copies
-        tf.raw_ops.SaveV2(
-            prefix=str(tmp / VARIABLES_PREFIX),
-            tensor_names=[names[i] for i in order] + [OBJECT_GRAPH_KEY],
-            shape_and_slices=[""] * (len(order) + 1),
-            tensors=[arrays[i] for i in order] + [tf.constant(graph)],
-        )
-    known = None
-    if kind is SaveKind.SAVED_MODEL:
-        index = (tmp / (VARIABLES_PREFIX + ".index")).read_bytes()
         fingerprint = _fingerprint(template, index)
         _write_new(os.path.join(tmp, "fingerprint.pb"), fingerprint)
         known = dict(template.checksums)
@@ -301,7 +326,7 @@ def _write_tree(
     written = sum(
         os.path.getsize(os.path.join(dirpath, name)) for dirpath, _, filenames in os.walk(tmp) for name in filenames
     )
-    return written, known
+    return written, None
 
 
 def _write_new(path: str, content: bytes) -> None:

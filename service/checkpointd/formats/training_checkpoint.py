@@ -9,13 +9,15 @@ serialized object graph) and sends it with each save. Here:
 - `check` parses the object graph and refuses, before the decision, a save
   whose tensors are not exactly the graph's attributes, whose Python state is
   not a string, whose sizes do not add up or pass --max-snapshot-bytes;
-- `write` hands the received bytes to SaveV2 under those keys, in the order
-  sent, then the object graph, as `ckpt.index` + `ckpt.data-00000-of-00001`
-  in the staging dir; the Store commits them as `<dir>/ckpt-<step>.*` beside
-  the dir's other checkpoints (`Staged.files_prefix`). One SaveV2 call on
-  one host device is what TensorFlow's MultiDeviceSaver does for a
-  single-device trainer, so the files are byte for byte those of
-  `Checkpointer.save` for the same values;
+- `open` (and `write`, for a snapshot in memory) writes the tensors under
+  those keys, in the order sent, then the object graph, as the tensor bundle
+  `ckpt.index` + `ckpt.data-00000-of-00001` in the staging dir
+  (`checkpointd.formats.bundle`: each tensor written as its bytes arrive);
+  the Store commits them as `<dir>/ckpt-<step>.*` beside the dir's other
+  checkpoints (`Staged.files_prefix`). The bundle is byte for byte what one
+  SaveV2 call writes, and one SaveV2 call on one host device is what
+  TensorFlow's MultiDeviceSaver does for a single-device trainer, so the
+  files are those of `Checkpointer.save` for the same values;
 - `read` opens a committed checkpoint for Restore, checked against its own
   object graph, and lists what it holds.
 
@@ -32,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpointd import durable
 from checkpointd.core.checkpoint_spec import CheckpointSpec, TensorSpec, check_dtypes, check_keys
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave, SnapshotBytes, Staged
-from checkpointd.formats import object_graph, savev2
+from checkpointd.formats import bundle, object_graph, sink, versions
+from checkpointd.formats.sink import BundleSink
 from checkpointd.protocol import tensors, wire
 from checkpointd.protocol.errors import (
     ChecksumError,
@@ -131,7 +133,7 @@ class TrainingFormat:
         *,
         checkpoint: CheckpointSpec | None = None,
     ) -> Staged:
-        """Writes the checkpoint's files into the empty dir `staging` with one SaveV2.
+        """Writes the checkpoint's files into the empty dir `staging` from a snapshot in memory.
 
         Args:
             snapshot: one buffer per tensor (`checkpoint.tensors` order), or
@@ -140,34 +142,69 @@ class TrainingFormat:
 
         Raises:
             SaveFailedError: the snapshot does not fit the description.
-            OSError, tf.errors.OpError: the files could not be written.
+            OSError: the files could not be written.
         """
-        import tensorflow as tf
-
         if checkpoint is None or kind is not SaveKind.TRAINING_CHECKPOINT:
             raise SaveFailedError(f"run {run!r}: the training format writes TRAINING_CHECKPOINT saves only")
-        parts = _parts(checkpoint, snapshot, run)
-        values = [_value(t, part) for t, part in zip(checkpoint.tensors, parts, strict=True)]
-        with durable.writing(staging, checkpoint.nbytes):  # the disk starts while SaveV2 copies
-            tf.raw_ops.SaveV2(
-                prefix=str(staging / STAGED_STEM),
-                tensor_names=[*checkpoint.keys, tensors.OBJECT_GRAPH_KEY],
-                shape_and_slices=[""] * (len(values) + 1),
-                tensors=[*values, tf.constant(checkpoint.object_graph)],
-            )
+        pieces = sink.split(
+            snapshot, [t.nbytes for t in checkpoint.tensors], f"run {run!r}", "the training checkpoint's tensors"
+        )
+        parts = [*(p.nbytes for p in pieces), 0]
+        with self.open(run, kind, manifest, staging, parts, None, checkpoint=checkpoint) as opened:
+            return sink.feed(opened, [*pieces, b""])
+
+    def open(
+        self,
+        run: str,
+        kind: SaveKind,
+        manifest: Manifest,
+        staging: Path,
+        parts: Sequence[int],
+        numpy_state: NumpyStateSpec | None,
+        *,
+        checkpoint: CheckpointSpec | None = None,
+    ) -> BundleSink:
+        """Opens the checkpoint's bundle in the empty dir `staging`; the sink takes each tensor as it arrives.
+
+        Args:
+            parts: each tensor's size (`checkpoint.tensors` order), then 0.
+            checkpoint: the save's checked description.
+
+        Raises:
+            SaveFailedError: not a training checkpoint, or parts that do not fit it.
+            OSError: the files could not be created.
+        """
+        if checkpoint is None or kind is not SaveKind.TRAINING_CHECKPOINT or numpy_state is not None:
+            raise SaveFailedError(f"run {run!r}: the training format writes TRAINING_CHECKPOINT saves only")
+        if list(parts) != [*(t.nbytes for t in checkpoint.tensors), 0]:
+            raise SaveFailedError(f"run {run!r}: snapshot parts do not match the training checkpoint's tensors")
+        entries = [
+            bundle.Entry(t.checkpoint_key, tensors.STRING, (), bundle.string_size([t.nbytes]))
+            if tensors.is_string(t.dtype)
+            else bundle.Entry(t.checkpoint_key, t.dtype, t.shape, t.nbytes)
+            for t in checkpoint.tensors
+        ]
+        entries.append(bundle.string_entry(tensors.OBJECT_GRAPH_KEY, checkpoint.object_graph))
+        routes: list[int | None] = [*range(len(checkpoint.tensors)), None]
         rules = checkpoint.retention
-        return Staged(
-            path=staging,
-            bytes_written=sum(f.stat().st_size for f in staging.iterdir()),
-            versions=savev2.versions(),
-            extra={
-                EXTRA_FIELD: {
-                    "max_to_keep": rules.max_to_keep,
-                    "keep_checkpoint_every_n_hours": rules.keep_checkpoint_every_n_hours,
-                    "tensors": len(checkpoint.tensors),
-                }
-            },
-            files_prefix=STAGED_STEM,
+
+        def finish(index: bytes, tail: bytes) -> Staged:
+            return Staged(
+                path=staging,
+                bytes_written=sum(f.stat().st_size for f in staging.iterdir()),
+                versions=versions.recorded(),
+                extra={
+                    EXTRA_FIELD: {
+                        "max_to_keep": rules.max_to_keep,
+                        "keep_checkpoint_every_n_hours": rules.keep_checkpoint_every_n_hours,
+                        "tensors": len(checkpoint.tensors),
+                    }
+                },
+                files_prefix=STAGED_STEM,
+            )
+
+        return BundleSink(
+            staging / STAGED_STEM, entries, routes, parts, finish, strings={len(entries) - 1: checkpoint.object_graph}
         )
 
     def read(self, save: CommittedSave, manifest: Manifest) -> TrainingValues:
@@ -249,36 +286,6 @@ def graph_attributes(data: bytes, what: str) -> list[tuple[str, str]]:
     """
     graph = object_graph.parse(data, what)
     return [(key, name) for node in graph.nodes for name, key in node.attributes]
-
-
-def _parts(checkpoint: CheckpointSpec, snapshot: SnapshotBytes, run: str) -> Sequence[Any]:
-    sizes = [t.nbytes for t in checkpoint.tensors]
-    if isinstance(snapshot, (bytes, bytearray, memoryview)):
-        whole = memoryview(snapshot)
-        if whole.nbytes != sum(sizes):
-            raise SaveFailedError(f"run {run!r}: snapshot has {whole.nbytes} bytes; the tensors take {sum(sizes)}")
-        parts, at = [], 0
-        for size in sizes:
-            parts.append(whole[at : at + size])
-            at += size
-        return parts
-    got = [memoryview(p).nbytes for p in snapshot]
-    if got != sizes:
-        raise SaveFailedError(f"run {run!r}: snapshot parts do not match the training checkpoint's tensors")
-    return snapshot
-
-
-def _value(t: TensorSpec, part: Any) -> Any:
-    """A tensor's SaveV2 input from its received bytes (without a copy where TF allows)."""
-    import numpy as np
-    import tensorflow as tf
-
-    if tensors.is_string(t.dtype):
-        return tf.constant(bytes(part))
-    dtype = np.dtype(tf.as_dtype(t.dtype).as_numpy_dtype)  # native order is the wire's little-endian
-    if t.nbytes == 0:
-        return np.zeros(t.shape, dtype)
-    return savev2.as_input(np.frombuffer(part, dtype=dtype).reshape(t.shape))
 
 
 def _read(reader: Any, key: str, where: str) -> Any:

@@ -91,9 +91,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     ) -> Iterator[pb.SaveResponse]:
         request = messages.save_request(upload.first(request_iterator, "header", "Save"))
 
-        def receive(parts: Sequence[int], segment: Segment | None, deadline: float) -> tuple[list[memoryview], str]:
-            def chunks(requests: Iterator[pb.SaveRequest]) -> tuple[list[memoryview], str]:
-                return upload.receive_snapshot(requests, request.snapshot_bytes, context, parts, segment)
+        def receive(parts: Sequence[int], segment: Segment | None, deadline: float, sink: upload.Sink) -> str:
+            def chunks(requests: Iterator[pb.SaveRequest]) -> str:
+                return upload.receive_snapshot(requests, request.snapshot_bytes, context, parts, segment, sink)
 
             return upload.within(chunks, request_iterator, deadline, self._pipeline.upload_timeout)
 

@@ -2,7 +2,8 @@
 
 The servicer's streaming handlers read their request iterators here. Every
 chunk is checked (in order, within the announced size, CRC32C) before it is
-kept. `within` bounds a Save's upload by the daemon's --upload-timeout, since
+kept: a template's written to its file, a snapshot's written into the save's
+open files (`receive_snapshot`). `within` bounds a Save's upload by the daemon's --upload-timeout, since
 gRPC's request iterator would otherwise wait for a stalled client forever.
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from checkpointd.protocol.errors import DeadlineError, InvalidRequestError
 from checkpointd.protocol.names import check_export_dir
-from checkpointd.protocol.wire import ALIGNMENT, aligned_offsets, check_chunk
+from checkpointd.protocol.wire import ALIGNMENT, check_chunk
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 _T = TypeVar("_T")
@@ -168,30 +169,39 @@ class SharedSegment(Protocol):
     def views(self) -> list[memoryview]: ...
 
 
+class Sink(Protocol):
+    """Where a snapshot's parts are written as they arrive (`checkpointd.core.ports.SaveSink`)."""
+
+    def write(self, part: int, offset: int, data: Any) -> None: ...
+
+
 def receive_snapshot(
     requests: Iterator[pb.SaveRequest],
     total: int,
     context: grpc.ServicerContext,
-    parts: Sequence[int] = (),
-    segment: SharedSegment | None = None,
-) -> tuple[list[memoryview], str]:
-    """A Save's snapshot: the chunks after its header, checked and laid out in parts.
+    parts: Sequence[int],
+    segment: SharedSegment | None,
+    sink: Sink,
+) -> str:
+    """Writes a Save's snapshot into `sink` as it arrives: the chunks after its header, checked, split in parts.
 
+    Every chunk is checked (in order, within `total`, its CRC32C) and then
+    written at once, so no more than a chunk of the snapshot is held here.
     When the accept offered `segment`, the client may instead send one
-    `shared_memory_written` (the snapshot is in the segment) and half-close.
+    `shared_memory_written` (the snapshot is in the segment) and half-close;
+    the parts are then written into `sink` straight from the segment.
 
     Args:
         requests: the requests after the header.
         total: the snapshot's size in bytes, as the header announced it.
         context: the call, to tell a finished upload from a cancelled one.
         parts: the sizes of the snapshot's parts (each variable, then the
-            numpy state), summing to `total`; () for one part.
+            numpy state), summing to `total`.
         segment: the shared-memory segment offered for these parts, if any.
+        sink: takes each part's bytes, in order within the part.
 
     Returns:
-        One writable view per part, each 64-byte aligned, over one buffer
-        that is never zero-filled (every byte is received before use) or
-        over the segment; and how the snapshot came: "grpc" or "shm".
+        How the snapshot came: "grpc" or "shm".
 
     Raises:
         InvalidRequestError: a message is not a chunk, the chunks are out of
@@ -211,39 +221,38 @@ def receive_snapshot(
             raise InvalidRequestError("Save: nothing may follow shared_memory_written")
         if not context.is_active():
             raise InvalidRequestError("Save: the client went away during the upload")
-        return segment.views(), "shm"
+        for part, view in enumerate(segment.views()):
+            if view.nbytes:
+                sink.write(part, 0, view)
+        return "shm"
     if request is not None:
         requests = itertools.chain((request,), requests)
-    sizes = list(parts) if parts else [total]
+    sizes = list(parts)
     if sum(sizes) != total:
         raise InvalidRequestError(f"Save: the parts sum to {sum(sizes)}, not the {total} bytes announced")
-    offsets, padded = aligned_offsets(sizes)
-    buffer = receive_buffer(padded)
-    into = np.frombuffer(buffer, np.uint8)
-    # (wire start, wire end, buffer start) of each non-empty part, in order.
+    # (wire start, wire end, part) of each non-empty part, in order.
     spans, start = [], 0
-    for size, offset in zip(sizes, offsets, strict=True):
+    for j, size in enumerate(sizes):
         if size:
-            spans.append((start, start + size, offset))
+            spans.append((start, start + size, j))
         start += size
-    part = 0
+    span = 0
     received = 0
     for request in requests:
         if request.WhichOneof("item") != "chunk":
             raise InvalidRequestError("Save: only chunks (or one shared_memory_written) may follow the header")
-        data = np.frombuffer(check_chunk(request.chunk, received, total, "snapshot"), np.uint8)
+        data = memoryview(check_chunk(request.chunk, received, total, "snapshot"))
         done = 0
         while done < len(data):  # a chunk may span parts; the client's never do
-            wire_start, wire_end, offset = spans[part]
+            wire_start, wire_end, part = spans[span]
             n = min(len(data) - done, wire_end - received)
-            at = offset + received - wire_start
-            into[at : at + n] = data[done : done + n]  # NumPy copies (and faults pages in) without the GIL
+            sink.write(part, received - wire_start, data[done : done + n])
             done += n
             received += n
             if received == wire_end:
-                part += 1
+                span += 1
     if not context.is_active():
         raise InvalidRequestError("Save: the client went away during the upload")
     if received != total:
         raise InvalidRequestError(f"Save: the snapshot ended after {received} of its {total} bytes")
-    return [buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)], "grpc"
+    return "grpc"

@@ -4,9 +4,10 @@
 request against the run's manifest (bad input is refused before a decision,
 counted as nothing and writes nothing), reserves its bytes in the upload
 budget, asks the run's lane (accept, queue or skip), and for an accepted save
-receives the snapshot through the caller's `Receiver`, writes it with the
-kind's `SaveFormat` into the `Store`'s staging on a writer thread, commits
-it (manifest last) and queues retention. Every accepted save ends in the lane
+opens its files with the kind's `SaveFormat` in the `Store`'s staging, has
+the caller's `Receiver` write the snapshot into them as it arrives
+(`checkpointd.saves.writes`), finishes and commits them (manifest last) on a
+writer thread and queues retention. Every accepted save ends in the lane
 as written or failed, and its error reaches the caller.
 
 When daemons share a store (a fleet on one bucket), a run is written by the
@@ -36,15 +37,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Protocol
 
 from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.lane import Failed, SaveSpec, Skipped, Ticket, Written
 from checkpointd.core.manifest import Manifest, VariableSpec
-from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import (
     CommittedSave,
     Leases,
@@ -53,11 +52,11 @@ from checkpointd.core.ports import (
     PhaseSink,
     SaveFormat,
     SaveMeta,
-    SnapshotBytes,
+    SaveSink,
+    Staged,
     Store,
 )
 from checkpointd.protocol.errors import (
-    CheckpointdError,
     InvalidRequestError,
     LimitExceededError,
     RunNotFoundError,
@@ -66,88 +65,20 @@ from checkpointd.protocol.errors import (
 )
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
+from checkpointd.saves import writes
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs, directory_of
 from checkpointd.saves.pool import WriterPool
+from checkpointd.saves.requests import Decision, LocalSkip, Receiver, Result, SaveRequest, TrainerDecided
 from checkpointd.saves.runs import Lanes, TrainerDecidedError
-from checkpointd.saves.shm import RunLock, Segment, SharedMemory
+from checkpointd.saves.shm import RunLock, SharedMemory
 from checkpointd.saves.skip_log import SkipLog
+
+# The request and answer types are defined with the Save call's other values; importable from here too.
+__all__ = ["Decision", "Formats", "LocalSkip", "Receiver", "Result", "SavePipeline", "SaveRequest"]
 
 _LOGGER = logging.getLogger(__name__)
 _LOCAL_REASON = "skipped by the trainer: another save of the run was in flight (its busy lock was taken)"
-
-
-@dataclass(frozen=True)
-class SaveRequest:
-    """A Save call's header, decoded."""
-
-    run: str
-    kind: SaveKind
-    export_dir: str
-    blocking: bool
-    step: int
-    variables: tuple[VariableSpec, ...]
-    snapshot_bytes: int
-    numpy_state: NumpyStateSpec | None = None
-    shared_memory: bool = False  # the trainer can map a segment on this host
-    # A training checkpoint's own description (its export_dir is then the
-    # checkpoint prefix <dir>/ckpt-<step>); None for policy saves.
-    checkpoint: CheckpointSpec | None = None
-    # The trainer holds the run's busy lock and wrote this segment: no skip decision.
-    trainer_decided: TrainerDecided | None = None
-    # Saves the trainer skipped on its own since its last report.
-    local_skips: tuple[LocalSkip, ...] = ()
-
-
-@dataclass(frozen=True)
-class TrainerDecided:
-    """A request the trainer decided itself under the run's busy lock, which it holds (SaveHeader.held)."""
-
-    segment_path: str
-    lock_path: str
-
-
-@dataclass(frozen=True)
-class LocalSkip:
-    """A save its trainer skipped itself (the run's busy lock was taken)."""
-
-    kind: SaveKind
-    export_dir: str
-    step: int
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The lane's answer: accepted (with a shared-memory segment, if offered) or skipped."""
-
-    accepted: bool
-    reason: str = ""
-    segment: Segment | None = None
-    lock_path: str = ""  # the run's busy lock, offered with the segment
-
-
-@dataclass(frozen=True)
-class Result:
-    """An accepted save, committed."""
-
-    path: str
-    bytes_written: int
-    duration_seconds: float
-    step: int
-    kind: SaveKind
-
-
-class Receiver(Protocol):
-    """Reads an accepted save's snapshot (the RPC layer's request stream).
-
-    Returns one buffer per part (the variables, then the numpy state's bytes)
-    and the transport it came by ("grpc" or "shm"). Raises a domain error for
-    a bad upload: out of order, bad CRC, late past `deadline` (monotonic).
-    """
-
-    def __call__(
-        self, parts: Sequence[int], segment: Segment | None, deadline: float
-    ) -> tuple[list[memoryview], str]: ...
 
 
 class Formats:
@@ -429,18 +360,29 @@ class SavePipeline:
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
             yield Decision(accepted=True, segment=segment, lock_path=lock_path)
-            # A phase is timed when it ends, failed or not, as save_duration is.
-            try:
-                received, transport = receive(parts, segment, accepted + self.upload_timeout)
-                self._phases.snapshot_received(kind, transport)
-            finally:
-                self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted)
-            writing = time.monotonic()
-            try:
-                with self.retention.holding(folder):  # no deletions in the folder meanwhile
-                    path, bytes_written = self._pool.run(lambda: self._write(request, run, folder, manifest, received))
-            finally:
-                self._phases.observe_phase(kind, "write", time.monotonic() - writing)
+            meta = SaveMeta(run, request.kind, request.step, request.export_dir)
+            fmt = self.formats(request.kind)
+            # The save's files are open before its first byte arrives and are
+            # written as the chunks land; no deletions in the folder meanwhile.
+            with (
+                self.retention.holding(folder),
+                writes.streamed(
+                    self.store, fmt, meta, manifest, self.store.target(folder, request.export_dir), parts,
+                    request.numpy_state, request.checkpoint,
+                ) as save,
+            ):  # fmt: skip
+                # A phase is timed when it ends, failed or not, as save_duration is.
+                try:
+                    sink = _AtWriterPriority(save.sink, self._pool)
+                    transport = receive(parts, segment, accepted + self.upload_timeout, sink)
+                    self._phases.snapshot_received(kind, transport)
+                finally:
+                    self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted)
+                writing = time.monotonic()
+                try:
+                    path, bytes_written = self._pool.run(lambda: self._commit(request, folder, save))
+                finally:
+                    self._phases.observe_phase(kind, "write", time.monotonic() - writing)
             outcome = Written(path, bytes_written)
             if request.checkpoint is not None:
                 self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
@@ -459,26 +401,15 @@ class SavePipeline:
         assert isinstance(outcome, Written)
         yield Result(outcome.path, outcome.bytes_written, seconds, request.step, request.kind)
 
-    def _write(
-        self,
-        request: SaveRequest,
-        run: str,
-        folder: str,
-        manifest: Manifest,
-        received: list[memoryview],
-    ) -> tuple[str, int]:
-        """Writes and commits one save, on a writer thread; returns (path, bytes)."""
-        # Again at write time: a symlink planted during the upload must not
+    def _commit(self, request: SaveRequest, folder: str, save: writes.StreamedSave) -> tuple[str, int]:
+        """Finishes and commits one received save, on a writer thread; returns (path, bytes)."""
+        # Again at commit time: a symlink planted during the upload must not
         # redirect the save out of the run's folder.
         target = self.store.target(folder, request.export_dir)
-        variables, tail = received[:-1], received[-1]
-        numpy_state = NumpyPayload(request.numpy_state, tail) if request.numpy_state is not None else None
-        meta = SaveMeta(run, request.kind, request.step, request.export_dir)
-        fmt = self.formats(request.kind)
         dirs = self.retention.checkpoints if request.checkpoint is not None else None
         if dirs is not None:
             dirs.replacing(folder, request.export_dir)  # the state file lets go of an old one first
-        written = write_save(self.store, fmt, meta, manifest, target, variables, numpy_state, **_own(request))
+        written = save.commit(target)
         if dirs is not None:
             dirs.committed(folder, request.export_dir)  # the state file names it once committed
         return self.store.location(target), written
@@ -500,6 +431,32 @@ class SavePipeline:
         _LOGGER.info("closed run=%s", run)
 
 
+class _AtWriterPriority:
+    """A save's sink that lowers whichever thread writes into it to the writer pool's priority.
+
+    The receiver writes the files as the bytes arrive, on its own thread, not
+    the pool's: lowered like the pool's threads (`--write-nice`, per thread and
+    never raised back), a save still takes only the CPU training leaves.
+    """
+
+    def __init__(self, sink: SaveSink, pool: WriterPool) -> None:
+        self._sink = sink
+        self._pool = pool
+        self._lowered: set[int] = set()
+
+    def write(self, part: int, offset: int, data: object) -> None:
+        if threading.get_ident() not in self._lowered:
+            self._pool.initializer()
+            self._lowered.add(threading.get_ident())
+        self._sink.write(part, offset, data)
+
+    def finish(self) -> Staged:
+        return self._sink.finish()
+
+    def close(self) -> None:
+        self._sink.close()
+
+
 class Retainer(Protocol):
     """Retention as the pipeline uses it (`checkpointd.saves.retention.Retention`)."""
 
@@ -515,55 +472,9 @@ class Retainer(Protocol):
         """Blocks until every queued tidying has run."""
 
 
-def write_save(
-    store: Store,
-    fmt: SaveFormat,
-    meta: SaveMeta,
-    manifest: Manifest,
-    target: PurePath,
-    snapshot: SnapshotBytes,
-    numpy_state: NumpyPayload | None = None,
-    *,
-    checkpoint: CheckpointSpec | None = None,
-) -> int:
-    """Stages, writes and commits one save at `target`; returns the bytes committed.
-
-    Nothing new is left behind on failure: the staging dir is discarded, and
-    the Store commits the manifest last.
-
-    Raises:
-        RunNotFoundError: the run has no template in the format.
-        SaveFailedError: the save could not be written, with the reason.
-    """
-    try:
-        staging = store.stage(target)
-    except OSError as e:
-        raise _write_failed(meta, target, e) from e
-    try:
-        staged = fmt.write(meta.run, meta.kind, manifest, staging, snapshot, numpy_state, **_own_spec(checkpoint))
-        return store.commit(staged, target, meta)
-    except BaseException as e:
-        store.discard(staging)
-        if isinstance(e, CheckpointdError) or not isinstance(e, Exception):
-            raise
-        raise _write_failed(meta, target, e) from e
-
-
-def _write_failed(meta: SaveMeta, target: PurePath, e: Exception) -> SaveFailedError:
-    reason = f"could not write {meta.kind.value} to {target}: {describe(e)}"
-    _LOGGER.warning("run %s: %s", meta.run, reason)
-    return SaveFailedError(f"run {meta.run!r}: {reason}")
-
-
 def _own(request: SaveRequest) -> dict[str, CheckpointSpec]:
     """The keyword a training checkpoint's format takes; nothing for the policy formats."""
-    return _own_spec(request.checkpoint)
-
-
-def _own_spec(checkpoint: CheckpointSpec | None) -> dict[str, CheckpointSpec]:
-    # Formats of the policy kinds (and fakes of them) predate the argument:
-    # it is passed only when there is one to pass.
-    return {} if checkpoint is None else {"checkpoint": checkpoint}
+    return {} if request.checkpoint is None else {"checkpoint": request.checkpoint}
 
 
 def check_folder(folder: str) -> str:

@@ -1,0 +1,201 @@
+"""A save being written as its snapshot arrives: the wire's parts routed into a tensor bundle.
+
+A save format opens a `BundleSink` before the snapshot is received
+(`checkpointd.core.ports.SaveSink`); the receiver hands it each part's bytes
+as they land, and the pipeline calls `finish` once all have come. Each
+wire part (a variable, a training checkpoint's tensor, the numpy state's
+bytes) goes one of three ways:
+
+- a fixed-size tensor: written into the bundle's data file where it goes
+  (`checkpointd.formats.bundle.BundleWriter`), its CRC32C folded in, never
+  held here;
+- a string tensor (a training checkpoint's Python state): kept until
+  complete, then written whole (strings are small, and their bytes follow
+  their length and its checksum);
+- the tail (a policy save's numpy state): kept, and handed to `finish`'s
+  callback, which writes it as a bundle of its own.
+
+Strings known at open (the object graph) are written at once. Large data
+files are handed to the disk while they grow (`durable.writeback.writing`).
+
+Thread-safety: one thread writes at a time, but `close` may come from
+another (the pipeline gives up on a stalled upload while its reader still
+writes): a lock makes close wait for a write in progress, and writes after
+it fail, so no write ever lands on a reused descriptor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from checkpointd.core.ports import Staged
+from checkpointd.durable import writeback
+from checkpointd.formats.bundle import BundleWriter, Entry
+from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
+from checkpointd.protocol.tensors import STRING
+
+# finish's callback: (the index's bytes, the tail's bytes) -> the staged save.
+Finisher = Callable[[bytes, bytes], Staged]
+
+
+class BundleSink:
+    """Routes a snapshot's parts into one tensor bundle; see the module docstring."""
+
+    def __init__(
+        self,
+        prefix: Path,
+        entries: Sequence[Entry],
+        routes: Sequence[int | None],
+        parts: Sequence[int],
+        finisher: Finisher,
+        *,
+        strings: Mapping[int, bytes] | None = None,
+    ) -> None:
+        """Opens the bundle and writes the strings known now.
+
+        Args:
+            prefix: the bundle's path prefix (its dir exists).
+            entries: the bundle's tensors, in data order.
+            routes: for each wire part, the data-order index of its tensor,
+                or None for the tail.
+            parts: each wire part's size in bytes.
+            finisher: called by `finish` with the index and the tail.
+            strings: scalar string tensors written now, by data-order index.
+
+        Raises:
+            ValueError: the routes and parts disagree with the entries.
+            OSError: the bundle could not be created.
+        """
+        if len(routes) != len(parts):
+            raise ValueError(f"{len(routes)} routes for {len(parts)} parts")
+        for route, size in zip(routes, parts, strict=True):
+            if route is None:
+                continue
+            entry = entries[route]
+            want = entry.size if entry.dtype != STRING else None
+            if want is not None and want != size:
+                raise ValueError(f"part for {entry.key!r} has {size} bytes; the tensor takes {want}")
+        self._parts = tuple(parts)
+        self._routes = tuple(routes)
+        self._finisher = finisher
+        self._received = [0] * len(parts)
+        self._kept: dict[int, bytearray] = {
+            j: bytearray() for j, r in enumerate(routes) if r is None or entries[r].dtype == STRING
+        }
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stack = contextlib.ExitStack()
+        try:
+            self._writer = self._stack.enter_context(BundleWriter(prefix, entries))
+            self._stack.enter_context(writeback.writing(Path(prefix).parent, self._writer.size))
+            for i, value in (strings or {}).items():
+                self._writer.write_strings(i, [value])
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def __enter__(self) -> BundleSink:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def write(self, part: int, offset: int, data: object) -> None:
+        """Takes the bytes of wire part `part` at `offset` in it: each part's bytes in order.
+
+        Raises:
+            InvalidRequestError: out of order, or past the part's size.
+            ValueError: the sink is closed.
+            OSError: the write failed.
+        """
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        with self._lock:
+            if self._closed:
+                raise ValueError("the save's files were closed (the save was given up)")
+            done = self._received[part]
+            if offset != done or done + view.nbytes > self._parts[part]:
+                raise InvalidRequestError(
+                    f"Save: {view.nbytes} bytes at offset {offset} of part #{part}, which has "
+                    f"{done} of its {self._parts[part]} bytes (parts in order, within their size)"
+                )
+            self._received[part] = done + view.nbytes
+            kept = self._kept.get(part)
+            if kept is None:
+                self._writer.write(self._route(part), view)
+                return
+            kept += view
+            if self._received[part] == self._parts[part] and self._routes[part] is not None:
+                self._writer.write_strings(self._route(part), [bytes(kept)])
+
+    def _route(self, part: int) -> int:
+        route = self._routes[part]
+        assert route is not None
+        return route
+
+    def missing(self) -> list[int]:
+        """The parts not yet complete."""
+        return [j for j, size in enumerate(self._parts) if self._received[j] != size]
+
+    def finish(self) -> Staged:
+        """Writes the index, then what the format's callback writes; returns the staged save.
+
+        Raises:
+            InvalidRequestError: a part is incomplete.
+            OSError: the files could not be written.
+        """
+        with self._lock:
+            missing = self.missing()
+            if missing:
+                j = missing[0]
+                raise InvalidRequestError(
+                    f"Save: part #{j} ended after {self._received[j]} of its {self._parts[j]} bytes"
+                )
+            index = self._writer.finish()
+            tail = b"".join(bytes(b) for j, b in self._kept.items() if self._routes[j] is None)
+            try:
+                return self._finisher(index, tail)
+            finally:
+                self._closed = True
+                self._stack.close()
+
+    def close(self) -> None:
+        """Closes the files (after a write in progress); the caller discards the staging dir."""
+        with self._lock:
+            self._closed = True
+            self._stack.close()
+
+
+def split(snapshot: object, sizes: Sequence[int], who: str, what: str) -> list[memoryview]:
+    """A snapshot in memory (the parts' concatenation, or one buffer per part) as one view per part.
+
+    Raises:
+        SaveFailedError: the snapshot does not have the parts' sizes.
+    """
+    if isinstance(snapshot, (bytes, bytearray, memoryview)):
+        whole = memoryview(snapshot).cast("B")
+        if whole.nbytes != sum(sizes):
+            raise SaveFailedError(f"{who}: snapshot has {whole.nbytes} bytes; {what} needs {sum(sizes)}")
+        views, at = [], 0
+        for size in sizes:
+            views.append(whole[at : at + size])
+            at += size
+        return views
+    views = [memoryview(p).cast("B") for p in snapshot]  # type: ignore[attr-defined]
+    if [v.nbytes for v in views] != list(sizes):
+        raise SaveFailedError(f"{who}: snapshot parts do not match {what}")
+    return views
+
+
+def feed(sink: BundleSink, parts: Sequence[object]) -> Staged:
+    """Writes a snapshot held in memory (one buffer per part) through `sink`; returns it finished."""
+    for j, part in enumerate(parts):
+        view = memoryview(part)  # type: ignore[arg-type]
+        if view.nbytes:
+            sink.write(j, 0, view)
+    return sink.finish()

@@ -1,0 +1,189 @@
+"""TensorFlow's sorted string table, the format of a tensor bundle's `.index` file.
+
+The table is LevelDB's, as TensorFlow keeps it in `tsl/lib/io` (read for this
+module: `table_builder.cc`, `block_builder.cc`, `format.cc`, `format.h`, the
+defaults of `table_options.h`), written the way `BundleWriter::Finish` asks:
+no compression, the default block size and restart interval, the bytewise
+comparator. `build` returns the whole file for entries given in key order:
+
+- data blocks of entries `varint32 shared, varint32 unshared, varint32
+  value length, key suffix, value`, the key prefix-compressed against the
+  previous one except at a restart point (every `RESTART_INTERVAL` keys),
+  then each restart point's offset and their count (fixed32 each); a block is
+  closed once its estimated size reaches `BLOCK_SIZE`, or before an entry of
+  at least twice that;
+- after each block its trailer: the type byte (0, no compression) and the
+  masked CRC32C of the block and that byte;
+- an empty metaindex block, then the index block (restart interval 1) that
+  maps, for each data block, a key between it and the next (the shortest
+  separator; after the last, the short successor) to its handle
+  `varint64 offset, varint64 size`;
+- the 48-byte footer: the metaindex and index handles, zero padding to 40
+  bytes, the table's magic number (fixed64 as two fixed32, low word first).
+
+Stdlib and crc32c only; TensorFlow's own writer is the reference in tests.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+import crc32c
+
+# table_options.h's defaults, which BundleWriter keeps (it changes only the compression).
+BLOCK_SIZE = 262144
+RESTART_INTERVAL = 16
+# format.h: the leading 64 bits of sha1("http://code.google.com/p/leveldb/").
+MAGIC = 0xDB4775248B80FB57
+FOOTER_BYTES = 48
+_NO_COMPRESSION = b"\x00"
+_HANDLE_MAX_BYTES = 20  # two varint64s at most
+# crc32c.h: CRCs stored beside the data they cover are rotated and offset,
+# so that the CRC of a string holding CRCs is not trivially related to them.
+_MASK_DELTA = 0xA282EAD8
+
+
+def varint(value: int) -> bytes:
+    """`value` (unsigned, < 2**64) as a little-endian base-128 varint, as `PutVarint64` writes it."""
+    if value < 0:
+        raise ValueError(f"a varint is unsigned, saw {value}")
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def mask(crc: int) -> int:
+    """`crc32c::Mask`: the CRC rotated right by 15 bits, plus a constant (mod 2**32)."""
+    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def unmask(masked: int) -> int:
+    """`crc32c::Unmask`, the inverse of `mask`."""
+    rot = (masked - _MASK_DELTA) & 0xFFFFFFFF
+    return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
+
+
+def shortest_separator(start: bytes, limit: bytes) -> bytes:
+    """The bytewise comparator's FindShortestSeparator: a short key in [start, limit).
+
+    Where the two first differ, the byte of `start` is raised by one and the
+    rest dropped, if that stays below `limit`; otherwise, or if one is a
+    prefix of the other, `start` itself.
+    """
+    common = 0
+    for a, b in zip(start, limit, strict=False):
+        if a != b:
+            break
+        common += 1
+    if common >= min(len(start), len(limit)):
+        return start
+    byte = start[common]
+    if byte < 0xFF and byte + 1 < limit[common]:
+        return start[:common] + bytes((byte + 1,))
+    return start
+
+
+def short_successor(key: bytes) -> bytes:
+    """The bytewise comparator's FindShortSuccessor: the first byte below 0xff raised, the rest dropped."""
+    for i, byte in enumerate(key):
+        if byte != 0xFF:
+            return key[:i] + bytes((byte + 1,))
+    return key
+
+
+class _Block:
+    """A block being built (BlockBuilder)."""
+
+    def __init__(self, restart_interval: int) -> None:
+        self._interval = restart_interval
+        self._buffer = bytearray()
+        self._restarts = [0]
+        self._counter = 0
+        self._last = b""
+
+    @property
+    def empty(self) -> bool:
+        return not self._buffer
+
+    def estimate(self) -> int:
+        """CurrentSizeEstimate: the entries, the restart array and its length."""
+        return len(self._buffer) + 4 * len(self._restarts) + 4
+
+    def add(self, key: bytes, value: bytes) -> None:
+        shared = 0
+        if self._counter < self._interval:
+            last = self._last
+            limit = min(len(last), len(key))
+            while shared < limit and last[shared] == key[shared]:
+                shared += 1
+        else:
+            self._restarts.append(len(self._buffer))
+            self._counter = 0
+        buffer = self._buffer
+        buffer += varint(shared)
+        buffer += varint(len(key) - shared)
+        buffer += varint(len(value))
+        buffer += key[shared:]
+        buffer += value
+        self._last = key
+        self._counter += 1
+
+    def finish(self) -> bytes:
+        restarts = self._restarts
+        return bytes(self._buffer) + struct.pack(f"<{len(restarts) + 1}I", *restarts, len(restarts))
+
+
+def _handle(offset: int, size: int) -> bytes:
+    return varint(offset) + varint(size)
+
+
+def build(entries: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The table file holding `entries` (key, value), which must come in strictly increasing key order.
+
+    Raises:
+        ValueError: a key is not greater than the one before it.
+    """
+    out = bytearray()
+
+    def write_block(block: _Block) -> bytes:
+        contents = block.finish()
+        handle = _handle(len(out), len(contents))
+        crc = crc32c.crc32c(_NO_COMPRESSION, crc32c.crc32c(contents))
+        out.extend(contents)
+        out.extend(_NO_COMPRESSION + struct.pack("<I", mask(crc)))
+        return handle
+
+    data = _Block(RESTART_INTERVAL)
+    index = _Block(1)
+    last: bytes | None = None
+    pending: bytes | None = None  # the handle of the last block written, waiting for the next key
+    for key, value in entries:
+        if last is not None:
+            if key <= last:
+                raise ValueError(f"table keys must increase: {key!r} after {last!r}")
+            if len(key) + len(value) >= 2 * BLOCK_SIZE and not data.empty:
+                pending = write_block(data)
+                data = _Block(RESTART_INTERVAL)
+        if pending is not None:
+            assert last is not None
+            index.add(shortest_separator(last, key), pending)
+            pending = None
+        last = key
+        data.add(key, value)
+        if data.estimate() >= BLOCK_SIZE:
+            pending = write_block(data)
+            data = _Block(RESTART_INTERVAL)
+    if not data.empty:
+        pending = write_block(data)
+    metaindex = write_block(_Block(RESTART_INTERVAL))
+    if pending is not None:
+        assert last is not None
+        index.add(short_successor(last), pending)
+    index_handle = write_block(index)
+    footer = (metaindex + index_handle).ljust(2 * _HANDLE_MAX_BYTES, b"\x00")
+    out.extend(footer + struct.pack("<II", MAGIC & 0xFFFFFFFF, MAGIC >> 32))
+    return bytes(out)

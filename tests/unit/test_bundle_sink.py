@@ -1,0 +1,137 @@
+"""checkpointd.formats.sink: a snapshot's wire parts routed into a tensor bundle as they arrive."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import crc32c
+import pytest
+
+from checkpointd.core.ports import Staged
+from checkpointd.formats import bundle, sink, table
+from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
+
+
+def _sink(tmp_path: Path, finished: list[tuple[bytes, bytes]]) -> sink.BundleSink:
+    # Wire order: w (float32 x2), py (a string), b (uint8 x3), then a tail. Data order: b, py, w, graph.
+    entries = [
+        bundle.Entry("b", "uint8", (3,), 3),
+        bundle.Entry("py", "string", (), bundle.string_size([5])),
+        bundle.Entry("w", "float32", (2,), 8),
+        bundle.string_entry("graph", b"G"),
+    ]
+
+    def finish(index: bytes, tail: bytes) -> Staged:
+        finished.append((index, tail))
+        return Staged(path=tmp_path, bytes_written=0, versions={})
+
+    return sink.BundleSink(tmp_path / "x", entries, [2, 1, 0, None], [8, 5, 3, 4], finish, strings={3: b"G"})
+
+
+def test_parts_in_any_order_land_where_the_data_order_puts_them(tmp_path: Path) -> None:
+    finished: list[tuple[bytes, bytes]] = []
+    with _sink(tmp_path, finished) as s:
+        s.write(2, 0, b"abc")  # b, before the first variable on the wire
+        s.write(0, 0, b"\x01" * 4)
+        s.write(3, 0, b"ta")
+        s.write(1, 0, b"pyt")
+        s.write(0, 4, b"\x02" * 4)
+        s.write(1, 3, b"ho")
+        s.write(3, 2, b"il")
+        s.finish()
+    ((index, tail),) = finished
+    assert tail == b"tail"  # kept whole for the format's own file
+    expected = bundle.write(
+        tmp_path / "y",
+        [
+            bundle.Entry("b", "uint8", (3,), 3),
+            bundle.string_entry("py", b"pytho"),
+            bundle.Entry("w", "float32", (2,), 8),
+            bundle.string_entry("graph", b"G"),
+        ],
+        [b"abc", [b"pytho"], b"\x01" * 4 + b"\x02" * 4, [b"G"]],
+    )
+    assert index == expected
+    data = (tmp_path / ("x" + bundle.DATA_SUFFIX)).read_bytes()
+    assert data == (tmp_path / ("y" + bundle.DATA_SUFFIX)).read_bytes()
+    assert data.startswith(b"abc")  # b first, as in data order
+
+
+def test_out_of_order_bytes_within_a_part_are_refused(tmp_path: Path) -> None:
+    with _sink(tmp_path, []) as s:
+        s.write(0, 0, b"\x00" * 4)
+        with pytest.raises(InvalidRequestError, match="offset 2 of part #0"):
+            s.write(0, 2, b"\x00" * 2)
+        with pytest.raises(InvalidRequestError, match="within their size"):
+            s.write(2, 0, b"\x00" * 4)
+
+
+def test_an_incomplete_snapshot_does_not_finish(tmp_path: Path) -> None:
+    finished: list[tuple[bytes, bytes]] = []
+    with _sink(tmp_path, finished) as s:
+        s.write(0, 0, b"\x00" * 8)
+        with pytest.raises(InvalidRequestError, match="part #1 ended after 0 of its 5"):
+            s.finish()
+    assert finished == [] and not (tmp_path / ("x" + bundle.INDEX_SUFFIX)).exists()
+
+
+def test_writes_after_close_fail_and_close_waits_for_a_write_in_progress(tmp_path: Path) -> None:
+    s = _sink(tmp_path, [])
+    s.write(0, 0, b"\x00" * 4)
+    entered, release = threading.Event(), threading.Event()
+    real_write = s._writer.write  # noqa: SLF001 - holding a write in progress
+
+    def slow_write(i: int, data: object) -> None:
+        entered.set()
+        release.wait(10)
+        real_write(i, data)
+
+    s._writer.write = slow_write  # type: ignore[method-assign]  # noqa: SLF001
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            s.write(0, 4, b"\x07" * 4)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=s.close)
+    closer.start()  # while the write holds the file
+    release.set()
+    writer.join(10)
+    closer.join(10)
+    # Had close not waited, the write would have found its file closed.
+    assert errors == [] and not closer.is_alive()
+    data = (tmp_path / ("x" + bundle.DATA_SUFFIX)).read_bytes()
+    assert data[13:21] == b"\x00" * 4 + b"\x07" * 4  # w, after b (3 bytes) and py (10)
+    with pytest.raises(ValueError, match="closed"):
+        s.write(1, 0, b"p")
+
+
+def test_parts_that_disagree_with_the_entries_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="takes 3"):
+        sink.BundleSink(tmp_path / "z", [bundle.Entry("b", "uint8", (3,), 3)], [0], [4], lambda i, t: None)  # type: ignore[arg-type, return-value]
+
+
+def test_split_gives_one_view_per_part_or_names_the_mismatch() -> None:
+    views = sink.split(b"abcdef", [2, 0, 4], "run 'r'", "the manifest")
+    assert [bytes(v) for v in views] == [b"ab", b"", b"cdef"]
+    with pytest.raises(SaveFailedError, match="snapshot has 6 bytes; the manifest needs 7"):
+        sink.split(b"abcdef", [7], "run 'r'", "the manifest")
+    with pytest.raises(SaveFailedError, match="parts do not match the manifest"):
+        sink.split([memoryview(b"ab")], [3], "run 'r'", "the manifest")
+
+
+def test_a_string_part_is_written_once_complete_with_its_crc(tmp_path: Path) -> None:
+    finished: list[tuple[bytes, bytes]] = []
+    with _sink(tmp_path, finished) as s:
+        for part, offset, data in ((0, 0, b"\x00" * 8), (2, 0, b"abc"), (1, 0, b"py"), (1, 2, b"tho"), (3, 0, b"tail")):
+            s.write(part, offset, data)
+        s.finish()
+    data = (tmp_path / ("x" + bundle.DATA_SUFFIX)).read_bytes()
+    head = b"\x05" + table.mask(crc32c.crc32c(b"\x05\x00\x00\x00")).to_bytes(4, "little")
+    assert data[3 : 3 + 10] == head + b"pytho"
