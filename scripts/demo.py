@@ -68,6 +68,8 @@ def preempt_and_resume(
     nodes = f" and daemon {first.name} (pid {first.proc.pid})" if first is not second else ""
     print(f"preempted: SIGKILLed trainer 1 at step {trainer.step}{nodes}")
 
+    if first is not second:
+        print(f"trainer 2 starting on daemon {second.name}, which takes the run once A's lease expires ...", flush=True)
     extra = ["--evaluate", str(evaluate)] if evaluate is not None else []
     resumed = procs.Trainer.start(["--address", second.address, *common, *extra], logs / "trainer-2.log")
     cleanup.append(resumed.kill)

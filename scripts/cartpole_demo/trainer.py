@@ -111,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             ticket = checkpointer.save(train_step)  # returns at once; the daemon writes
             _say("saved", step, "skipped" if ticket.skipped else "accepted")
         _say("step", step)
-    checkpointer.save(train_step, blocking=True)
+    if step % args.save_every:  # the last step's state, unless the loop just saved it
+        checkpointer.save(train_step, blocking=True)
     trigger(step, force_trigger=True)  # blocks until durable
     trigger.close()
-    checkpointer.close()
+    checkpointer.close()  # flushes: every accepted save is durable
     _say("done", step)
 
     if args.evaluate is not None:
