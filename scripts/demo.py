@@ -100,17 +100,19 @@ def run_local(args: argparse.Namespace, cleanup: list[Callable[[], object]]) -> 
     shutil.rmtree(root / args.run, ignore_errors=True)  # a fresh run each time, not a resume of the last demo's
     daemon = procs.start_daemon("A", ["--root", str(root)], base / "daemon")
     cleanup.append(daemon.stop)
-    print(f"checkpointd (pid {daemon.proc.pid}): gRPC {daemon.address}, metrics {daemon.metrics_url}, root {root}")
+    print(
+        f"daemon A (pid {daemon.proc.pid}): gRPC {daemon.address}, metrics {daemon.metrics_url}, root {procs.shown(root)}"
+    )
     resumed, _, _ = preempt_and_resume(args, daemon, daemon, base / "logs", cleanup, evaluate=root)
     score, checkpoint = resumed.wait_for("return")
     resumed.proc.wait(60)
     _print_metrics(daemon)
-    print(f"newest policy ({checkpoint}): CartPole return {score}")
+    print(f"newest policy ({procs.shown(Path(checkpoint))}): CartPole return {score}")
     code = daemon.stop()
-    print(f"checkpointd stopped (exit {code})")
+    print(f"daemon A stopped (exit {code})")
     print(
-        f"on disk: training checkpoints {root / args.run / 'train'}, policies {root / args.run / 'policies'}, "
-        f"logs {base / 'logs'} and {daemon.log}"
+        f"on disk: training checkpoints {procs.shown(root / args.run / 'train')}, "
+        f"policies {procs.shown(root / args.run / 'policies')}, logs {procs.shown(base / 'logs')} and {procs.shown(daemon.log)}"
     )
     return 0
 

@@ -91,12 +91,14 @@ def run_fleet(args: argparse.Namespace, cleanup: list[Callable[[], object]], pre
         )
         cleanup.append(daemon.stop)
         daemons.append(daemon)
-        print(f"daemon {name} (pid {daemon.proc.pid}): gRPC {daemon.address}, work dir {work / 'work'}")
+        print(f"daemon {name} (pid {daemon.proc.pid}): gRPC {daemon.address}, work dir {procs.shown(work / 'work')}")
     a, b = daemons
     preempt_and_resume(args, a, b, base / "logs", cleanup)
     codes = [
         _cli(["status", "--stored", "--address", b.address]),
         _cli(["verify", root, "--s3-endpoint-url", endpoint]),
     ]
-    print(f"daemon B stopped (exit {b.stop()}); logs in {base / 'logs'}, {a.log} and {b.log}")
+    print(
+        f"daemon B stopped (exit {b.stop()}); logs in {procs.shown(base / 'logs')}, {procs.shown(a.log)} and {procs.shown(b.log)}"
+    )
     return 0 if not any(codes) else 1

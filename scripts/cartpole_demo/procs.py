@@ -27,6 +27,14 @@ class DemoError(Exception):
     """Something the demo started did not do what it should; the message says where to look."""
 
 
+def shown(path: Path) -> str:
+    """`path` relative to the working dir when it is under it (shorter to read), else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 @dataclass
 class Daemon:
     """A `checkpointd serve` subprocess: its gRPC address, metrics URL and log."""

@@ -159,7 +159,7 @@ def test_local_demo_resumes_a_killed_trainer_at_the_newest_committed_checkpoint(
     assert int(counts[1]) == int(counts[3]) + int(counts[4])
     score = re.search(r"CartPole return (\d+)", out)
     assert score and 0 < int(score[1]) <= 200, out
-    assert "checkpointd stopped (exit 0)" in out
+    assert "daemon A stopped (exit 0)" in out
     assert all(_gone(pid) for pid in _pids(out)), out
 
 
