@@ -17,6 +17,10 @@ cd "$(dirname "$0")/.."
 demo=$!
 trap 'kill -INT "$demo" 2>/dev/null || true' INT TERM HUP
 code=0
-# wait returns early when a trapped signal arrives: wait again for the cleanup.
-while kill -0 "$demo" 2>/dev/null; do wait "$demo" && code=0 || code=$?; done
+wait "$demo" || code=$?
+# A trapped signal ends wait early (status > 128) while the demo cleans up: wait again.
+while kill -0 "$demo" 2>/dev/null; do
+  code=0
+  wait "$demo" || code=$?
+done
 exit "$code"

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     iterator = iter(buffer.as_dataset(num_parallel_calls=2, sample_batch_size=64, num_steps=2).prefetch(2))
     train = common.function(agent.train)
 
-    step = restored
+    step, last_saved = restored, restored
     while step < args.steps:
         collect()
         train(next(iterator)[0])
@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         if step % args.save_every == 0:
             ticket = checkpointer.save(train_step)  # returns at once; the daemon writes
             _say("saved", step, "skipped" if ticket.skipped else "accepted")
+            if not ticket.skipped:  # skipped: the previous save was still in flight
+                last_saved = step
         _say("step", step)
-    if step % args.save_every:  # the last step's state, unless the loop just saved it
+    if last_saved != step:  # the last step's state, unless the loop's save of it was accepted
         checkpointer.save(train_step, blocking=True)
     trigger(step, force_trigger=True)  # blocks until durable
     trigger.close()

@@ -145,10 +145,10 @@ def test_local_demo_resumes_a_killed_trainer_at_the_newest_committed_checkpoint(
     assert state is not None
     committed = {int(Path(p).name.removeprefix("ckpt-")) for p in state.all_model_checkpoint_paths}
     assert all(r.ok for r in verify_paths([train]))  # every listed checkpoint is committed and intact
-    assert resumed in committed
+    assert resumed in committed, out
     reader = tf.train.load_checkpoint(str(train / f"ckpt-{resumed}"))
     assert reader.get_tensor("global_step/.ATTRIBUTES/VARIABLE_VALUE") == resumed
-    assert max(committed) == 400 and Path(state.model_checkpoint_path).name == "ckpt-400"
+    assert max(committed) == 400 and Path(state.model_checkpoint_path).name == "ckpt-400", out
 
     # The counts come from the daemon's /metrics: they match the saves on disk.
     counts = re.search(r"(\d+) saves accepted, (\d+) skipped, (\d+) written \([\d.,]+ MiB\), (\d+) failed", out)
@@ -218,7 +218,7 @@ def test_fleet_demo_moves_the_run_to_daemon_b_which_resumes_it_from_the_bucket(t
         )
     }
     assert re.search(r"^  (\d+) OK, 0 FAILED$", out, re.M), out
-    assert resumed in committed and max(committed) == 400
+    assert resumed in committed and max(committed) == 400, out
     stored = re.search(r"^  cartpole-dqn\.train +cartpole-dqn +training_checkpoint train/ckpt-400 +400 ", out, re.M)
     assert stored, out
     assert "daemon B stopped (exit 0)" in out
