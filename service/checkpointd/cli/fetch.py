@@ -48,6 +48,10 @@ def fetch(
 ) -> int:
     """`checkpointd fetch`: copies RUN[/EXPORT_DIR] from `root` to `dest`; returns the exit code.
 
+    EXPORT_DIR names a save, or a dir of saves (`train`, a training-checkpoint
+    dir), whose newest committed save is fetched; no EXPORT_DIR, the run
+    folder's newest. On a terminal (or with `progress`), a progress line.
+
     A save that is a dir of its own becomes `dest` (which must not exist); a
     training checkpoint's files `<name>.*` go into the dir `dest`, with a
     `checkpoint` state file naming it, so `tf.train.latest_checkpoint(dest)` finds it.
