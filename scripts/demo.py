@@ -1,146 +1,161 @@
-"""The main job: a DQN CartPole trainer saving through a local checkpointd.
+"""The main job: a DQN CartPole trainer preempted and resumed through checkpointd.
 
-Starts `checkpointd serve` on a local root, trains a real TF-Agents DqnAgent on
-CartPole and saves through RemotePolicySavedModelTrigger: the raw, collect and
-greedy SavedModels at the start, then a non-blocking checkpoint every N steps
-(the trainer never waits for disk). Closes the trigger (every save durable),
-stops the daemon with SIGTERM, then loads the greedy SavedModel updated from
-the newest checkpoint and runs one episode with it.
+Local mode (default): starts `checkpointd serve` on a local root, starts a
+TF-Agents DQN trainer (scripts/cartpole_demo/trainer.py) that saves its whole
+state (agent, replay buffer, train step, metrics) with `RemoteCheckpointer` and
+its policies with `RemotePolicySavedModelTrigger`, SIGKILLs it part way (a
+preemption), starts a new trainer that resumes from the daemon and finishes,
+then prints what happened from the daemon's own /metrics and the newest
+policy's CartPole return.
+
+Fleet mode (`--fleet`, needs root for Ceph's packages): a local radosgw
+(scripts/rgw.sh), two daemons on one s3:// root, the trainer on daemon A;
+A and the trainer SIGKILLed together; a new trainer on daemon B, which takes
+the run when A's lease expires and restores it; then `checkpointd status
+--stored` and `checkpointd verify s3://...`.
+
+The demo does not import TensorFlow; the trainers do. Everything it starts is
+stopped at the end, also on Ctrl-C. Exit 0 on success, 1 if a step failed,
+3 if the fleet mode cannot install Ceph (not root).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+
+from cartpole_demo import procs
+from cartpole_demo.fleet import run_fleet
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def _start_daemon(root: Path, work: Path) -> tuple[subprocess.Popen, str, str]:
-    work.mkdir(parents=True, exist_ok=True)
-    port_file, metrics_file = work / "port", work / "metrics-port"
-    for f in (port_file, metrics_file):
-        f.unlink(missing_ok=True)
-    log = open(work / "daemon.log", "ab")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "checkpointd",
-            "serve",
-            "--root",
-            str(root),
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            "--metrics-port",
-            "0",
-            "--metrics-port-file",
-            str(metrics_file),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while not (port_file.exists() and metrics_file.exists()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            sys.exit(f"checkpointd did not start; see {work / 'daemon.log'}")
-        time.sleep(0.1)
-    return proc, f"127.0.0.1:{port_file.read_text().strip()}", metrics_file.read_text().strip()
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=Path("demo/checkpoints"))
-    parser.add_argument("--steps", type=int, default=10000, help="training iterations")
-    parser.add_argument("--save-every", type=int, default=1000)
-    parser.add_argument("--run", default="cartpole-dqn")
-    args = parser.parse_args()
+def preempt_and_resume(
+    args: argparse.Namespace,
+    first: procs.Daemon,
+    second: procs.Daemon,
+    logs: Path,
+    cleanup: list[Callable[[], object]],
+    evaluate: Path | None = None,
+) -> tuple[procs.Trainer, int, int]:
+    """Trains on `first`, SIGKILLs the trainer (and `first` too if it is not `second`), resumes on `second`.
 
-    import tensorflow as tf
-    from tf_agents.agents.dqn import dqn_agent
-    from tf_agents.drivers import dynamic_step_driver
-    from tf_agents.environments import suite_gym, tf_py_environment
-    from tf_agents.networks import q_network
-    from tf_agents.policies import policy_loader
-    from tf_agents.replay_buffers import tf_uniform_replay_buffer
-    from tf_agents.utils import common
+    Returns:
+        The finished second trainer, the step the first reached, and the step the second resumed at.
+    """
+    common = ["--run", args.run, "--steps", str(args.steps), "--save-every", str(args.save_every)]
+    trainer = procs.Trainer.start(["--address", first.address, *common], logs / "trainer-1.log")
+    cleanup.append(trainer.kill)
+    trainer.wait_for("restored")
+    print(f"trainer 1 (pid {trainer.proc.pid}): training on daemon {first.name} toward step {args.steps}")
+    trainer.wait_for("step", lambda t: t.step >= args.kill_at and bool(t.saved))
+    trainer.kill()
+    if first is not second:
+        first.kill()
+    killed = time.monotonic()
+    nodes = f" and daemon {first.name} (pid {first.proc.pid})" if first is not second else ""
+    print(f"preempted: SIGKILLed trainer 1 at step {trainer.step}{nodes}")
 
-    from checkpointd_client import RemotePolicySavedModelTrigger
-
-    root = args.root.resolve()
-    daemon, address, metrics_port = _start_daemon(root, root.parent / "daemon")
+    if first is not second:
+        print(f"trainer 2 starting on daemon {second.name}, which takes the run once A's lease expires ...", flush=True)
+    extra = ["--evaluate", str(evaluate)] if evaluate is not None else []
+    resumed = procs.Trainer.start(["--address", second.address, *common, *extra], logs / "trainer-2.log")
+    cleanup.append(resumed.kill)
+    step, restore_seconds, process_seconds = resumed.wait_for("restored")
+    took = time.monotonic() - killed
     print(
-        f"checkpointd: pid {daemon.pid}, gRPC {address}, metrics http://127.0.0.1:{metrics_port}/metrics, root {root}"
+        f"trainer 2 (pid {resumed.proc.pid}) on daemon {second.name}: resumed at step {step}, "
+        f"{trainer.step - int(step)} steps lost; {took:.1f} s from the kill to restored "
+        f"(process start {float(process_seconds) - float(restore_seconds):.1f} s, "
+        f"restore from the daemon {float(restore_seconds):.2f} s)"
     )
-    try:
-        env = tf_py_environment.TFPyEnvironment(suite_gym.load("CartPole-v0"))
-        net = q_network.QNetwork(env.observation_spec(), env.action_spec(), fc_layer_params=(100,))
-        train_step = tf.Variable(0, dtype=tf.int64, name="train_step")
-        agent = dqn_agent.DqnAgent(
-            env.time_step_spec(),
-            env.action_spec(),
-            q_network=net,
-            optimizer=tf.keras.optimizers.Adam(1e-3),
-            td_errors_loss_fn=common.element_wise_squared_loss,
-            train_step_counter=train_step,
-        )
-        agent.initialize()
-        buffer = tf_uniform_replay_buffer.TFUniformReplayBuffer(
-            agent.collect_data_spec, env.batch_size, max_length=10000
-        )
-        driver = dynamic_step_driver.DynamicStepDriver(env, agent.collect_policy, [buffer.add_batch], num_steps=1)
-        driver.run()
-        dataset = buffer.as_dataset(num_parallel_calls=2, sample_batch_size=64, num_steps=2).prefetch(2)
-        iterator = iter(dataset)
-        train = common.function(agent.train)
-        collect = common.function(driver.run)
-        for _ in range(200):
-            collect()
+    (done,) = resumed.wait_for("done")
+    print(f"trainer 2: finished at step {done}, every save durable")
+    return resumed, trainer.step, int(step)
 
-        # The one-line swap: tf_agents.train.triggers.PolicySavedModelTrigger(
-        #     os.path.join(root_dir, "policies"), agent, train_step, interval=...) ->
-        trigger = RemotePolicySavedModelTrigger(
-            "policies", agent, train_step, interval=args.save_every, address=address, run=args.run
-        )
-        started = time.monotonic()
-        for _ in range(args.steps):
-            collect()
-            loss = train(next(iterator)[0]).loss
-            step = int(train_step.numpy())
-            trigger(step)  # every --save-every steps: a non-blocking checkpoint through the daemon
-            if step % args.save_every == 0:
-                ticket = trigger.last_ticket
-                outcome = "skipped" if ticket is not None and ticket.skipped else "accepted"
-                print(f"step {step}: loss {float(loss):.3f}, checkpoint {outcome}")
-        trigger(int(train_step.numpy()), force_trigger=True)  # the final one blocks until durable
-        trigger.close()  # flushes and closes the runs: every accepted save is durable
-        print(f"trained {args.steps} steps in {time.monotonic() - started:.1f}s")
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        code = daemon.wait(60)
-        print(f"checkpointd stopped (exit {code}); log: {root.parent / 'daemon' / 'daemon.log'}")
 
-    policies_dir = root / args.run / "policies"
-    newest = max((policies_dir / "checkpoints").glob("policy_checkpoint_*"))
-    # As TF-Agents loads a trained policy: the greedy SavedModel, updated from a checkpoint.
-    policy = policy_loader.load(str(policies_dir / "greedy_policy"), str(newest))
-    py_env = suite_gym.load("CartPole-v0")
-    time_step, total = py_env.reset(), 0.0
-    while not time_step.is_last():
-        time_step = py_env.step(policy.action(time_step).action)
-        total += float(time_step.reward)
-    print(f"newest checkpoint: {newest} (train step {int(policy.get_train_step())})")
-    print(f"greedy policy from {policies_dir / 'greedy_policy'} + that checkpoint: CartPole return {total:.0f}")
-    print(f"saves: {sorted(p.name for p in (policies_dir / 'checkpoints').iterdir())}")
+def _print_metrics(daemon: procs.Daemon) -> None:
+    m = procs.scrape(daemon.metrics_url)
+    print(
+        f"daemon {daemon.name}'s {daemon.metrics_url}: {m['accepted']:.0f} saves accepted, {m['skipped']:.0f} skipped, "
+        f"{m['written']:.0f} written ({m['written_bytes'] / (1 << 20):,.1f} MiB), {m['failed']:.0f} failed"
+    )
+
+
+def run_local(args: argparse.Namespace, cleanup: list[Callable[[], object]]) -> int:
+    root = args.root.resolve()
+    base = root.parent
+    shutil.rmtree(root / args.run, ignore_errors=True)  # a fresh run each time, not a resume of the last demo's
+    daemon = procs.start_daemon("A", ["--root", str(root)], base / "daemon")
+    cleanup.append(daemon.stop)
+    print(
+        f"daemon A (pid {daemon.proc.pid}): gRPC {daemon.address}, metrics {daemon.metrics_url}, root {procs.shown(root)}"
+    )
+    resumed, _, _ = preempt_and_resume(args, daemon, daemon, base / "logs", cleanup, evaluate=root)
+    score, checkpoint = resumed.wait_for("return")
+    resumed.proc.wait(60)
+    _print_metrics(daemon)
+    print(f"newest policy ({procs.shown(Path(checkpoint))}): CartPole return {score}")
+    code = daemon.stop()
+    print(f"daemon A stopped (exit {code})")
+    print(
+        f"on disk: training checkpoints {procs.shown(root / args.run / 'train')}, "
+        f"policies {procs.shown(root / args.run / 'policies')}, logs {procs.shown(base / 'logs')} and {procs.shown(daemon.log)}"
+    )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fleet", action="store_true", help="two daemons on a local S3 server (needs root)")
+    parser.add_argument("--root", type=Path, default=Path("demo/checkpoints"), help="local mode's daemon root")
+    parser.add_argument("--dir", type=Path, default=Path("demo/fleet"), help="fleet mode's working dir")
+    parser.add_argument("--steps", type=int, default=10000, help="train steps in all")
+    parser.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints")
+    parser.add_argument(
+        "--kill-at", type=int, help="the step at which to SIGKILL the trainer (default: 55%% of --steps)"
+    )
+    parser.add_argument("--run", default="cartpole-dqn")
+    parser.add_argument("--lease-seconds", type=float, default=5.0, help="fleet mode's run lease")
+    args = parser.parse_args(argv)
+    if args.kill_at is None:
+        args.kill_at = args.steps * 11 // 20
+    if not 0 < args.save_every <= args.kill_at < args.steps:
+        parser.error("need 0 < --save-every <= --kill-at < --steps")
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    cleanup: list[Callable[[], object]] = []
+    started = time.monotonic()
+    try:
+        code = run_fleet(args, cleanup, preempt_and_resume) if args.fleet else run_local(args, cleanup)
+        print(f"demo done in {time.monotonic() - started:.0f} s")
+        return code
+    except procs.DemoError as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        print(f"\ndemo interrupted ({e or 'SIGINT'}): stopping what it started", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cleanup runs to its end
+        for stop in reversed(cleanup):
+            try:
+                stop()
+            except (OSError, subprocess.SubprocessError) as e:
+                print(f"demo: while stopping: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

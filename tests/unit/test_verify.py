@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -229,14 +230,24 @@ def test_cli_takes_the_working_dir_as_dot(
 
 
 def test_cli_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["verify", "--json", str(root / "runA"), str(root / "missing")]) == 1
+    assert main(["verify", "--json", str(root / "runA"), str(root / "runB" / "foreign")]) == 1
     document = json.loads(capsys.readouterr().out)
     assert document["ok"] is False
     assert [(Path(d["path"]).name, d["ok"]) for d in document["dirs"]] == [
-        ("policy_2", True), ("policy_1", True), ("missing", False),
+        ("policy_2", True), ("policy_1", True), ("foreign", False),
     ]  # fmt: skip
     assert document["dirs"][0]["step"] == 7 and document["dirs"][0]["run"] == "run1"
-    assert document["dirs"][2]["reason"] == "does not exist"
+    assert document["dirs"][2]["reason"].startswith(f"no {MANIFEST}")
+
+
+def test_cli_a_path_that_does_not_exist_is_a_usage_error_exit_2_and_nothing_is_checked(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", str(root / "runA"), "/nonexistent"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # not even runA's OK lines: a typo is told before a long check starts
+    assert err.startswith("checkpointd verify: /nonexistent: no such file or dir; give a save dir")
+    assert "s3://BUCKET" in err
 
 
 def test_cli_fails_a_dir_without_any_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -252,15 +263,17 @@ def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
 
 
-def test_progress_reports_bytes_checked_on_stderr(tmp_path: Path) -> None:
+def test_progress_reports_saves_bytes_and_rate_checked_on_stderr(tmp_path: Path) -> None:
     big = {**SAVED_MODEL, DATA: b"\x07" * (9 << 20)}
-    save = make_save(tmp_path / "big", big)
+    make_save(tmp_path / "big", big)
+    make_save(tmp_path / "small", SAVED_MODEL)
     out, err = io.StringIO(), io.StringIO()
-    assert verify.run([save], progress=True, out=out, err=err) == 0
-    assert err.getvalue().startswith("\rchecked ")
-    assert err.getvalue().endswith("\rchecked 9.0 MiB\n")
-    assert "of 9.0 MiB" in err.getvalue()
-    assert out.getvalue().startswith("OK ")
+    assert verify.run([tmp_path], progress=True, out=out, err=err) == 0
+    shown = err.getvalue()
+    assert shown.startswith("\rchecked 0 of 2 saves, ") and shown.endswith("\n")
+    last = shown.rstrip("\n").rsplit("\r", 1)[-1].replace("\x1b[K", "")
+    assert re.fullmatch(r"checked 2 of 2 saves, 9\.0 of 9\.0 MiB, [\d,.]+ MiB/s", last), last
+    assert out.getvalue().splitlines()[-1] == "2 OK, 0 FAILED"
 
 
 def test_verify_command_parses() -> None:
@@ -288,6 +301,54 @@ def test_verify_entry_point_exit_codes(root: Path) -> None:
     bad = subprocess.run([*run, str(root)], capture_output=True, text=True, timeout=SUBPROCESS_LIMIT)
     usage = subprocess.run(run, capture_output=True, text=True, timeout=SUBPROCESS_LIMIT)
     assert (ok.returncode, bad.returncode, usage.returncode) == (0, 1, 2)
+
+    missing = subprocess.run([*run, "/nonexistent"], capture_output=True, text=True, timeout=SUBPROCESS_LIMIT)
+    assert missing.returncode == 2 and "/nonexistent: no such file or dir" in missing.stderr
+
+
+def _verify_with_stderr_on_a_terminal(path: Path) -> tuple[int, str, str]:
+    """`checkpointd verify PATH` with stderr on a pseudo-terminal and stdout on a pipe: (exit, stdout, terminal)."""
+    controller, terminal = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpointd", "verify", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            text=True,
+        )
+        os.close(terminal)
+        terminal = -1
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                break
+            if not chunk:
+                break
+            shown += chunk
+        out, _ = proc.communicate(timeout=SUBPROCESS_LIMIT)
+        return proc.returncode, out, shown.decode()
+    finally:
+        os.close(controller)
+        if terminal >= 0:
+            os.close(terminal)
+
+
+def test_verify_shows_progress_on_a_terminal_and_nothing_extra_when_piped(tmp_path: Path) -> None:
+    for i in range(3):
+        make_save(tmp_path / f"save_{i}", {**SAVED_MODEL, DATA: bytes([i]) * (2 << 20)})
+    code, out, shown = _verify_with_stderr_on_a_terminal(tmp_path)
+    assert code == 0 and out.splitlines()[-1] == "3 OK, 0 FAILED"
+    assert "\rchecked " in shown and "3 of 3 saves, 6.0 of 6.0 MiB, " in shown and "MiB/s" in shown
+    piped = subprocess.run(
+        [sys.executable, "-m", "checkpointd", "verify", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_LIMIT,
+    )
+    assert piped.returncode == 0 and piped.stderr == ""
+    assert piped.stdout == out  # the same report either way; only the terminal gets the progress line
 
 
 # The upload deadline's configuration.

@@ -14,38 +14,18 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from checkpointd.cli.verify import print_reports
+from checkpointd.cli.verify import ProgressLine, print_reports
 from checkpointd.cli.verify_bucket import verify_bucket
 from checkpointd.core.ports import CommittedSave
 from checkpointd.core.retention import age
-from checkpointd.protocol.errors import CheckpointdError
+from checkpointd.protocol.errors import CheckpointdError, RunNotFoundError
 from checkpointd.protocol.names import check_run_name
 from checkpointd.storage import s3
 from checkpointd.storage.s3_client import S3Url
-
-
-class _Progress:
-    """Bytes fetched so far on one rewritten stderr line, at most 5 times a second."""
-
-    def __init__(self, stream: IO[str], total: int) -> None:
-        self._stream, self._total, self._done, self._shown = stream, total, 0, 0.0
-
-    def __call__(self, n: int) -> None:
-        self._done += n
-        now = time.monotonic()
-        if now - self._shown >= 0.2:
-            self._shown = now
-            self._stream.write(f"\rfetched {self._done / (1 << 20):,.1f} of {self._total / (1 << 20):,.1f} MiB")
-            self._stream.flush()
-
-    def end(self) -> None:
-        self._stream.write(f"\rfetched {self._done / (1 << 20):,.1f} MiB\n")
-        self._stream.flush()
 
 
 def _store(root: str, endpoint_url: str | None, region: str | None, work: Path) -> s3.S3Store:
@@ -70,6 +50,10 @@ def fetch(
 ) -> int:
     """`checkpointd fetch`: copies RUN[/EXPORT_DIR] from `root` to `dest`; returns the exit code.
 
+    EXPORT_DIR names a save, or a dir of saves (`train`, a training-checkpoint
+    dir), whose newest committed save is fetched; no EXPORT_DIR, the run
+    folder's newest. On a terminal (or with `progress`), a progress line.
+
     A save that is a dir of its own becomes `dest` (which must not exist); a
     training checkpoint's files `<name>.*` go into the dir `dest`, with a
     `checkpoint` state file naming it, so `tf.train.latest_checkpoint(dest)` finds it.
@@ -88,17 +72,13 @@ def fetch(
         err.write(f"checkpointd fetch: {e}\n")
         return 2
     try:
-        chosen: CommittedSave | None
-        if export_dir:
-            chosen = store.committed_at(folder, export_dir)
-        else:
-            saves = store.committed(folder, None)
-            chosen = max(saves, key=age) if saves else None
+        chosen = _choose(store, folder, export_dir)
         if chosen is None:
-            err.write(f"checkpointd fetch: no committed save in {root}/{folder}\n")
+            where = f"{folder}/{export_dir}" if export_dir else folder
+            err.write(f"checkpointd fetch: no committed save in {root.rstrip('/')}/{where}\n")
             return 1
         total = _listed_bytes(store, chosen)
-        line = _Progress(err, total) if (err.isatty() if progress is None else progress) else None
+        line = ProgressLine(err, "fetched", total) if (err.isatty() if progress is None else progress) else None
         with store.local_copy(chosen, line) as local:
             _place(Path(local.path), chosen, dest)
         if line is not None:
@@ -110,6 +90,23 @@ def fetch(
         return 1
     finally:
         store.close()
+
+
+def _choose(store: s3.S3Store, folder: str, export_dir: str) -> CommittedSave | None:
+    """The save RUN[/EXPORT_DIR] names: that save, or the newest one in the folder or under that dir.
+
+    EXPORT_DIR may be a save (a SavedModel, `train/ckpt-7`) or a dir of
+    saves: a training-checkpoint dir (`train`, as `tf.train.latest_checkpoint`
+    takes one) or a policies dir; then its newest committed save is fetched.
+    """
+    if export_dir:
+        try:
+            return store.committed_at(folder, export_dir)
+        except RunNotFoundError:
+            pass
+    below = export_dir.strip("/") + "/" if export_dir else ""
+    saves = [s for s in store.committed(folder, None) if s.export_dir.startswith(below)]
+    return max(saves, key=age) if saves else None
 
 
 def _listed_bytes(store: s3.S3Store, save: CommittedSave) -> int:

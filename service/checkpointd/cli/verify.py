@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO
@@ -28,11 +28,18 @@ from checkpointd.storage.save_manifest import (
 )
 
 
-def verify_paths(paths: Iterable[Path], progress: Progress | None = None) -> list[Report]:
+def verify_paths(
+    paths: Iterable[Path], progress: Progress | None = None, done: Callable[[Report], object] | None = None
+) -> list[Report]:
     """Verifies every save at or under each path, in order: save dirs, then checkpoint prefixes.
 
     A checkpoint prefix (a training checkpoint, `<dir>/ckpt-<step>`) may be
     named itself; its files without a manifest beside them fail.
+
+    Args:
+        paths: save dirs, checkpoint prefixes, or dirs to search for them.
+        progress: called with the bytes of each piece checked.
+        done: called with each save's report as it is made.
     """
     reports = []
     for path in paths:
@@ -44,30 +51,72 @@ def verify_paths(paths: Iterable[Path], progress: Progress | None = None) -> lis
         dirs = find_save_dirs(path) if path.is_dir() else []
         if not dirs and not prefixes:
             reports.append(Report(str(path), False, f"no save dirs ({MANIFEST_NAME}) found here"))
-        reports.extend(verify_dir(d, progress) for d in dirs)
-        reports.extend(verify_prefix(p, progress) for p in prefixes)
+        for d in dirs:
+            reports.append(verify_dir(d, progress))
+            if done is not None:
+                done(reports[-1])
+        for p in prefixes:
+            reports.append(verify_prefix(p, progress))
+            if done is not None:
+                done(reports[-1])
     return reports
 
 
-class _ProgressLine:
-    """Bytes checked so far, on one rewritten stderr line, at most 5 times a second."""
+def missing(paths: Iterable[Path]) -> list[Path]:
+    """The paths that are neither a file or dir nor a checkpoint prefix (a usage error, not a failed save)."""
+    return [Path(p) for p in paths if not Path(p).exists() and not find_prefixes(Path(p), orphans=True)]
 
-    def __init__(self, stream: IO[str], total: int) -> None:
-        self._stream, self._total = stream, total
-        self._done, self._shown = 0, 0.0
+
+class ProgressLine:
+    """Work done so far (saves, bytes, rate) on one rewritten stderr line, at most 5 times a second.
+
+    For a terminal only: a pipe or a log gets nothing from it. `end()`
+    leaves the last state on its own line.
+    """
+
+    def __init__(self, stream: IO[str], verb: str, total_bytes: int, total_saves: int | None = None) -> None:
+        self._stream, self._verb = stream, verb
+        self._total_bytes, self._total_saves = total_bytes, total_saves
+        self._bytes, self._saves = 0, 0
+        self._started = time.monotonic()
+        self._shown: float | None = None
 
     def __call__(self, n: int) -> None:
-        self._done += n
+        """Counts `n` more bytes."""
+        self._bytes += n
+        self._show()
+
+    def save_done(self, report: object = None) -> None:
+        """Counts one more save."""
+        self._saves += 1
+        self._show()
+
+    def text(self) -> str:
+        """The line as shown now: `checked 3 of 40 saves, 12.0 of 96.5 MiB, 48.1 MiB/s`."""
+        parts = []
+        if self._total_saves is not None:
+            parts.append(f"{self._saves} of {self._total_saves} saves")
+        parts.append(f"{self._bytes / _MIB:,.1f} of {self._total_bytes / _MIB:,.1f} MiB")
+        seconds = time.monotonic() - self._started
+        if seconds > 0:
+            parts.append(f"{self._bytes / _MIB / seconds:,.1f} MiB/s")
+        return f"{self._verb} " + ", ".join(parts)
+
+    def _show(self, force: bool = False) -> None:
         now = time.monotonic()
-        if now - self._shown >= 0.2:
+        if force or self._shown is None or now - self._shown >= 0.2:
             self._shown = now
-            self._stream.write(f"\rchecked {self._done / (1 << 20):,.1f} of {self._total / (1 << 20):,.1f} MiB")
+            self._stream.write("\r" + self.text() + "\x1b[K")  # erase what a longer line left
             self._stream.flush()
 
     def end(self) -> None:
-        if self._shown:
-            self._stream.write(f"\rchecked {self._done / (1 << 20):,.1f} MiB\n")
-            self._stream.flush()
+        """Shows the final count and ends the line."""
+        self._show(force=True)
+        self._stream.write("\n")
+        self._stream.flush()
+
+
+_MIB = 1 << 20
 
 
 def _listed_bytes(dirs: Iterable[Path], prefixes: Iterable[Path] = ()) -> int:
@@ -94,22 +143,31 @@ def run(
     Args:
         paths: save dirs, or dirs (a run, the root) to search for them.
         as_json: print one JSON document instead of lines.
-        progress: show bytes checked on stderr; None = only if stderr is a TTY.
+        progress: show saves and bytes checked, and the rate, on stderr;
+            None = only if stderr is a TTY.
         out, err: streams (default stdout, stderr).
 
     Returns:
-        0 if every save dir is OK, 1 otherwise.
+        0 if every save dir is OK, 1 otherwise, 2 if a path does not exist
+        (nothing is checked then).
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    absent = missing(paths)
+    if absent:
+        err.write(
+            f"checkpointd verify: {', '.join(map(str, absent))}: no such file or dir; give a save dir, "
+            "a run's or the daemon's root dir, a checkpoint prefix (DIR/ckpt-N) or s3://BUCKET[/PREFIX[/RUN]]\n"
+        )
+        return 2
     if progress is None:
         progress = err.isatty()
     line = None
     if progress:
         dirs = [d for p in paths if Path(p).is_dir() for d in find_save_dirs(Path(p))]
         prefixes = [x for p in paths for x in find_prefixes(Path(p))]
-        line = _ProgressLine(err, _listed_bytes(dirs, prefixes))
-    reports = verify_paths(paths, line)
+        line = ProgressLine(err, "checked", _listed_bytes(dirs, prefixes), len(dirs) + len(prefixes))
+    reports = verify_paths(paths, line, line.save_done if line is not None else None)
     if line is not None:
         line.end()
     return print_reports(reports, as_json, out)

@@ -1,0 +1,1 @@
+"""The demo behind scripts/demo.sh: its trainer, processes and fleet mode."""

@@ -1,0 +1,239 @@
+"""The demo (`scripts/demo.sh`), both modes, checked against what the daemons committed.
+
+The demo runs with fewer steps than its default (the flags it documents:
+`--steps`, `--save-every`, `--kill-at`) and without its install
+(`CHECKPOINTD_DEMO_NO_INSTALL=1`: the suite runs in the installed venv).
+The step it says it resumed at is checked against the committed training
+checkpoints, read by the test itself the moment the demo reports the resume
+(the manifests, each save's commit marker: in the checkpoint dir locally, in
+the bucket in the fleet mode), not taken on its word: the resumed step must
+be the newest committed checkpoint then, holding that step. (After the run,
+the dir alone cannot say it: a save in flight when daemon A was killed is
+lost, and the resumed trainer writes that step again later.) The fleet mode
+runs where the S3 tests run (it needs Ceph's packages, so root): its exit
+code 3 says they cannot be installed, and the test skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+from checkpointd.cli.verify import verify_paths
+from checkpointd.storage.save_manifest import PREFIX_MANIFEST_SUFFIX
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "scripts" / "demo.sh"
+SMALL = ["--steps", "400", "--save-every", "100", "--kill-at", "250"]
+RUN = "cartpole-dqn"
+LIMIT = 600.0  # seconds any one demo run may take on a loaded machine before the test gives up
+_CANNOT_INSTALL_CEPH = 3
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "CHECKPOINTD_DEMO_NO_INSTALL": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def _demo(*args: str, committed: Callable[[str], set[int]] | None = None) -> tuple[int, str, str, set[int]]:
+    """Runs the demo to its end; returns its exit code, stdout, stderr and `committed(stdout so far)`.
+
+    `committed` is called as soon as the demo prints that trainer 2 resumed
+    (before trainer 2's first save is due): the steps committed then.
+    """
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([str(DEMO), *args], stdout=subprocess.PIPE, stderr=err, text=True, env=_env(), cwd=REPO)
+        timer = threading.Timer(LIMIT, proc.kill)  # a hung demo fails the test instead of hanging the suite
+        timer.start()
+        out, snapshot = "", set()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out += line
+                if committed is not None and "resumed at step" in line:
+                    snapshot = committed(out)
+            code = proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        err.seek(0)
+        return code, out, err.read(), snapshot
+
+
+def _claims(out: str) -> tuple[int, int, int]:
+    """What the demo printed: the step the killed trainer reached, the step resumed at, the steps lost."""
+    killed = re.search(r"SIGKILLed trainer 1 at step (\d+)", out)
+    resumed = re.search(r"resumed at step (\d+), (\d+) steps lost", out)
+    assert killed and resumed, out
+    return int(killed[1]), int(resumed[1]), int(resumed[2])
+
+
+def _check_resume(killed: int, resumed: int, lost: int, committed: set[int]) -> None:
+    assert 0 < resumed <= killed and lost == killed - resumed
+    assert committed and resumed == max(committed), (resumed, sorted(committed))
+
+
+def _local_committed(train: Path) -> set[int]:
+    """The steps of the training checkpoints committed in `train` (one manifest each, written last)."""
+    steps = set()
+    for manifest in train.glob("ckpt-*" + PREFIX_MANIFEST_SUFFIX):
+        step = json.loads(manifest.read_text())["step"]
+        assert manifest.name == f"ckpt-{step}{PREFIX_MANIFEST_SUFFIX}"  # the step in the save is its name's
+        steps.add(step)
+    return steps
+
+
+def _bucket_committed(rgw_dir: Path, out: str) -> set[int]:
+    """The same in the demo's bucket, read with the keys of its radosgw (rgw.sh keeps its env in DIR/env)."""
+    import boto3
+
+    endpoint = re.search(r"^S3 at (\S+), bucket (\S+) created; both daemons on s3://\S+?/(\S+)$", out, re.M)
+    assert endpoint, out
+    env = dict(line.split("=", 1) for line in (rgw_dir / "env").read_text().splitlines() if "=" in line)
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint[1],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
+    )
+    prefix = f"{endpoint[3]}/{RUN}/train/"
+    steps = set()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=endpoint[2], Prefix=prefix):
+        for obj in page.get("Contents", []):
+            if obj["Key"].endswith(PREFIX_MANIFEST_SUFFIX):
+                body = client.get_object(Bucket=endpoint[2], Key=obj["Key"])["Body"].read()
+                steps.add(json.loads(body)["step"])
+    return steps
+
+
+def _gone(pid: int) -> bool:
+    """No daemon or trainer runs as `pid` any more (the pid may have been reused by another program)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return True
+    return b"checkpointd" not in command and b"trainer.py" not in command
+
+
+def _pids(out: str) -> list[int]:
+    return [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
+
+
+def test_local_demo_resumes_a_killed_trainer_at_the_newest_committed_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    train = root / RUN / "train"
+    code, out, err, at_resume = _demo("--root", str(root), *SMALL, committed=lambda _: _local_committed(train))
+    assert code == 0, out + err
+    killed, resumed, lost = _claims(out)
+    _check_resume(killed, resumed, lost, at_resume)
+
+    state = tf.train.get_checkpoint_state(str(train))
+    assert state is not None
+    committed = {int(Path(p).name.removeprefix("ckpt-")) for p in state.all_model_checkpoint_paths}
+    assert all(r.ok for r in verify_paths([train]))  # every listed checkpoint is committed and intact
+    assert resumed in committed, out
+    reader = tf.train.load_checkpoint(str(train / f"ckpt-{resumed}"))
+    assert reader.get_tensor("global_step/.ATTRIBUTES/VARIABLE_VALUE") == resumed
+    assert max(committed) == 400 and Path(state.model_checkpoint_path).name == "ckpt-400", out
+
+    # The counts come from the daemon's /metrics: they match the saves on disk.
+    counts = re.search(r"(\d+) saves accepted, (\d+) skipped, (\d+) written \([\d.,]+ MiB\), (\d+) failed", out)
+    assert counts, out
+    on_disk = verify_paths([root / RUN])
+    assert all(r.ok for r in on_disk)
+    assert int(counts[3]) == len(on_disk) and int(counts[4]) == 0
+    assert int(counts[1]) == int(counts[3]) + int(counts[4])
+    score = re.search(r"CartPole return (\d+)", out)
+    assert score and 0 < int(score[1]) <= 200, out
+    assert "daemon A stopped (exit 0)" in out
+    assert all(_gone(pid) for pid in _pids(out)), out
+
+
+def test_ctrl_c_stops_everything_the_demo_started(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [str(DEMO), "--root", str(tmp_path / "checkpoints"), *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        assert proc.stdout is not None
+        seen = ""
+        for line in proc.stdout:
+            seen += line
+            if "training on daemon A" in line:
+                break
+        assert "training on daemon A" in seen, seen
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, seen + rest + err
+    assert "demo interrupted" in err
+    pids = _pids(seen)
+    assert len(pids) == 2  # the daemon and the trainer
+    deadline = time.monotonic() + 30  # the demo waited for them; /proc may lag their reaping a little
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids), pids
+
+
+def test_fleet_demo_moves_the_run_to_daemon_b_which_resumes_it_from_the_bucket(tmp_path: Path) -> None:
+    rgw_dir = tmp_path / "fleet" / "rgw"
+    code, out, err, at_resume = _demo(
+        "--fleet", "--dir", str(tmp_path / "fleet"), "--lease-seconds", "3", *SMALL,
+        committed=lambda so_far: _bucket_committed(rgw_dir, so_far),
+    )  # fmt: skip
+    if code == _CANNOT_INSTALL_CEPH:
+        pytest.skip(f"no S3 server for the fleet demo: {err.strip()}")
+    assert code == 0, out + err
+    killed, resumed, lost = _claims(out)
+    _check_resume(killed, resumed, lost, at_resume)
+    assert re.search(r"SIGKILLed trainer 1 at step \d+ and daemon A", out)
+    assert re.search(r"trainer 2 \(pid \d+\) on daemon B: resumed at step", out)
+    # What is in the bucket at the end, as checkpointd verify read it back.
+    committed = {
+        int(m[1])
+        for m in re.finditer(
+            r"^  OK +s3://\S+/cartpole-dqn/train/ckpt-(\d+) \(training_checkpoint, step \1,", out, re.M
+        )
+    }
+    assert re.search(r"^  (\d+) OK, 0 FAILED$", out, re.M), out
+    assert resumed in committed and max(committed) == 400, out
+    stored = re.search(r"^  cartpole-dqn\.train +cartpole-dqn +training_checkpoint train/ckpt-400 +400 ", out, re.M)
+    assert stored, out
+    assert "daemon B stopped (exit 0)" in out
+    assert all(_gone(pid) for pid in _pids(out)), out
+    assert _rgw_stopped(tmp_path / "fleet" / "rgw")
+
+
+def _rgw_stopped(where: Path) -> bool:
+    """No process of the demo's radosgw (mon, OSD, gateway; rgw.sh keeps their pids in DIR) is alive."""
+    for pid_file in where.glob("*.pid"):
+        try:
+            pid = int(pid_file.read_text())
+        except ValueError:
+            continue
+        if Path(f"/proc/{pid}").exists():
+            print(f"still running: {pid_file}", file=sys.stderr)
+            return False
+    return True
