@@ -283,6 +283,11 @@ def test_fetch_brings_the_newest_save_down_loadable_and_verify_reports_tampering
 
     ok = _cli(s3, "verify", f"{s3.url}/fe")
     assert ok.returncode == 0 and "2 OK, 0 FAILED" in ok.stdout, ok.stdout + ok.stderr
+    # A save's own location (what SaveResult.path gives) checks that save alone.
+    one = _cli(s3, "verify", f"{s3.url}/fe/model")
+    assert one.returncode == 0 and "1 OK, 0 FAILED" in one.stdout and "/fe/model" in one.stdout, one.stdout
+    absent = _cli(s3, "verify", f"{s3.url}/fe/nothing")
+    assert absent.returncode == 1 and "no committed save there" in absent.stderr, absent.stdout + absent.stderr
     key = f"{s3.prefix}/fe/ckpt/variables/variables.index"
     original = s3.client.get_object(Bucket=s3.rgw.bucket, Key=key)["Body"].read()
     s3.client.put_object(Bucket=s3.rgw.bucket, Key=key, Body=bytes([original[0] ^ 1]) + original[1:])

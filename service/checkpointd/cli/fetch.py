@@ -138,25 +138,42 @@ def verify(
     out: IO[str] | None = None,
     err: IO[str] | None = None,
 ) -> int:
-    """`checkpointd verify s3://BUCKET[/PREFIX[/RUN]]`: 0 if every committed save is intact, 1 if not, 2 on setup errors."""
+    """`checkpointd verify s3://BUCKET[/PREFIX[/RUN[/EXPORT_DIR]]]`: 0 if every save named is intact, 1 if not, 2 on setup errors.
+
+    A URL is read as the longest PREFIX whose next component is a run folder
+    holding saves: `s3://b/p/run` checks that run, `s3://b/p/run/policies/7`
+    that one save (what a SaveResult's path gives), `s3://b/p` every run.
+    """
     out, err = out or sys.stdout, err or sys.stderr
     reports = []
     for url in urls:
         parsed = S3Url.parse(url)
-        # s3://BUCKET/PREFIX/RUN checks one run folder: try it as a folder first.
-        base, _, last = parsed.prefix.rpartition("/")
+        parts = parsed.prefix.split("/") if parsed.prefix else []
         try:
-            store = _store(f"s3://{parsed.bucket}/{base}", endpoint_url, region, Path.cwd())
+            checked: list = []
+            named_a_save = False  # a run folder exists with something below it named
+            for k in range(len(parts) - 1, -1, -1):  # the run folder is parts[k]; below it, a save or a dir of saves
+                base, folder, below = "/".join(parts[:k]), parts[k], "/".join(parts[k + 1 :])
+                store = _store(f"s3://{parsed.bucket}/{base}", endpoint_url, region, Path.cwd())
+                try:
+                    if folder in store.folders():
+                        checked = verify_bucket(store, [folder], below)
+                        named_a_save = named_a_save or bool(below)
+                finally:
+                    store.close()
+                if checked:
+                    break
+            if not checked:
+                store = _store(url, endpoint_url, region, Path.cwd())
+                try:
+                    checked = verify_bucket(store)
+                finally:
+                    store.close()
+            if not checked and named_a_save:
+                err.write(f"checkpointd verify: {url}: no committed save there\n")
+                return 1
+            reports.extend(checked)
         except (OSError, ValueError) as e:
             err.write(f"checkpointd verify: {e}\n")
             return 2
-        try:
-            if last and last in store.folders():
-                reports.extend(verify_bucket(store, [last]))
-            else:
-                store.close()
-                store = _store(url, endpoint_url, region, Path.cwd())
-                reports.extend(verify_bucket(store))
-        finally:
-            store.close()
     return print_reports(reports, as_json, out)

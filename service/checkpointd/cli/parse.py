@@ -337,13 +337,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         help="check saves against their checkpointd.manifest.json (offline)",
         description="Check save dirs, or every save dir under a run or root dir, against their "
         "checkpointd.manifest.json: every listed file present with its size and CRC32C, no "
-        "other file. Exit 0 if all are OK, 1 if any is not.",
+        "other file. Exit 0 if all are OK, 1 if any is not, 2 if a path does not exist or the bucket cannot be used.",
     )
     verify.add_argument(
         "paths",
         nargs="+",
         metavar="PATH",
-        help="a save dir, or a dir to search for save dirs, or s3://BUCKET[/PREFIX[/RUN]] (every object read back)",
+        help="a save dir, or a dir to search for save dirs, or s3://BUCKET[/PREFIX[/RUN[/EXPORT_DIR]]] (every object read back)",
     )
     fetch = sub.add_parser(
         "fetch",

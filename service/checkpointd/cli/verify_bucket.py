@@ -18,8 +18,10 @@ from checkpointd.storage.s3_client import error_code
 from checkpointd.storage.s3_keys import ETAGS
 
 
-def verify_bucket(store: S3Store, folders: list[str] | None = None) -> list[save_manifest.Report]:
+def verify_bucket(store: S3Store, folders: list[str] | None = None, below: str = "") -> list[save_manifest.Report]:
     """Checks every committed save under the store's prefix (or in `folders`) against its manifest.
+
+    `below`: only the save at that export dir, or the saves under it ("" for all).
 
     Every listed object must be there with the listed size, ETag and CRC32C
     (read back in full). Objects no manifest lists are not saves and are
@@ -28,7 +30,8 @@ def verify_bucket(store: S3Store, folders: list[str] | None = None) -> list[save
     reports = []
     for folder in store.folders() if folders is None else folders:
         for save in sorted(store.committed(folder, None), key=lambda s: str(s.path)):
-            reports.append(_verify_save(store, save))
+            if not below or save.export_dir == below or save.export_dir.startswith(below.rstrip("/") + "/"):
+                reports.append(_verify_save(store, save))
     return reports
 
 
