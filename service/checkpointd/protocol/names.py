@@ -108,3 +108,5 @@ def check_export_dir(export_dir: str) -> PurePosixPath:
 
 MANIFEST_NAME = "checkpointd.manifest.json"
 """A committed save's manifest, written last: the commit marker (`checkpointd.storage.save_manifest`)."""
+
+LEASE_WAIT_METADATA = "checkpointd-lease-wait"
