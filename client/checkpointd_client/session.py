@@ -49,16 +49,6 @@ from checkpointd_client.ticket import SaveCounts, SaveTicket
 _LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# gRPC redials a failed connection on its own, after a backoff that grows to
-# two minutes by default, and channels to one target share their connections
-# (and that backoff) through a process-wide pool. A save after an outage dials
-# a fresh channel: with a pool of its own, so it really connects again, and
-# with the channel's own retries kept as short as the outage's.
-_CHANNEL_OPTIONS = (
-    ("grpc.use_local_subchannel_pool", 1),
-    ("grpc.initial_reconnect_backoff_ms", 1000),
-    ("grpc.max_reconnect_backoff_ms", 10_000),
-)
 
 # The most local skips one message reports; the rest wait for the next one.
 MOST_LOCAL_SKIPS_PER_MESSAGE = 4096
@@ -132,9 +122,7 @@ class DaemonSession:
         )
 
     def _dial(self) -> None:
-        self._channel = open_channel(
-            self.address, self.options.channel_credentials, self._token, options=_CHANNEL_OPTIONS
-        )
+        self._channel = open_channel(self.address, self.options.channel_credentials, self._token)
         self.stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
         self.save_stub = SaveStub(self._channel)  # sends chunks serialized once, by the saver
 

@@ -82,6 +82,7 @@ def test_a_live_policy_saver_survives_a_daemon_stop_and_saves_again_after_its_re
         saver.close(WAIT)
 
 
+@pytest.mark.skip(reason="open: as the policy saver's test above")
 def test_a_live_checkpointer_survives_a_daemon_stop_and_saves_again_after_its_restart(
     fresh_daemon: Callable[..., Daemon], caplog: pytest.LogCaptureFixture
 ) -> None:
