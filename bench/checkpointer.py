@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.config import Size
     from bench.stats import summarize, timed
     from checkpointd_client import RemoteCheckpointer
-    from checkpointd_client import training as client_training
+    from checkpointd_client import tf_checkpoint as client_training
     from tests.integration.daemon import start_daemon
 
     case = CASES[args.case]

@@ -1,4 +1,13 @@
-"""checkpointd_client: save TF-Agents policies and training state through a checkpointd daemon."""
+"""checkpointd_client: save TF-Agents policies and training state through a checkpointd daemon.
+
+The savers are imported on first use, so importing a module of the package
+that needs no TensorFlow (`checkpointd_client.session`) loads none.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from checkpointd.protocol.credentials import credentials
 from checkpointd.protocol.errors import (
@@ -8,24 +17,40 @@ from checkpointd.protocol.errors import (
     InvalidRequestError,
     LimitExceededError,
     RunClosedError,
+    RunHeldError,
     RunNotFoundError,
     SaveFailedError,
     UnauthenticatedError,
     UnavailableError,
 )
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd_client.checkpointer import RemoteCheckpointer
-from checkpointd_client.learner import RemoteLearner, train_modules
-from checkpointd_client.restore import LatestSave
-from checkpointd_client.saver import RemotePolicySaver
-from checkpointd_client.ticket import SaveResult, SaveTicket
-from checkpointd_client.trigger import RemotePolicySavedModelTrigger
+
+if TYPE_CHECKING:
+    from checkpointd_client.checkpointer import RemoteCheckpointer
+    from checkpointd_client.learner import RemoteLearner, ppo_learner_module, train_modules
+    from checkpointd_client.restore import LatestSave
+    from checkpointd_client.saver import RemotePolicySaver
+    from checkpointd_client.ticket import SaveCounts, SaveResult, SaveTicket
+    from checkpointd_client.trigger import RemotePolicySavedModelTrigger
+
+# Name -> the module that defines it, imported when the name is first used.
+_LAZY = {
+    "RemoteCheckpointer": "checkpointd_client.checkpointer",
+    "RemoteLearner": "checkpointd_client.learner",
+    "ppo_learner_module": "checkpointd_client.learner",
+    "train_modules": "checkpointd_client.learner",
+    "LatestSave": "checkpointd_client.restore",
+    "RemotePolicySaver": "checkpointd_client.saver",
+    "SaveCounts": "checkpointd_client.ticket",
+    "SaveResult": "checkpointd_client.ticket",
+    "SaveTicket": "checkpointd_client.ticket",
+    "RemotePolicySavedModelTrigger": "checkpointd_client.trigger",
+}
 
 __all__ = [
     "CheckpointdError",
     "ChecksumError",
     "DeadlineError",
-    "UnavailableError",
     "InvalidRequestError",
     "LatestSave",
     "LimitExceededError",
@@ -34,12 +59,25 @@ __all__ = [
     "RemotePolicySaver",
     "RemotePolicySavedModelTrigger",
     "RunClosedError",
+    "RunHeldError",
     "RunNotFoundError",
+    "SaveCounts",
     "SaveFailedError",
     "SaveKind",
     "SaveResult",
     "SaveTicket",
     "UnauthenticatedError",
+    "UnavailableError",
     "credentials",
+    "ppo_learner_module",
     "train_modules",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'checkpointd_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -19,23 +19,23 @@ ticket, and the run keeps saving.
 
 A restarted trainer restores over the daemon's Restore call, so it need not
 share the daemon's disk: build the same objects, construct the checkpointer,
-call `initialize_or_restore()`. See `checkpointd_client.training` for what
+call `initialize_or_restore()`. See `checkpointd_client.tf_checkpoint` for what
 is saved and how it is put back.
 
-Lock discipline: `_lock` guards `_busy`, `_closing`, `_closed`, `_spare` and
-`_segment` and is never held across an RPC or a TF call; `_close_lock`
-serializes close().
+The connection, busy accounting, flush, close and what a non-blocking save
+does when the daemon cannot take it are the session's
+(`checkpointd_client.session`): the Learner's interval saves never stop
+training. Lock discipline: the session's lock guards `_spare` and
+`_segment`, and is never held across an RPC or a TF call.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable
-from pathlib import Path, PurePosixPath
+from collections.abc import Iterable
+from pathlib import PurePosixPath
 from typing import Any
 
 import grpc
@@ -43,17 +43,17 @@ import numpy as np
 import tensorflow as tf
 
 from checkpointd.protocol import wire
-from checkpointd.protocol.codes import error_for
-from checkpointd.protocol.credentials import open_channel, read_token
-from checkpointd.protocol.errors import CheckpointdError, DeadlineError, InvalidRequestError, RunClosedError
+from checkpointd.protocol.errors import CheckpointdError, InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, check_run_name, checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import shm, training
-from checkpointd_client.restore import _fetch as fetch_restore
-from checkpointd_client.stream import SaveStream, SaveStub, rpc_error
-from checkpointd_client.ticket import SaveTicket
+from checkpointd_client import shm, tf_checkpoint
+from checkpointd_client.connection import ConnectionOptions
+from checkpointd_client.outage import survivable
+from checkpointd_client.restore import fetch as fetch_restore
+from checkpointd_client.session import DaemonSession
+from checkpointd_client.stream import SaveStream
+from checkpointd_client.ticket import SaveCounts, SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -163,36 +163,19 @@ class RemoteCheckpointer:
             raise ValueError(
                 f"keep_checkpoint_every_n_hours must be > 0 or None, got {keep_checkpoint_every_n_hours!r}"
             )
-        wire.check_chunk_bytes(chunk_bytes)
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be None or > 0 seconds, saw {timeout!r}")
-        if token is not None and token_file is not None:
-            raise ValueError("give token or token_file, not both")
-        if token_file is not None:
-            token = read_token(Path(token_file))
+        connection = ConnectionOptions(
+            chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
+            token_file=token_file, shared_memory=shared_memory,
+        )  # fmt: skip
         self._max_to_keep = max_to_keep
         self._keep_hours = keep_checkpoint_every_n_hours
         self._checkpoint = tf.train.Checkpoint(**objects)
-        self._address = address
-        self._chunk_bytes = chunk_bytes
-        self._timeout = timeout
-        self._channel = open_channel(address, channel_credentials, token)
-        self._stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
-        self._save_stub = SaveStub(self._channel)
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._busy = 0
-        self._closing = False
-        self._closed = False
-        self._close_lock = threading.Lock()
+        self._daemon = DaemonSession(address, self._run, connection, owner="checkpointer", upload_threads=2)
         self._use_shm = shared_memory
         self._segment: shm.SegmentMap | None = None
         # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
         self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
-        self._copies: list[training.LocalCopy] = []  # restored checkpoints TF may still read
-        self._uploads = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix=f"checkpointd-upload-{self._run}"
-        )
+        self._copies: list[tf_checkpoint.LocalCopy] = []  # restored checkpoints TF may still read
         self._manager = RemoteCheckpointManager(self)
         try:
             self._register()
@@ -204,7 +187,7 @@ class RemoteCheckpointer:
                 _LOGGER.info("run %s: no checkpoint available in %r", self._run, self._dir)
                 self._load_status = self._checkpoint.restore(None)
         except BaseException:
-            self._shutdown()
+            self._daemon.shutdown(self._delete_copies)
             raise
         self._checkpoint_exists = latest is not None
 
@@ -226,6 +209,16 @@ class RemoteCheckpointer:
     @property
     def run(self) -> str:
         return self._run
+
+    @property
+    def address(self) -> str:
+        """The daemon's address, as dialled."""
+        return self._daemon.address
+
+    @property
+    def counts(self) -> SaveCounts:
+        """How this checkpointer's saves ended so far (durable, skipped, failed)."""
+        return self._daemon.counts
 
     @property
     def folder(self) -> str:
@@ -253,6 +246,11 @@ class RemoteCheckpointer:
         durable. With `blocking`, this waits for the in-flight save, then
         until this one is durable.
 
+        A non-blocking save that the daemon cannot take (unreachable,
+        restarting, out of time or budget, failing inside) returns a failed
+        ticket instead of raising, as RemotePolicySaver.save does: the
+        Learner's interval saves never stop training.
+
         Args:
             global_step: the step (an int, or an integer tf.Variable/Tensor)
                 that names the checkpoint, >= 0.
@@ -260,18 +258,19 @@ class RemoteCheckpointer:
                 and for this save to be durable.
 
         Raises:
-            RunClosedError: if `close()` was called.
+            RunClosedError: if `close()` was called, or the daemon closed the run.
             ValueError: an object holds state the daemon cannot carry (see
-                `checkpointd_client.training.describe`), or a negative step.
-            CheckpointdError: the status the daemon answered before the
-                decision (or, with `blocking`, the save's own error).
+                `checkpointd_client.tf_checkpoint.describe`), or a negative step.
+            InvalidRequestError: the daemon found the request invalid.
+            UnauthenticatedError: the daemon refused the token.
+            CheckpointdError: with `blocking`, any status the daemon answered
+                (UnavailableError naming the address if it cannot be
+                reached), and the save's own error.
         """
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be a bool, saw {type(blocking)!r} (CheckpointOptions are not taken)")
-        with self._lock:
-            if self._closing:
-                raise RunClosedError(f"run {self._run!r}: the checkpointer was closed")
-            self._busy += 1
+        daemon = self._daemon
+        daemon.begin()
         handed_off = False
         try:
             step = int(np.asarray(global_step))
@@ -279,37 +278,51 @@ class RemoteCheckpointer:
                 export_dir = checkpoint_prefix(self._dir, step)
             except InvalidRequestError as e:
                 raise ValueError(str(e)) from None
-            counter = self._checkpoint.save_counter
-            counter.assign_add(1)  # as CheckpointManager.save does, before the write
-            try:
-                state = training.describe(self._checkpoint)
-                ticket = SaveTicket(export_dir, SaveKind.TRAINING_CHECKPOINT, step)
-                stream, offer = self._decide(ticket, state, blocking)
-            except BaseException:
-                counter.assign_sub(1)  # refused before a decision: nothing was saved
-                raise
-            if ticket.skipped:
-                counter.assign_sub(1)  # nothing was saved
+            daemon.last_step = step
+            ticket = daemon.ticket(export_dir, SaveKind.TRAINING_CHECKPOINT, step)
+            if not blocking and daemon.fail_fast(ticket):
                 return ticket
             try:
-                requests, spare = self._copy(state, offer)
-            except BaseException:
-                stream.close()
-                raise
-            self._checkpoint_exists = True
-            if blocking:
-                self._upload(stream, requests, ticket, state, spare)
-                ticket.result()
-                return ticket
-            self._uploads.submit(self._upload_then_release, stream, requests, ticket, state, spare)
-            handed_off = True
+                handed_off = self._save_now(ticket, blocking)
+            except CheckpointdError as e:
+                if blocking or not survivable(e) or ticket.done():
+                    raise
+                return daemon.survive(ticket, e)
             return ticket
         finally:
             if not handed_off:
-                self._release()
+                daemon.release()
+
+    def _save_now(self, ticket: SaveTicket, blocking: bool) -> bool:
+        """Asks the daemon, copies and uploads; True if an upload thread took the save over."""
+        counter = self._checkpoint.save_counter
+        counter.assign_add(1)  # as CheckpointManager.save does, before the write
+        try:
+            state = tf_checkpoint.describe(self._checkpoint)
+            self._daemon.before_trying()
+            stream, offer = self._decide(ticket, state, blocking)
+        except BaseException:
+            counter.assign_sub(1)  # refused before a decision: nothing was saved
+            raise
+        self._daemon.answered()
+        if ticket.skipped:
+            counter.assign_sub(1)  # nothing was saved
+            return False
+        try:
+            requests, spare = self._copy(state, offer)
+        except BaseException:
+            stream.close()
+            raise
+        self._checkpoint_exists = True
+        if blocking:
+            self._upload(stream, requests, ticket, state, spare)
+            ticket.result()
+            return False
+        self._daemon.uploads.submit(self._upload_then_release, stream, requests, ticket, state, spare)
+        return True
 
     def _decide(
-        self, ticket: SaveTicket, state: training.TrainingState, blocking: bool
+        self, ticket: SaveTicket, state: tf_checkpoint.TrainingState, blocking: bool
     ) -> tuple[SaveStream, pb.SharedMemory | None]:
         """Opens the Save call and reads the decision; registers again once on NOT_FOUND."""
         header = pb.SaveHeader(
@@ -322,28 +335,24 @@ class RemoteCheckpointer:
             shared_memory=self._use_shm,
             training_checkpoint=state.to_proto(self._max_to_keep, self._keep_hours),
         )
-        for attempt in (1, 2):
-            stream = SaveStream(self._save_stub, header, self._timeout)
+        daemon = self._daemon
+
+        def attempt() -> tuple[SaveStream, pb.SaveDecision]:
+            stream = SaveStream(daemon.save_stub, header, daemon.timeout)
             try:
-                decision = stream.decision()
-            except grpc.RpcError as e:
-                stream.close()
-                code, details = rpc_error(e)
-                if code != grpc.StatusCode.NOT_FOUND or attempt == 2:
-                    raise error_for(code, details) from e
-                _LOGGER.warning("run %s: daemon lost the run (%s); registering again", self._run, details)
-                self._register()
-                continue
+                return stream, stream.decision()
             except BaseException:
                 stream.close()
                 raise
-            if not decision.accepted:
-                stream.skip(ticket, decision.reason, self._run)
-            return stream, decision.shared_memory if decision.HasField("shared_memory") else None
-        raise AssertionError("unreachable")
+
+        doing = f"saving run {self._run!r} step {ticket.step} to {ticket.export_dir!r}"
+        stream, decision = daemon.retrying_lost_run(attempt, self._register, doing)
+        if not decision.accepted:
+            stream.skip(ticket, decision.reason, self._run)
+        return stream, decision.shared_memory if decision.HasField("shared_memory") else None
 
     def _copy(
-        self, state: training.TrainingState, offer: pb.SharedMemory | None
+        self, state: tf_checkpoint.TrainingState, offer: pb.SharedMemory | None
     ) -> tuple[Iterable[bytes], list[np.ndarray] | None]:
         """Copies the values now: into the offered segment, else into spare buffers.
 
@@ -351,49 +360,43 @@ class RemoteCheckpointer:
         arrays the next save may reuse (None for a segment's).
         """
         if offer is not None and self._use_shm:
-            with self._lock:
+            with self._daemon.lock:
                 current = self._segment
             segment = shm.open_offer(offer, current, self._run)
             if segment is not None and len(offer.offsets) == len(state.tensors) + 1:
-                with self._lock:
+                with self._daemon.lock:
                     self._segment = segment
-                whole = memoryview(segment._map)  # noqa: SLF001 - the mapped segment, written in place
+                whole = segment.view()
                 views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
                 state.copy(views, strings=True)
                 return [shm.WRITTEN], None
             self._use_shm = False  # the daemon is not on this host (or not this user's)
-        with self._lock:
+        with self._daemon.lock:
             spare, self._spare = self._spare, None
         buffers = spare[1] if spare is not None and spare[0] == state.layout else None
         if buffers is None:  # Python state needs none: it is bytes already
-            buffers = [np.empty(0 if training.is_string(t) else t.nbytes, np.uint8) for t in state.tensors]
+            buffers = [np.empty(0 if tf_checkpoint.is_string(t) else t.nbytes, np.uint8) for t in state.tensors]
         parts = state.copy([b.data for b in buffers])
-        return wire.save_request_chunks(parts, self._chunk_bytes), buffers
+        return wire.save_request_chunks(parts, self._daemon.chunk_bytes), buffers
 
     def _upload(
         self,
         stream: SaveStream,
         requests: Iterable[bytes],
         ticket: SaveTicket,
-        state: training.TrainingState,
+        state: tf_checkpoint.TrainingState,
         spare: list[np.ndarray] | None,
     ) -> None:
         stream.finish(ticket, requests, self._run)
         if spare is not None and ticket.done() and ticket.exception(0) is None:
-            with self._lock:  # gRPC has let go of every chunk: the next save may reuse them
+            with self._daemon.lock:  # gRPC has let go of every chunk: the next save may reuse them
                 self._spare = (state.layout, spare)
 
     def _upload_then_release(self, *args: Any) -> None:
         try:
             self._upload(*args)
         finally:
-            self._release()
-
-    def _release(self) -> None:
-        with self._idle:
-            self._busy -= 1
-            if not self._busy:
-                self._idle.notify_all()
+            self._daemon.release()
 
     # Registration and restore.
 
@@ -401,17 +404,12 @@ class RemoteCheckpointer:
         header = pb.RegisterRunHeader(
             run=self._run, folder=self._folder or "", kind=to_wire(SaveKind.TRAINING_CHECKPOINT)
         )
-        try:
-            self._stub.RegisterRun(iter([pb.RegisterRunRequest(header=header)]), timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise error_for(*rpc_error(e)) from e
+        self._daemon.register_run(iter([pb.RegisterRunRequest(header=header)]), f"registering run {self._run!r}")
 
     def _latest(self) -> _Latest | None:
         request = pb.LatestRequest(run=self._run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), folder=self._folder or "")
-        try:
-            response = self._stub.GetLatest(request, timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise error_for(*rpc_error(e)) from e
+        with self._daemon.calling(f"looking up run {self._run!r}'s newest checkpoint"):
+            response = self._daemon.stub.GetLatest(request, timeout=self._daemon.timeout)
         if not response.found:
             return None
         if str(PurePosixPath(response.export_dir).parent) != self._dir:
@@ -425,15 +423,13 @@ class RemoteCheckpointer:
     def _restore(self, export_dir: str) -> Any:
         started = time.monotonic()
         request = pb.RestoreRequest(run=self._run, export_dir=export_dir)
-        try:
-            header, payload = fetch_restore(self._stub, request, self._timeout)
-        except grpc.RpcError as e:
-            raise error_for(*rpc_error(e)) from e
+        with self._daemon.calling(f"restoring run {self._run!r}"):
+            header, payload = fetch_restore(self._daemon.stub, request, self._daemon.timeout)
         if not header.HasField("training_checkpoint"):
             raise InvalidRequestError(f"{export_dir!r} is a {header.kind} save, not a training checkpoint")
         saved = header.training_checkpoint
-        training.check_structure(training.describe(self._checkpoint), saved, repr(export_dir))
-        copy = training.LocalCopy(saved, payload)
+        tf_checkpoint.check_structure(tf_checkpoint.describe(self._checkpoint), saved, repr(export_dir))
+        copy = tf_checkpoint.LocalCopy(saved, payload)
         self._copies.append(copy)
         status = self._checkpoint.restore(copy.prefix)
         _LOGGER.info(
@@ -450,60 +446,30 @@ class RemoteCheckpointer:
         Raises:
             DeadlineError: if they did not end within `timeout` (None: the
                 checkpointer's timeout).
-            CheckpointdError: another status the daemon answered.
+            CheckpointdError: another status the daemon answered
+                (UnavailableError, naming the address, if it cannot be reached).
         """
-        timeout = timeout if timeout is not None else self._timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._busy:
-                left = _left(deadline)
-                if left == 0.0:
-                    raise DeadlineError(f"run {self._run!r}: {self._busy} save(s) still running after {timeout} s")
-                self._idle.wait(left)
-        self._call_run(self._stub.Flush, pb.FlushRequest, deadline)
+        self._daemon.flush(timeout, registered=True)
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes, closes the run on the daemon and the channel; idempotent.
 
         Restored checkpoints' local copies are deleted: objects created after
         this are not restored any more.
-        """
-        with self._close_lock:
-            with self._lock:
-                if self._closed:
-                    return
-                self._closing = True
-            timeout = timeout if timeout is not None else self._timeout
-            deadline = None if timeout is None else time.monotonic() + timeout
-            self.flush(_left(deadline))
-            self._call_run(self._stub.CloseRun, pb.CloseRunRequest, deadline)
-            with self._lock:
-                self._closed = True
-            self._shutdown()
-            _LOGGER.info("run %s: closed", self._run)
 
-    def _shutdown(self) -> None:
-        self._uploads.shutdown(wait=False)
-        self._channel.close()
+        Raises:
+            DeadlineError: if the saves did not end in time.
+            CheckpointdError: a subclass for another status the daemon answered.
+        """
+        self._daemon.close(timeout, self.flush, lambda: True, self._delete_copies)
+
+    def _delete_copies(self) -> None:
         for copy in self._copies:
             copy.close()
         self._copies.clear()
-
-    def _call_run(self, method: Callable[..., Any], request: type, deadline: float | None) -> None:
-        left = _left(deadline)
-        try:
-            method(request(run=self._run, timeout_seconds=left or 0.0), timeout=left)
-        except grpc.RpcError as e:
-            code, details = rpc_error(e)
-            if code != grpc.StatusCode.NOT_FOUND:  # a daemon that lost the run has nothing to do
-                raise error_for(code, details) from e
 
     def __enter__(self) -> RemoteCheckpointer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -41,16 +41,20 @@ import types
 from typing import Any
 
 from tf_agents.train import learner as tf_learner
+from tf_agents.train import ppo_learner as tf_ppo_learner
 from tf_agents.train import triggers as tf_triggers
 from tf_agents.utils import common
 
 from checkpointd_client.checkpointer import RemoteCheckpointer
-from checkpointd_client.trigger import RemotePolicySavedModelTrigger
+from checkpointd_client.connection import CONNECTION_OPTIONS
+from checkpointd_client.trigger import POLICY_CONNECTION_OPTIONS, RemotePolicySavedModelTrigger
 
-# Learner builds its Checkpointer through `tf_agents.train.learner.common`;
-# swapping that name for the length of one constructor is the only seam it
-# offers, so constructions are serialized.
-_SWAP = threading.Lock()
+# Learner builds its Checkpointer through `tf_agents.train.learner.common`,
+# and PPOLearner its Learner through `tf_agents.train.ppo_learner.learner`;
+# swapping that name for the length of one constructor is the only seam they
+# offer, so constructions are serialized (reentrant: a PPOLearner's swap
+# holds it while its Learner's swap takes it again).
+_SWAP = threading.RLock()
 
 
 def relative_to(path: str, root_dir: str | os.PathLike[str] | None) -> str:
@@ -92,7 +96,7 @@ class RemoteLearner(tf_learner.Learner):
     def __init__(
         self, root_dir: str, train_step: Any, agent: Any, *args: Any, address: str, run: str, **kwargs: Any
     ) -> None:
-        connection = {k: kwargs.pop(k) for k in _CONNECTION if k in kwargs}
+        connection = {k: kwargs.pop(k) for k in CONNECTION_OPTIONS if k in kwargs}
         made: list[RemoteCheckpointer] = []
 
         def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
@@ -131,10 +135,6 @@ class RemoteLearner(tf_learner.Learner):
         self.close()
 
 
-# RemoteCheckpointer's connection options, which RemoteLearner passes on.
-_CONNECTION = ("chunk_bytes", "channel_credentials", "timeout", "token", "token_file", "shared_memory")
-
-
 class _Proxy(types.ModuleType):
     """A module that is `real` but for `overrides`."""
 
@@ -166,17 +166,62 @@ def train_modules(
         Stand-ins for `tf_agents.train.learner` and `tf_agents.train.triggers`.
     """
 
-    class Learner(RemoteLearner):
-        def __init__(self, root_dir_: str, train_step: Any, agent: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(root_dir_, train_step, agent, *args, address=address, run=run, **connection, **kwargs)
-
-    policy_options = {
-        k: v for k, v in connection.items() if k in ("channel_credentials", "timeout", "token", "token_file")
-    }
+    learner_module = _learner_module(address, run, connection)
+    policy_options = {k: v for k, v in connection.items() if k in POLICY_CONNECTION_OPTIONS}
 
     class PolicySavedModelTrigger(RemotePolicySavedModelTrigger):
         def __init__(self, saved_model_dir: str, *args: Any, **kwargs: Any) -> None:
             init: Any = super().__init__  # upstream's signature, positionally: mypy cannot follow *args
             init(relative_to(saved_model_dir, root_dir), *args, address=address, run=run, **policy_options, **kwargs)
 
-    return _Proxy(tf_learner, Learner=Learner), _Proxy(tf_triggers, PolicySavedModelTrigger=PolicySavedModelTrigger)
+    return learner_module, _Proxy(tf_triggers, PolicySavedModelTrigger=PolicySavedModelTrigger)
+
+
+def ppo_learner_module(address: str, *, run: str, **connection: Any) -> types.ModuleType:
+    """`ppo_learner` as a PPO script imports it from `tf_agents.train`, saving through checkpointd.
+
+    `PPOLearner` builds its own `learner.Learner` inside; here that one is
+    `train_modules`' Learner, so its checkpoints go to the daemon as a
+    Learner script's do. The swap is one line, as for `train_modules`::
+
+        from tf_agents.train import ppo_learner                        # before
+        ppo_learner = checkpointd_client.ppo_learner_module(             # after
+            "localhost:7431", run="ppo-job")
+
+    Paths are relative to the root_dir PPOLearner is given, as for a Learner.
+
+    Args:
+        address, run, **connection: as for `train_modules`.
+
+    Returns:
+        A stand-in for `tf_agents.train.ppo_learner`.
+    """
+    learner_module = _learner_module(address, run, connection)
+
+    class PPOLearner(tf_ppo_learner.PPOLearner):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            with _SWAP:
+                original = tf_ppo_learner.learner
+                tf_ppo_learner.learner = learner_module
+                try:
+                    super().__init__(*args, **kwargs)
+                finally:
+                    tf_ppo_learner.learner = original
+
+        @property
+        def checkpointer(self) -> RemoteCheckpointer:
+            """The inner Learner's RemoteCheckpointer (tickets, flush, close)."""
+            inner: RemoteLearner = self._generic_learner
+            return inner.checkpointer
+
+    return _Proxy(tf_ppo_learner, PPOLearner=PPOLearner)
+
+
+def _learner_module(address: str, run: str, connection: dict[str, Any]) -> types.ModuleType:
+    """`tf_agents.train.learner` whose Learner is a RemoteLearner, called as upstream's (positionally or by keyword)."""
+
+    class Learner(RemoteLearner):
+        def __init__(self, root_dir: str, train_step: Any, agent: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(root_dir, train_step, agent, *args, address=address, run=run, **connection, **kwargs)
+
+    return _Proxy(tf_learner, Learner=Learner)

@@ -137,3 +137,19 @@ def _refuse(options: object, default: object, what: str, refused: dict[str, str]
                 f"{what}.{name}={value!r} is not supported through checkpointd: this TensorFlow's option "
                 "is unknown to it, so what it would change in the daemon's output is unknown"
             )
+
+
+def options_in_blocking(blocking: Any, options: Any, options_type: type) -> tuple[bool, Any]:
+    """(blocking, options), taking an options object passed positionally as PolicySaver's second argument.
+
+    PolicySaver's save(export_dir, options) and AsyncPolicySaver's
+    save(export_dir, blocking) share the position; the type tells them apart.
+
+    Raises:
+        TypeError: options were given both ways.
+    """
+    if not isinstance(blocking, options_type):
+        return bool(blocking), options
+    if options is not None:
+        raise TypeError("options given twice: as the second argument and as options=")
+    return False, blocking

@@ -20,7 +20,6 @@ import numpy as np
 import tensorflow as tf
 
 from checkpointd.protocol import wire
-from checkpointd.protocol.codes import error_for
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
 from checkpointd.protocol.names import check_export_dir
@@ -28,11 +27,12 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import snapshot
+from checkpointd_client.session import DaemonSession
 from checkpointd_client.stream import rpc_error
 
 _LOGGER = logging.getLogger(__name__)
 
-Registered = Callable[..., snapshot.Bindings]  # RemotePolicySaver._registered(stale=None)
+RegisterTemplate = Callable[..., snapshot.Bindings]  # RemotePolicySaver._register_template(stale=None)
 Assign = Callable[[snapshot.Bindings, list[np.ndarray]], None]
 
 
@@ -58,34 +58,24 @@ class LatestSave:
     numpy_arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
-def latest(
-    stub: checkpointd_pb2_grpc.CheckpointServiceStub,
-    run: str,
-    kind: SaveKind | None,
-    folder: str | None,
-    timeout: float | None,
-) -> LatestSave | None:
+def latest(daemon: DaemonSession, kind: SaveKind | None, folder: str | None) -> LatestSave | None:
     """The run's newest committed save, or None (see RemotePolicySaver.latest)."""
     request = pb.LatestRequest(
-        run=run, kind=to_wire(kind) if kind is not None else pb.SAVE_KIND_UNSPECIFIED, folder=folder or ""
+        run=daemon.run, kind=to_wire(kind) if kind is not None else pb.SAVE_KIND_UNSPECIFIED, folder=folder or ""
     )
-    try:
-        response = stub.GetLatest(request, timeout=timeout)
-    except grpc.RpcError as e:
-        raise error_for(*rpc_error(e)) from e
+    with daemon.calling(f"looking up run {daemon.run!r}'s newest save"):
+        response = daemon.stub.GetLatest(request, timeout=daemon.timeout)
     if not response.found:
         return None
     return LatestSave(response.path, response.export_dir, response.step, _kind(response.kind), response.unix_seconds)
 
 
 def restore(
-    stub: checkpointd_pb2_grpc.CheckpointServiceStub,
-    run: str,
+    daemon: DaemonSession,
     export_dir: str | None,
-    registered: Registered,
+    register_template: RegisterTemplate,
     numpy_source: numpy_state_lib.NumpySource | None,
     folder: str | None,
-    timeout: float | None,
     assign: Assign | None = None,
 ) -> LatestSave:
     """Fetches a save and assigns it (see RemotePolicySaver.restore).
@@ -94,26 +84,28 @@ def restore(
     None assigns each one eagerly.
     """
     started = time.monotonic()
-    bindings = registered()
+    run, timeout = daemon.run, daemon.timeout
+    doing = f"restoring run {run!r}"
+    with daemon.calling(doing):
+        bindings = register_template()
     if export_dir is None:
-        found = latest(stub, run, None, folder, timeout)
+        found = latest(daemon, None, folder)
         if found is None:
             raise RunNotFoundError(f"run {run!r} has no committed save on the daemon to restore")
         export_dir = found.export_dir
     check_export_dir(export_dir)
-    for attempt in (1, 2):
-        try:
-            header, payload = _fetch(stub, pb.RestoreRequest(run=run, export_dir=export_dir), timeout)
-            break
-        except grpc.RpcError as e:
-            code, details = rpc_error(e)
-            # NOT_FOUND is a missing save or a daemon that forgot the run
-            # (restarted): only the second is fixed by registering again.
-            if code == grpc.StatusCode.NOT_FOUND and attempt == 1 and not _known(stub, run, timeout):
-                _LOGGER.warning("run %s: daemon lost the run (%s); registering again", run, details)
-                bindings = registered(stale=bindings)
-                continue
-            raise error_for(code, details) from e
+    request = pb.RestoreRequest(run=run, export_dir=export_dir)
+    current = [bindings]
+
+    def register_again() -> None:
+        current[0] = register_template(stale=current[0])
+
+    # NOT_FOUND is a missing save or a daemon that forgot the run
+    # (restarted): only the second is fixed by registering again.
+    header, payload = daemon.retrying_lost_run(
+        lambda: fetch(daemon.stub, request, timeout), register_again, doing, lost=lambda: not _known(daemon)
+    )
+    bindings = current[0]
     bindings = bindings.ordered(header.variables)
     values = _split(bindings, payload)
     arrays: dict[str, np.ndarray] = {}
@@ -145,19 +137,18 @@ def _kind(value: int) -> SaveKind:
     return kind
 
 
-def _known(stub: checkpointd_pb2_grpc.CheckpointServiceStub, run: str, timeout: float | None) -> bool:
+def _known(daemon: DaemonSession) -> bool:
     """Whether the daemon has the run registered (GetStatus answers NOT_FOUND if not)."""
     try:
-        stub.GetStatus(pb.StatusRequest(run=run), timeout=timeout)
+        daemon.stub.GetStatus(pb.StatusRequest(run=daemon.run), timeout=daemon.timeout)
     except grpc.RpcError as e:
-        code, details = rpc_error(e)
-        if code == grpc.StatusCode.NOT_FOUND:
+        if rpc_error(e)[0] == grpc.StatusCode.NOT_FOUND:
             return False
-        raise error_for(code, details) from e
+        raise daemon.domain_error(e, f"looking up run {daemon.run!r}") from e
     return True
 
 
-def _fetch(
+def fetch(
     stub: checkpointd_pb2_grpc.CheckpointServiceStub, request: pb.RestoreRequest, timeout: float | None
 ) -> tuple[pb.RestoreHeader, memoryview]:
     """The header and the whole checked payload of one Restore call.

@@ -55,6 +55,10 @@ class SegmentMap:
         # Each variable's array over the segment, made once per bindings.
         self._arrays: tuple[Bindings, list[np.ndarray]] | None = None
 
+    def view(self) -> memoryview:
+        """The whole mapped segment, writable in place."""
+        return memoryview(self._map)
+
     def matches(self, offer: pb.SharedMemory) -> bool:
         return self.path == offer.path and self.offsets == tuple(offer.offsets)
 

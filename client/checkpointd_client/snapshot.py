@@ -262,7 +262,7 @@ def _target(binding: Binding, into: np.ndarray | None, read: np.ndarray | None) 
     """(where to copy, the variable's value now) for one binding; `read`: the value already read."""
     # The read tensor's own memory, without the copy .numpy() makes; it is
     # released after the copy, so the trainer's next update writes in place.
-    value = np.asarray(_read(binding.variable)) if read is None else read
+    value = np.asarray(read_variable(binding.variable)) if read is None else read
     if into is None and read is not None and read.flags.owndata and read.flags.c_contiguous:
         return read, read  # a session run's own fresh copy: kept as it is
     if into is None or into.shape != value.shape or into.dtype != value.dtype:
@@ -270,11 +270,11 @@ def _target(binding: Binding, into: np.ndarray | None, read: np.ndarray | None) 
     return into, value
 
 
-def _read(variable: tf.Variable) -> tf.Tensor:
+def read_variable(variable: tf.Variable) -> tf.Tensor:
     """The variable's value now: ReadVariableOp itself for a plain resource variable.
 
-    `value()` adds tape and distribution bookkeeping (about 10 us a variable)
-    that a snapshot has no use for; other variable types keep it.
+    `value()` adds tape and distribution bookkeeping to every read, which a
+    snapshot has no use for; other variable types keep it.
     """
     if type(variable) is resource_variable_ops.ResourceVariable:
         return gen_resource_variable_ops.read_variable_op(variable.handle, variable.dtype)

@@ -9,9 +9,9 @@ dropped before the upload (`drop_variable_data`), since every save
 overwrites them. What the daemon needs of the export's checkpoint is its
 index (each variable's key, dtype and shape) and the object graph TensorFlow
 stored beside the values, which every SAVED_MODEL save holds again; the
-object graph travels as `variables/object_graph.pb`. For a 100M-parameter
-policy that is 400 MB not sent, received, checked and fsynced at
-registration. The export itself still writes the values to a local temp dir:
+object graph travels as `variables/object_graph.pb`. So registration
+sends, checks and fsyncs graph, specs and assets only, never the policy's
+weights. The export itself still writes the values to a local temp dir:
 `tf.saved_model.save` has no public way to build the graph without them
 (see `register`).
 """
@@ -27,30 +27,23 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
-import grpc
 import tensorflow as tf
 from tf_agents.policies import policy_saver
 
 from checkpointd.protocol import tensors, wire
-from checkpointd.protocol.codes import error_for
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import snapshot
-from checkpointd_client.stream import rpc_error
+from checkpointd_client.session import DaemonSession
 
 _LOGGER = logging.getLogger(__name__)
 
 
 def register(
-    stub: checkpointd_pb2_grpc.CheckpointServiceStub,
+    daemon: DaemonSession,
     saver: policy_saver.PolicySaver,
-    run: str,
     *,
-    chunk_bytes: int,
-    timeout: float | None,
     folder: str | None = None,
     options: tf.saved_model.SaveOptions | None = None,
-    step: int | None = None,
     exporting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
 ) -> snapshot.Bindings:
     """Exports the template, binds the policy's variables and registers the run.
@@ -62,19 +55,15 @@ def register(
     no object graph either, and the daemon must write that graph byte for
     byte, so building it apart would mean TensorFlow's internals; a
     checkpoint of placeholder variables would change the graph. Written to
-    a temp dir and deleted within the second, the values cost memory
-    bandwidth (about 0.2 s of a 100M-parameter export), not disk writes.
+    a temp dir and deleted at once, the values cost memory bandwidth, not
+    disk writes.
 
     Args:
-        stub: the daemon's stub.
+        daemon: the run's session (its name, chunk size and deadline).
         saver: the PolicySaver to export with.
-        run: the run's name.
-        chunk_bytes: the largest payload per chunk.
-        timeout: the RPC's deadline in seconds, or None.
         folder: the run's folder under the daemon's root; None for the run's name.
         options: PolicySaver.save's options for the export (checked by
             `checkpointd_client.options.template_options`).
-        step: the train step now, for the log line.
         exporting: the context the export and binding run in (a graph-mode
             policy's graph and session, `GraphReads.exporting`).
 
@@ -84,8 +73,10 @@ def register(
     Raises:
         ValueError: if the variables cannot be bound (see `snapshot.bind`), or
             the daemon's manifest does not describe them.
-        CheckpointdError: a subclass for the status the daemon answered.
+        CheckpointdError: a subclass for the status the daemon answered
+            (UnavailableError and DeadlineError name the address).
     """
+    run, step = daemon.run, daemon.last_step
     start = time.monotonic()
     template = tempfile.mkdtemp(prefix=f"checkpointd-{run}-template-")
     try:
@@ -101,10 +92,8 @@ def register(
             template_bytes=wire.template_size(template),
             folder=folder or "",
         )
-        try:
-            response = stub.RegisterRun(_requests(header, template, chunk_bytes), timeout=timeout)
-        except grpc.RpcError as e:
-            raise error_for(*rpc_error(e)) from e
+        requests = _requests(header, template, daemon.chunk_bytes)
+        response = daemon.register_run(requests, f"registering run {run!r}")
     finally:
         shutil.rmtree(template, ignore_errors=True)
     bindings = bindings.ordered(response.variables)

@@ -27,6 +27,43 @@ class SaveResult:
     kind: SaveKind
 
 
+class SaveCounts:
+    """How this saver's saves ended so far: durable, skipped, failed. Thread-safe.
+
+    A failed save is one whose ticket holds an error, including a
+    non-blocking save that failed because the daemon could not take it
+    (see `checkpointd_client.session`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._durable = self._skipped = self._failed = 0
+
+    @property
+    def durable(self) -> int:
+        return self._durable
+
+    @property
+    def skipped(self) -> int:
+        return self._skipped
+
+    @property
+    def failed(self) -> int:
+        return self._failed
+
+    def _count(self, ticket: SaveTicket) -> None:
+        with self._lock:
+            if ticket.skipped:
+                self._skipped += 1
+            elif ticket._error is not None:  # noqa: SLF001 - the ticket reports its own end
+                self._failed += 1
+            else:
+                self._durable += 1
+
+    def __repr__(self) -> str:
+        return f"SaveCounts(durable={self._durable}, skipped={self._skipped}, failed={self._failed})"
+
+
 class SaveTicket:
     """One `save()` or `save_checkpoint()` call, from the daemon's decision to its end.
 
@@ -36,8 +73,9 @@ class SaveTicket:
     by every `result()` call.
     """
 
-    def __init__(self, export_dir: str, kind: SaveKind, step: int) -> None:
+    def __init__(self, export_dir: str, kind: SaveKind, step: int, counts: SaveCounts | None = None) -> None:
         self._export_dir = export_dir
+        self._counts = counts
         self._kind = kind
         self._step = step
         self._skipped = False
@@ -64,7 +102,7 @@ class SaveTicket:
         """True if the save was skipped because another save of the run was in flight.
 
         Decided by the daemon, or by the saver itself under the run's busy
-        lock (`checkpointd_client.held`); exact either way.
+        lock (`checkpointd_client.local_decision`); exact either way.
         """
         return self._skipped
 
@@ -125,12 +163,17 @@ class SaveTicket:
 
     def _skip(self, reason: str) -> None:
         self._skipped, self._reason = True, reason
-        self._done.set()
+        self._end()
 
     def _succeed(self, result: SaveResult) -> None:
         self._result = result
-        self._done.set()
+        self._end()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
+        self._end()
+
+    def _end(self) -> None:
+        if self._counts is not None:
+            self._counts._count(self)  # noqa: SLF001 - counted before anyone waiting sees the end
         self._done.set()

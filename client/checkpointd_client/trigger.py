@@ -67,6 +67,9 @@ from checkpointd_client.ticket import SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
 
+POLICY_CONNECTION_OPTIONS = ("channel_credentials", "timeout", "token", "token_file")
+"""The connection options (`session.ConnectionOptions`) this trigger takes and gives its savers."""
+
 
 class RemotePolicySavedModelTrigger(interval_trigger.IntervalTrigger):
     """Saves an agent's greedy, collect and raw policies through checkpointd.

@@ -35,8 +35,10 @@ from checkpointd_client import (
     LimitExceededError,
     RemotePolicySaver,
     RunClosedError,
+    RunHeldError,
     RunNotFoundError,
     SaveFailedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from checkpointd_client import snapshot as snapshot_lib
@@ -241,16 +243,41 @@ def test_skip_is_reported_on_the_ticket_and_sends_no_chunk(daemon, saver, caplog
     "code, error",
     [
         (grpc.StatusCode.FAILED_PRECONDITION, RunClosedError),
-        (grpc.StatusCode.UNAVAILABLE, UnavailableError),
         (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequestError),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, LimitExceededError),
+        (grpc.StatusCode.UNAUTHENTICATED, UnauthenticatedError),
     ],
 )
-def test_an_error_instead_of_a_decision_raises_its_mapped_error(daemon, saver, code, error) -> None:
+def test_an_error_about_the_request_instead_of_a_decision_raises_its_mapped_error(daemon, saver, code, error) -> None:
     daemon.plan.append(("abort_before", code))
     with pytest.raises(error, match="scripted failure"):
         saver.save("p")
     assert daemon.saves[0]["chunks"] == []
+    assert saver.counts.failed == 0
+
+
+@pytest.mark.parametrize(
+    "code, error",
+    [
+        (grpc.StatusCode.UNAVAILABLE, UnavailableError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, LimitExceededError),
+        (grpc.StatusCode.INTERNAL, SaveFailedError),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineError),
+        (grpc.StatusCode.ABORTED, RunHeldError),
+    ],
+)
+def test_a_daemon_side_error_fails_a_non_blocking_saves_ticket_and_raises_from_a_blocking_one(
+    daemon, saver, code, error
+) -> None:
+    daemon.plan.append(("abort_before", code))
+    ticket = saver.save("p")  # training goes on: no raise
+    assert isinstance(ticket.exception(timeout=0), error) and "scripted failure" in str(ticket.exception(0))
+    assert saver.counts.failed == 1 and daemon.saves[0]["chunks"] == []
+    daemon.plan.append(("abort_before", code))
+    with pytest.raises(error, match="scripted failure"):
+        saver.save("b", blocking=True)  # a blocking save always tries, and raises
+    assert saver.save("b", blocking=True).result(timeout=0) is not None  # and ends the outage
+    assert saver.save("n").result(timeout=WAIT) is not None
+    assert (saver.counts.durable, saver.counts.failed) == (2, 1)
 
 
 def test_not_found_registers_again_once_then_retries(daemon, saver) -> None:
@@ -259,8 +286,7 @@ def test_not_found_registers_again_once_then_retries(daemon, saver) -> None:
     assert daemon.calls == ["RegisterRun", "Save", "RegisterRun", "Save"]
 
     daemon.plan.extend([("abort_before", grpc.StatusCode.NOT_FOUND)] * 2)
-    with pytest.raises(RunNotFoundError):
-        saver.save("p")
+    assert isinstance(saver.save("p").exception(timeout=0), RunNotFoundError)
     assert daemon.calls[4:] == ["Save", "RegisterRun", "Save"]
 
 
@@ -339,17 +365,19 @@ def test_invalid_export_dir_is_refused_without_a_call(daemon, saver) -> None:
     assert daemon.calls == []
 
 
-def test_unreachable_daemon_raises_draining_error(policy) -> None:
+def test_an_unreachable_daemon_fails_a_non_blocking_save_and_raises_from_a_blocking_one(policy) -> None:
     remote = RemotePolicySaver(policy, "127.0.0.1:1", run="nowhere", timeout=WAIT)
+    assert isinstance(remote.save("p").exception(timeout=0), UnavailableError)
     with pytest.raises(UnavailableError):
-        remote.save("p")
+        remote.save("p", blocking=True)
+    assert remote.counts.failed == 1
     remote.close(timeout=WAIT)  # never registered: nothing to flush or close remotely
 
 
 def test_unreachable_and_silent_daemons_are_named_with_what_was_being_done(policy) -> None:
     remote = RemotePolicySaver(policy, "127.0.0.1:1", run="nowhere", timeout=WAIT)
     with pytest.raises(UnavailableError, match=r"^registering run 'nowhere' at 127\.0\.0\.1:1: "):
-        remote.save("p")
+        remote.save("p").result(timeout=0)
     with pytest.raises(UnavailableError, match=r"^looking up run 'nowhere'.s newest save at 127\.0\.0\.1:1: "):
         remote.latest()
     remote.close(timeout=WAIT)

@@ -1,4 +1,4 @@
-"""The trainer's busy lock against the real daemon (see checkpointd_client.held).
+"""The trainer's busy lock against the real daemon (see checkpointd_client.local_decision).
 
 After a save accepted into shared memory, a non-blocking save decides
 "skipped or not" by taking the run's busy lock itself, with no round trip.

@@ -1,7 +1,7 @@
 """Training checkpoints the daemon must refuse, before the decision, writing and counting nothing.
 
 Headers are built as RemoteCheckpointer builds them (from a real
-tf.train.Checkpoint through `checkpointd_client.training.describe`), then
+tf.train.Checkpoint through `checkpointd_client.tf_checkpoint.describe`), then
 broken one way each: an object graph or tensor list that does not match what
 is announced, Python state declared numeric, sizes that do not add up, a
 checkpoint over --max-snapshot-bytes, the wrong kind for the run, a negative
@@ -24,7 +24,7 @@ from tf_agents.utils import numpy_storage
 from checkpointd.protocol import wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import InvalidRequestError, RemoteCheckpointer
-from checkpointd_client import training as client_training
+from checkpointd_client import tf_checkpoint as client_training
 from tests.integration.daemon import Daemon
 from tests.integration.raw import TIMEOUT, Stub, counts
 

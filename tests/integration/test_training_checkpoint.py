@@ -22,7 +22,7 @@ from checkpointd.protocol import wire
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import RemoteCheckpointer, SaveTicket
-from checkpointd_client import training as client_training
+from checkpointd_client import tf_checkpoint as client_training
 from tests.integration.daemon import Daemon, wait_until
 from tests.integration.raw import RawSave, Stub, counts, run_status
 from tests.integration.scrape import Metrics

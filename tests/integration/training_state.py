@@ -26,7 +26,7 @@ from tf_agents.specs import tensor_spec
 from tf_agents.trajectories import trajectory
 from tf_agents.utils import common
 
-from checkpointd_client import training
+from checkpointd_client import tf_checkpoint as training
 
 BUFFER_LENGTH = 500
 BATCH = 16

@@ -41,8 +41,7 @@ from checkpointd.protocol import tensors as tensor_names
 from checkpointd.protocol import wire
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client.snapshot import _read as read_variable
-from checkpointd_client.snapshot import copy_all
+from checkpointd_client.snapshot import copy_all, read_variable
 
 _LOGGER = logging.getLogger(__name__)
 
