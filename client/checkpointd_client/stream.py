@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 
 from checkpointd.protocol.codes import error_for
-from checkpointd.protocol.errors import SaveFailedError
+from checkpointd.protocol.errors import DeadlineError, SaveFailedError
 from checkpointd.protocol.kinds import from_wire
 from checkpointd.v1 import checkpointd_pb2
 from checkpointd_client.ticket import SaveResult, SaveTicket
@@ -25,6 +27,13 @@ from checkpointd_client.ticket import SaveResult, SaveTicket
 _LOGGER = logging.getLogger(__name__)
 
 _END = None
+# How long past its deadline a call may go unanswered before it is cancelled here:
+# gRPC's own deadline should end it first, but a call that found the daemon gone
+# has been seen to wait on in the channel far past it, and a non-blocking save
+# must not hold the training loop.
+_DEADLINE_GRACE = 2.0
+_POLL = 0.25  # seconds between looks at the call's end while no answer has come (failures only)
+_ANSWER_AFTER_END = 0.5  # an answer still arriving this long after the call's status counts
 
 
 class SaveStream:
@@ -37,6 +46,7 @@ class SaveStream:
     def __init__(self, stub: SaveStub, header: checkpointd_pb2.SaveHeader, timeout: float | None) -> None:
         self._queue: queue.SimpleQueue[Iterable[checkpointd_pb2.SaveRequest | bytes] | None] = queue.SimpleQueue()
         self._queue.put([checkpointd_pb2.SaveRequest(header=header)])
+        self._timeout = timeout
         self._responses = stub.Save(self._requests(), timeout=timeout)
 
     def _requests(self) -> Iterator[checkpointd_pb2.SaveRequest | bytes]:
@@ -147,13 +157,51 @@ class SaveStream:
         self._responses.cancel()
 
     def _next(self, item: str) -> checkpointd_pb2.SaveResponse:
-        try:
-            response = next(self._responses)
-        except StopIteration:
-            raise SaveFailedError(f"the daemon ended the save without a {item}") from None
-        if response.WhichOneof("item") != item:
-            raise SaveFailedError(f"the daemon sent a {response.WhichOneof('item')} where a {item} was due")
-        return response
+        """The call's next answer, or its status raised (a grpc.RpcError), or DeadlineError.
+
+        gRPC's iterator is read on a thread of its own: a call whose status is
+        already known can go on waiting inside gRPC for a message that never
+        comes (seen for the first call after the daemon went away), and a
+        non-blocking save must not hold the training loop. So the call's end
+        (its done callback) or the deadline ends the wait here too.
+        """
+        box: list[object] = []
+        answered = threading.Event()
+        ended = threading.Event()
+
+        def pull() -> None:
+            try:
+                box.append(next(self._responses, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                box.append(e)
+            answered.set()
+
+        threading.Thread(target=pull, name="checkpointd-save-answer", daemon=True).start()
+        call: Any = self._responses  # a grpc.Future and grpc.RpcError too (the stubs type it as an iterator)
+        call.add_done_callback(lambda _call: ended.set())
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout + _DEADLINE_GRACE
+        ended_at = None
+        while not answered.wait(_POLL):
+            now = time.monotonic()
+            if ended.is_set():
+                ended_at = ended_at or now
+                if now - ended_at >= _ANSWER_AFTER_END:  # the status is known and no message came with it
+                    raise call  # the call itself: a grpc.RpcError with its code and details
+            elif deadline is not None and now >= deadline:
+                self._responses.cancel()
+                raise DeadlineError(
+                    f"no {item} from the daemon within the {self._timeout:g} s deadline (the call was cancelled); "
+                    "check that the daemon is up at this address, or raise the saver's timeout"
+                )
+        [got] = box
+        if isinstance(got, BaseException):
+            raise got
+        if got is None:
+            raise SaveFailedError(f"the daemon ended the save without a {item}")
+        assert isinstance(got, checkpointd_pb2.SaveResponse)
+        if got.WhichOneof("item") != item:
+            raise SaveFailedError(f"the daemon sent a {got.WhichOneof('item')} where a {item} was due")
+        return got
 
 
 class SaveStub:
