@@ -434,7 +434,7 @@ def _trial(
         if driver.error is not None:
             problems.append(f"the trainer failed: {driver.error!r}")
     finally:
-        saver._channel.close()  # noqa: SLF001 - close() would flush against a dead daemon
+        saver._daemon._channel.close()  # noqa: SLF001 - close() would flush against a dead daemon
     return phase, driver
 
 

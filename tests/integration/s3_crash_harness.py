@@ -439,7 +439,7 @@ class _Harness:
                     problems.append(f"the {who} trainer failed: {thread.error!r}")
         finally:
             for client in (saver, ckpt):
-                client._channel.close()  # noqa: SLF001 - close() would flush against a dead daemon
+                client._daemon._channel.close()  # noqa: SLF001 - close() would flush against a dead daemon
         self.figures.saves_durable += driver.durable + trainer.saves
         self.figures.saves_cut += driver.cut + trainer.cut
         if driver.cycle:

@@ -218,7 +218,7 @@ def test_a_plaintext_client_cannot_reach_a_tls_daemon(tls: Daemon) -> None:
             with pytest.raises(grpc.RpcError) as raised:
                 health_status(channel)
         with pytest.raises(UnavailableError):
-            new_saver(tls, run, token=TOKEN).save("policy_1")
+            new_saver(tls, run, token=TOKEN).save("policy_1").result(60)
     assert set(codes.values()) == {grpc.StatusCode.UNAVAILABLE}
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
 
@@ -229,7 +229,9 @@ def test_a_client_trusting_another_ca_is_refused(tls: Daemon, files: Secrets) ->
         with tls.channel(credentials(files.certs.other_ca)) as channel:
             codes = raw_calls(channel, run, bearer(TOKEN))
         with pytest.raises(UnavailableError):
-            new_saver(tls, run, channel_credentials=credentials(files.certs.other_ca), token=TOKEN).save("policy_1")
+            new_saver(tls, run, channel_credentials=credentials(files.certs.other_ca), token=TOKEN).save(
+                "policy_1"
+            ).result(60)
     assert set(codes.values()) == {grpc.StatusCode.UNAVAILABLE}
 
 

@@ -748,7 +748,7 @@ def test_snapshot_over_max_snapshot_bytes_is_resource_exhausted(limited: Limited
         stub = Stub(channel)
         before = listing(daemon.root)
         with pytest.raises(LimitExceededError, match="--max-snapshot-bytes"):
-            saver.save("policy")
+            saver.save("policy").result(60)  # a non-blocking save: its ticket fails
         with pytest.raises(LimitExceededError):
             saver.save_checkpoint("checkpoint", blocking=True)
         assert counts(stub, "big-snapshot") == (0, 0, 0)

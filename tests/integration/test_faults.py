@@ -32,6 +32,8 @@ from checkpointd.storage import local, save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemotePolicySaver, snapshot, template
+from checkpointd_client.connection import ConnectionOptions
+from checkpointd_client.session import DaemonSession
 from tests.integration import policies
 from tests.integration.daemon import Daemon, start_daemon, wait_until
 from tests.integration.disk import read_only
@@ -120,7 +122,9 @@ class Trainer:
         self.stub = pb_grpc.CheckpointServiceStub(self.channel)
         self.train_step = tf.Variable(0, dtype=tf.int64)
         saver = policy_saver.PolicySaver(policies.build(policies.q()), train_step=self.train_step)
-        self.bindings = template.register(self.stub, saver, run, chunk_bytes=1 << 20, timeout=DEADLINE)
+        options = ConnectionOptions(chunk_bytes=1 << 20, timeout=DEADLINE)
+        self.session = DaemonSession(daemon.address, run, options, owner="saver", upload_threads=1)
+        self.bindings = template.register(self.session, saver)
 
     def save(self, export_dir: str, *, step: int, kind: int = pb.SAVED_MODEL) -> tuple[RawSave, list[pb.Chunk]]:
         self.train_step.assign(step)
@@ -141,6 +145,7 @@ class Trainer:
         return run_status(self.stub, self.run).HasField("in_flight")
 
     def close(self) -> None:
+        self.session.shutdown()
         self.channel.close()
 
 

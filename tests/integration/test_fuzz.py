@@ -397,7 +397,7 @@ class Fuzzer:
         assert not stray, f"written outside accepted saves: {stray[:10]}\n{scenario!r}"
         state = root / ".checkpointd"
         assert not any((state / "staging").iterdir()), f"staging left behind after {scenario.category}"
-        assert {p.name for p in state.iterdir()} <= {"templates", "staging"}, list(state.iterdir())
+        assert {p.name for p in state.iterdir()} <= {"templates", "staging", "daemon.lock"}, list(state.iterdir())
         templates = {p.name for p in (state / "templates").iterdir()}
         assert templates <= self.registered, templates - self.registered
         assert listing(self.world.outside) == {}, f"wrote outside the root after {scenario.category}"

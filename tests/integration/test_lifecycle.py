@@ -199,7 +199,7 @@ def test_sigterm_refuses_new_saves_finishes_the_accepted_one_and_exits_zero(fres
     # From NOT_SERVING on, every new save is refused as "retry later".
     assert run_status(daemon, "drain").in_flight.export_dir == "accepted-before-sigterm"
     with pytest.raises(UnavailableError):
-        s.remote.save("after-sigterm")
+        s.remote.save("after-sigterm").result(60)  # a non-blocking save: its ticket fails
     with pytest.raises(UnavailableError):
         s.remote.save_checkpoint("after-sigterm-blocking", blocking=True)
     assert raw_save_code(daemon, s, "after-sigterm-raw") == grpc.StatusCode.UNAVAILABLE

@@ -51,7 +51,7 @@ def test_saves_past_max_concurrent_uploads_are_refused_until_one_ends(
     try:
         # Another run's lane is idle, but the daemon's one upload slot is taken.
         with pytest.raises(LimitExceededError, match="--max-concurrent-uploads"):
-            second.save("refused")
+            second.save("refused").result(TIMEOUT)  # a non-blocking save: its ticket fails
         assert not (daemon.root / "second" / "refused").exists()
         assert counts(daemon, "second") == (0, 0, 0)
         assert held.release().path.endswith("held")
@@ -77,7 +77,7 @@ def test_a_snapshot_past_the_staging_memory_left_is_refused(
         finally:
             raw.close()
         with pytest.raises(LimitExceededError, match="--max-staging-bytes"):
-            second.save_checkpoint("refused")
+            second.save_checkpoint("refused").result(TIMEOUT)
         assert counts(daemon, "second") == (0, 0, 0)
         held.release()
     finally:

@@ -145,7 +145,7 @@ def test_killing_the_daemon_during_training_checkpoints_leaves_a_dir_that_agrees
             assert not trainer.is_alive(), "the trainer's save did not end after the daemon died"
             assert trainer.error is None, repr(trainer.error)
             durable, step = trainer.durable, trainer.step
-            ckpt._channel.close()  # noqa: SLF001 - close() would flush against a dead daemon
+            ckpt._daemon._channel.close()  # noqa: SLF001 - close() would flush against a dead daemon
         finally:
             if daemon.proc.poll() is None:
                 daemon.proc.kill()
