@@ -438,7 +438,7 @@ class BufferedSink:
         self._finish = finish
         self.closed = False
 
-    def write(self, part: int, offset: int, data: object) -> None:
+    def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
         if self.closed:
             raise ValueError("the sink is closed")
         kept = self._kept[part]

@@ -460,7 +460,7 @@ def test_the_thread_that_writes_a_saves_files_takes_the_writer_pools_priority() 
     kept: list[tuple[int, int, bytes]] = []
 
     class Kept:
-        def write(self, part: int, offset: int, data: object) -> None:
+        def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
             kept.append((part, offset, bytes(memoryview(data))))  # type: ignore[arg-type]
 
         def finish(self) -> object:

@@ -82,10 +82,10 @@ def test_writes_after_close_fail_and_close_waits_for_a_write_in_progress(tmp_pat
     entered, release = threading.Event(), threading.Event()
     real_write = s._writer.write  # noqa: SLF001 - holding a write in progress
 
-    def slow_write(i: int, data: object) -> None:
+    def slow_write(i: int, data: object, crc: int | None = None) -> None:
         entered.set()
         release.wait(10)
-        real_write(i, data)
+        real_write(i, data, crc)
 
     s._writer.write = slow_write  # type: ignore[method-assign]  # noqa: SLF001
     errors: list[BaseException] = []
@@ -135,3 +135,22 @@ def test_a_string_part_is_written_once_complete_with_its_crc(tmp_path: Path) -> 
     data = (tmp_path / ("x" + bundle.DATA_SUFFIX)).read_bytes()
     head = b"\x05" + table.mask(crc32c.crc32c(b"\x05\x00\x00\x00")).to_bytes(4, "little")
     assert data[3 : 3 + 10] == head + b"pytho"
+
+
+def test_checked_chunk_crcs_give_the_same_index_as_summing_the_bytes(tmp_path: Path) -> None:
+    summed: list[tuple[bytes, bytes]] = []
+    combined: list[tuple[bytes, bytes]] = []
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    chunks = [(2, 0, b"abc"), (0, 0, b"\x01\x07\x09\x00"), (0, 4, b"\x02" * 4), (1, 0, b"pytho"), (3, 0, b"tail")]
+    with _sink(tmp_path / "a", summed) as s:
+        for part, offset, data in chunks:
+            s.write(part, offset, data)
+        s.finish()
+    with _sink(tmp_path / "b", combined) as s:
+        for part, offset, data in chunks:
+            s.write(part, offset, data, crc32c.crc32c(data))
+        s.finish()
+    assert combined[0][0] == summed[0][0]
+    whole = table.mask(crc32c.crc32c(b"\x01\x07\x09\x00" + b"\x02" * 4))
+    assert b"\x35" + whole.to_bytes(4, "little") in combined[0][0]  # w's entry: the whole tensor's checksum

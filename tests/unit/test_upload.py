@@ -37,7 +37,7 @@ class Parts:
         self.writes: list[tuple[int, int, bytes]] = []
         self.sizes = parts
 
-    def write(self, part: int, offset: int, data: object) -> None:
+    def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
         self.writes.append((part, offset, bytes(memoryview(data))))  # type: ignore[arg-type]
 
     def joined(self) -> list[bytes]:

@@ -350,8 +350,11 @@ class SaveSink(Protocol):
     later writes fail.
     """
 
-    def write(self, part: int, offset: int, data: Any) -> None:
+    def write(self, part: int, offset: int, data: Any, crc: int | None = None) -> None:
         """Takes `data`, the bytes of part #`part` from `offset` on (the bytes it has so far).
+
+        `crc`, if given, is `data`'s CRC32C as the receiver checked it (a
+        sink may fold it in instead of summing the bytes again).
 
         Raises:
             InvalidRequestError: out of order or past the part's size.

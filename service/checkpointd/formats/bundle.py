@@ -39,6 +39,7 @@ from types import TracebackType
 
 import crc32c
 
+from checkpointd.formats import crc as crc_math
 from checkpointd.formats import table
 from checkpointd.protocol.tensors import ITEMSIZE, STRING
 
@@ -203,8 +204,12 @@ class BundleWriter:
             raise ValueError("the bundle writer is closed")
         return self._fd
 
-    def write(self, i: int, data: object) -> None:
+    def write(self, i: int, data: object, crc: int | None = None) -> None:
         """Writes the next bytes of fixed-size tensor #`i` (data order) and folds them into its CRC32C.
+
+        `crc`, when given, is the CRC32C of `data` already checked by the
+        caller (a received chunk's): it is combined into the tensor's
+        instead of summing the bytes again.
 
         Raises:
             ValueError: tensor `i` is a string, or `data` runs past its size.
@@ -217,15 +222,20 @@ class BundleWriter:
             raise ValueError(f"bundle key {entry.key!r} is a string tensor: give it whole (write_strings)")
         if done + view.nbytes > entry.size:
             raise ValueError(f"bundle key {entry.key!r}: {done + view.nbytes} bytes for a tensor of {entry.size}")
-        at, crc = self.offsets[i] + done, self._crcs[i]
+        if crc is not None:
+            self._pwrite(view, self.offsets[i] + done)
+            self._crcs[i] = crc_math.combine(self._crcs[i], crc, view.nbytes)
+            self._written[i] = done + view.nbytes
+            return
+        at, running = self.offsets[i] + done, self._crcs[i]
         # In slices, each summed right after it is copied while it is still in
         # the CPU's cache: a large tensor (from shared memory, whole) is then
         # read from memory once, not once for the copy and again for the sum.
         for start in range(0, view.nbytes, _SLICE_BYTES):
             piece = view[start : start + _SLICE_BYTES]
             self._pwrite(piece, at + start)
-            crc = crc32c.crc32c(piece, crc)
-        self._crcs[i] = crc
+            running = crc32c.crc32c(piece, running)
+        self._crcs[i] = running
         self._written[i] = done + view.nbytes
 
     def write_strings(self, i: int, values: Sequence[bytes]) -> None:

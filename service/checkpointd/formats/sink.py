@@ -106,8 +106,11 @@ class BundleSink:
     ) -> None:
         self.close()
 
-    def write(self, part: int, offset: int, data: object) -> None:
+    def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
         """Takes the bytes of wire part `part` at `offset` in it: each part's bytes in order.
+
+        `crc`, if given, is `data`'s CRC32C as the caller checked it; a
+        fixed-size tensor's checksum is then combined from it, not summed again.
 
         Raises:
             InvalidRequestError: out of order, or past the part's size.
@@ -127,7 +130,7 @@ class BundleSink:
             self._received[part] = done + view.nbytes
             kept = self._kept.get(part)
             if kept is None:
-                self._writer.write(self._route(part), view)
+                self._writer.write(self._route(part), view, crc)
                 return
             kept += view
             if self._received[part] == self._parts[part] and self._routes[part] is not None:

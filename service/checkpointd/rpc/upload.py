@@ -172,7 +172,7 @@ class SharedSegment(Protocol):
 class Sink(Protocol):
     """Where a snapshot's parts are written as they arrive (`checkpointd.core.ports.SaveSink`)."""
 
-    def write(self, part: int, offset: int, data: Any) -> None: ...
+    def write(self, part: int, offset: int, data: Any, crc: int | None = None) -> None: ...
 
 
 def receive_snapshot(
@@ -246,7 +246,9 @@ def receive_snapshot(
         while done < len(data):  # a chunk may span parts; the client's never do
             wire_start, wire_end, part = spans[span]
             n = min(len(data) - done, wire_end - received)
-            sink.write(part, received - wire_start, data[done : done + n])
+            # A chunk within one part (the client's always are) hands on its checked CRC32C.
+            crc = request.chunk.crc32c if n == len(data) else None
+            sink.write(part, received - wire_start, data[done : done + n], crc)
             done += n
             received += n
             if received == wire_end:

@@ -444,11 +444,11 @@ class _AtWriterPriority:
         self._pool = pool
         self._lowered: set[int] = set()
 
-    def write(self, part: int, offset: int, data: object) -> None:
+    def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
         if threading.get_ident() not in self._lowered:
             self._pool.initializer()
             self._lowered.add(threading.get_ident())
-        self._sink.write(part, offset, data)
+        self._sink.write(part, offset, data, crc)
 
     def finish(self) -> Staged:
         return self._sink.finish()
