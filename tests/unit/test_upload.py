@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import crc32c
-import numpy as np
 import pytest
 
-from checkpointd.protocol import wire
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
 from checkpointd.rpc import upload
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -70,17 +68,6 @@ def test_a_short_snapshot_is_refused() -> None:
 def test_parts_that_do_not_sum_to_the_snapshot_are_refused() -> None:
     with pytest.raises(InvalidRequestError, match="sum to 7"):
         upload.receive_snapshot(iter(_requests(b"abcd", 4)), 8, _Context(), [3, 4], None, Parts([3, 4]))
-
-
-@pytest.mark.parametrize("nbytes", [0, 1, 4 << 20, (4 << 20) + 1])
-def test_receive_buffer_is_writable_aligned_memory_of_the_size_asked(nbytes: int) -> None:
-    buffer = upload.receive_buffer(nbytes)
-    assert buffer.nbytes == nbytes and not buffer.readonly
-    if nbytes:
-        array = np.frombuffer(buffer, np.uint8)
-        assert array.ctypes.data % wire.ALIGNMENT == 0
-        array[:] = 7  # every byte can be written
-        assert buffer[nbytes - 1] == 7
 
 
 def test_a_bad_crc_in_a_large_snapshot_is_data_loss() -> None:

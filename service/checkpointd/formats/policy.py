@@ -344,7 +344,7 @@ def _fingerprint(template: Template, index: bytes) -> bytes:
     """The written SavedModel's fingerprint.pb: the template's, with the save's own checkpoint_hash.
 
     What TensorFlow's `CreateFingerprintDef(tmp)` returns, byte for byte, at a
-    fraction of its cost (it parses and hashes the whole graph, 1-3 ms, for
+    fraction of its cost (it parses and hashes the whole graph, for
     fields that depend on saved_model.pb alone, which every save copies from
     the template): checkpoint_hash is TF's `HashCheckpointIndexFile`, the
     Fingerprint64 of `variables/variables.index` (`index`, as written), which

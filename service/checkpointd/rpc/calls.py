@@ -13,7 +13,7 @@ runs its handler (it raises there), and those threads are blocked in the
 saves being abandoned. So `end_all` sends the status through grpcio's own
 `_server._abort`, the function `abort` and grpcio's bad-request paths call:
 private API of the pinned grpcio. If it is not there (another grpcio),
-nothing is sent and the callers see the connection close, as before.
+nothing is sent and the callers see the connection close.
 """
 
 from __future__ import annotations

@@ -9,9 +9,7 @@ gRPC's request iterator would otherwise wait for a stalled client forever.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,11 +17,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
 import grpc
-import numpy as np
 
 from checkpointd.protocol.errors import DeadlineError, InvalidRequestError
 from checkpointd.protocol.names import check_export_dir
-from checkpointd.protocol.wire import ALIGNMENT, check_chunk
+from checkpointd.protocol.wire import check_chunk
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 _T = TypeVar("_T")
@@ -138,29 +135,6 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
 
 
 # Buffers this large are mapped on their own, with huge pages asked for.
-_MAP_BYTES = 4 << 20
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
-
-
-def receive_buffer(nbytes: int) -> memoryview:
-    """`nbytes` of writable memory for a snapshot, 64-byte aligned, never zero-filled here.
-
-    A large one is an anonymous map with transparent huge pages asked for
-    (where the kernel has them, in `madvise` mode as most distributions
-    ship): a fresh snapshot buffer is written once, as the chunks arrive,
-    and faulting it in 4 KiB at a time cost more than the copy itself (1.9 s
-    against 0.1 s for 400 MB on a 2-core VM; 2 MiB pages take 0.2 s). The
-    map is page aligned and is unmapped when the last view of it goes.
-    """
-    if nbytes >= _MAP_BYTES:
-        mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if _MADV_HUGEPAGE is not None:
-            with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages, as before
-                mapped.madvise(_MADV_HUGEPAGE)
-        return memoryview(mapped)
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    shift = (-raw.ctypes.data) % ALIGNMENT
-    return memoryview(raw[shift : shift + nbytes].data)
 
 
 class SharedSegment(Protocol):
