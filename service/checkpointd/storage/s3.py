@@ -65,7 +65,7 @@ from typing import Any
 from checkpointd.core.ports import CommittedSave, SaveMeta, Staged, WatchedSink
 from checkpointd.protocol.errors import ChecksumError, RunHeldError, RunNotFoundError
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
-from checkpointd.storage import prefix, s3_copies, s3_keys, s3_recovery, s3_restore, save_manifest
+from checkpointd.storage import prefix, s3_copies, s3_keys, s3_parts, s3_recovery, s3_restore, save_manifest
 from checkpointd.storage.s3_client import (
     ETagLog,
     S3Url,
@@ -77,7 +77,6 @@ from checkpointd.storage.s3_client import (
     unavailable_on_error,
 )
 from checkpointd.storage.s3_keys import ETAGS, MANIFEST, PREFIX_MANIFEST, STORE_FIELDS, WRITER
-from checkpointd.storage.s3_parts import PartUpload
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -148,7 +147,7 @@ class S3Store:
         self._folder_runs: dict[str, str] = {}  # folder -> the run last committed there (state-file fences)
         self.part_bytes = part_bytes
         self._parts_pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-parts")
-        self._streams: dict[str, PartUpload] = {}  # staging dir -> its data file's upload
+        self._streams: dict[str, s3_parts.PartUpload] = {}  # staging dir -> its data file's upload
         self._sources = s3_copies.Sources()  # what a run's next save may copy server-side
 
     # Start-up.
@@ -224,37 +223,17 @@ class S3Store:
     def stream(self, staging: Path, target: PurePath, meta: SaveMeta, sink: WatchedSink) -> None:
         """Starts the data file's multipart upload under its final key; parts go up as they fill (`s3_parts`).
 
-        Only a data file of at least one part streams; a smaller save goes up
-        whole at commit. Any failure here leaves the save to commit's upload.
+        Never raises: a save that cannot stream goes up whole at commit.
         """
-        early: list[tuple[int, int]] = []
-        upload: list[PartUpload] = []
-
-        def on_range(start: int, end: int) -> None:
-            if upload:
-                upload[0].on_range(start, end)
-            else:
-                early.append((start, end))
-
         try:
             self._fence(meta.run)  # no lease, no request
-            path, size = sink.watch(on_range)
-            if size < self.part_bytes:
-                return
-            rel = Path(path).relative_to(staging).as_posix()
-            is_prefix = "/" not in rel  # a training checkpoint's files sit in staging, renamed at commit
-            if is_prefix:
-                rel = PurePosixPath(target).name + "." + rel.partition(".")[2]
-            key = s3_keys.keys_of(target, prefix=is_prefix).files_base + rel
-            part = PartUpload(self.client, self.bucket, key, Path(path), size, self.part_bytes, self._parts_pool)
+            part = s3_parts.start(self.client, self.bucket, self.part_bytes, self._parts_pool, staging, target, sink)
         except Exception as e:
             _LOGGER.info("run %s: the data file of %s goes up at commit (%s)", meta.run, target, e)
             return
-        for start, end in early:
-            part.on_range(start, end)
-        upload.append(part)
-        with self._lock:
-            self._streams[str(staging)] = part
+        if part is not None:
+            with self._lock:
+                self._streams[str(staging)] = part
 
     def discard(self, staged: Path) -> None:
         self.discard_stream(staged)  # not completed: the save failed or was given up
@@ -320,13 +299,15 @@ class S3Store:
             for key, rel in keys.items()
             if rel in entries
             and (part is None or key != part.key)  # streamed already
-            and (found := self._sources.matching(meta.run, rel, key, *entries[rel])) is not None
+            and (found := self._sources.matching(meta.run, rel, key, *entries[rel]))
         }
         sent = sum(entries.get(rel, (0, ""))[0] for key, rel in keys.items() if key not in sources)
         with self._etag_log.awaiting(self.bucket, keys) as etags:
             try:
                 copies = {
-                    key: self._parts_pool.submit(s3_copies.copy, self.client, self.bucket, src, key)
+                    key: self._parts_pool.submit(
+                        s3_copies.copy_first, self.client, self.bucket, self._sources, meta.run, keys[key], src, key
+                    )
                     for key, src in sources.items()
                 }
                 futures = [

@@ -4,10 +4,11 @@ Every SAVED_MODEL save of a run holds the same template files
 (saved_model.pb, policy_specs.pbtxt, assets/...): only the variables and
 fingerprint.pb change. The store remembers, per run, each file it
 committed (key, size, CRC32C, ETag); a new save's file with the same path,
-size and CRC32C is copied from that object with `CopyObject`, on condition
-that its ETag is still the one committed (`CopySourceIfMatch`). A source
-gone (retention, another daemon) or changed makes the copy fail, and the
-file is uploaded as before. The new manifest's sizes and CRCs are the
+size and CRC32C is copied from such an object with `CopyObject`, on
+condition that its ETag is still the one committed (`CopySourceIfMatch`).
+A source gone (retention, another daemon) or changed makes the copy fail:
+it is forgotten and the next one tried, newest first, and with none left
+the file is uploaded as before. The new manifest's sizes and CRCs are the
 staged file's, which the copy reproduces byte for byte.
 """
 
@@ -33,25 +34,45 @@ class Source:
     etag: str
 
 
+_KEPT = 8  # sources kept per (run, path, bytes): enough to outlive a retention that deletes the newest
+
+
 class Sources:
-    """Per run, the objects of the files it committed last, by path in a save; thread-safe."""
+    """Per run, the objects of the files it committed, by path in a save and bytes, newest first; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._runs: dict[str, dict[str, Source]] = {}
+        self._kept: dict[tuple[str, str, int, str], list[Source]] = {}
 
     def remember(self, run: str, files: dict[str, Source]) -> None:
         """Records a committed save's files (path in the save -> object)."""
         with self._lock:
-            self._runs.setdefault(run, {}).update(files)
+            for path, source in files.items():
+                kept = self._kept.setdefault((run, path, source.size, source.crc32c.lower()), [])
+                kept[:] = [source, *(s for s in kept if s.key != source.key)][:_KEPT]
 
-    def matching(self, run: str, path: str, key: str, size: int, crc32c: str) -> Source | None:
-        """The run's committed object with this file's bytes (same path, size, CRC32C), not `key` itself."""
+    def matching(self, run: str, path: str, key: str, size: int, crc32c: str) -> list[Source]:
+        """The run's committed objects with this file's bytes (same path, size, CRC32C), newest first, not `key`."""
         with self._lock:
-            found = self._runs.get(run, {}).get(path)
-        if found is None or found.key == key or found.size != size or found.crc32c.lower() != crc32c.lower():
-            return None
-        return found
+            return [s for s in self._kept.get((run, path, size, crc32c.lower()), []) if s.key != key]
+
+    def forget(self, run: str, path: str, source: Source) -> None:
+        """Drops a source found gone or changed."""
+        with self._lock:
+            kept = self._kept.get((run, path, source.size, source.crc32c.lower()), [])
+            kept[:] = [s for s in kept if s is not source]
+
+
+def copy_first(
+    client: Any, bucket: str, sources: Sources, run: str, path: str, found: list[Source], key: str
+) -> str | None:
+    """Copies the first of `found` still there to `key` (forgetting the others tried); its ETag, None if none was."""
+    for source in found:
+        etag = copy(client, bucket, source, key)
+        if etag is not None:
+            return etag
+        sources.forget(run, path, source)
+    return None
 
 
 def copy(client: Any, bucket: str, source: Source, key: str) -> str | None:

@@ -22,8 +22,11 @@ import logging
 import os
 import threading
 from concurrent.futures import Executor, Future
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
+
+from checkpointd.core.ports import WatchedSink
+from checkpointd.storage import s3_keys
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -127,3 +130,44 @@ class PartUpload:
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def start(
+    client: Any,
+    bucket: str,
+    part_bytes: int,
+    executor: Executor,
+    staging: Path,
+    target: PurePath,
+    sink: WatchedSink,
+) -> PartUpload | None:
+    """The multipart upload of a streamed save's data file (staged in `staging`) under its final key, or None.
+
+    Only a data file of at least one part streams; a smaller save goes up
+    whole at commit.
+
+    Raises:
+        OSError: the staged data file cannot be opened.
+    """
+    early: list[tuple[int, int]] = []
+    upload: list[PartUpload] = []
+
+    def on_range(begin: int, end: int) -> None:
+        if upload:
+            upload[0].on_range(begin, end)
+        else:  # reported by `watch` itself, before the upload exists
+            early.append((begin, end))
+
+    path, size = sink.watch(on_range)
+    if size < part_bytes:
+        return None
+    rel = Path(path).relative_to(staging).as_posix()
+    is_prefix = "/" not in rel  # a training checkpoint's files sit in staging, renamed at commit
+    if is_prefix:
+        rel = PurePosixPath(target).name + "." + rel.partition(".")[2]
+    key = s3_keys.keys_of(target, prefix=is_prefix).files_base + rel
+    part = PartUpload(client, bucket, key, Path(path), size, part_bytes, executor)
+    for start_at, end_at in early:
+        part.on_range(start_at, end_at)
+    upload.append(part)
+    return part
