@@ -400,6 +400,10 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
                 samples["local"].append(_timed_save(ls, name))  # its files are the raw PUTs' bytes
                 files = _files(local.root / "trainer" / name)
                 sizes = [path.stat().st_size for path, _ in files]
+                must_send = (
+                    sum(p.stat().st_size for p, rel in files if rel.startswith("variables/")),
+                    sum(p.stat().st_size for p, rel in files if rel.endswith(MANIFEST_NAME)),
+                )
                 shift = i % len(order)
                 for key in order[shift:] + order[:shift]:
                     if key == "s3":
@@ -425,8 +429,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
             result["uploaded_per_save"] = {
                 k: (_uploaded(totals_by, d.metrics_url) - uploaded_before[k]) / args.reps for k, d in daemons.items()
             }
-            result["variables_bytes"] = sum(p.stat().st_size for p, rel in files if rel.startswith("variables/"))
-            result["manifest_bytes"] = sum(p.stat().st_size for p, rel in files if rel.endswith(MANIFEST_NAME))
+            result["variables_bytes"], result["manifest_bytes"] = must_send
     finally:
         codes = {"local": local.terminate(), "s3": s3.terminate()}
         if s3_base is not None:
