@@ -266,6 +266,10 @@ def delete_prefix(client: Any, bucket: str, key_prefix: str) -> int:
     return len(keys)
 
 
+def _uploaded(totals_by: Callable[[str, str, str], dict[str, float]], url: str) -> float:
+    return totals_by(url, "checkpointd_store_uploaded_bytes_total", "kind").get("saved_model", 0.0)
+
+
 def _files(save_dir: Path) -> Files:
     return [(p, p.relative_to(save_dir).as_posix()) for p in sorted(save_dir.rglob("*")) if p.is_file()]
 
@@ -304,9 +308,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     from bench import agents, remote
     from bench.config import SIZES
-    from bench.scrape import phase_means, phase_totals
+    from bench.scrape import phase_means, phase_totals, totals_by
     from bench.stats import summarize
     from checkpointd.storage.s3_client import make_client
+    from checkpointd.storage.save_manifest import MANIFEST_NAME
     from checkpointd_client import RemotePolicySaver
     from tests.integration.daemon import start_daemon
 
@@ -387,12 +392,18 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
                 raw(warm, f"{prefix}/raw-warmup/{key}/")
             delete_prefix(client, args.bucket, f"{prefix}/raw-warmup/")
             phases_before = phase_totals(s3.metrics_url)
+            daemons = {"s3": s3, **({"s3_base": s3_base} if s3_base is not None else {})}
+            uploaded_before = {k: _uploaded(totals_by, d.metrics_url) for k, d in daemons.items()}
             order = ["s3", *(["s3_base"] if bs is not None else []), *raws]
             for i in range(args.reps):
                 name = f"save-{i}"
                 samples["local"].append(_timed_save(ls, name))  # its files are the raw PUTs' bytes
                 files = _files(local.root / "trainer" / name)
                 sizes = [path.stat().st_size for path, _ in files]
+                must_send = (
+                    sum(p.stat().st_size for p, rel in files if rel.startswith("variables/")),
+                    sum(p.stat().st_size for p, rel in files if rel.endswith(MANIFEST_NAME)),
+                )
                 shift = i % len(order)
                 for key in order[shift:] + order[:shift]:
                     if key == "s3":
@@ -414,6 +425,11 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
                     + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in raw_seconds.items())
                 )
             result["s3_phase_mean_seconds"] = phase_means(phases_before, phase_totals(s3.metrics_url))
+            # Bytes each daemon sent per save (server-side copies are not sent), against what must be sent.
+            result["uploaded_per_save"] = {
+                k: (_uploaded(totals_by, d.metrics_url) - uploaded_before[k]) / args.reps for k, d in daemons.items()
+            }
+            result["variables_bytes"], result["manifest_bytes"] = must_send
     finally:
         codes = {"local": local.terminate(), "s3": s3.terminate()}
         if s3_base is not None:
@@ -473,13 +489,14 @@ def targets(section: dict[str, Any] | None) -> list[dict[str, Any]]:
     group = OBJECT_STORE
     commit_name = f"S3 save() call->committed throughput >= {COMMIT_VS_RAW} x raw boto3 multipart PUT"
     stall_name = f"S3 save() stall <= {STALL_VS_LOCAL} x the local root's"
+    bytes_name = "S3 bytes uploaded per policy save <= variables + manifest + 64 KiB"
     if not section or not section.get("sizes"):
         why = (
             f"section 8 skipped: {section['skipped']}"
             if section and "skipped" in section
             else "no section 8 in this run"
         )
-        return [{"group": group, **not_measured(name, None, why)} for name in (commit_name, stall_name)]
+        return [{"group": group, **not_measured(name, None, why)} for name in (commit_name, stall_name, bytes_name)]
     out = []
     for size, s in section["sizes"].items():
 
@@ -493,8 +510,23 @@ def targets(section: dict[str, Any] | None) -> list[dict[str, Any]]:
             value, local = median(s, "s3", "save_stall"), median(s, "local", "save_stall")
             return at_most(value, STALL_VS_LOCAL * local, fmt_time, f"local root {fmt_time(local)}")
 
-        out += [judge(commit_name, size, commit, group), judge(stall_name, size, stall, group)]
+        def sent(s: dict[str, Any] = s) -> tuple[float, float, bool, str]:
+            from bench.fmt import fmt_bytes
+
+            value, limit = s["uploaded_per_save"]["s3"], _upload_limit(s)
+            return at_most(value, limit, fmt_bytes, f"variables {fmt_bytes(s['variables_bytes'])}")
+
+        out += [
+            judge(commit_name, size, commit, group),
+            judge(stall_name, size, stall, group),
+            judge(bytes_name, size, sent, group),
+        ]
     return out
+
+
+def _upload_limit(s: dict[str, Any]) -> float:
+    """What a policy save must send at most: its variables, its manifest and 64 KiB."""
+    return float(s["variables_bytes"] + s["manifest_bytes"] + (64 << 10))
 
 
 def header(r: dict[str, Any]) -> str:
@@ -557,6 +589,13 @@ def table(r: dict[str, Any]) -> str:
         ),
     )
     row("S3 root: bytes / (call -> committed)", lambda s: fmt_rate(s["s3"]["save_throughput"]))
+    if any("s3_base" in s for s in sizes.values()):
+        row("S3 base tree: call -> committed", lambda s: fmt_time(s["s3_base"]["save_latency"]))
+    row(
+        "bytes uploaded per save (limit: vars+manifest+64K)",
+        lambda s: f"{fmt_bytes(s['uploaded_per_save']['s3'])} ({fmt_bytes(_upload_limit(s))})"
+        + (f", base {fmt_bytes(s['uploaded_per_save']['s3_base'])}" if "s3_base" in s["uploaded_per_save"] else ""),
+    )
     for key, label in RAW.items():
         row(label, lambda s, key=key: fmt_rate(s["raw"][key]["throughput"]))
     row("S3 commit / raw boto3 PUT (target >= 0.7)", lambda s: f"{ratios(s)['commit_vs_raw']:.2f}")

@@ -18,7 +18,9 @@ prefix, plus up to 0.1 s), `unmanifested` (as soon as every file a staged
 save lists is in the bucket with its bytes' ETag and its manifest is not:
 the window between the last data object and the commit), `stream` (a kill
 point inside the streamed write: as soon as a staging dir holds a bundle's
-data file being written as the chunks arrive, and no index yet). Aiming is only a
+data file being written as the chunks arrive, and no index yet), `parts`
+(large sizes: still inside the streamed write, with parts of the data
+file's multipart upload already in the bucket). Aiming is only a
 way to get there often; what the kill hit is judged afterwards, per run,
 from the frozen state: the daemon's staging dir (its manifest lists the
 save's files, sizes and CRC32Cs before the upload starts) against the bucket:
@@ -122,7 +124,7 @@ SIZES = {"small": (16,), "large": (2304, 2304)}
 # The training state's big tensor: 64 KB, or 19 MB (2 parts).
 TRAIN_SHAPES = {"small": (128, 128), "large": (2048, 2304)}
 PHASES = s3_bucket.PHASES
-AIMS = ("random", "multipart", "unmanifested", "stream")
+AIMS = ("random", "multipart", "unmanifested", "stream", "parts")
 TRAIN_DIR, MAX_TO_KEEP = "train", 2
 GRACE_SECONDS = 1.0
 # The killed daemon's run leases block its successor (another holder) until
@@ -485,6 +487,9 @@ class _Harness:
             elif aim == "stream":
                 if any(_streaming(d) for d in self.staging.dirs()):
                     return
+            elif aim == "parts":
+                if any(_streaming(d) for d in self.staging.dirs()) and self._parts_up():
+                    return
             else:
                 staged = [s for s in map(self.staging.staged, self.staging.dirs()) if s is not None]
                 if staged:
@@ -493,6 +498,14 @@ class _Harness:
                         if s.manifest_key not in objects and all(objects.get(k) == v for k, v in s.files.items()):
                             return
         # Not seen in time (e.g. every upload was too quick): kill now, judged as it lands.
+
+    def _parts_up(self) -> bool:
+        """Whether a multipart upload under the prefix has a part in the bucket."""
+        for key, upload_id in self.reader.uploads(self.base):
+            listed = self.reader.client.list_parts(Bucket=self.reader.bucket, Key=key, UploadId=upload_id)
+            if listed.get("Parts"):
+                return True
+        return False
 
     def _after_kill(
         self, pending: tuple[s3_bucket.Pending | None, s3_bucket.Pending | None], problems: list[str]

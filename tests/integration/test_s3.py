@@ -434,3 +434,108 @@ def _base_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+
+def test_a_streamed_data_file_goes_up_part_by_part_as_its_ranges_fill_and_commits_only_at_the_manifest(
+    s3: S3, tmp_path: Path
+) -> None:
+    from checkpointd.core.ports import SaveMeta, Staged
+    from checkpointd.formats.bundle import Entry
+    from checkpointd.formats.sink import BundleSink
+    from checkpointd.protocol.kinds import SaveKind
+    from checkpointd.storage.s3 import S3Store
+
+    store = S3Store(s3.url, tmp_path / "staging", part_bytes=5 << 20, client=s3.client)
+    mib = 1 << 20
+    # Three tensors in data order; the wire sends the last one first (a policy's wire order is not its data's).
+    sizes = [7 * mib, 6 * mib, 4 * mib]  # 17 MiB: parts [0,5) [5,10) [10,15) [15,17) MiB
+    values = [np.random.default_rng(i).bytes(n) for i, n in enumerate(sizes)]
+    entries = [Entry(f"t{i}", "float32", (n // 4,), n) for i, n in enumerate(sizes)]
+    data_key = f"{s3.prefix}/st/big/variables/variables.data-00000-of-00001"
+
+    def parts_up(upload_id: str) -> list[int]:
+        listed = s3.client.list_parts(Bucket=s3.rgw.bucket, Key=data_key, UploadId=upload_id)
+        return sorted(p["PartNumber"] for p in listed.get("Parts", []))
+
+    def open_save(name: str) -> tuple[Path, BundleSink]:
+        target = store.target("st", name)
+        staging = store.stage(target)
+        (staging / "variables").mkdir()
+
+        def finish(index: bytes, tail: bytes) -> Staged:
+            return Staged(staging, sum(sizes) + len(index), {})
+
+        sink = BundleSink(staging / "variables" / "variables", entries, [2, 0, 1], [sizes[2], *sizes[:2]], finish)
+        store.stream(staging, target, SaveMeta("st", SaveKind.CHECKPOINT, 1, name), sink)
+        return staging, sink
+
+    try:
+        staging, sink = open_save("big")
+        sink.write(0, 0, values[2])  # [13, 17) MiB: only the last part is whole
+
+        def uploads() -> list[dict[str, Any]]:
+            found = s3.client.list_multipart_uploads(Bucket=s3.rgw.bucket, Prefix=f"{s3.prefix}/st/")
+            return list(found.get("Uploads", []))
+
+        wait_until(lambda: bool(uploads()), "the data file's multipart upload", TIMEOUT)
+        [upload] = uploads()
+        assert upload["Key"] == data_key
+        wait_until(lambda: parts_up(upload["UploadId"]) == [4], "the last part's upload", TIMEOUT)
+        sink.write(1, 0, values[0])  # [0, 7): the first part
+        sink.write(2, 0, values[1][: 2 * mib])  # [7, 9): nothing new is whole
+        wait_until(lambda: parts_up(upload["UploadId"]) == [1, 4], "the first part's upload", TIMEOUT)
+        assert not s3.keys("st/big")  # parts are no object: nothing is under the save's keys yet
+        sink.write(2, 2 * mib, values[1][2 * mib :])
+        staged = sink.finish()
+        store.commit(staged, store.target("st", "big"), SaveMeta("st", SaveKind.CHECKPOINT, 1, "big"))
+        assert not s3.client.list_multipart_uploads(Bucket=s3.rgw.bucket, Prefix=f"{s3.prefix}/").get("Uploads")
+        got = s3.client.get_object(Bucket=s3.rgw.bucket, Key=data_key)["Body"].read()
+        assert got == values[0] + values[1] + values[2]
+        manifest = json.loads(
+            s3.client.get_object(Bucket=s3.rgw.bucket, Key=f"{s3.prefix}/st/big/{MANIFEST}")["Body"].read()
+        )
+        assert manifest["s3_etags"]["variables/variables.data-00000-of-00001"].endswith("-4")
+
+        # A save given up mid-stream: its upload is aborted, nothing is left under its keys.
+        staging, sink = open_save("gone")
+        sink.write(1, 0, values[0])
+        sink.close()
+        store.discard(staging)
+        assert not s3.client.list_multipart_uploads(Bucket=s3.rgw.bucket, Prefix=f"{s3.prefix}/").get("Uploads")
+        assert not s3.keys("st/gone")
+    finally:
+        store.close()
+
+
+def test_a_runs_next_policy_save_copies_the_graph_files_server_side_and_uploads_only_what_changed(
+    s3: S3, policy: object
+) -> None:
+    from tests.integration import scrape
+
+    d = s3.daemon()
+    saver, step = s3.saver(d, policy, "cp")
+
+    def uploaded() -> float:
+        return scrape.Metrics(d.metrics_url)("checkpointd_store_uploaded_bytes_total", kind="saved_model")
+
+    step.assign(1)
+    saver.save("p/1", blocking=True).result()
+    first = uploaded()
+    step.assign(2)
+    saver.save("p/2", blocking=True).result()
+    second = uploaded() - first
+    in_bucket = _objects(s3.client, s3.rgw.bucket, f"{s3.prefix}/cp/p/")
+    manifest = json.loads(in_bucket[f"2/{MANIFEST}"])
+    changed = {"variables/variables.data-00000-of-00001", "variables/variables.index", "fingerprint.pb"}
+    variables = sum(f["size"] for f in manifest["files"] if f["path"].startswith("variables/"))
+    assert in_bucket["2/saved_model.pb"] == in_bucket["1/saved_model.pb"]
+    # The second save sent its variables, fingerprint and manifest; the graph files were copied.
+    graph = sum(f["size"] for f in manifest["files"] if f["path"] not in changed)
+    assert graph > 0 and 0 < second <= variables + len(in_bucket[f"2/{MANIFEST}"]) + (64 << 10)
+    assert first - second >= graph - (64 << 10)
+    # Copied or not, each object is what the manifest says (sizes, ETags), and the save loads.
+    for f in manifest["files"]:
+        head = s3.client.head_object(Bucket=s3.rgw.bucket, Key=f"{s3.prefix}/cp/p/2/{f['path']}")
+        assert head["ContentLength"] == f["size"] and head["ETag"].strip('"') == manifest["s3_etags"][f["path"]]
+    ok = _cli(s3, "verify", f"{s3.url}/cp")
+    assert ok.returncode == 0 and "2 OK, 0 FAILED" in ok.stdout, ok.stdout + ok.stderr

@@ -376,6 +376,27 @@ class SaveSink(Protocol):
         ...
 
 
+@runtime_checkable
+class WatchedSink(Protocol):
+    """A SaveSink that reports its data file's byte ranges as they are written (`BundleSink`)."""
+
+    def watch(self, on_range: Callable[[int, int], None]) -> tuple[Path, int]:
+        """Calls `on_range(start, end)` per written range, any order; returns the data file's path and size."""
+        ...
+
+
+@runtime_checkable
+class StreamingStore(Protocol):
+    """A Store that starts sending a save's data file while it is written (the object store's parts)."""
+
+    def stream(self, staging: Path, target: PurePath, meta: SaveMeta, sink: WatchedSink) -> None:
+        """Starts the upload of the save staged at `staging` as its sink fills; `discard` or `commit` ends it.
+
+        Never raises: a save that cannot stream is sent whole at commit.
+        """
+        ...
+
+
 class SaveFormat(Protocol):
     """One family of save kinds: how a run registers, and how its saves are written and read."""
 

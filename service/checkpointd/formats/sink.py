@@ -34,7 +34,7 @@ from types import TracebackType
 
 from checkpointd.core.ports import Staged
 from checkpointd.durable import writeback
-from checkpointd.formats.bundle import BundleWriter, Entry
+from checkpointd.formats.bundle import DATA_SUFFIX, BundleWriter, Entry
 from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
 from checkpointd.protocol.tensors import STRING
 
@@ -88,6 +88,7 @@ class BundleSink:
         }
         self._lock = threading.Lock()
         self._closed = False
+        self._on_range: Callable[[int, int], None] | None = None
         self._stack = contextlib.ExitStack()
         try:
             self._writer = self._stack.enter_context(BundleWriter(prefix, entries))
@@ -131,10 +132,31 @@ class BundleSink:
             kept = self._kept.get(part)
             if kept is None:
                 self._writer.write(self._route(part), view, crc)
+                self._written(self._writer.offsets[self._route(part)] + offset, view.nbytes)
                 return
             kept += view
             if self._received[part] == self._parts[part] and self._routes[part] is not None:
-                self._writer.write_strings(self._route(part), [bytes(kept)])
+                route = self._route(part)
+                self._writer.write_strings(route, [bytes(kept)])
+                self._written(self._writer.offsets[route], self._writer.entries[route].size)
+
+    def watch(self, on_range: Callable[[int, int], None]) -> tuple[Path, int]:
+        """Calls `on_range(start, end)` once each byte range of the data file is written; returns its path and size.
+
+        Ranges come in any order (the wire's, not the data's), each byte in
+        one range once; the tensors complete already are reported now. The
+        callback runs under the sink's lock, so it must be quick.
+        """
+        with self._lock:
+            self._on_range = on_range
+            for i, entry in enumerate(self._writer.entries):
+                if entry.size and self._writer.complete(i):
+                    on_range(self._writer.offsets[i], self._writer.offsets[i] + entry.size)
+            return Path(self._writer.prefix + DATA_SUFFIX), self._writer.size
+
+    def _written(self, start: int, nbytes: int) -> None:
+        if self._on_range is not None and nbytes:
+            self._on_range(start, start + nbytes)
 
     def _route(self, part: int) -> int:
         route = self._routes[part]

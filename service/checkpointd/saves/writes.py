@@ -22,7 +22,15 @@ from pathlib import Path, PurePath
 from checkpointd.core.checkpoint_spec import CheckpointSpec
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
-from checkpointd.core.ports import SaveFormat, SaveMeta, SaveSink, SnapshotBytes, Store
+from checkpointd.core.ports import (
+    SaveFormat,
+    SaveMeta,
+    SaveSink,
+    SnapshotBytes,
+    Store,
+    StreamingStore,
+    WatchedSink,
+)
 from checkpointd.protocol.errors import CheckpointdError, SaveFailedError, describe
 
 _LOGGER = logging.getLogger(__name__)
@@ -87,6 +95,8 @@ def streamed(
     try:
         sink = fmt.open(meta.run, meta.kind, manifest, staging, parts, numpy_state, **_own_spec(checkpoint))
         try:
+            if isinstance(store, StreamingStore) and isinstance(sink, WatchedSink):
+                store.stream(staging, target, meta, sink)  # an object store sends parts as they fill
             yield StreamedSave(store, meta, target, staging, sink)
         finally:
             sink.close()

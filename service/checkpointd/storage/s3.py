@@ -15,7 +15,12 @@ Rename is not atomic in an object store, so a save is committed thus:
 3. Every file goes up under its final key through s3transfer (multipart
    above `part_bytes`, in parallel), each body checked by the server
    (`checkpointd.storage.s3_client.make_client`); each object's ETag is the
-   one the server answered its upload with (`_upload`).
+   one the server answered its upload with (`_upload`). A streamed save's
+   data file of at least one part has been going up since the accept, part
+   by part as it filled (`stream`, `s3_parts`): its multipart upload is
+   completed here, so its object too appears only after step 2. A file the
+   run's previous save committed with the same bytes (a policy's graph) is
+   copied server-side instead (`s3_copies`), uploaded if that source is gone.
 4. The manifest, with the ETags and the writer (the daemon's lease owner
    id), is created LAST with `IfNoneMatch='*'`: a 412 means another writer
    committed there meanwhile, and the save fails.
@@ -53,13 +58,14 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
-from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
+from checkpointd.core.ports import CommittedSave, SaveMeta, Staged, WatchedSink
 from checkpointd.protocol.errors import ChecksumError, RunHeldError, RunNotFoundError
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
-from checkpointd.storage import prefix, s3_keys, s3_recovery, s3_restore, save_manifest
+from checkpointd.storage import prefix, s3_copies, s3_keys, s3_parts, s3_recovery, s3_restore, save_manifest
 from checkpointd.storage.s3_client import (
     ETagLog,
     S3Url,
@@ -113,7 +119,8 @@ class S3Store:
                 lease (`Leases.check`); None: no fleet, nothing to check.
             writer: this daemon's lease owner id, recorded in each manifest.
             on_upload: called per commit with (kind, seconds, bytes) of its
-                upload to the bucket (files and manifest; 0 bytes if it failed).
+                upload to the bucket (the files sent, not those copied
+                server-side, and the manifest; 0 bytes if it failed).
         """
         from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
@@ -138,6 +145,10 @@ class S3Store:
         self.writer = writer
         self._on_upload = on_upload or (lambda kind, seconds, nbytes: None)
         self._folder_runs: dict[str, str] = {}  # folder -> the run last committed there (state-file fences)
+        self.part_bytes = part_bytes
+        self._parts_pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-parts")
+        self._streams: dict[str, s3_parts.PartUpload] = {}  # staging dir -> its data file's upload
+        self._sources = s3_copies.Sources()  # what a run's next save may copy server-side
 
     # Start-up.
 
@@ -184,6 +195,7 @@ class S3Store:
 
     def close(self) -> None:
         self.transfer.shutdown()
+        self._parts_pool.shutdown(wait=False, cancel_futures=True)
 
     # Keys.
 
@@ -208,7 +220,23 @@ class S3Store:
         staging.mkdir()
         return staging
 
+    def stream(self, staging: Path, target: PurePath, meta: SaveMeta, sink: WatchedSink) -> None:
+        """Starts the data file's multipart upload under its final key; parts go up as they fill (`s3_parts`).
+
+        Never raises: a save that cannot stream goes up whole at commit.
+        """
+        try:
+            self._fence(meta.run)  # no lease, no request
+            part = s3_parts.start(self.client, self.bucket, self.part_bytes, self._parts_pool, staging, target, sink)
+        except Exception as e:
+            _LOGGER.info("run %s: the data file of %s goes up at commit (%s)", meta.run, target, e)
+            return
+        if part is not None:
+            with self._lock:
+                self._streams[str(staging)] = part
+
     def discard(self, staged: Path) -> None:
+        self.discard_stream(staged)  # not completed: the save failed or was given up
         shutil.rmtree(staged, ignore_errors=True)
 
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
@@ -256,21 +284,59 @@ class S3Store:
         """
         files = _staged_files(staged.path)
         keys = {files_base + rel: rel for rel in files}
-        futures = []
+        futures: list[Any] = []
+        copies: dict[str, Any] = {}
         manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
+        with self._lock:
+            part = self._streams.get(str(staged.path))
+        if part is not None and part.key not in keys:  # not where the format put it: send it whole
+            self.discard_stream(staged.path)
+            part = None
+        document = json.loads((staged.path / MANIFEST).read_bytes())
+        entries = {str(e["path"]): (int(e["size"]), str(e["crc32c"])) for e in document["files"]}
+        sources = {
+            key: found
+            for key, rel in keys.items()
+            if rel in entries
+            and (part is None or key != part.key)  # streamed already
+            and (found := self._sources.matching(meta.run, rel, key, *entries[rel]))
+        }
+        sent = sum(entries.get(rel, (0, ""))[0] for key, rel in keys.items() if key not in sources)
         with self._etag_log.awaiting(self.bucket, keys) as etags:
             try:
-                futures = [self.transfer.upload(str(staged.path / rel), self.bucket, key) for key, rel in keys.items()]
+                copies = {
+                    key: self._parts_pool.submit(
+                        s3_copies.copy_first, self.client, self.bucket, self._sources, meta.run, keys[key], src, key
+                    )
+                    for key, src in sources.items()
+                }
+                futures = [
+                    self.transfer.upload(str(staged.path / rel), self.bucket, key)
+                    for key, rel in keys.items()
+                    if (part is None or key != part.key) and key not in sources
+                ]
+                for key, copied in copies.items():
+                    etag = copied.result()
+                    if etag is None:  # the source is gone or changed: upload the file after all
+                        futures.append(self.transfer.upload(str(staged.path / keys[key]), self.bucket, key))
+                        sent += entries[keys[key]][0]
+                    elif etag:
+                        etags[key] = etag
+                if part is not None:
+                    etag = part.complete()  # after the old manifest went: the object appears now
+                    with self._lock:
+                        self._streams.pop(str(staged.path), None)
+                    if etag:
+                        etags[part.key] = etag
                 for future in futures:
                     future.result()  # raises the first failure; the manifest is not written
             except BaseException:
-                for future in futures:  # none may still read the staged files once they are discarded
+                for future in [*futures, *copies.values()]:  # none may still read the staged files
                     future.cancel()
                 for future in futures:
                     with contextlib.suppress(BaseException):
                         future.result()
                 raise
-        document = json.loads((staged.path / MANIFEST).read_bytes())
         listed = {entry["path"] for entry in document["files"]}
         if listed != set(files):
             raise OSError(f"the staged files of {files_base} changed during the upload ({sorted(listed ^ set(files))})")
@@ -300,7 +366,18 @@ class S3Store:
             _LOGGER.warning("run %s: the lease was lost while %s was written; withdrawing it", meta.run, manifest_key)
             self.delete_keys([manifest_key])
             raise
-        return sum(int(e["size"]) for e in document["files"]) + len(body), listed, manifest_bytes
+        self._sources.remember(
+            meta.run,
+            {rel: s3_copies.Source(key, *entries[rel], etags[key]) for key, rel in keys.items() if rel in entries},
+        )
+        return sent + len(body), listed, manifest_bytes
+
+    def discard_stream(self, staged: Path) -> None:
+        """Aborts the streamed upload of a staged save, if it has one."""
+        with self._lock:
+            part = self._streams.pop(str(staged), None)
+        if part is not None:
+            part.abort()
 
     def _drop_unlisted(self, files_base: str, prefix_name: str | None, listed: set[str]) -> None:
         """Deletes what a replaced save left under the new one's names (best effort)."""
