@@ -120,6 +120,15 @@ def test_the_held_message_names_the_holder_and_what_to_do() -> None:
     )
 
 
+def test_a_holder_renewed_longer_ago_than_the_lease_lasts_is_said_to_look_gone() -> None:
+    doc = _doc()
+    assert lease.describe_holder(doc, doc.renewed_at + 3) == "host-a (pid 12, lease renewed 3 s ago)"
+    stale = lease.describe_holder(doc, doc.renewed_at + 900)
+    assert stale.startswith("host-a (pid 12, lease renewed 900 s ago; it lasts 30 s, so its holder looks gone")
+    released = _doc(released=True)
+    assert "looks gone" not in lease.describe_holder(released, doc.renewed_at + 900)
+
+
 # S3Leases over a fake bucket.
 
 

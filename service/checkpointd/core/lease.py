@@ -231,9 +231,20 @@ class Sighting:
 
 
 def describe_holder(doc: LeaseDoc, wall_now: float) -> str:
-    """The holder as a person reads it: `host-b (pid 12, lease renewed 3 s ago)`."""
+    """The holder as a person reads it: `host-b (pid 12, lease renewed 3 s ago)`.
+
+    A lease renewed longer ago than it lasts (by the holder's clock) is said to
+    look expired: observers count expiry on their own clock, from when they
+    first saw the lease unchanged, so it is still honoured until then.
+    """
     ago = max(0.0, wall_now - doc.renewed_at)
-    return f"{doc.host} (pid {doc.pid}, lease renewed {ago:.0f} s ago)"
+    stale = (
+        f"; it lasts {doc.ttl:.0f} s, so its holder looks gone: a registration of the run here takes it "
+        f"once the lease has stayed unchanged for {doc.ttl:.0f} s"
+        if ago > doc.ttl and not doc.released
+        else ""
+    )
+    return f"{doc.host} (pid {doc.pid}, lease renewed {ago:.0f} s ago{stale})"
 
 
 def held_message(run: str, doc: LeaseDoc, sighting: Sighting, now: float, wall_now: float, waited: float = 0.0) -> str:
