@@ -45,6 +45,15 @@ def test_an_unknown_flag_like_no_other_gets_no_guess(capsys: pytest.CaptureFixtu
     assert err.rstrip().endswith("unrecognized arguments: --bogus")
 
 
+@pytest.mark.parametrize("command", ["flush", "status", "close"])
+def test_a_url_for_the_address_is_refused_with_the_host_port_to_give(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = refused([command, "--address", "http://localhost:50051", "--run", "r"], capsys)
+    assert err.startswith(f"usage: checkpointd {command}"), err
+    assert "is a URL; give its gRPC address as HOST:PORT, not a URL (here 'localhost:50051')" in err
+
+
 def test_an_empty_root_is_refused_not_the_current_directory(capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(["serve", "--root", ""], capsys)
     assert "--root is empty: give the dir to write runs under" in err

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from checkpointd import __version__
 from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_SHM_ROOT, ServeConfig
-from checkpointd.protocol.address import DEFAULT_PORT
+from checkpointd.protocol.address import DEFAULT_PORT, AddressError, check_address
 
 _LOGGER = logging.getLogger("checkpointd")
 
@@ -92,6 +92,13 @@ def _size(text: str) -> int:
         return int(text)
     except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 8G)") from None
+
+
+def _address(text: str) -> str:
+    try:
+        return check_address(text)
+    except AddressError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _NoTokenOnCommandLine(argparse.Action):
@@ -287,6 +294,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         cmd.add_argument(
             "--address",
             default=DEFAULT_ADDRESS,
+            type=_address,
             help=f"daemon HOST:PORT (default: {DEFAULT_ADDRESS})",
         )
         cmd.add_argument(
