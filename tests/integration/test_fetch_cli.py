@@ -23,6 +23,7 @@ from checkpointd_client import RemoteCheckpointer
 from tests.integration.daemon import Daemon, start_daemon
 from tests.integration.raw import TIMEOUT
 from tests.integration.rgw import Rgw
+from tests.terminal import stderr_on_a_terminal
 
 VALUES = 2 << 20  # float32s: an 8 MiB variable, so the fetch takes more than one progress tick
 
@@ -70,29 +71,6 @@ def _env(rgw: Rgw) -> dict[str, str]:
     return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **rgw.daemon_env()}
 
 
-def _on_a_terminal(command: list[str], env: dict[str, str]) -> tuple[int, str]:
-    """Runs `command` with stderr on a pseudo-terminal; returns its exit code and what the terminal showed."""
-    controller, terminal = os.openpty()
-    try:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=terminal, env=env)
-        os.close(terminal)
-        terminal = -1
-        shown = b""
-        while True:
-            try:
-                chunk = os.read(controller, 4096)
-            except OSError:  # EIO: every writer of the terminal has closed it
-                break
-            if not chunk:
-                break
-            shown += chunk
-        return proc.wait(timeout=120), shown.decode()
-    finally:
-        os.close(controller)
-        if terminal >= 0:
-            os.close(terminal)
-
-
 def test_fetch_of_a_training_checkpoint_dir_brings_its_newest_checkpoint(
     stored: tuple[Rgw, str], tmp_path: Path
 ) -> None:
@@ -122,7 +100,7 @@ def test_fetch_of_a_training_checkpoint_dir_brings_its_newest_checkpoint(
 
 def test_fetch_shows_progress_on_a_terminal(stored: tuple[Rgw, str], tmp_path: Path) -> None:
     rgw, url = stored
-    code, shown = _on_a_terminal(_fetch_command(rgw, url, "cf/train/ckpt-2", tmp_path / "two"), _env(rgw))
+    code, _, shown = stderr_on_a_terminal(_fetch_command(rgw, url, "cf/train/ckpt-2", tmp_path / "two"), 120, _env(rgw))
     assert code == 0, shown
     assert "\rfetched " in shown and " of " in shown and "MiB/s" in shown, shown
     assert tf.train.latest_checkpoint(str(tmp_path / "two")).endswith("ckpt-2")

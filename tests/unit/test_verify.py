@@ -21,6 +21,7 @@ import pytest
 from checkpointd.cli import VerifyCommand, config_from_args, main, verify
 from checkpointd.core.config import ServeConfig
 from checkpointd.storage import save_manifest
+from tests.terminal import stderr_on_a_terminal
 
 MANIFEST = save_manifest.MANIFEST_NAME
 SUBPROCESS_LIMIT = 30.0
@@ -306,39 +307,12 @@ def test_verify_entry_point_exit_codes(root: Path) -> None:
     assert missing.returncode == 2 and "/nonexistent: no such file or dir" in missing.stderr
 
 
-def _verify_with_stderr_on_a_terminal(path: Path) -> tuple[int, str, str]:
-    """`checkpointd verify PATH` with stderr on a pseudo-terminal and stdout on a pipe: (exit, stdout, terminal)."""
-    controller, terminal = os.openpty()
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpointd", "verify", str(path)],
-            stdout=subprocess.PIPE,
-            stderr=terminal,
-            text=True,
-        )
-        os.close(terminal)
-        terminal = -1
-        shown = b""
-        while True:
-            try:
-                chunk = os.read(controller, 4096)
-            except OSError:  # EIO: every writer of the terminal has closed it
-                break
-            if not chunk:
-                break
-            shown += chunk
-        out, _ = proc.communicate(timeout=SUBPROCESS_LIMIT)
-        return proc.returncode, out, shown.decode()
-    finally:
-        os.close(controller)
-        if terminal >= 0:
-            os.close(terminal)
-
-
 def test_verify_shows_progress_on_a_terminal_and_nothing_extra_when_piped(tmp_path: Path) -> None:
     for i in range(3):
         make_save(tmp_path / f"save_{i}", {**SAVED_MODEL, DATA: bytes([i]) * (2 << 20)})
-    code, out, shown = _verify_with_stderr_on_a_terminal(tmp_path)
+    code, out, shown = stderr_on_a_terminal(
+        [sys.executable, "-m", "checkpointd", "verify", str(tmp_path)], SUBPROCESS_LIMIT
+    )
     assert code == 0 and out.splitlines()[-1] == "3 OK, 0 FAILED"
     assert "\rchecked " in shown and "3 of 3 saves, 6.0 of 6.0 MiB, " in shown and "MiB/s" in shown
     piped = subprocess.run(
