@@ -2,6 +2,7 @@
 # A single-node Ceph radosgw on loopback: the real S3 server of the tests.
 #
 #   scripts/rgw.sh start DIR [MON_PORT [RGW_PORT]]   # installs Ceph if missing (root), starts, prints env lines
+#   scripts/rgw.sh install                           # installs Ceph if missing (root), starts nothing
 #   scripts/rgw.sh env DIR                           # prints the env lines of a started one
 #   scripts/rgw.sh stop DIR                          # stops radosgw, then the OSD, then the mon, by PID
 #   scripts/rgw.sh stop-gw DIR / start-gw DIR        # kills / restarts the gateway alone (fault tests)
@@ -233,7 +234,8 @@ start_gw() {
 }
 
 cmd=${1:-}
-[ $# -ge 2 ] || { echo "usage: $0 start|stop|env DIR [MON_PORT [RGW_PORT]]" >&2; exit 2; }
+if [ "$cmd" = install ]; then install_ceph; exit 0; fi
+[ $# -ge 2 ] || { echo "usage: $0 install | start|stop|env DIR [MON_PORT [RGW_PORT]]" >&2; exit 2; }
 case "$cmd" in
   start) start "$2" "${3:-}" "${4:-}" ;;
   env) print_env "$2" ;;

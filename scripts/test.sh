@@ -43,6 +43,15 @@ fi
 # are missing (as root, ~30 s the first time), starts it (~3-4 s) and stops it at
 # the end. If Ceph cannot be installed (not root, apt unreachable) those tests
 # skip; -rs prints every skip's reason in the summary, so that is never silent.
+# Installed here, once, so the test workers below never race each other on apt;
+# exit 3 (cannot install) leaves the S3 tests to skip with the reason.
+scripts/rgw.sh install || [ $? -eq 3 ]
 export TF_CPP_MIN_LOG_LEVEL=2
-# --durations: the slowest tests in every log, to keep the suite within its time.
-exec .venv/bin/python -m pytest tests -q -rs --durations=15 -p no:cacheprovider "$@"
+# Two workers (pytest-xdist), each taking whole test files: most tests wait on
+# daemons, TensorFlow and fsyncs, so two keep both cores of CI's machine busy.
+# Every test picks its own ports and dirs, and each worker starts its own
+# radosgw and Prometheus when its tests ask. CHECKPOINTD_TEST_WORKERS=0 runs
+# them in this one process. --durations: the slowest tests in every log, to keep
+# the suite within its time.
+workers=${CHECKPOINTD_TEST_WORKERS:-2}
+exec .venv/bin/python -m pytest tests -q -rs --durations=15 -p no:cacheprovider -n "$workers" --dist loadfile "$@"
