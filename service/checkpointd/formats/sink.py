@@ -18,6 +18,12 @@ bytes) goes one of three ways:
 Strings known at open (the object graph) are written at once. Large data
 files are handed to the disk while they grow (`durable.writeback.writing`).
 
+Every fixed-size tensor's chunk digests are logged on the way
+(`checkpointd.formats.chunks`): from the CRC32C a caller checked, when its
+piece lies within one chunk, else summed here chunk by chunk. `copy` puts
+whole chunks in place from another bundle's data file (an incremental
+save's unchanged ranges), their CRC32Cs taken from that bundle's record.
+
 Thread-safety: one thread writes at a time, but `close` may come from
 another (the pipeline gives up on a stalled upload while its reader still
 writes): a lock makes close wait for a write in progress, and writes after
@@ -32,8 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+import crc32c
+
 from checkpointd.core.ports import Staged
-from checkpointd.durable import writeback
+from checkpointd.durable import copies, writeback
+from checkpointd.formats import chunks
 from checkpointd.formats.bundle import DATA_SUFFIX, BundleWriter, Entry
 from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
 from checkpointd.protocol.tensors import STRING
@@ -86,6 +95,9 @@ class BundleSink:
         self._kept: dict[int, bytearray] = {
             j: bytearray() for j, r in enumerate(routes) if r is None or entries[r].dtype == STRING
         }
+        self._logs: dict[int, chunks.ChunkLog] = {
+            j: chunks.ChunkLog(entries[r].size) for j, r in enumerate(routes) if r is not None and j not in self._kept
+        }
         self._lock = threading.Lock()
         self._closed = False
         self._on_range: Callable[[int, int], None] | None = None
@@ -131,14 +143,74 @@ class BundleSink:
             self._received[part] = done + view.nbytes
             kept = self._kept.get(part)
             if kept is None:
-                self._writer.write(self._route(part), view, crc)
-                self._written(self._writer.offsets[self._route(part)] + offset, view.nbytes)
+                route, log = self._route(part), self._logs[part]
+                if crc is not None and chunks.count(offset % chunks.CHUNK_BYTES + view.nbytes) <= 1:
+                    self._writer.write(route, view, crc)
+                    log.add(view.nbytes, crc)
+                else:  # summed a chunk at a time, each piece's CRC32C logged and handed on
+                    for start, end in chunks.spans(offset, view.nbytes):
+                        piece = view[start - offset : end - offset]
+                        piece_crc = crc32c.crc32c(piece)
+                        self._writer.write(route, piece, piece_crc)
+                        log.add(piece.nbytes, piece_crc)
+                self._written(self._writer.offsets[route] + offset, view.nbytes)
                 return
             kept += view
             if self._received[part] == self._parts[part] and self._routes[part] is not None:
                 route = self._route(part)
                 self._writer.write_strings(route, [bytes(kept)])
                 self._written(self._writer.offsets[route], self._writer.entries[route].size)
+
+    def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
+        """Copies `nbytes` of part `part` at `offset` from descriptor `source` at `source_offset`: whole chunks.
+
+        `crcs` are the chunks' CRC32Cs as the source's record has them; the
+        caller has checked that the source is that file.
+
+        Raises:
+            InvalidRequestError: out of order, not whole chunks of a fixed-size tensor, or past its size.
+            ValueError: the sink is closed.
+            OSError: the copy failed.
+        """
+        with self._lock:
+            if self._closed:
+                raise ValueError("the save's files were closed (the save was given up)")
+            log = self._logs.get(part)
+            done = self._received[part]
+            size = self._parts[part]
+            whole = log is not None and offset % chunks.CHUNK_BYTES == 0
+            end = offset + nbytes
+            if (
+                not whole
+                or offset != done
+                or end > size
+                or (end % chunks.CHUNK_BYTES and end != size)
+                or len(crcs) != chunks.count(nbytes)
+            ):
+                raise InvalidRequestError(
+                    f"Save: {nbytes} bytes of part #{part} at offset {offset} referred to the base, which has "
+                    f"{done} of its {size} bytes (whole chunks of a tensor, in order)"
+                )
+            assert log is not None
+            route = self._route(part)
+            at = self._writer.offsets[route] + offset
+            copies.copy_range(source, source_offset, self._writer.fileno, at, nbytes)
+            self._writer.copied(route, nbytes, chunks.range_crc(crcs, offset, size))
+            log.add_chunks(crcs, nbytes)
+            self._received[part] = end
+            self._written(at, nbytes)
+
+    def digests(self) -> list[chunks.BaseTensor]:
+        """Every fixed-size tensor written whole, with its place in the data file and its chunks' CRC32Cs."""
+        out = []
+        for part, log in self._logs.items():
+            if log.complete:
+                route = self._route(part)
+                e = self._writer.entries[route]
+                out.append(
+                    chunks.BaseTensor(e.key, e.dtype, e.shape, self._writer.offsets[route], e.size, tuple(log.crcs))
+                )
+        return out
 
     def watch(self, on_range: Callable[[int, int], None]) -> tuple[Path, int]:
         """Calls `on_range(start, end)` once each byte range of the data file is written; returns its path and size.
