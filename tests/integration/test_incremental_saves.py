@@ -16,12 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tensorflow as tf
 from tf_agents.utils import common
 
 from checkpointd.protocol import increments
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemoteCheckpointer, checkpointer
 from tests.integration import training_state
 from tests.integration.daemon import Daemon
@@ -45,6 +48,7 @@ class Trainer:
         )
         self.local = common.Checkpointer(str(local), max_to_keep=2, **objects)
         self.ours = daemon.root / run / "train"
+        self.run = run
         self.local_dir = local
 
     def rewrite(self, start: int, n: int, value: float) -> None:
@@ -83,6 +87,12 @@ def test_only_the_changed_chunks_travel_and_the_checkpoint_is_a_full_one(daemon:
     assert trainer.same_files(second.step)
     # Rows 2038-2047 and 0-19 lie in the first and last 1 MiB chunks: six of eight copied.
     assert second.bytes_copied >= 6 * MiB
+    with grpc.insecure_channel(daemon.address) as channel:  # `status` says how much of the last save travelled
+        [status] = pb_grpc.CheckpointServiceStub(channel).GetStatus(pb.StatusRequest(run=trainer.run)).runs
+    assert (status.last_success.bytes_received, status.last_success.bytes_copied) == (
+        second.bytes_received,
+        second.bytes_copied,
+    )
     metrics = Metrics(daemon.metrics_url)
     assert metrics("checkpointd_payload_copied_bytes_total", kind="training_checkpoint") >= second.bytes_copied
     assert metrics("checkpointd_payload_received_bytes_total", kind="training_checkpoint") >= second.bytes_received

@@ -179,7 +179,14 @@ def run_status(view: RunView) -> pb.RunStatus:
     if stats.last_success is not None:
         last = stats.last_success
         status.last_success.CopyFrom(
-            pb.LastSuccess(kind=to_wire(last.kind), path=last.path, step=last.step, unix_seconds=last.at)
+            pb.LastSuccess(
+                kind=to_wire(last.kind),
+                path=last.path,
+                step=last.step,
+                unix_seconds=last.at,
+                bytes_received=last.bytes_received,
+                bytes_copied=last.bytes_copied,
+            )  # fmt: skip
         )
     return status
 

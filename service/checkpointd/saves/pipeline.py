@@ -391,8 +391,8 @@ class SavePipeline:
                     path, bytes_written = self._pool.run(lambda: self._commit(request, folder, save))
                 finally:
                     self._phases.observe_phase(kind, "write", time.monotonic() - writing)
-            outcome = Written(path, bytes_written)
             copied = base.copied if base is not None else 0
+            outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
             self._phases.payload_bytes(kind, request.snapshot_bytes - copied, copied)
             if request.checkpoint is not None:
                 self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
@@ -413,7 +413,7 @@ class SavePipeline:
         assert isinstance(outcome, Written)
         yield Result(
             outcome.path, outcome.bytes_written, seconds, request.step, request.kind,
-            bytes_received=request.snapshot_bytes - copied, bytes_copied=copied,
+            bytes_received=outcome.bytes_received, bytes_copied=outcome.bytes_copied,
         )  # fmt: skip
 
     def _commit(self, request: SaveRequest, folder: str, save: writes.StreamedSave) -> tuple[str, int]:

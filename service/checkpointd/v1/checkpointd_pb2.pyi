@@ -310,16 +310,20 @@ class InFlightSave(_message.Message):
     def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., step: _Optional[int] = ..., started_unix_seconds: _Optional[float] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class LastSuccess(_message.Message):
-    __slots__ = ("kind", "path", "step", "unix_seconds")
+    __slots__ = ("kind", "path", "step", "unix_seconds", "bytes_received", "bytes_copied")
     KIND_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
     kind: SaveKind
     path: str
     step: int
     unix_seconds: float
-    def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
+    bytes_received: int
+    bytes_copied: int
+    def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run", "state", "in_flight", "saves_ok", "saves_skipped", "saves_failed", "last_success", "last_error")
