@@ -196,7 +196,7 @@ def table(r: dict[str, Any]) -> list[str]:
     med = lambda d, k: d[k]["median"]  # noqa: E731
     lines = [
         "",
-        f"8. incremental training checkpoints over gRPC ({c['case']['name']}: {fmt_bytes(c['case']['state_bytes'])}, "
+        f"incremental training checkpoints over gRPC ({c['case']['name']}: {fmt_bytes(c['case']['state_bytes'])}, "
         f"1 % of {c['case']['buffer_rows']:,} buffer rows rewritten + one train step between saves)",
     ]
     for label, key in (("bytes sent", "received"), ("trainer stall", "stall"), ("call -> durable", "durable")):
@@ -214,7 +214,7 @@ def table(r: dict[str, Any]) -> list[str]:
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 23's gRPC targets: bytes sent, call -> durable, and the full-change case."""
     from bench.fmt import fmt_bytes, fmt_time
-    from bench.judge import TRAINING_STATE, at_most, judge, median, not_measured
+    from bench.judge import INCREMENTAL, at_most, judge, median, not_measured
 
     names = (
         f"incremental: bytes sent <= {SENT_FACTOR:g} x changed bytes in whole chunks + the agent's bytes",
@@ -223,7 +223,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     )
     c = r.get("incremental")
     if not c:
-        return [{"group": TRAINING_STATE, **not_measured(n, None, "no incremental case in this run")} for n in names]
+        return [{"group": INCREMENTAL, **not_measured(n, None, "no incremental case in this run")} for n in names]
     one, every = c["one_percent"], c["full_change"]
 
     def sent() -> tuple[float, float, bool, str]:
@@ -241,6 +241,5 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
                        f"incremental off {fmt_time(off)}")  # fmt: skip
 
     return [
-        judge(n, c["case"]["name"], fn, TRAINING_STATE)
-        for n, fn in zip(names, (sent, latency, full_change), strict=True)
+        judge(n, c["case"]["name"], fn, INCREMENTAL) for n, fn in zip(names, (sent, latency, full_change), strict=True)
     ]
