@@ -120,6 +120,7 @@ def _incremental(root: Path, spec: CheckpointSpec, values: Sequence[bytes], base
     fmt = TrainingFormat()
     with fmt.open("run", SaveKind.TRAINING_CHECKPOINT, None, root, parts, None, checkpoint=spec) as sink:  # type: ignore[arg-type]
         upload.receive_snapshot(iter(requests), sum(parts), _Call(), parts, None, bases.Incremental(sink, base, parts))  # type: ignore[arg-type]
+        sink.settle()  # the copies run on copier threads; the pipeline waits the same way
         base.check()
         sink.finish()
     return sent

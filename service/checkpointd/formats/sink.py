@@ -22,7 +22,10 @@ Every fixed-size tensor's chunk digests are logged on the way
 (`checkpointd.formats.chunks`): from the CRC32C a caller checked, when its
 piece lies within one chunk, else summed here chunk by chunk. `copy` puts
 whole chunks in place from another bundle's data file (an incremental
-save's unchanged ranges), their CRC32Cs taken from that bundle's record.
+save's unchanged ranges), their CRC32Cs taken from that bundle's record:
+the range is accounted for at once, in order, and copied by the kernel on a
+copier thread while the next chunks arrive; `settle` waits for the copies
+(`finish` and `close` do too, so no copy outlives the descriptor).
 
 Thread-safety: one thread writes at a time, but `close` may come from
 another (the pipeline gives up on a stalled upload while its reader still
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
@@ -49,6 +53,8 @@ from checkpointd.protocol.tensors import STRING
 
 # finish's callback: (the index's bytes, the tail's bytes) -> the staged save.
 Finisher = Callable[[bytes, bytes], Staged]
+# The kernel copies ranges from a base while the receiver goes on (copy_file_range releases the GIL).
+_copiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpointd-range-copy")
 
 
 class BundleSink:
@@ -99,6 +105,7 @@ class BundleSink:
             j: chunks.ChunkLog(entries[r].size) for j, r in enumerate(routes) if r is not None and j not in self._kept
         }
         self._lock = threading.Lock()
+        self._copies: list[Future[None]] = []  # ranges being copied from a base
         self._closed = False
         self._on_range: Callable[[int, int], None] | None = None
         self._stack = contextlib.ExitStack()
@@ -194,11 +201,23 @@ class BundleSink:
             assert log is not None
             route = self._route(part)
             at = self._writer.offsets[route] + offset
-            copies.copy_range(source, source_offset, self._writer.fileno, at, nbytes)
             self._writer.copied(route, nbytes, chunks.range_crc(crcs, offset, size))
             log.add_chunks(crcs, nbytes)
             self._received[part] = end
+            self._copies.append(_copiers.submit(self._copy, source, source_offset, self._writer.fileno, at, nbytes))
+
+    def _copy(self, source: int, source_offset: int, fd: int, at: int, nbytes: int) -> None:
+        copies.copy_range(source, source_offset, fd, at, nbytes)
+        with self._lock:
             self._written(at, nbytes)
+
+    def settle(self) -> None:
+        """Waits for every range being copied; raises the first copy's error (OSError)."""
+        with self._lock:
+            pending, self._copies = self._copies, []
+        errors = [e for e in (f.exception() for f in pending) if e is not None]
+        if errors:
+            raise errors[0]
 
     def digests(self) -> list[chunks.BaseTensor]:
         """Every fixed-size tensor written whole, with its place in the data file and its chunks' CRC32Cs."""
@@ -246,6 +265,7 @@ class BundleSink:
             InvalidRequestError: a part is incomplete.
             OSError: the files could not be written.
         """
+        self.settle()
         with self._lock:
             missing = self.missing()
             if missing:
@@ -262,9 +282,13 @@ class BundleSink:
                 self._stack.close()
 
     def close(self) -> None:
-        """Closes the files (after a write in progress); the caller discards the staging dir."""
+        """Closes the files (after a write or copy in progress); the caller discards the staging dir."""
         with self._lock:
             self._closed = True
+            pending, self._copies = self._copies, []
+        for f in pending:
+            f.exception()  # waited for; the save is given up, so its error is not raised
+        with self._lock:
             self._stack.close()
 
 

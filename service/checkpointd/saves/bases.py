@@ -123,6 +123,8 @@ class CopyingSink(SaveSink, Protocol):
         self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]
     ) -> None: ...
 
+    def settle(self) -> None: ...
+
 
 class Incremental:
     """A save's sink that also takes SameChunks ranges, copied from its base."""
@@ -161,6 +163,10 @@ class Incremental:
             )
         self._sink.copy(part, within, length, self._base.fd, base.offset + within, crcs)
         self._base.copied += length
+
+    def settle(self) -> None:
+        """Waits for the copies from the base still running (their OSError, if one failed)."""
+        self._sink.settle()
 
     def finish(self) -> Staged:
         return self._sink.finish()

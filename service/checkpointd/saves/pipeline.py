@@ -382,6 +382,7 @@ class SavePipeline:
                         sink = bases.Incremental(_AtWriterPriority(save.sink, self._pool), base, parts)
                     transport = receive(parts, segment, accepted + self.upload_timeout, sink)
                     if base is not None:
+                        sink.settle()  # type: ignore[attr-defined]
                         base.check()  # the copied ranges were the bytes its digests describe
                     self._phases.snapshot_received(kind, transport)
                 finally:
@@ -467,6 +468,9 @@ class _AtWriterPriority:
 
     def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
         self._sink.copy(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]
+
+    def settle(self) -> None:
+        self._sink.settle()  # type: ignore[attr-defined]
 
     def finish(self) -> Staged:
         return self._sink.finish()
