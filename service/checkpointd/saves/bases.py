@@ -13,6 +13,8 @@ copied range is never other than the bytes its digests describe.
 
 `Incremental` is the save's sink with the base beside it: the receiver hands
 it each SameChunks range, checked against the base's digests and copied.
+`Newest` remembers each dir's newest checkpoint as this daemon committed it,
+so an accept lists the dir only once after a start.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from checkpointd.core import chunk_record as chunks
-from checkpointd.core.ports import SaveSink, Staged, Store
+from checkpointd.core.ports import CommittedSave, SaveSink, Staged, Store
 from checkpointd.core.retention import age
 from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
@@ -66,7 +69,51 @@ class OpenBase:
             os.close(fd)
 
 
-def open_base(store: Store, folder: str, request: SaveRequest, local: bool) -> OpenBase | None:
+class Newest:
+    """The newest committed checkpoint of each (folder, dir), as found once and then as committed here. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._saves: dict[tuple[str, str], CommittedSave] = {}
+
+    def find(self, store: Store, folder: str, request: SaveRequest) -> CommittedSave | None:
+        """The newest committed checkpoint of the request's run and kind in its dir, or None."""
+        key = (folder, directory_of(request.export_dir))
+        with self._lock:
+            known = self._saves.get(key)
+        if known is not None and known.run == request.run and known.kind is request.kind:
+            return known
+        saves = [
+            s
+            for s in store.committed(folder, request.run)
+            if s.kind is request.kind and s.prefix and directory_of(s.export_dir) == key[1]
+        ]
+        newest = max(saves, key=age) if saves else None
+        if newest is not None:
+            with self._lock:
+                self._saves[key] = newest
+        return newest
+
+    def committed(self, store: Store, folder: str, request: SaveRequest) -> None:
+        """Reads back the manifest of the request's save, just committed: the dir's next base."""
+        if request.checkpoint is None:
+            return
+        try:
+            save = store.committed_at(folder, request.export_dir)
+        except Exception as e:  # noqa: BLE001 - the save is committed; the next one lists the dir instead
+            _LOGGER.info("run %s: %s not remembered as a base: %s", request.run, request.export_dir, e)
+            save = None
+        with self._lock:
+            key = (folder, directory_of(request.export_dir))
+            if save is None:
+                self._saves.pop(key, None)
+            else:
+                self._saves[key] = save
+
+
+def open_base(
+    store: Store, folder: str, request: SaveRequest, local: bool, newest: Newest | None = None
+) -> OpenBase | None:
     """The base the request's save may copy from, opened; None if there is none to use.
 
     Args:
@@ -74,23 +121,19 @@ def open_base(store: Store, folder: str, request: SaveRequest, local: bool) -> O
         folder: the run's folder.
         request: an accepted, incremental save.
         local: whether the store's saves are files on this host.
+        newest: what is known of each dir's newest checkpoint; None lists the dir.
     """
     checkpoint = request.checkpoint
     if not local or checkpoint is None:
         return None
-    directory = directory_of(request.export_dir)
-    saves = [
-        s
-        for s in store.committed(folder, request.run)
-        if s.kind is request.kind and s.prefix and directory_of(s.export_dir) == directory
-    ]
-    if not saves:
+    found = (newest or Newest()).find(store, folder, request)
+    if found is None:
         return None
-    newest = max(saves, key=age)
-    record = chunks.parse(newest.extra)
-    if record is None or record.chunk_bytes != chunks.CHUNK_BYTES or not isinstance(newest.path, Path):
+    newest_save = found
+    record = chunks.parse(newest_save.extra)
+    if record is None or record.chunk_bytes != chunks.CHUNK_BYTES or not isinstance(newest_save.path, Path):
         return None
-    path = Path(str(newest.path) + record.data_file)
+    path = Path(str(newest_save.path) + record.data_file)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
@@ -113,7 +156,7 @@ def open_base(store: Store, folder: str, request: SaveRequest, local: bool) -> O
     if not any(p is not None and p.size for p in parts):
         os.close(fd)
         return None
-    return OpenBase(newest.export_dir, path, fd, record.identity, record.chunk_bytes, parts)
+    return OpenBase(newest_save.export_dir, path, fd, record.identity, record.chunk_bytes, parts)
 
 
 class CopyingSink(SaveSink, Protocol):

@@ -132,6 +132,8 @@ class SavePipeline:
         self._skips = SkipLog(_LOGGER)
         # The kinds each registered run takes: its registering format's.
         self._run_kinds: dict[str, tuple[SaveKind, ...]] = {}
+        self._bases = bases.Newest()  # each checkpoint dir's newest save: an incremental save's base
+        self._local = not isinstance(store, StreamingStore)  # an object store's saves are not files here
 
     @property
     def upload_timeout(self) -> float:
@@ -361,8 +363,8 @@ class SavePipeline:
                     segment = None
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
-            if request.incremental and segment is None:  # an object store's saves are not files here
-                base = bases.open_base(self.store, folder, request, local=not isinstance(self.store, StreamingStore))
+            if request.incremental and segment is None:
+                base = bases.open_base(self.store, folder, request, self._local, self._bases)
             yield Decision(accepted=True, segment=segment, lock_path=lock_path, base=_offer(base))
             meta = SaveMeta(run, request.kind, request.step, request.export_dir)
             fmt = self.formats(request.kind)
@@ -394,6 +396,8 @@ class SavePipeline:
                     self._phases.observe_phase(kind, "write", time.monotonic() - writing)
             copied = base.copied if base is not None else 0
             outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
+            if self._local:
+                self._bases.committed(self.store, folder, request)
             self._phases.payload_bytes(kind, request.snapshot_bytes - copied, copied)
             if request.checkpoint is not None:
                 self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
