@@ -64,6 +64,7 @@ class OpenBase:
             )
 
     def close(self) -> None:
+        """Closes the base's data file (again: nothing)."""
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
@@ -183,6 +184,7 @@ class Incremental:
         self._total = at
 
     def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
+        """A received chunk's bytes, as `SaveSink.write`."""
         self._sink.write(part, offset, data, crc)
 
     def same(self, offset: int, length: int, crcs: Sequence[int]) -> None:
@@ -212,9 +214,11 @@ class Incremental:
         self._sink.settle()
 
     def finish(self) -> Staged:
+        """As `SaveSink.finish` (after the copies end)."""
         return self._sink.finish()
 
     def close(self) -> None:
+        """As `SaveSink.close` (after the copies end)."""
         self._sink.close()
 
 
