@@ -265,7 +265,7 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
     for case in config.training_cases:
         progress(f"7. training checkpoints, {case}: Checkpointer, TF async, RemoteCheckpointer")
         results["training_checkpoint"][case] = run_training_case(config, case)
-    if config.incremental != "none":  # issue 23's case, in a worker process (bench/incremental.py)
+    if config.incremental != "none":  # incremental saves, in a worker process (bench/incremental.py)
         progress(f"incremental training checkpoints over gRPC, {config.incremental}")
         results["incremental"] = run_incremental(config)
     if config.fleet == "on":

@@ -212,7 +212,7 @@ def table(r: dict[str, Any]) -> list[str]:
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 23's gRPC targets: bytes sent, call -> durable, and the full-change case."""
+    """The incremental case's targets over gRPC: bytes sent, call -> durable, and the full-change case."""
     from bench.fmt import fmt_bytes, fmt_time
     from bench.judge import INCREMENTAL, at_most, judge, median, not_measured
 

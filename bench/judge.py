@@ -22,7 +22,7 @@ FLEET = "fleet"
 MEMORY = "memory"
 TRAINING_STATE = "training state"
 OBJECT_STORE = "object store"
-INCREMENTAL = "incremental"  # issue 23: bench/incremental.py
+INCREMENTAL = "incremental"  # bench/incremental.py
 
 GROUPS = {
     CROSS_HOST: "cross-host path: a save over gRPC, against the machine's limits and the in-process saver",
