@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import filecmp
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +155,24 @@ def test_incremental_off_sends_every_byte(daemon: Daemon, tmp_path: Path) -> Non
         assert second.bytes_copied == 0 and t.same_files(second.step)
     finally:
         t.close()
+
+
+def test_a_restarted_daemon_copies_from_the_checkpoint_it_finds_on_disk(
+    fresh_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    first_daemon = fresh_daemon()
+    t = Trainer(first_daemon, "restarted", tmp_path / "train")
+    t.save()
+    t.close()
+    assert first_daemon.terminate() == 0
+    second_daemon = fresh_daemon()  # same root: the base is known from its manifest only
+    t.remote = RemoteCheckpointer(
+        "train", second_daemon.address, run="restarted", max_to_keep=2, timeout=LIMIT, shared_memory=False,
+        **{**t.state.objects, "big": t.buffer},
+    )  # fmt: skip
+    t.remote.initialize_or_restore()
+    t.rewrite(100, 3, 5.0)
+    t.state.train(1)
+    second = t.save()
+    assert second.bytes_copied >= 7 * MiB and t.same_files(second.step)
+    t.close()
