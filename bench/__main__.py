@@ -54,6 +54,12 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
     )
     s3.add_arguments(p)
     fleet.add_arguments(p)
+    p.add_argument(
+        "--incremental",
+        choices=("medium", "large", "none"),
+        help="the incremental case's state: medium (200 MiB buffer, the default), large (the 1.23 GB state) or none; "
+        "quick: none",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
     p.add_argument(
         "--workdir", type=Path, help="scratch directory, kept (default: a new temp dir, removed after success)"
@@ -80,6 +86,7 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
             fleet=fleet.mode(a),
             fleet_trainers=a.fleet_trainers,
             fleet_seconds=a.fleet_seconds,
+            incremental=a.incremental or ("none" if quick else "medium"),
             workdir=workdir,
             keep_workdir=a.workdir is not None,
             out=a.out,
@@ -258,9 +265,37 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
     for case in config.training_cases:
         progress(f"7. training checkpoints, {case}: Checkpointer, TF async, RemoteCheckpointer")
         results["training_checkpoint"][case] = run_training_case(config, case)
+    if config.incremental != "none":  # incremental saves, in a worker process (bench/incremental.py)
+        progress(f"incremental training checkpoints over gRPC, {config.incremental}")
+        results["incremental"] = run_incremental(config)
     if config.fleet == "on":
         results["fleet"] = fleet.run_section(config, progress)
     return results
+
+
+def run_incremental(config: BenchConfig) -> dict[str, Any]:
+    """The incremental case in a worker process (bench.incremental)."""
+    out, log = config.workdir / "incremental.json", config.workdir / "incremental-worker.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.incremental",
+        "--reps",
+        "3",
+        "--workdir",
+        str(config.workdir),
+        "--out",
+        str(out),
+    ]
+    cmd += ["--large"] if config.incremental == "large" else []
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    with open(log, "wb") as err:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=err, timeout=2400, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"the incremental worker exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
+        )
+    return json.loads(out.read_text())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

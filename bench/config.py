@@ -64,6 +64,7 @@ class BenchConfig:
         fleet: section 9 (bench/fleet.py): "on", "off", or "only" (nothing else).
         fleet_trainers: section 9's simulated trainers.
         fleet_seconds: how long each of them saves, once a second.
+        incremental: the incremental case's state (bench/incremental.py).
     """
 
     sizes: tuple[str, ...]
@@ -83,6 +84,7 @@ class BenchConfig:
     fleet: str = "off"
     fleet_trainers: int = 256
     fleet_seconds: float = 60.0
+    incremental: str = "medium"  # bench/incremental.py's case: "medium", "large" (1.23 GB state) or "none"
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sizes if s not in SIZES]

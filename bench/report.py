@@ -55,7 +55,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     A target needs the sizes it names: the large-only one is "not measured"
     in a run without large; the per-size ones are judged at the run's sizes.
     """
-    from bench import checkpointer, fleet, s3
+    from bench import checkpointer, fleet, incremental, s3
 
     sizes = list(r.get("sizes") or {})
     out = [*_cross_host(r, sizes), *_first_save(r, sizes), *_stall(r, sizes), *_training(r, sizes)]
@@ -65,6 +65,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.extend(_memory(r, sizes))
     out.extend(s3.targets(r.get("s3")))
     out.extend(_grpc_memory(r, sizes))
+    out.extend(incremental.targets(r))
     order = list(GROUPS)
     return sorted(out, key=lambda t: order.index(t["group"]))  # stable: each group keeps its rows' order
 
@@ -404,6 +405,9 @@ def table(r: dict[str, Any]) -> str:
     from bench import checkpointer  # section 7, whose rows live with it
 
     lines.extend(checkpointer.table(r))
+    from bench import incremental
+
+    lines.extend(incremental.table(r))
     return "\n".join(lines) + "\n"
 
 

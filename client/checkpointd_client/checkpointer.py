@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -42,7 +42,7 @@ import grpc
 import numpy as np
 import tensorflow as tf
 
-from checkpointd.protocol import wire
+from checkpointd.protocol import increments, wire
 from checkpointd.protocol.errors import CheckpointdError, InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, check_run_name, checkpoint_prefix
@@ -125,6 +125,7 @@ class RemoteCheckpointer:
         token: str | None = None,
         token_file: str | os.PathLike[str] | None = None,
         shared_memory: bool = True,
+        incremental: bool = True,
         **objects: Any,
     ) -> None:
         """Registers the run and restores its newest checkpoint, as Checkpointer's constructor does.
@@ -139,6 +140,10 @@ class RemoteCheckpointer:
             folder: the run's folder under the daemon's root; None: the run's name.
             chunk_bytes, channel_credentials, timeout, token, token_file,
                 shared_memory: as for RemotePolicySaver.
+            incremental: a checkpoint sent over gRPC sends only the chunks
+                changed since the dir's newest checkpoint, the rest as
+                references the daemon copies from it (each checkpoint is
+                still complete on its own); False sends every byte.
             **objects: what to save, as for tf.train.Checkpoint (agent,
                 policy, replay_buffer, global_step, metrics, NumpyState...).
 
@@ -172,6 +177,7 @@ class RemoteCheckpointer:
         self._checkpoint = tf.train.Checkpoint(**objects)
         self._daemon = DaemonSession(address, self._run, connection, owner="checkpointer", upload_threads=2)
         self._use_shm = shared_memory
+        self._incremental = incremental
         self._segment: shm.SegmentMap | None = None
         # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
         self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
@@ -300,7 +306,7 @@ class RemoteCheckpointer:
         try:
             state = tf_checkpoint.describe(self._checkpoint)
             self._daemon.before_trying()
-            stream, offer = self._decide(ticket, state, blocking)
+            stream, offer, base = self._decide(ticket, state, blocking)
         except BaseException:
             counter.assign_sub(1)  # refused before a decision: nothing was saved
             raise
@@ -309,22 +315,26 @@ class RemoteCheckpointer:
             counter.assign_sub(1)  # nothing was saved
             return False
         try:
-            requests, spare = self._copy(state, offer)
+            requests, spare, parts = self._copy(state, offer, base)
         except BaseException:
             stream.close()
             raise
         self._checkpoint_exists = True
+        resend = self._resender(ticket, state, parts) if base is not None else None
         if blocking:
-            self._upload(stream, requests, ticket, state, spare)
+            self._upload(stream, requests, ticket, state, spare, resend)
             ticket.result()
             return False
-        self._daemon.uploads.submit(self._upload_then_release, stream, requests, ticket, state, spare)
+        self._daemon.uploads.submit(self._upload_then_release, stream, requests, ticket, state, spare, resend)
         return True
 
     def _decide(
-        self, ticket: SaveTicket, state: tf_checkpoint.TrainingState, blocking: bool
-    ) -> tuple[SaveStream, pb.SharedMemory | None]:
-        """Opens the Save call and reads the decision; registers again once on NOT_FOUND."""
+        self, ticket: SaveTicket, state: tf_checkpoint.TrainingState, blocking: bool, incremental: bool = True
+    ) -> tuple[SaveStream, pb.SharedMemory | None, pb.IncrementalBase | None]:
+        """Opens the Save call and reads the decision; registers again once on NOT_FOUND.
+
+        Returns the call, and the shared memory and base its accept offered.
+        """
         header = pb.SaveHeader(
             run=self._run,
             kind=to_wire(SaveKind.TRAINING_CHECKPOINT),
@@ -334,6 +344,7 @@ class RemoteCheckpointer:
             snapshot_bytes=state.nbytes,
             shared_memory=self._use_shm,
             training_checkpoint=state.to_proto(self._max_to_keep, self._keep_hours),
+            incremental=self._incremental and incremental,
         )
         daemon = self._daemon
 
@@ -349,15 +360,18 @@ class RemoteCheckpointer:
         stream, decision = daemon.retrying_lost_run(attempt, self._register, doing)
         if not decision.accepted:
             stream.skip(ticket, decision.reason, self._run)
-        return stream, decision.shared_memory if decision.HasField("shared_memory") else None
+        offer = decision.shared_memory if decision.HasField("shared_memory") else None
+        return stream, offer, decision.base if decision.HasField("base") else None
 
     def _copy(
-        self, state: tf_checkpoint.TrainingState, offer: pb.SharedMemory | None
-    ) -> tuple[Iterable[bytes], list[np.ndarray] | None]:
+        self, state: tf_checkpoint.TrainingState, offer: pb.SharedMemory | None, base: pb.IncrementalBase | None
+    ) -> tuple[Iterable[bytes], list[np.ndarray] | None, list[Any]]:
         """Copies the values now: into the offered segment, else into spare buffers.
 
-        Returns the requests that complete the call, serialized, and the
-        arrays the next save may reuse (None for a segment's).
+        Returns the requests that complete the call, serialized (against
+        `base`'s digests, if offered: computed as gRPC sends them, off the
+        trainer's thread), the arrays the next save may reuse (None for a
+        segment's), and the payload's parts ([] for a segment's).
         """
         if offer is not None and self._use_shm:
             with self._daemon.lock:
@@ -369,15 +383,28 @@ class RemoteCheckpointer:
                 whole = segment.view()
                 views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
                 state.copy(views, strings=True)
-                return [shm.WRITTEN], None
+                return [shm.WRITTEN], None, []
             self._use_shm = False  # the daemon is not on this host (or not this user's)
         with self._daemon.lock:
             spare, self._spare = self._spare, None
         buffers = spare[1] if spare is not None and spare[0] == state.layout else None
         if buffers is None:  # Python state needs none: it is bytes already
             buffers = [np.empty(0 if tf_checkpoint.is_string(t) else t.nbytes, np.uint8) for t in state.tensors]
-        parts = state.copy([b.data for b in buffers])
-        return wire.save_request_chunks(parts, self._daemon.chunk_bytes), buffers
+        parts = list(state.copy([b.data for b in buffers]))
+        if base is not None:
+            return increments.save_requests(parts, base, self._daemon.chunk_bytes), buffers, parts
+        return wire.save_request_chunks(parts, self._daemon.chunk_bytes), buffers, parts
+
+    def _resender(
+        self, ticket: SaveTicket, state: tf_checkpoint.TrainingState, parts: list[Any]
+    ) -> Callable[[], tuple[SaveStream, Iterable[bytes]]]:
+        """Opens the save again, blocking and not incremental, to send `parts` in full (see SaveStream.finish)."""
+
+        def resend() -> tuple[SaveStream, Iterable[bytes]]:
+            stream, _, _ = self._decide(ticket, state, blocking=True, incremental=False)
+            return stream, wire.save_request_chunks(parts, self._daemon.chunk_bytes)
+
+        return resend
 
     def _upload(
         self,
@@ -386,8 +413,9 @@ class RemoteCheckpointer:
         ticket: SaveTicket,
         state: tf_checkpoint.TrainingState,
         spare: list[np.ndarray] | None,
+        resend: Callable[[], tuple[SaveStream, Iterable[bytes]]] | None = None,
     ) -> None:
-        stream.finish(ticket, requests, self._run)
+        stream.finish(ticket, requests, self._run, resend=resend)
         if spare is not None and ticket.done() and ticket.exception(0) is None:
             with self._daemon.lock:  # gRPC has let go of every chunk: the next save may reuse them
                 self._spare = (state.layout, spare)

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from checkpointd.protocol.codes import error_for
-from checkpointd.protocol.errors import DeadlineError, SaveFailedError
+from checkpointd.protocol.errors import ChecksumError, DeadlineError, SaveFailedError
 from checkpointd.protocol.kinds import from_wire
 from checkpointd.v1 import checkpointd_pb2
 from checkpointd_client.ticket import SaveResult, SaveTicket
@@ -98,7 +98,12 @@ class SaveStream:
             pass  # the skip is already known; how the call ends adds nothing
 
     def finish(
-        self, ticket: SaveTicket, requests: Iterable[bytes], run: str, on_end: Callable[[], None] | None = None
+        self,
+        ticket: SaveTicket,
+        requests: Iterable[bytes],
+        run: str,
+        on_end: Callable[[], None] | None = None,
+        resend: Callable[[], tuple[SaveStream, Iterable[bytes]]] | None = None,
     ) -> None:
         """Uploads an accepted snapshot and completes `ticket` with the daemon's answer.
 
@@ -106,7 +111,10 @@ class SaveStream:
         `ticket.result()` raises it) and logged at WARNING. `on_end` is called
         once the call has ended, before the ticket completes (a held save
         lets go of the run's busy lock there, so a save made once
-        `ticket.result()` returns finds it free).
+        `ticket.result()` returns finds it free). `resend`, for an
+        incremental save, opens the same save again, accepted, with every
+        byte to send: it is called once if this one ends in DATA_LOSS (the
+        base changed under it, or a chunk was damaged on the way).
         """
         start = time.monotonic()
         where = (run, ticket.kind.value, ticket.step, ticket.export_dir)
@@ -118,8 +126,17 @@ class SaveStream:
             if isinstance(e, grpc.RpcError):
                 error = error_for(*rpc_error(e))
                 error.__cause__ = e
-            _LOGGER.warning("run %s: %s of step %s to %r failed: %s: %s", *where, type(error).__name__, error)
             self.close()
+            if resend is not None and isinstance(error, ChecksumError):
+                _LOGGER.info("run %s: %s of step %s to %r: %s; sending it again in full", *where, error)
+                try:
+                    again, full = resend()
+                except Exception as e:  # noqa: BLE001 - stored on the ticket, as any failure
+                    error = e
+                else:
+                    again.finish(ticket, full, run, on_end)
+                    return
+            _LOGGER.warning("run %s: %s of step %s to %r failed: %s: %s", *where, type(error).__name__, error)
             if on_end is not None:
                 on_end()
             ticket._fail(error)  # noqa: SLF001 - the saver's side completes tickets
@@ -148,6 +165,8 @@ class SaveStream:
                 duration_seconds=result.duration_seconds,
                 step=result.step,
                 kind=from_wire(result.kind) or ticket.kind,
+                bytes_received=result.bytes_received,
+                bytes_copied=result.bytes_copied,
             )
         )
 

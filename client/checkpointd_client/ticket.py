@@ -18,6 +18,10 @@ class SaveResult:
         duration_seconds: from the daemon's accept to durable on disk.
         step: the train step read in the save's snapshot.
         kind: SAVED_MODEL for `save()`, CHECKPOINT for `save_checkpoint()`.
+        bytes_received: payload bytes the daemon received (sent, or from
+            shared memory).
+        bytes_copied: payload bytes the daemon copied from the base save
+            instead (an incremental save's unchanged chunks).
     """
 
     path: str
@@ -25,6 +29,8 @@ class SaveResult:
     duration_seconds: float
     step: int
     kind: SaveKind
+    bytes_received: int = 0
+    bytes_copied: int = 0
 
 
 class SaveCounts:

@@ -112,6 +112,22 @@ class Metrics:
             "that run's saves here then fail ABORTED.",
             registry=registry,
         )
+        # Incremental saves: payload bytes that travelled vs bytes copied from the base save.
+        self.payload_received = Counter(
+            "checkpointd_payload_received_bytes",
+            "Payload bytes of committed saves that the daemon received (gRPC chunks or shared memory), by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        self.payload_copied = Counter(
+            "checkpointd_payload_copied_bytes",
+            "Payload bytes of committed saves copied from their base save instead of received, by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in KINDS:
+            self.payload_received.labels(kind)
+            self.payload_copied.labels(kind)
         for kind in KINDS:
             self.save_duration.labels(kind)
             self.skipped.labels(kind)
@@ -157,6 +173,11 @@ class Metrics:
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
         self.snapshots.labels(kind, transport).inc()
+
+    def payload_bytes(self, kind: str, received: int, copied: int) -> None:
+        """Counts one committed save's payload: bytes received, and bytes copied from its base."""
+        self.payload_received.labels(kind).inc(received)
+        self.payload_copied.labels(kind).inc(copied)
 
     def store_uploaded(self, kind: str, seconds: float, nbytes: int) -> None:
         """One commit's upload to the object store: phase "upload", and its bytes."""

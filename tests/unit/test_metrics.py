@@ -220,3 +220,14 @@ def test_leases_held_and_lost_are_counted(registry: CollectorRegistry, metrics: 
     metrics.lease_lost("r")
     assert sample(registry, "checkpointd_leases_held") == 2
     assert sample(registry, "checkpointd_leases_lost_total") == 1
+
+
+def test_payload_bytes_received_and_copied_are_counted_by_kind(registry: CollectorRegistry, metrics: Metrics) -> None:
+    for kind in KINDS:
+        assert sample(registry, "checkpointd_payload_received_bytes_total", kind=kind) == 0
+        assert sample(registry, "checkpointd_payload_copied_bytes_total", kind=kind) == 0
+    metrics.payload_bytes("training_checkpoint", 100, 900)
+    metrics.payload_bytes("training_checkpoint", 1000, 0)
+    assert sample(registry, "checkpointd_payload_received_bytes_total", kind="training_checkpoint") == 1100
+    assert sample(registry, "checkpointd_payload_copied_bytes_total", kind="training_checkpoint") == 900
+    assert sample(registry, "checkpointd_payload_copied_bytes_total", kind="saved_model") == 0

@@ -181,6 +181,9 @@ def format_status(reply: pb.StatusResponse, now: float | None = None) -> str:
         if r.HasField("last_success"):
             s = r.last_success
             last = f"{_ago(s.unix_seconds, now)} step {s.step} {s.path}"
+            if s.bytes_copied:  # an incremental save: how much of it travelled
+                sent = s.bytes_received / (s.bytes_received + s.bytes_copied)
+                last += f" (sent {100 * sent:.1f}%, rest copied from its base)"
         else:
             last = "never"
         rows.append((r.run, r.state, flight, str(r.saves_ok), str(r.saves_skipped), str(r.saves_failed), last))

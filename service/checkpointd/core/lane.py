@@ -62,6 +62,8 @@ class Skipped:
 class Written:
     path: str
     bytes_written: int
+    bytes_received: int = 0  # of the payload: received (an incremental save's changed chunks)
+    bytes_copied: int = 0  # of the payload: copied from its base
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class LastSuccess:
     path: str
     step: int
     at: float
+    bytes_received: int = 0
+    bytes_copied: int = 0
 
 
 @dataclass
@@ -177,7 +181,9 @@ class Lane:
         if isinstance(outcome, Written):
             ticket.state = TicketState.WRITTEN
             self.stats.ok += 1
-            self.stats.last_success = LastSuccess(ticket.spec.kind, outcome.path, ticket.spec.step, now)
+            self.stats.last_success = LastSuccess(
+                ticket.spec.kind, outcome.path, ticket.spec.step, now, outcome.bytes_received, outcome.bytes_copied
+            )
             self.sink.save_written(self.run, kind, outcome.bytes_written, duration, now)
         else:
             ticket.state = TicketState.FAILED

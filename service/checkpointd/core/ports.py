@@ -78,6 +78,9 @@ class PhaseSink(Protocol):
 
     def snapshot_received(self, kind: str, transport: str) -> None: ...
 
+    def payload_bytes(self, kind: str, received: int, copied: int) -> None:
+        """Counts one committed save's payload: bytes received, and bytes copied from its base."""
+
 
 class NullPhases:
     """A PhaseSink that records nothing."""
@@ -86,6 +89,9 @@ class NullPhases:
         pass
 
     def snapshot_received(self, kind: str, transport: str) -> None:
+        pass
+
+    def payload_bytes(self, kind: str, received: int, copied: int) -> None:
         pass
 
 

@@ -238,6 +238,23 @@ class BundleWriter:
         self._crcs[i] = running
         self._written[i] = done + view.nbytes
 
+    def copied(self, i: int, nbytes: int, crc: int) -> None:
+        """Counts the next `nbytes` of fixed-size tensor #`i` as put in place by the caller (a range copied
+        into `fileno` at its offset from another bundle), their CRC32C `crc` folded into the tensor's.
+
+        Raises:
+            ValueError: tensor `i` is a string, or `nbytes` runs past its size.
+        """
+        entry, done = self.entries[i], self._written[i]
+        if entry.dtype == STRING or done + nbytes > entry.size:
+            raise ValueError(f"bundle key {entry.key!r}: {nbytes} bytes copied past its {entry.size} at {done}")
+        self._crcs[i] = crc_math.combine(self._crcs[i], crc, nbytes)
+        self._written[i] = done + nbytes
+
+    def written(self, i: int) -> int:
+        """The bytes of tensor #`i` written so far."""
+        return self._written[i]
+
     def write_strings(self, i: int, values: Sequence[bytes]) -> None:
         """Writes string tensor #`i` (data order) whole: its elements in C order.
 

@@ -18,6 +18,15 @@ bytes) goes one of three ways:
 Strings known at open (the object graph) are written at once. Large data
 files are handed to the disk while they grow (`durable.writeback.writing`).
 
+Every fixed-size tensor's chunk digests are logged on the way
+(`checkpointd.formats.chunks`): from the CRC32C a caller checked, when its
+piece lies within one chunk, else summed here chunk by chunk. `copy` puts
+whole chunks in place from another bundle's data file (an incremental
+save's unchanged ranges), their CRC32Cs taken from that bundle's record:
+the range is accounted for at once, in order, and copied by the kernel on a
+copier thread while the next chunks arrive; `settle` waits for the copies
+(`finish` and `close` do too, so no copy outlives the descriptor).
+
 Thread-safety: one thread writes at a time, but `close` may come from
 another (the pipeline gives up on a stalled upload while its reader still
 writes): a lock makes close wait for a write in progress, and writes after
@@ -29,17 +38,23 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
+import crc32c
+
 from checkpointd.core.ports import Staged
-from checkpointd.durable import writeback
+from checkpointd.durable import copies, writeback
+from checkpointd.formats import chunks
 from checkpointd.formats.bundle import DATA_SUFFIX, BundleWriter, Entry
 from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
 from checkpointd.protocol.tensors import STRING
 
 # finish's callback: (the index's bytes, the tail's bytes) -> the staged save.
 Finisher = Callable[[bytes, bytes], Staged]
+# The kernel copies ranges from a base while the receiver goes on (copy_file_range releases the GIL).
+_copiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpointd-range-copy")
 
 
 class BundleSink:
@@ -86,7 +101,11 @@ class BundleSink:
         self._kept: dict[int, bytearray] = {
             j: bytearray() for j, r in enumerate(routes) if r is None or entries[r].dtype == STRING
         }
+        self._logs: dict[int, chunks.ChunkLog] = {
+            j: chunks.ChunkLog(entries[r].size) for j, r in enumerate(routes) if r is not None and j not in self._kept
+        }
         self._lock = threading.Lock()
+        self._copies: list[Future[None]] = []  # ranges being copied from a base
         self._closed = False
         self._on_range: Callable[[int, int], None] | None = None
         self._stack = contextlib.ExitStack()
@@ -131,14 +150,86 @@ class BundleSink:
             self._received[part] = done + view.nbytes
             kept = self._kept.get(part)
             if kept is None:
-                self._writer.write(self._route(part), view, crc)
-                self._written(self._writer.offsets[self._route(part)] + offset, view.nbytes)
+                route, log = self._route(part), self._logs[part]
+                if crc is not None and chunks.count(offset % chunks.CHUNK_BYTES + view.nbytes) <= 1:
+                    self._writer.write(route, view, crc)
+                    log.add(view.nbytes, crc)
+                else:  # summed a chunk at a time, each piece's CRC32C logged and handed on
+                    for start, end in chunks.spans(offset, view.nbytes):
+                        piece = view[start - offset : end - offset]
+                        piece_crc = crc32c.crc32c(piece)
+                        self._writer.write(route, piece, piece_crc)
+                        log.add(piece.nbytes, piece_crc)
+                self._written(self._writer.offsets[route] + offset, view.nbytes)
                 return
             kept += view
             if self._received[part] == self._parts[part] and self._routes[part] is not None:
                 route = self._route(part)
                 self._writer.write_strings(route, [bytes(kept)])
                 self._written(self._writer.offsets[route], self._writer.entries[route].size)
+
+    def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
+        """Copies `nbytes` of part `part` at `offset` from descriptor `source` at `source_offset`: whole chunks.
+
+        `crcs` are the chunks' CRC32Cs as the source's record has them; the
+        caller has checked that the source is that file.
+
+        Raises:
+            InvalidRequestError: out of order, not whole chunks of a fixed-size tensor, or past its size.
+            ValueError: the sink is closed.
+            OSError: the copy failed.
+        """
+        with self._lock:
+            if self._closed:
+                raise ValueError("the save's files were closed (the save was given up)")
+            log = self._logs.get(part)
+            done = self._received[part]
+            size = self._parts[part]
+            whole = log is not None and offset % chunks.CHUNK_BYTES == 0
+            end = offset + nbytes
+            if (
+                not whole
+                or offset != done
+                or end > size
+                or (end % chunks.CHUNK_BYTES and end != size)
+                or len(crcs) != chunks.count(nbytes)
+            ):
+                raise InvalidRequestError(
+                    f"Save: {nbytes} bytes of part #{part} at offset {offset} referred to the base, which has "
+                    f"{done} of its {size} bytes (whole chunks of a tensor, in order)"
+                )
+            assert log is not None
+            route = self._route(part)
+            at = self._writer.offsets[route] + offset
+            self._writer.copied(route, nbytes, chunks.range_crc(crcs, offset, size))
+            log.add_chunks(crcs, nbytes)
+            self._received[part] = end
+            self._copies.append(_copiers.submit(self._copy, source, source_offset, self._writer.fileno, at, nbytes))
+
+    def _copy(self, source: int, source_offset: int, fd: int, at: int, nbytes: int) -> None:
+        copies.copy_range(source, source_offset, fd, at, nbytes)
+        with self._lock:
+            self._written(at, nbytes)
+
+    def settle(self) -> None:
+        """Waits for every range being copied; raises the first copy's error (OSError)."""
+        with self._lock:
+            pending, self._copies = self._copies, []
+        errors = [e for e in (f.exception() for f in pending) if e is not None]
+        if errors:
+            raise errors[0]
+
+    def digests(self) -> list[chunks.BaseTensor]:
+        """Every fixed-size tensor written whole, with its place in the data file and its chunks' CRC32Cs."""
+        out = []
+        for part, log in self._logs.items():
+            if log.complete:
+                route = self._route(part)
+                e = self._writer.entries[route]
+                out.append(
+                    chunks.BaseTensor(e.key, e.dtype, e.shape, self._writer.offsets[route], e.size, tuple(log.crcs))
+                )
+        return out
 
     def watch(self, on_range: Callable[[int, int], None]) -> tuple[Path, int]:
         """Calls `on_range(start, end)` once each byte range of the data file is written; returns its path and size.
@@ -174,6 +265,7 @@ class BundleSink:
             InvalidRequestError: a part is incomplete.
             OSError: the files could not be written.
         """
+        self.settle()
         with self._lock:
             missing = self.missing()
             if missing:
@@ -190,9 +282,13 @@ class BundleSink:
                 self._stack.close()
 
     def close(self) -> None:
-        """Closes the files (after a write in progress); the caller discards the staging dir."""
+        """Closes the files (after a write or copy in progress); the caller discards the staging dir."""
         with self._lock:
             self._closed = True
+            pending, self._copies = self._copies, []
+        for f in pending:
+            f.exception()  # waited for; the save is given up, so its error is not raised
+        with self._lock:
             self._stack.close()
 
 

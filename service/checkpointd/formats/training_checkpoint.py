@@ -38,7 +38,7 @@ from checkpointd.core.checkpoint_spec import CheckpointSpec, TensorSpec, check_d
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave, SnapshotBytes, Staged
-from checkpointd.formats import bundle, object_graph, sink, versions
+from checkpointd.formats import bundle, chunks, object_graph, sink, versions
 from checkpointd.formats.sink import BundleSink
 from checkpointd.protocol import tensors, wire
 from checkpointd.protocol.errors import (
@@ -186,9 +186,10 @@ class TrainingFormat:
         ]
         entries.append(bundle.string_entry(tensors.OBJECT_GRAPH_KEY, checkpoint.object_graph))
         routes: list[int | None] = [*range(len(checkpoint.tensors)), None]
-        rules = checkpoint.retention
+        rules, count = checkpoint.retention, len(checkpoint.tensors)
 
         def finish(index: bytes, tail: bytes) -> Staged:
+            data = staging / (STAGED_STEM + bundle.DATA_SUFFIX)
             return Staged(
                 path=staging,
                 bytes_written=sum(f.stat().st_size for f in staging.iterdir()),
@@ -197,15 +198,18 @@ class TrainingFormat:
                     EXTRA_FIELD: {
                         "max_to_keep": rules.max_to_keep,
                         "keep_checkpoint_every_n_hours": rules.keep_checkpoint_every_n_hours,
-                        "tensors": len(checkpoint.tensors),
-                    }
+                        "tensors": count,
+                    },
+                    # The next save's base: committing renames the file, which keeps its identity.
+                    chunks.FIELD: chunks.record(bundle.DATA_SUFFIX, data.stat(), opened.digests()),
                 },
                 files_prefix=STAGED_STEM,
             )
 
-        return BundleSink(
+        opened = BundleSink(
             staging / STAGED_STEM, entries, routes, parts, finish, strings={len(entries) - 1: checkpoint.object_graph}
         )
+        return opened
 
     def read(self, save: CommittedSave, manifest: Manifest) -> TrainingValues:
         """Opens a committed training checkpoint for Restore.

@@ -109,12 +109,16 @@ def save_request_chunks(parts: Iterable[Buffer], chunk_bytes: int) -> Iterator[b
     the slice is copied once, joined straight after its few header bytes.
     """
     for offset, data in slices(parts, chunk_bytes):
-        crc = crc32c.crc32c(data)
-        # Chunk fields in number order, proto3 defaults omitted, as upb writes them.
-        head = (b"\x10" + _varint(offset) if offset else b"") + b"\x1a" + _varint(len(data))
-        tail = b"\x25" + crc.to_bytes(4, "little") if crc else b""
-        body = len(head) + len(data) + len(tail)
-        yield b"".join((b"\x12", _varint(body), head, data, tail))  # SaveRequest.chunk = 2
+        yield encoded_chunk(offset, data, crc32c.crc32c(data))
+
+
+def encoded_chunk(offset: int, data: Buffer, crc: int) -> bytes:
+    """`SaveRequest(chunk=Chunk(offset=offset, data=data, crc32c=crc))`, serialized, `data` copied once."""
+    # Chunk fields in number order, proto3 defaults omitted, as upb writes them.
+    head = (b"\x10" + _varint(offset) if offset else b"") + b"\x1a" + _varint(len(data))
+    tail = b"\x25" + crc.to_bytes(4, "little") if crc else b""
+    body = len(head) + len(data) + len(tail)
+    return b"".join((b"\x12", _varint(body), head, data, tail))  # SaveRequest.chunk = 2
 
 
 def _varint(value: int) -> bytes:

@@ -21,6 +21,7 @@ from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.protocol.wire import variable_to_pb
 from checkpointd.saves.catalog import StoredRuns
 from checkpointd.saves.pipeline import Decision, LocalSkip, Result, SaveRequest, TrainerDecided
+from checkpointd.saves.requests import BaseOffer
 from checkpointd.saves.restore import Opened
 from checkpointd.saves.runs import RunView
 from checkpointd.saves.shm import Segment
@@ -92,6 +93,7 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         checkpoint=checkpoint,
         trainer_decided=held,
         local_skips=local_skips(header.local_skips, "Save"),
+        incremental=header.incremental,
     )
 
 
@@ -118,6 +120,7 @@ def save_response(event: Decision | Result) -> pb.SaveResponse:
                 accepted=event.accepted,
                 reason=event.reason,
                 shared_memory=_segment_to_pb(event.segment, event.lock_path),
+                base=_base_to_pb(event.base),
             )
         )
     return pb.SaveResponse(
@@ -127,7 +130,19 @@ def save_response(event: Decision | Result) -> pb.SaveResponse:
             duration_seconds=event.duration_seconds,
             step=event.step,
             kind=to_wire(event.kind),
+            bytes_received=event.bytes_received,
+            bytes_copied=event.bytes_copied,
         )
+    )
+
+
+def _base_to_pb(base: BaseOffer | None) -> pb.IncrementalBase | None:
+    if base is None:
+        return None
+    return pb.IncrementalBase(
+        export_dir=base.export_dir,
+        chunk_bytes=base.chunk_bytes,
+        parts=[pb.PartDigests(chunk_crc32c=crcs) for crcs in base.parts],
     )
 
 
@@ -164,7 +179,14 @@ def run_status(view: RunView) -> pb.RunStatus:
     if stats.last_success is not None:
         last = stats.last_success
         status.last_success.CopyFrom(
-            pb.LastSuccess(kind=to_wire(last.kind), path=last.path, step=last.step, unix_seconds=last.at)
+            pb.LastSuccess(
+                kind=to_wire(last.kind),
+                path=last.path,
+                step=last.step,
+                unix_seconds=last.at,
+                bytes_received=last.bytes_received,
+                bytes_copied=last.bytes_copied,
+            )  # fmt: skip
         )
     return status
 

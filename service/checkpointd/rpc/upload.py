@@ -21,6 +21,7 @@ import grpc
 from checkpointd.protocol.errors import DeadlineError, InvalidRequestError
 from checkpointd.protocol.names import check_export_dir
 from checkpointd.protocol.wire import check_chunk
+from checkpointd.rpc import same_chunks
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 _T = TypeVar("_T")
@@ -213,6 +214,11 @@ def receive_snapshot(
     span = 0
     received = 0
     for request in requests:
+        if request.WhichOneof("item") == "same":  # an incremental save's unchanged range
+            received = same_chunks.receive_same(request.same, received, total, sink)
+            while span < len(spans) and received >= spans[span][1]:
+                span += 1
+            continue
         if request.WhichOneof("item") != "chunk":
             raise InvalidRequestError("Save: only chunks (or one shared_memory_written) may follow the header")
         data = memoryview(check_chunk(request.chunk, received, total, "snapshot"))

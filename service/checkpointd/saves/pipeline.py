@@ -55,6 +55,7 @@ from checkpointd.core.ports import (
     SaveSink,
     Staged,
     Store,
+    StreamingStore,
 )
 from checkpointd.protocol.errors import (
     InvalidRequestError,
@@ -65,11 +66,11 @@ from checkpointd.protocol.errors import (
 )
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
-from checkpointd.saves import writes
+from checkpointd.saves import bases, writes
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs, directory_of
 from checkpointd.saves.pool import WriterPool
-from checkpointd.saves.requests import Decision, LocalSkip, Receiver, Result, SaveRequest, TrainerDecided
+from checkpointd.saves.requests import BaseOffer, Decision, LocalSkip, Receiver, Result, SaveRequest, TrainerDecided
 from checkpointd.saves.runs import Lanes, TrainerDecidedError
 from checkpointd.saves.shm import RunLock, SharedMemory
 from checkpointd.saves.skip_log import SkipLog
@@ -131,6 +132,8 @@ class SavePipeline:
         self._skips = SkipLog(_LOGGER)
         # The kinds each registered run takes: its registering format's.
         self._run_kinds: dict[str, tuple[SaveKind, ...]] = {}
+        self._bases = bases.Newest()  # each checkpoint dir's newest save: an incremental save's base
+        self._local = not isinstance(store, StreamingStore)  # an object store's saves are not files here
 
     @property
     def upload_timeout(self) -> float:
@@ -341,6 +344,7 @@ class SavePipeline:
         outcome: Written | Failed = Failed("the client went away during the save")
         transport = "none"  # until the snapshot has arrived
         segment = None
+        base: bases.OpenBase | None = None
         try:
             if request.checkpoint is not None:  # one part per tensor, no tail
                 parts = [t.nbytes for t in request.checkpoint.tensors] + [0]
@@ -359,7 +363,9 @@ class SavePipeline:
                     segment = None
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
-            yield Decision(accepted=True, segment=segment, lock_path=lock_path)
+            if request.incremental and segment is None:
+                base = bases.open_base(self.store, folder, request, self._local, self._bases)
+            yield Decision(accepted=True, segment=segment, lock_path=lock_path, base=_offer(base))
             meta = SaveMeta(run, request.kind, request.step, request.export_dir)
             fmt = self.formats(request.kind)
             # The save's files are open before its first byte arrives and are
@@ -373,8 +379,13 @@ class SavePipeline:
             ):  # fmt: skip
                 # A phase is timed when it ends, failed or not, as save_duration is.
                 try:
-                    sink = _AtWriterPriority(save.sink, self._pool)
+                    sink: SaveSink = _AtWriterPriority(save.sink, self._pool)
+                    if base is not None:
+                        sink = bases.Incremental(_AtWriterPriority(save.sink, self._pool), base, parts)
                     transport = receive(parts, segment, accepted + self.upload_timeout, sink)
+                    if base is not None:
+                        sink.settle()  # type: ignore[attr-defined]
+                        base.check()  # the copied ranges were the bytes its digests describe
                     self._phases.snapshot_received(kind, transport)
                 finally:
                     self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted)
@@ -383,7 +394,11 @@ class SavePipeline:
                     path, bytes_written = self._pool.run(lambda: self._commit(request, folder, save))
                 finally:
                     self._phases.observe_phase(kind, "write", time.monotonic() - writing)
-            outcome = Written(path, bytes_written)
+            copied = base.copied if base is not None else 0
+            outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
+            if self._local:
+                self._bases.committed(self.store, folder, request)
+            self._phases.payload_bytes(kind, request.snapshot_bytes - copied, copied)
             if request.checkpoint is not None:
                 self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
             else:
@@ -392,6 +407,8 @@ class SavePipeline:
             outcome = Failed(str(exc) or type(exc).__name__)
             raise
         finally:
+            if base is not None:
+                base.close()
             if segment is not None and self._shm is not None:
                 self._shm.release(run)  # idle again: may give way to another run's
             release()  # before the caller hears the result, so its next save fits
@@ -399,7 +416,10 @@ class SavePipeline:
             seconds = time.time() - (ticket.accepted_at or time.time())
             _log_outcome(request, run, outcome, seconds, transport)
         assert isinstance(outcome, Written)
-        yield Result(outcome.path, outcome.bytes_written, seconds, request.step, request.kind)
+        yield Result(
+            outcome.path, outcome.bytes_written, seconds, request.step, request.kind,
+            bytes_received=outcome.bytes_received, bytes_copied=outcome.bytes_copied,
+        )  # fmt: skip
 
     def _commit(self, request: SaveRequest, folder: str, save: writes.StreamedSave) -> tuple[str, int]:
         """Finishes and commits one received save, on a writer thread; returns (path, bytes)."""
@@ -450,11 +470,21 @@ class _AtWriterPriority:
             self._lowered.add(threading.get_ident())
         self._sink.write(part, offset, data, crc)
 
+    def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
+        self._sink.copy(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]
+
+    def settle(self) -> None:
+        self._sink.settle()  # type: ignore[attr-defined]
+
     def finish(self) -> Staged:
         return self._sink.finish()
 
     def close(self) -> None:
         self._sink.close()
+
+
+def _offer(base: bases.OpenBase | None) -> BaseOffer | None:
+    return None if base is None else BaseOffer(base.export_dir, base.chunk_bytes, tuple(base.offer()))
 
 
 class Retainer(Protocol):

@@ -38,6 +38,8 @@ class SaveRequest:
     trainer_decided: TrainerDecided | None = None
     # Saves the trainer skipped on its own since its last report.
     local_skips: tuple[LocalSkip, ...] = ()
+    # The trainer can send unchanged chunks as references to a base save.
+    incremental: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,17 @@ class Decision:
     reason: str = ""
     segment: Segment | None = None
     lock_path: str = ""  # the run's busy lock, offered with the segment
+    # An incremental save's base: its export_dir and each part's chunk digests.
+    base: BaseOffer | None = None
+
+
+@dataclass(frozen=True)
+class BaseOffer:
+    """The base an accept offers an incremental save (SaveDecision.base)."""
+
+    export_dir: str
+    chunk_bytes: int
+    parts: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,8 @@ class Result:
     duration_seconds: float
     step: int
     kind: SaveKind
+    bytes_received: int = 0  # of the payload: sent, or from shared memory
+    bytes_copied: int = 0  # of the payload: copied from the base
 
 
 class Receiver(Protocol):

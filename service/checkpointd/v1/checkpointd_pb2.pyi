@@ -94,7 +94,7 @@ class NumpyState(_message.Message):
     def __init__(self, object_graph: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[NumpyStateEntry, _Mapping]]] = ...) -> None: ...
 
 class SaveHeader(_message.Message):
-    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state", "shared_memory", "training_checkpoint", "held", "local_skips")
+    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state", "shared_memory", "training_checkpoint", "held", "local_skips", "incremental")
     RUN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class SaveHeader(_message.Message):
     TRAINING_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SKIPS_FIELD_NUMBER: _ClassVar[int]
+    INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
     run: str
     kind: SaveKind
     export_dir: str
@@ -119,7 +120,8 @@ class SaveHeader(_message.Message):
     training_checkpoint: TrainingCheckpoint
     held: HeldSave
     local_skips: _containers.RepeatedCompositeFieldContainer[LocalSkip]
-    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., shared_memory: bool = ..., training_checkpoint: _Optional[_Union[TrainingCheckpoint, _Mapping]] = ..., held: _Optional[_Union[HeldSave, _Mapping]] = ..., local_skips: _Optional[_Iterable[_Union[LocalSkip, _Mapping]]] = ...) -> None: ...
+    incremental: bool
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., shared_memory: bool = ..., training_checkpoint: _Optional[_Union[TrainingCheckpoint, _Mapping]] = ..., held: _Optional[_Union[HeldSave, _Mapping]] = ..., local_skips: _Optional[_Iterable[_Union[LocalSkip, _Mapping]]] = ..., incremental: bool = ...) -> None: ...
 
 class HeldSave(_message.Message):
     __slots__ = ("segment_path", "lock_path")
@@ -164,14 +166,42 @@ class TrainingCheckpoint(_message.Message):
     def __init__(self, object_graph: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., max_to_keep: _Optional[int] = ..., keep_checkpoint_every_n_hours: _Optional[float] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("header", "chunk", "shared_memory_written")
+    __slots__ = ("header", "chunk", "shared_memory_written", "same")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SAME_FIELD_NUMBER: _ClassVar[int]
     header: SaveHeader
     chunk: Chunk
     shared_memory_written: SharedMemoryWritten
-    def __init__(self, header: _Optional[_Union[SaveHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., shared_memory_written: _Optional[_Union[SharedMemoryWritten, _Mapping]] = ...) -> None: ...
+    same: SameChunks
+    def __init__(self, header: _Optional[_Union[SaveHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., shared_memory_written: _Optional[_Union[SharedMemoryWritten, _Mapping]] = ..., same: _Optional[_Union[SameChunks, _Mapping]] = ...) -> None: ...
+
+class IncrementalBase(_message.Message):
+    __slots__ = ("export_dir", "chunk_bytes", "parts")
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    export_dir: str
+    chunk_bytes: int
+    parts: _containers.RepeatedCompositeFieldContainer[PartDigests]
+    def __init__(self, export_dir: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartDigests, _Mapping]]] = ...) -> None: ...
+
+class PartDigests(_message.Message):
+    __slots__ = ("chunk_crc32c",)
+    CHUNK_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    chunk_crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chunk_crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SameChunks(_message.Message):
+    __slots__ = ("offset", "length", "chunk_crc32c")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    chunk_crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., chunk_crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SharedMemory(_message.Message):
     __slots__ = ("path", "size", "offsets", "lock_path")
@@ -190,28 +220,34 @@ class SharedMemoryWritten(_message.Message):
     def __init__(self) -> None: ...
 
 class SaveDecision(_message.Message):
-    __slots__ = ("accepted", "reason", "shared_memory")
+    __slots__ = ("accepted", "reason", "shared_memory", "base")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     shared_memory: SharedMemory
-    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
+    base: IncrementalBase
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ..., base: _Optional[_Union[IncrementalBase, _Mapping]] = ...) -> None: ...
 
 class SaveResult(_message.Message):
-    __slots__ = ("path", "bytes_written", "duration_seconds", "step", "kind")
+    __slots__ = ("path", "bytes_written", "duration_seconds", "step", "kind", "bytes_received", "bytes_copied")
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
     path: str
     bytes_written: int
     duration_seconds: float
     step: int
     kind: SaveKind
-    def __init__(self, path: _Optional[str] = ..., bytes_written: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ...) -> None: ...
+    bytes_received: int
+    bytes_copied: int
+    def __init__(self, path: _Optional[str] = ..., bytes_written: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., bytes_received: _Optional[int] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("decision", "result")
@@ -274,16 +310,20 @@ class InFlightSave(_message.Message):
     def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., step: _Optional[int] = ..., started_unix_seconds: _Optional[float] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class LastSuccess(_message.Message):
-    __slots__ = ("kind", "path", "step", "unix_seconds")
+    __slots__ = ("kind", "path", "step", "unix_seconds", "bytes_received", "bytes_copied")
     KIND_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
     kind: SaveKind
     path: str
     step: int
     unix_seconds: float
-    def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
+    bytes_received: int
+    bytes_copied: int
+    def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run", "state", "in_flight", "saves_ok", "saves_skipped", "saves_failed", "last_success", "last_error")

@@ -1,0 +1,245 @@
+"""Incremental training checkpoints over gRPC: what travels, and call -> durable, next to the same save in full.
+
+`python -m bench.incremental --workdir DIR --out FILE [--large] [--reps N]`
+builds, in a process of its own, the DQN agent of section 7 (Adam's slots
+trained) with a TFUniformReplayBuffer of 200 MiB (--large: 1 GiB, the
+1.23 GB state), starts its own `checkpointd serve`, and two
+RemoteCheckpointers over gRPC (shared memory off: a trainer on another
+host), one incremental (the default) and one with `incremental=False`. Per
+repetition, 1 % of the buffer's rows (a contiguous ring range, as the buffer
+overwrites them) are rewritten and the agent trained one step; then both
+save the same state, in alternating order:
+
+- bytes sent (SaveResult.bytes_received), against the changed bytes rounded
+  up to whole 1 MiB chunks plus the agent's bytes;
+- the trainer's stall (save()'s return) and call -> durable (ticket.result());
+- the full-change case: every row rewritten and the agent trained, the
+  incremental save against the one with incremental off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+SAVE_TIMEOUT = 900.0
+CHANGED_SHARE = 0.01
+CHUNK = 1 << 20
+_START = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.monotonic() - _START:6.1f}s] incremental: {message}", flush=True)
+
+
+def _touched_chunks(start: int, n: int, rows: int, row_bytes: int) -> int:
+    """Whole chunks of a [rows, ...] tensor that rows [start, start + n) modulo `rows` touch."""
+    spans = [(start, min(start + n, rows))]
+    if start + n > rows:
+        spans.append((0, start + n - rows))
+    return sum((b * row_bytes - 1) // CHUNK - (a * row_bytes) // CHUNK + 1 for a, b in spans if b > a)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import tensorflow as tf
+    from tf_agents.replay_buffers import tf_uniform_replay_buffer
+
+    from bench import agents
+    from bench.checkpointer import CASES
+    from bench.config import Size
+    from bench.stats import summarize
+    from checkpointd_client import RemoteCheckpointer
+    from checkpointd_client import tf_checkpoint as client_training
+    from tests.integration.daemon import start_daemon
+
+    case = CASES["large" if args.large else "medium"]
+    work = args.workdir / "incremental"
+    work.mkdir(parents=True, exist_ok=True)
+    size = Size(case.name, case.hidden)
+    progress(f"building a DQN agent of {size.params:,} parameters and a {case.buffer_bytes >> 20} MiB replay buffer")
+    agent = agents.build_agent(size)
+    trainer = agents.Trainer(agent)
+    step = agent.train_step_counter
+    spec = agent.collect_data_spec
+    item = sum(s.dtype.size * int(s.shape.num_elements()) for s in tf.nest.flatten(spec)) + 8
+    rows = case.buffer_bytes // item
+    buffer = tf_uniform_replay_buffer.TFUniformReplayBuffer(spec, batch_size=1, max_length=rows)
+    columns = [v for v in buffer.variables() if v.shape.rank and int(v.shape[0]) == rows]
+    objects = {"agent": agent, "replay_buffer": buffer, "train_step": step}
+    described = client_training.describe(tf.train.Checkpoint(**objects))
+    state_bytes = described.nbytes
+    buffer_bytes = sum(t.nbytes for t in described.tensors if t.checkpoint_key.startswith("replay_buffer/"))
+    changed_rows = max(1, int(rows * CHANGED_SHARE))
+
+    def rewrite(start: int, n: int) -> None:
+        for v in columns:
+            for a, b in ((start, min(start + n, rows)), (0, max(0, start + n - rows))):
+                if b > a:
+                    v[a:b].assign(v[a:b] + tf.ones_like(v[a:b]))
+
+    def chunks_bound(start: int, n: int) -> int:
+        return sum(
+            _touched_chunks(start, n, rows, v.dtype.size * int(v.shape[1:].num_elements() or 1)) * CHUNK
+            for v in columns
+        )
+
+    result: dict[str, Any] = {
+        "case": {"name": case.name, "params": size.params, "buffer_rows": rows, "state_bytes": state_bytes,
+                 "buffer_bytes": buffer_bytes, "agent_bytes": state_bytes - buffer_bytes,
+                 "changed_rows": changed_rows},
+    }  # fmt: skip
+    daemon = start_daemon(work / "daemon-root", work / "daemon-work")
+    try:
+        common = {"max_to_keep": 2, "timeout": SAVE_TIMEOUT, "shared_memory": False}
+        incr = RemoteCheckpointer("incr", daemon.address, run="incr", **common, **objects)
+        full = RemoteCheckpointer("full", daemon.address, run="full", incremental=False, **common, **objects)
+        try:
+
+            def save(ckpt: Any) -> dict[str, float]:
+                started = time.perf_counter()
+                ticket = ckpt.save(step)
+                stall = time.perf_counter() - started
+                r = ticket.result(SAVE_TIMEOUT)
+                return {"stall": stall, "durable": time.perf_counter() - started,
+                        "received": r.bytes_received, "copied": r.bytes_copied}  # fmt: skip
+
+            progress("first saves (the incremental run's base)")
+            save(incr), save(full)
+            rows_out: list[dict[str, Any]] = []
+            start = rows // 3
+            for rep in range(args.reps):
+                rewrite(start, changed_rows)
+                trainer.step()
+                bound = chunks_bound(start, changed_rows)
+                pair = (
+                    (("incremental", incr), ("full", full)) if rep % 2 == 0 else (("full", full), ("incremental", incr))
+                )
+                row = {name: save(ckpt) for name, ckpt in pair}
+                row["changed_chunk_bytes"] = bound
+                rows_out.append(row)
+                progress(
+                    f"rep {rep}: incremental sent {row['incremental']['received'] / 1e6:.1f} MB in "
+                    f"{row['incremental']['durable']:.2f} s; full {row['full']['received'] / 1e6:.1f} MB in "
+                    f"{row['full']['durable']:.2f} s"
+                )
+                start = (start + changed_rows * 37) % rows  # the next run of rows, wrapping sometimes
+            result["one_percent"] = {
+                "reps": rows_out,
+                "changed_chunk_bytes": summarize(r["changed_chunk_bytes"] for r in rows_out),
+                **{
+                    f"{name}_{what}": summarize(r[name][what] for r in rows_out)
+                    for name in ("incremental", "full")
+                    for what in ("stall", "durable", "received", "copied")
+                },
+            }
+            progress("every byte changed: incremental vs incremental off")
+            changes = []
+            for rep in range(args.reps):
+                rewrite(0, rows)
+                trainer.step()
+                pair = (("incremental", incr), ("full", full)) if rep % 2 else (("full", full), ("incremental", incr))
+                changes.append({name: save(ckpt) for name, ckpt in pair})
+            result["full_change"] = {
+                f"{name}_{what}": summarize(r[name][what] for r in changes)
+                for name in ("incremental", "full")
+                for what in ("stall", "durable", "received")
+            }
+        finally:
+            incr.close(SAVE_TIMEOUT)
+            full.close(SAVE_TIMEOUT)
+    finally:
+        result["daemon_exit_code"] = daemon.terminate()
+        shutil.rmtree(work, ignore_errors=True)
+    progress("done")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.incremental", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--large", action="store_true", help="the 1 GiB buffer (1.23 GB state), not 200 MiB")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.out.write_text(json.dumps(run(args), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# The report: rows and targets, from the results alone (no TensorFlow).
+
+SENT_FACTOR = 1.1
+LATENCY_SHARE = 0.25
+FULL_CHANGE_FACTOR = 1.05
+
+
+def table(r: dict[str, Any]) -> list[str]:
+    """The incremental case's lines."""
+    from bench.fmt import fmt_bytes, fmt_time
+
+    c = r.get("incremental")
+    if not c:
+        return []
+    one, every = c["one_percent"], c["full_change"]
+    med = lambda d, k: d[k]["median"]  # noqa: E731
+    lines = [
+        "",
+        f"incremental training checkpoints over gRPC ({c['case']['name']}: {fmt_bytes(c['case']['state_bytes'])}, "
+        f"1 % of {c['case']['buffer_rows']:,} buffer rows rewritten + one train step between saves)",
+    ]
+    for label, key in (("bytes sent", "received"), ("trainer stall", "stall"), ("call -> durable", "durable")):
+        fmt = fmt_bytes if key == "received" else fmt_time
+        lines.append(
+            f"{label:<46}incremental {fmt(med(one, f'incremental_{key}'))}   full {fmt(med(one, f'full_{key}'))}"
+        )
+    lines.append(
+        f"{'every byte changed: call -> durable':<46}incremental {fmt_time(med(every, 'incremental_durable'))}   "
+        f"incremental off {fmt_time(med(every, 'full_durable'))}"
+    )
+    return lines
+
+
+def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The incremental case's targets over gRPC: bytes sent, call -> durable, and the full-change case."""
+    from bench.fmt import fmt_bytes, fmt_time
+    from bench.judge import INCREMENTAL, at_most, judge, median, not_measured
+
+    names = (
+        f"incremental: bytes sent <= {SENT_FACTOR:g} x changed bytes in whole chunks + the agent's bytes",
+        f"incremental: call -> durable over gRPC <= {LATENCY_SHARE:g} x the same save in full",
+        f"incremental: every byte changed, call -> durable <= {FULL_CHANGE_FACTOR:g} x incremental off",
+    )
+    c = r.get("incremental")
+    if not c:
+        return [{"group": INCREMENTAL, **not_measured(n, None, "no incremental case in this run")} for n in names]
+    one, every = c["one_percent"], c["full_change"]
+
+    def sent() -> tuple[float, float, bool, str]:
+        agent, chunks = float(c["case"]["agent_bytes"]), median(one, "changed_chunk_bytes")
+        return at_most(median(one, "incremental_received"), SENT_FACTOR * chunks + agent, fmt_bytes,
+                       f"changed chunks {fmt_bytes(chunks)}, agent {fmt_bytes(agent)}")  # fmt: skip
+
+    def latency() -> tuple[float, float, bool, str]:
+        whole = median(one, "full_durable")
+        return at_most(median(one, "incremental_durable"), LATENCY_SHARE * whole, fmt_time, f"full {fmt_time(whole)}")
+
+    def full_change() -> tuple[float, float, bool, str]:
+        off = median(every, "full_durable")
+        return at_most(median(every, "incremental_durable"), FULL_CHANGE_FACTOR * off, fmt_time,
+                       f"incremental off {fmt_time(off)}")  # fmt: skip
+
+    return [
+        judge(n, c["case"]["name"], fn, INCREMENTAL) for n, fn in zip(names, (sent, latency, full_change), strict=True)
+    ]

@@ -1,0 +1,52 @@
+"""Copying a byte range from one file into another in the kernel: `copy_file_range(2)`.
+
+An incremental save's unchanged ranges go from the base save's data file
+into the new one without passing through the daemon's memory. Where the
+file system can share extents (Btrfs, XFS with reflink, OCFS2, NFS 4.2,
+CIFS), Linux's copy_file_range clones them itself when the ranges allow
+(block-aligned offsets on both sides), so no FICLONERANGE call is made here;
+on ext4, tmpfs and overlayfs it copies the bytes in the kernel. Where the
+call is refused (another file system on each side on old kernels, a seccomp
+filter), the range is copied with pread/pwrite.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+# Refusals that mean "not here", after which the bytes are copied by hand.
+_UNSUPPORTED = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM})
+_PIECE = 1 << 20
+
+
+def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
+    """Copies `nbytes` at `src_offset` of descriptor `src` to `dst_offset` of `dst`.
+
+    Raises:
+        OSError: the copy failed, or `src` ends before the range does (EIO).
+    """
+    while nbytes:
+        try:
+            n = os.copy_file_range(src, dst, nbytes, src_offset, dst_offset)
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                raise
+            _copy_by_hand(src, src_offset, dst, dst_offset, nbytes)
+            return
+        if n == 0:
+            raise OSError(errno.EIO, f"the source file ends {nbytes} bytes before the range to copy does")
+        src_offset, dst_offset, nbytes = src_offset + n, dst_offset + n, nbytes - n
+
+
+def _copy_by_hand(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
+    while nbytes:
+        data = os.pread(src, min(nbytes, _PIECE), src_offset)
+        if not data:
+            raise OSError(errno.EIO, f"the source file ends {nbytes} bytes before the range to copy does")
+        view = memoryview(data)
+        at = dst_offset
+        while view:
+            view = view[os.pwrite(dst, view, at) :]
+            at = dst_offset + len(data) - len(view)
+        src_offset, dst_offset, nbytes = src_offset + len(data), dst_offset + len(data), nbytes - len(data)
