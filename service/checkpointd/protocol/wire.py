@@ -44,6 +44,11 @@ def chunk(data: Buffer, offset: int, path: str = "") -> pb.Chunk:
     return pb.Chunk(path=path, offset=offset, data=data, crc32c=crc32c.crc32c(data))
 
 
+def crc32c_of(data: Buffer, value: int = 0) -> int:
+    """The CRC32C (Castagnoli) of `data`, as chunks and save manifests carry it; `value`: of what came before."""
+    return crc32c.crc32c(data, value)
+
+
 def check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -> bytes:
     """Refuses a chunk out of order, past `limit` bytes, or with a wrong CRC32C.
 
