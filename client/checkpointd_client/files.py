@@ -176,27 +176,18 @@ def _private_dir() -> str:
 
 def _in_place(header: pb.RestoreFilesHeader) -> bytes | None:
     """The index, if every file is here as the daemon checked it (same stat, CRC32C-checked index); else None."""
-    if not header.local_dir:
+    if not header.local_dir or not all(_same_file(header.local_dir, f) for f in header.files):
         return None
     index = None
-    try:
-        for f in header.files:
-            full = os.path.join(header.local_dir, f.path)
-            st = os.stat(full)
-            if not f.inode or (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) != (
-                f.device,
-                f.inode,
-                f.mtime_ns,
-                f.size,
-            ):
-                return None
-            if f.path.endswith(INDEX_SUFFIX):
-                with open(full, "rb") as file:
+    for f in header.files:
+        if f.path.endswith(INDEX_SUFFIX):
+            try:
+                with open(os.path.join(header.local_dir, f.path), "rb") as file:
                     index = file.read()
-                if wire.crc32c_of(index) != f.crc32c:
-                    return None
-    except OSError:
-        return None
+            except OSError:
+                return None
+            if wire.crc32c_of(index) != f.crc32c:
+                return None
     return index
 
 
@@ -320,3 +311,43 @@ def _ranges(
         else:
             merged.append((path, offset, size))
     return merged, received
+
+
+def fetch_whole(stub: Stub, run: str, export_dir: str, timeout: float | None, *, folder: str = "") -> Fetched:
+    """Every file a restore reads of a save (a policy's variables/ and numpy state), in place or fetched.
+
+    Returns a Fetched whose `prefix` is the dir the files' paths are
+    relative to (and no index).
+
+    Raises:
+        As `fetch`.
+    """
+    probe = pb.RestoreFilesRequest(run=run, export_dir=export_dir, folder=folder, header_only=True)
+    header, _ = _receive(stub, probe, timeout, None)
+    if header.local_dir and all(_same_file(header.local_dir, f) for f in header.files):
+        return Fetched(header, header.local_dir, b"", 0, True)
+    directory = _private_dir()
+    writer = _Writer(directory, {f.path: f.size for f in header.files})
+    try:
+        request = pb.RestoreFilesRequest(run=run, export_dir=header.export_dir, folder=folder)
+        _, received = _receive(stub, request, timeout, writer)  # every file whole, each checked
+        return Fetched(header, directory, b"", received, False, directory)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    finally:
+        writer.close()
+
+
+def _same_file(local_dir: str, f: pb.RestoreFile) -> bool:
+    """Whether `f` is at `local_dir` as the daemon checked it (its stat)."""
+    try:
+        st = os.stat(os.path.join(local_dir, f.path))
+    except OSError:
+        return False
+    return bool(f.inode) and (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) == (
+        f.device,
+        f.inode,
+        f.mtime_ns,
+        f.size,
+    )
