@@ -378,8 +378,8 @@ class SaveFiles(Protocol):
         """
         ...
 
-    def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[memoryview]:
-        """The bytes of each (path, offset, length) in order, in pieces of at most 1 MiB.
+    def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
+        """The bytes of each (path, offset, length) in order, in pieces of at most 3 MiB (wire.FILE_CHUNK_BYTES).
 
         Raises:
             SaveFailedError: a file is missing or unreadable.

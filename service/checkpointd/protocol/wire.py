@@ -33,6 +33,8 @@ Buffer = Any
 # The largest payload of one chunk either side sends unless told otherwise
 # (a snapshot, a template, Restore's answer): well under gRPC's 4 MiB message limit.
 CHUNK_BYTES = 1 << 20
+# RestoreFiles' chunks: fewer, larger messages move a file's bytes faster; still under 4 MiB.
+FILE_CHUNK_BYTES = 3 << 20
 
 
 # Chunks.

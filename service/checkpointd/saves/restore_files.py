@@ -62,7 +62,7 @@ class Piece:
 
     path: str
     offset: int
-    data: memoryview
+    data: bytes
 
 
 def plan(
@@ -120,7 +120,7 @@ def plan(
 
 
 def pieces(store: Store, plan: FilePlan) -> Iterator[Piece]:
-    """The plan's ranges, in order, as pieces of at most 1 MiB.
+    """The plan's ranges, in order, as the store's pieces.
 
     Raises:
         SaveFailedError, UnavailableError: the store could not read them.

@@ -225,7 +225,7 @@ class LocalStore:
     def local_dir(self, save: CommittedSave) -> Path | None:
         return local_files.base_dir(save).resolve()
 
-    def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[memoryview]:
+    def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
         return local_files.read_ranges(save, ranges)
 
     def verified(self, save: CommittedSave, files: Sequence[SavedFile]) -> dict[str, tuple[int, int, int]]:

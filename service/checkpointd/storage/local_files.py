@@ -20,7 +20,7 @@ from pathlib import Path
 
 from checkpointd.core.ports import CommittedSave, SavedFile
 from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
-from checkpointd.protocol.wire import CHUNK_BYTES
+from checkpointd.protocol.wire import FILE_CHUNK_BYTES
 from checkpointd.storage import save_manifest
 
 
@@ -48,8 +48,8 @@ def files_of(save: CommittedSave) -> list[SavedFile]:
     return [SavedFile(e.path, e.size, int(e.crc32c, 16)) for e in document["files"]]
 
 
-def read_ranges(save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[memoryview]:
-    """Each (path, offset, length) of the save's files, in order, as pread pieces of at most 1 MiB.
+def read_ranges(save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
+    """Each (path, offset, length) of the save's files, in order, as pread pieces of at most FILE_CHUNK_BYTES.
 
     Raises:
         SaveFailedError: a file is missing, unreadable, or shorter than asked.
@@ -63,10 +63,10 @@ def read_ranges(save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> 
         try:
             end = offset + length
             while offset < end:
-                data = os.pread(fd, min(CHUNK_BYTES, end - offset), offset)
+                data = os.pread(fd, min(FILE_CHUNK_BYTES, end - offset), offset)
                 if not data:
                     raise SaveFailedError(f"{save.export_dir!r}: {path} ends at {offset}, before {end}")
-                yield memoryview(data)
+                yield data  # bytes: a chunk message takes them without another copy
                 offset += len(data)
         except OSError as e:
             raise SaveFailedError(f"{save.export_dir!r}: cannot read {path} ({e.strerror})") from None

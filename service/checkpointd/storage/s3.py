@@ -498,7 +498,7 @@ class S3Store:
     def verified(self, save: CommittedSave, files: Sequence[SavedFile]) -> dict[str, tuple[int, int, int]]:
         return {}
 
-    def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[memoryview]:
+    def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
         return s3_restore.read_ranges(self, save, ranges)
 
     # Deleting.

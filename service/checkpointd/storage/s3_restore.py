@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from checkpointd.core.ports import CommittedSave, SavedFile
 from checkpointd.protocol.errors import ChecksumError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.names import TMP_PREFIX
-from checkpointd.protocol.wire import CHUNK_BYTES
+from checkpointd.protocol.wire import FILE_CHUNK_BYTES
 from checkpointd.storage import save_manifest
 from checkpointd.storage.s3_client import Progress
 from checkpointd.storage.s3_keys import MANIFEST
@@ -110,8 +110,8 @@ def files_of(store: S3Store, save: CommittedSave) -> list[SavedFile]:
     return [SavedFile(e.path, e.size, int(e.crc32c, 16)) for e in entries]
 
 
-def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[memoryview]:
-    """Each (path, offset, length) of the save's files, in order, in pieces of at most 1 MiB.
+def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
+    """Each (path, offset, length) of the save's files, in order, in pieces of at most FILE_CHUNK_BYTES.
 
     Ranged GETs of `GET_BYTES` run `GETS_IN_FLIGHT` at a time on a pool of
     this call's own; a piece is yielded once it and every piece before it
@@ -145,12 +145,16 @@ def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str,
                 break
         while pending:
             with store.reading(f"reading {save.path}"):
-                data = memoryview(pending.popleft().result())
+                data = pending.popleft().result()
             for key, at, size in queued:  # one more in flight for the one taken
                 pending.append(pool.submit(get, key, at, size))
                 break
-            for start in range(0, len(data), CHUNK_BYTES):
-                yield data[start : start + CHUNK_BYTES]
+            if len(data) <= FILE_CHUNK_BYTES:
+                yield data
+                continue
+            view = memoryview(data)
+            for start in range(0, len(data), FILE_CHUNK_BYTES):
+                yield bytes(view[start : start + FILE_CHUNK_BYTES])
     finally:
         for future in pending:
             future.cancel()
