@@ -85,7 +85,13 @@ def restore(
     with daemon.calling(f"restoring run {daemon.run!r}"):
         try:
             fetched = files.fetch(
-                daemon.stub, daemon.run, export_dir, daemon.timeout, folder=folder, children=children, in_place=in_place
+                daemon.files_stub,
+                daemon.run,
+                export_dir,
+                daemon.timeout,
+                folder=folder,
+                children=children,
+                in_place=in_place,
             )
         except grpc.RpcError as e:
             if rpc_error(e)[0] != grpc.StatusCode.UNIMPLEMENTED:

@@ -33,6 +33,7 @@ from checkpointd.protocol.errors import ChecksumError, SaveFailedError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import bundle_index
+from checkpointd_client.stream import RestoreFilesStub
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -79,8 +80,8 @@ class Fetched:
             self._dir = None
 
 
-Stub = checkpointd_pb2_grpc.CheckpointServiceStub
-Write = Callable[[str, int, bytes], None]  # (path, offset, data) of a checked chunk
+Stub = checkpointd_pb2_grpc.CheckpointServiceStub | RestoreFilesStub
+Write = Callable[[str, int, memoryview | bytes], None]  # (path, offset, data) of a checked chunk
 
 
 def _receive(
@@ -94,7 +95,7 @@ def _receive(
     """
     responses = stub.RestoreFiles(request, timeout=timeout)
     try:
-        first = next(responses, None)
+        first = _message(next(responses, None))
         if first is None or first.WhichOneof("item") != "header":
             raise SaveFailedError("the daemon's RestoreFiles answer did not start with a header")
         header = first.header
@@ -106,12 +107,12 @@ def _receive(
         path, at, end, whole, crc = "", 0, 0, False, 0
         received = 0
         for response in responses:
-            chunk = response.chunk
+            chunk = _chunk(response)
             if at == end:
                 path, at, length = next(expected, ("", -1, 0))
                 end, crc = at + length, 0
                 whole = at == 0 and length == _size(files, path)
-            if response.WhichOneof("item") != "chunk" or chunk.path != path or chunk.offset != at:
+            if chunk is None or chunk.path != path or chunk.offset != at:
                 raise SaveFailedError(f"RestoreFiles: expected a chunk of {path!r} at {at}")
             data = chunk.data
             if at + len(data) > end or not data:
@@ -137,6 +138,65 @@ def _receive(
     return header, received
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    path: str
+    offset: int
+    data: memoryview | bytes
+    crc32c: int
+
+
+def _message(response: pb.RestoreFilesResponse | bytes | None) -> pb.RestoreFilesResponse | None:
+    if isinstance(response, bytes):
+        return pb.RestoreFilesResponse.FromString(response)
+    return response
+
+
+def _varint(data: memoryview, at: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _chunk(response: pb.RestoreFilesResponse | bytes) -> _Chunk | None:
+    """A response's chunk, or None if it holds none; read from the serialized bytes without copying its data."""
+    if not isinstance(response, bytes):
+        if response.WhichOneof("item") != "chunk":
+            return None
+        c = response.chunk
+        return _Chunk(c.path, c.offset, c.data, c.crc32c)
+    raw = memoryview(response)
+    if not raw or raw[0] != 0x12:  # RestoreFilesResponse.chunk = 2, length-delimited
+        return None
+    size, at = _varint(raw, 1)
+    end = at + size
+    path, offset, data, crc = "", 0, raw[0:0], 0
+    while at < end:  # Chunk's fields, in any order, defaults omitted
+        tag, at = _varint(raw, at)
+        field, kind = tag >> 3, tag & 7
+        if kind == 0:
+            value, at = _varint(raw, at)
+            offset = value if field == 2 else offset
+        elif kind == 2:
+            length, at = _varint(raw, at)
+            if field == 1:
+                path = bytes(raw[at : at + length]).decode()
+            elif field == 3:
+                data = raw[at : at + length]
+            at += length
+        elif kind == 5:
+            crc = int.from_bytes(raw[at : at + 4], "little") if field == 4 else crc
+            at += 4
+        else:
+            raise SaveFailedError(f"RestoreFiles: a chunk field of wire type {kind}")
+    return _Chunk(path, offset, data, crc)
+
+
 def _size(files: dict[str, pb.RestoreFile], path: str) -> int:
     file = files.get(path)
     if file is None:
@@ -152,7 +212,7 @@ class _Writer:
         self._sizes = sizes
         self._fds: dict[str, int] = {}
 
-    def __call__(self, path: str, offset: int, data: bytes) -> None:
+    def __call__(self, path: str, offset: int, data: memoryview | bytes) -> None:
         fd = self._fds.get(path)
         if fd is None:
             full = os.path.join(self._dir, path)
@@ -288,7 +348,7 @@ def _ranges(
     asked.ranges.add(path=graph_file, offset=graph_at.offset, length=graph_at.size)
     graph_bytes = bytearray(graph_at.size)
 
-    def keep(path: str, offset: int, data: bytes) -> None:
+    def keep(path: str, offset: int, data: memoryview | bytes) -> None:
         graph_bytes[offset - graph_at.offset : offset - graph_at.offset + len(data)] = data
         write(path, offset, data)
 

@@ -107,7 +107,7 @@ def restore(
     with daemon.calling(doing):
         try:
             fetched: files.Fetched | None = files.fetch_whole(
-                daemon.stub, run, export_dir, timeout, folder=folder or ""
+                daemon.files_stub, run, export_dir, timeout, folder=folder or ""
             )
         except grpc.RpcError as e:
             if rpc_error(e)[0] != grpc.StatusCode.UNIMPLEMENTED:
