@@ -90,8 +90,9 @@ def local_copy(
 
 # One ranged GET's size, and how many run at once: enough to keep the link
 # busy while the pieces already in are sent; the bytes held are at most
-# their product (the pieces in flight) plus the one being sent.
-GET_BYTES = 8 << 20
+# their product (the pieces in flight) plus the one being sent. A GET of one
+# chunk's size goes out as that chunk, with no slice copied.
+GET_BYTES = FILE_CHUNK_BYTES
 GETS_IN_FLIGHT = 8
 
 
