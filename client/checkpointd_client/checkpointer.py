@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable
 from pathlib import PurePosixPath
 from typing import Any
@@ -47,15 +46,17 @@ from checkpointd.protocol.errors import CheckpointdError, InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, check_run_name, checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import shm, tf_checkpoint
+from checkpointd_client import checkpoint_restore, shm, tf_checkpoint
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.outage import survivable
-from checkpointd_client.restore import fetch as fetch_restore
 from checkpointd_client.session import DaemonSession
 from checkpointd_client.stream import SaveStream
 from checkpointd_client.ticket import SaveCounts, SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
+
+# tf.train.Checkpoint's own child, restored with the objects given.
+_SAVE_COUNTER = "save_counter"
 
 
 class RemoteCheckpointManager:
@@ -175,13 +176,14 @@ class RemoteCheckpointer:
         self._max_to_keep = max_to_keep
         self._keep_hours = keep_checkpoint_every_n_hours
         self._checkpoint = tf.train.Checkpoint(**objects)
+        self._objects = tuple(objects)
         self._daemon = DaemonSession(address, self._run, connection, owner="checkpointer", upload_threads=2)
         self._use_shm = shared_memory
         self._incremental = incremental
         self._segment: shm.SegmentMap | None = None
         # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
         self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
-        self._copies: list[tf_checkpoint.LocalCopy] = []  # restored checkpoints TF may still read
+        self._copies: list[checkpoint_restore.Copy] = []  # restored checkpoints TF may still read
         self._manager = RemoteCheckpointManager(self)
         try:
             self._register()
@@ -449,22 +451,11 @@ class RemoteCheckpointer:
         return _Latest(response)
 
     def _restore(self, export_dir: str) -> Any:
-        started = time.monotonic()
-        request = pb.RestoreRequest(run=self._run, export_dir=export_dir)
-        with self._daemon.calling(f"restoring run {self._run!r}"):
-            header, payload = fetch_restore(self._daemon.stub, request, self._daemon.timeout)
-        if not header.HasField("training_checkpoint"):
-            raise InvalidRequestError(f"{export_dir!r} is a {header.kind} save, not a training checkpoint")
-        saved = header.training_checkpoint
-        tf_checkpoint.check_structure(tf_checkpoint.describe(self._checkpoint), saved, repr(export_dir))
-        copy = tf_checkpoint.LocalCopy(saved, payload)
-        self._copies.append(copy)
-        status = self._checkpoint.restore(copy.prefix)
-        _LOGGER.info(
-            "run %s: restored %r (step %d, %d tensors, %d bytes, %.2f s)",
-            self._run, export_dir, header.step, len(saved.tensors), len(payload), time.monotonic() - started,
-        )  # fmt: skip
-        return status
+        children = {*self._objects, _SAVE_COUNTER}
+        restored = checkpoint_restore.restore(self._daemon, self._checkpoint, children, export_dir, self._folder or "")
+        if restored.copy is not None:
+            self._copies.append(restored.copy)
+        return restored.status
 
     # Flush and close.
 

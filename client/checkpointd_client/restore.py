@@ -2,15 +2,20 @@
 
 `latest` asks the daemon for a run's newest committed save; it needs no
 registration, so it works right after a trainer or daemon restart. `restore`
-streams a save's values back (the run must be registered: the daemon reads the
-save with the run's manifest), checks every chunk's CRC32C and offset, and only
-once the whole payload has arrived assigns it into the live variables (policy,
-train_step, metadata) and the NumpyState: a broken stream changes nothing.
+registers the run, takes the save's files (`checkpointd_client.files`: read in
+place on the daemon's host, else fetched into memory, each checked against its
+manifest's CRC32C), reads the values with TensorFlow's own reader, checks them
+against the policy's variables, and only then assigns them into the live
+variables (policy, train_step, metadata) and the NumpyState: a broken stream
+changes nothing. A daemon without RestoreFiles streams the values instead
+(Restore), checked chunk by chunk, assigned once all have arrived.
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,17 +25,22 @@ import numpy as np
 import tensorflow as tf
 
 from checkpointd.protocol import wire
-from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
+from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, RunNotFoundError, SaveFailedError, describe
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
 from checkpointd.protocol.names import check_export_dir
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import files, snapshot
 from checkpointd_client import numpy_state as numpy_state_lib
-from checkpointd_client import snapshot
 from checkpointd_client.session import DaemonSession
 from checkpointd_client.stream import rpc_error
 
 _LOGGER = logging.getLogger(__name__)
+
+OBJECT_GRAPH_KEY = files.OBJECT_GRAPH_KEY
+# A policy save's checkpoints, relative to its dir.
+VARIABLES_PREFIX = os.path.join("variables", "variables")
+NUMPY_PREFIX = os.path.join("numpy_state", "numpy_state")
 
 RegisterTemplate = Callable[..., snapshot.Bindings]  # RemotePolicySaver._register_template(stale=None)
 Assign = Callable[[snapshot.Bindings, list[np.ndarray]], None]
@@ -94,6 +104,28 @@ def restore(
             raise RunNotFoundError(f"run {run!r} has no committed save on the daemon to restore")
         export_dir = found.export_dir
     check_export_dir(export_dir)
+    with daemon.calling(doing):
+        try:
+            fetched: files.Fetched | None = files.fetch_whole(
+                daemon.files_stub, run, export_dir, timeout, folder=folder or ""
+            )
+        except grpc.RpcError as e:
+            if rpc_error(e)[0] != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            fetched = None  # a daemon without RestoreFiles: its tensor stream, below
+    if fetched is not None:
+        sent = fetched.header
+        try:
+            read, saved_arrays = _read_files(fetched.prefix, bindings, _kind(sent.kind), repr(sent.export_dir))
+        finally:
+            fetched.close()
+        _assign(bindings, read, saved_arrays, numpy_source, assign)
+        _LOGGER.info(
+            "run %s: restored %s %r of step %s (%s, %d bytes received, %.2f s)",
+            run, _kind(sent.kind).value, sent.export_dir, sent.step,
+            "in place" if fetched.in_place else "fetched", fetched.received, time.monotonic() - started,
+        )  # fmt: skip
+        return LatestSave(sent.path, sent.export_dir, sent.step, _kind(sent.kind), sent.unix_seconds, saved_arrays)
     request = pb.RestoreRequest(run=run, export_dir=export_dir)
     current = [bindings]
 
@@ -111,13 +143,7 @@ def restore(
     arrays: dict[str, np.ndarray] = {}
     if header.HasField("numpy_state"):
         arrays = numpy_state_lib.arrays(header.numpy_state, payload[sum(a.nbytes for a in values) :])
-    if assign is not None:
-        assign(bindings, values)
-    else:
-        for binding, value in zip(bindings.variables, values, strict=True):
-            binding.variable.assign(value)
-    if numpy_source is not None:
-        numpy_state_lib.assign(numpy_source.state, arrays)
+    _assign(bindings, values, arrays, numpy_source, assign)
     _LOGGER.info(
         "run %s: restored %s %r of step %s (%s bytes, %.2f s)",
         run,
@@ -128,6 +154,58 @@ def restore(
         time.monotonic() - started,
     )
     return LatestSave(header.path, header.export_dir, header.step, _kind(header.kind), header.unix_seconds, arrays)
+
+
+def _assign(
+    bindings: snapshot.Bindings,
+    values: list[np.ndarray],
+    arrays: dict[str, np.ndarray],
+    numpy_source: numpy_state_lib.NumpySource | None,
+    assign: Assign | None,
+) -> None:
+    if assign is not None:
+        assign(bindings, values)
+    else:
+        for binding, value in zip(bindings.variables, values, strict=True):
+            binding.variable.assign(value)
+    if numpy_source is not None:
+        numpy_state_lib.assign(numpy_source.state, arrays)
+
+
+def _read_files(
+    base: str, bindings: snapshot.Bindings, kind: SaveKind, where: str
+) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    """Each bound variable's value and the numpy state's arrays, read by TensorFlow from a save's files.
+
+    Raises:
+        InvalidRequestError: the save's variables are not the policy's (naming the first key).
+        ChecksumError: a tensor is corrupt.
+    """
+    try:
+        reader = tf.train.load_checkpoint(os.path.join(base, VARIABLES_PREFIX))
+        shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+        keys = [b.key if kind is SaveKind.SAVED_MODEL else b.checkpoint_key for b in bindings.variables]
+        for key, b in zip(keys, bindings.variables, strict=True):
+            if key not in shapes:
+                raise InvalidRequestError(f"{where}: the save has no {key!r}; was it written by another policy?")
+            if dtypes[key].name != b.dtype or tuple(shapes[key]) != tuple(b.shape):
+                raise InvalidRequestError(
+                    f"{where}: {key!r} is {dtypes[key].name}{list(shapes[key])} in the save; the policy has "
+                    f"{b.dtype}{list(b.shape)}"
+                )
+        extra = set(shapes) - set(keys) - {OBJECT_GRAPH_KEY}
+        if extra:
+            raise InvalidRequestError(f"{where}: the save has {min(extra)!r}, which the policy lacks")
+        values = [np.asarray(reader.get_tensor(key)) for key in keys]
+        arrays: dict[str, np.ndarray] = {}
+        numpy_prefix = os.path.join(base, NUMPY_PREFIX)
+        if os.path.exists(numpy_prefix + files.INDEX_SUFFIX):
+            numpy_reader = tf.train.load_checkpoint(numpy_prefix)
+            for key, name in numpy_state_lib.names(numpy_reader.get_tensor(OBJECT_GRAPH_KEY)).items():
+                arrays[name] = np.load(io.BytesIO(numpy_reader.get_tensor(key)), allow_pickle=False)
+    except tf.errors.DataLossError as e:
+        raise ChecksumError(f"{where} is corrupt: {describe(e)}") from None
+    return values, arrays
 
 
 def _kind(value: int) -> SaveKind:

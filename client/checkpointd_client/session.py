@@ -43,7 +43,7 @@ from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import probe
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.outage import Outage
-from checkpointd_client.stream import SaveStub, rpc_error
+from checkpointd_client.stream import RestoreFilesStub, SaveStub, rpc_error
 from checkpointd_client.ticket import SaveCounts, SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class DaemonSession:
         self._channel = open_channel(self.address, self.options.channel_credentials, self._token)
         self.stub = checkpointd_pb2_grpc.CheckpointServiceStub(self._channel)
         self.save_stub = SaveStub(self._channel)  # sends chunks serialized once, by the saver
+        self.files_stub = RestoreFilesStub(self._channel)  # restore's file chunks, read without a copy
 
     @property
     def timeout(self) -> float | None:

@@ -235,6 +235,23 @@ class SaveStub:
         )
 
 
+class RestoreFilesStub:
+    """CheckpointService.RestoreFiles alone, answering each response as its serialized bytes.
+
+    Parsing a chunk's message copies its data out of the message; the caller
+    reads the chunks from the bytes gRPC received instead (see
+    `checkpointd_client.files`).
+    """
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        service = checkpointd_pb2.DESCRIPTOR.services_by_name["CheckpointService"]
+        self.RestoreFiles: grpc.UnaryStreamMultiCallable = channel.unary_stream(  # noqa: N815 - the generated name
+            f"/{service.full_name}/RestoreFiles",
+            request_serializer=checkpointd_pb2.RestoreFilesRequest.SerializeToString,
+            response_deserializer=None,
+        )
+
+
 def _serialize(request: checkpointd_pb2.SaveRequest | bytes) -> bytes:
     return request if isinstance(request, bytes) else request.SerializeToString()
 

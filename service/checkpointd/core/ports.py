@@ -346,6 +346,54 @@ class LocalCopies(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SavedFile:
+    """One file of a committed save, as its manifest lists it.
+
+    Attributes:
+        path: relative to the save's dir (its checkpoint dir for a prefix).
+        size: bytes.
+        crc32c: the whole file's CRC32C.
+    """
+
+    path: str
+    size: int
+    crc32c: int
+
+
+@runtime_checkable
+class SaveFiles(Protocol):
+    """A Store that hands out a committed save's files as bytes, for RestoreFiles."""
+
+    def files_of(self, save: CommittedSave) -> list[SavedFile]:
+        """Every file of the save, from its manifest.
+
+        Raises:
+            RunNotFoundError: the save is no longer committed.
+        """
+        ...
+
+    def local_dir(self, save: CommittedSave) -> Path | None:
+        """The local dir the files' paths are relative to; None if they are not local files."""
+        ...
+
+    def verified(self, save: CommittedSave, files: Sequence[SavedFile]) -> dict[str, tuple[int, int, int]]:
+        """The (st_dev, st_ino, st_mtime_ns) of each local file found to match its manifest (size and CRC32C).
+
+        A file that does not match, or is no local file, is left out.
+        """
+        ...
+
+    def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
+        """The bytes of each (path, offset, length) in order, in pieces of at most 3 MiB (wire.FILE_CHUNK_BYTES).
+
+        Raises:
+            SaveFailedError: a file is missing or unreadable.
+            UnavailableError: the object store failed.
+        """
+        ...
+
+
 class SaveSink(Protocol):
     """A save's files, open in staging, taking the snapshot's parts as they arrive.
 

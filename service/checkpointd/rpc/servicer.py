@@ -19,11 +19,14 @@ from pathlib import Path
 
 import grpc
 
+from checkpointd.core.ports import SavedFile
+from checkpointd.protocol import wire
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
+from checkpointd.protocol.kinds import to_wire
 from checkpointd.protocol.names import LEASE_WAIT_METADATA, TMP_PREFIX, check_run_name
 from checkpointd.rpc import messages, upload
 from checkpointd.rpc.errors import grpc_errors
-from checkpointd.saves import catalog, restore
+from checkpointd.saves import catalog, restore, restore_files
 from checkpointd.saves.pipeline import SavePipeline
 from checkpointd.saves.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -42,6 +45,12 @@ def _wait_seconds(value: float, rpc: str) -> float | None:
     if value == 0 or value >= threading.TIMEOUT_MAX:
         return None
     return max(value, 0.0) or 1e-9  # already passed: check once, do not wait
+
+
+def restore_file(f: SavedFile, stat: tuple[int, int, int] | None) -> pb.RestoreFile:
+    """A RestoreFilesHeader's entry for one file, with its stat if the daemon vouches for it in place."""
+    device, inode, mtime_ns = stat or (0, 0, 0)
+    return pb.RestoreFile(path=f.path, size=f.size, crc32c=f.crc32c, device=device, inode=inode, mtime_ns=mtime_ns)
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
@@ -157,3 +166,26 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 started = time.monotonic()
                 yield from messages.restore_responses(opened, manifest, location=self._pipeline.store.location)
         restore.log_restored(run, opened, time.monotonic() - started)
+
+    @grpc_errors
+    def RestoreFiles(
+        self, request: pb.RestoreFilesRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.RestoreFilesResponse]:
+        run = check_run_name(request.run)
+        folder = self._pipeline.folder(run, request.folder)
+        store = self._pipeline.store
+        asked = [(r.path, r.offset, r.length) for r in request.ranges]
+        with self._pipeline.retention.holding(folder):  # retention must not delete it mid-stream
+            plan = restore_files.plan(store, folder, run, request.export_dir, asked, request.header_only)
+            started = time.monotonic()
+            save = plan.save
+            yield pb.RestoreFilesResponse(
+                header=pb.RestoreFilesHeader(
+                    export_dir=save.export_dir, step=save.step, kind=to_wire(save.kind), path=store.location(save.path),
+                    unix_seconds=save.created, local_dir=str(plan.local_dir or ""), payload_bytes=plan.payload_bytes,
+                    files=[restore_file(f, plan.verified.get(f.path)) for f in plan.files],
+                )
+            )  # fmt: skip
+            for piece in restore_files.pieces(store, plan):
+                yield pb.RestoreFilesResponse(chunk=wire.chunk(piece.data, piece.offset, piece.path))
+        restore_files.log_sent(run, plan, time.monotonic() - started)

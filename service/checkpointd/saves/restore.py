@@ -54,11 +54,12 @@ def open_committed(
             not match the manifest (the message names the first one).
         ChecksumError, SaveFailedError: the save is corrupt or unreadable.
     """
-    save = _find(store, folder, run, export_dir)
+    save = find(store, folder, run, export_dir)
     return Opened(save, format_for(save.kind).read(save, manifest))
 
 
-def _find(store: Store, folder: str, run: str, export_dir: str) -> CommittedSave:
+def find(store: Store, folder: str, run: str, export_dir: str) -> CommittedSave:
+    """The committed save at `export_dir` in `folder`, or the run's newest one (RunNotFoundError if none)."""
     if export_dir:
         return store.committed_at(folder, export_dir)
     found = catalog.find_latest(store, folder, run)
@@ -83,7 +84,7 @@ def opening(
     if not isinstance(store, LocalCopies):
         yield open_committed(store, format_for, folder, run, export_dir, manifest)
         return
-    save = _find(store, folder, run, export_dir)
+    save = find(store, folder, run, export_dir)
     with store.local_copy(save) as local:
         yield Opened(save, format_for(save.kind).read(local, manifest))
 

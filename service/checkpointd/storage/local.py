@@ -15,10 +15,10 @@ import concurrent.futures
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePath
 
-from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
+from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged
 from checkpointd.durable import files, writeback
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
 from checkpointd.protocol.names import (
@@ -29,7 +29,7 @@ from checkpointd.protocol.names import (
     check_run_name,
     is_run_name,
 )
-from checkpointd.storage import prefix, save_manifest
+from checkpointd.storage import local_files, prefix, save_manifest
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class LocalStore:
         self._fsync = fsync
         # fsyncs a save's files while its manifest's CRCs read them back.
         self._syncer = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="fsync", initializer=thread_initializer)
+        self._verified = local_files.Verified()  # committed files checked for RestoreFiles' same-host readers
 
     def describe(self) -> str:
         return str(self.root.resolve())
@@ -215,6 +216,20 @@ class LocalStore:
             raise
         if self._fsync:
             files.fsync_dir(path.parent)
+
+    # RestoreFiles (ports.SaveFiles).
+
+    def files_of(self, save: CommittedSave) -> list[SavedFile]:
+        return local_files.files_of(save)
+
+    def local_dir(self, save: CommittedSave) -> Path | None:
+        return local_files.base_dir(save).resolve()
+
+    def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
+        return local_files.read_ranges(save, ranges)
+
+    def verified(self, save: CommittedSave, files: Sequence[SavedFile]) -> dict[str, tuple[int, int, int]]:
+        return self._verified.check(local_files.base_dir(save), files)
 
     def close(self) -> None:
         self._syncer.shutdown(wait=True)

@@ -57,12 +57,12 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
-from checkpointd.core.ports import CommittedSave, SaveMeta, Staged, WatchedSink
+from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged, WatchedSink
 from checkpointd.protocol.errors import ChecksumError, RunHeldError, RunNotFoundError
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
 from checkpointd.storage import prefix, s3_copies, s3_keys, s3_parts, s3_recovery, s3_restore, save_manifest
@@ -486,6 +486,20 @@ class S3Store:
         self, save: CommittedSave, progress: Callable[[int], None] | None = None
     ) -> contextlib.AbstractContextManager[CommittedSave]:
         return s3_restore.local_copy(self, save, progress)
+
+    # RestoreFiles (ports.SaveFiles).
+
+    def files_of(self, save: CommittedSave) -> list[SavedFile]:
+        return s3_restore.files_of(self, save)
+
+    def local_dir(self, save: CommittedSave) -> Path | None:
+        return None
+
+    def verified(self, save: CommittedSave, files: Sequence[SavedFile]) -> dict[str, tuple[int, int, int]]:
+        return {}
+
+    def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
+        return s3_restore.read_ranges(self, save, ranges)
 
     # Deleting.
 

@@ -1,23 +1,29 @@
-"""Restore from the object store: a committed save downloaded and checked against its manifest.
+"""Restore from the object store: a committed save's files, from its manifest.
 
-Restore reads a local copy (`local_copy`), each file checked against the
-manifest's size and CRC32C before anything is yielded.
+RestoreFiles streams the asked byte ranges with parallel ranged GETs
+(`read_ranges`): a few pieces in flight at once, each yielded in order as
+soon as it and those before it have arrived, nothing staged on disk. The
+tensor Restore reads a local copy (`local_copy`), each file checked
+against the manifest's size and CRC32C before anything is yielded.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import json
 import secrets
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
-from checkpointd.core.ports import CommittedSave
-from checkpointd.protocol.errors import ChecksumError, RunNotFoundError
+from checkpointd.core.ports import CommittedSave, SavedFile
+from checkpointd.protocol.errors import ChecksumError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.names import TMP_PREFIX
+from checkpointd.protocol.wire import FILE_CHUNK_BYTES
 from checkpointd.storage import save_manifest
 from checkpointd.storage.s3_client import Progress
 from checkpointd.storage.s3_keys import MANIFEST
@@ -80,3 +86,77 @@ def local_copy(
         yield replace(save, path=local)
     finally:
         shutil.rmtree(copy, ignore_errors=True)
+
+
+# One ranged GET's size, and how many run at once: enough to keep the link
+# busy while the pieces already in are sent; the bytes held are at most
+# their product (the pieces in flight) plus the one being sent. A GET of one
+# chunk's size goes out as that chunk, with no slice copied.
+GET_BYTES = FILE_CHUNK_BYTES
+GETS_IN_FLIGHT = 8
+
+
+def files_of(store: S3Store, save: CommittedSave) -> list[SavedFile]:
+    """Every file of a committed save in the bucket, from its manifest.
+
+    Raises:
+        RunNotFoundError: the save is no longer committed.
+        UnavailableError: the object store failed.
+    """
+    with store.reading(f"reading {save.path}"):
+        document = store.manifest(store.keys_of(save).manifest, None)
+    if document is None:
+        raise RunNotFoundError(f"the save {save.path} in {store.url} is no longer committed")
+    entries: list[save_manifest.FileEntry] = document["files"]
+    return [SavedFile(e.path, e.size, int(e.crc32c, 16)) for e in entries]
+
+
+def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
+    """Each (path, offset, length) of the save's files, in order, in pieces of at most FILE_CHUNK_BYTES.
+
+    Ranged GETs of `GET_BYTES` run `GETS_IN_FLIGHT` at a time on a pool of
+    this call's own; a piece is yielded once it and every piece before it
+    are in, while the later ones download.
+
+    Raises:
+        UnavailableError: a GET failed.
+        SaveFailedError: the bucket answered fewer bytes than asked.
+    """
+    files_base = store.keys_of(save).files_base
+    gets = [
+        (files_base + path, at, min(GET_BYTES, offset + length - at))
+        for path, offset, length in ranges
+        for at in range(offset, offset + length, GET_BYTES)
+    ]
+
+    def get(key: str, at: int, size: int) -> bytes:
+        answer = store.client.get_object(Bucket=store.bucket, Key=key, Range=f"bytes={at}-{at + size - 1}")
+        data: bytes = answer["Body"].read()
+        if len(data) != size:
+            raise SaveFailedError(f"{key} in {store.url}: {len(data)} bytes at {at}, {size} asked")
+        return data
+
+    pool = concurrent.futures.ThreadPoolExecutor(GETS_IN_FLIGHT, thread_name_prefix="restore-get")
+    pending: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
+    try:
+        queued = iter(gets)
+        for key, at, size in queued:
+            pending.append(pool.submit(get, key, at, size))
+            if len(pending) >= GETS_IN_FLIGHT:
+                break
+        while pending:
+            with store.reading(f"reading {save.path}"):
+                data = pending.popleft().result()
+            for key, at, size in queued:  # one more in flight for the one taken
+                pending.append(pool.submit(get, key, at, size))
+                break
+            if len(data) <= FILE_CHUNK_BYTES:
+                yield data
+                continue
+            view = memoryview(data)
+            for start in range(0, len(data), FILE_CHUNK_BYTES):
+                yield bytes(view[start : start + FILE_CHUNK_BYTES])
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True)

@@ -446,3 +446,71 @@ class RestoreResponse(_message.Message):
     header: RestoreHeader
     chunk: Chunk
     def __init__(self, header: _Optional[_Union[RestoreHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class FileRange(_message.Message):
+    __slots__ = ("path", "offset", "length")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    length: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class RestoreFilesRequest(_message.Message):
+    __slots__ = ("run", "export_dir", "folder", "ranges", "header_only")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    HEADER_ONLY_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    export_dir: str
+    folder: str
+    ranges: _containers.RepeatedCompositeFieldContainer[FileRange]
+    header_only: bool
+    def __init__(self, run: _Optional[str] = ..., export_dir: _Optional[str] = ..., folder: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[FileRange, _Mapping]]] = ..., header_only: bool = ...) -> None: ...
+
+class RestoreFile(_message.Message):
+    __slots__ = ("path", "size", "crc32c", "device", "inode", "mtime_ns")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    crc32c: int
+    device: int
+    inode: int
+    mtime_ns: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., device: _Optional[int] = ..., inode: _Optional[int] = ..., mtime_ns: _Optional[int] = ...) -> None: ...
+
+class RestoreFilesHeader(_message.Message):
+    __slots__ = ("export_dir", "step", "kind", "path", "unix_seconds", "files", "local_dir", "payload_bytes")
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DIR_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    export_dir: str
+    step: int
+    kind: SaveKind
+    path: str
+    unix_seconds: float
+    files: _containers.RepeatedCompositeFieldContainer[RestoreFile]
+    local_dir: str
+    payload_bytes: int
+    def __init__(self, export_dir: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., path: _Optional[str] = ..., unix_seconds: _Optional[float] = ..., files: _Optional[_Iterable[_Union[RestoreFile, _Mapping]]] = ..., local_dir: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class RestoreFilesResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: RestoreFilesHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[RestoreFilesHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class CheckpointServiceStub(object):
                 request_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreResponse.FromString,
                 )
+        self.RestoreFiles = channel.unary_stream(
+                '/checkpointd.v1.CheckpointService/RestoreFiles',
+                request_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesRequest.SerializeToString,
+                response_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesResponse.FromString,
+                )
 
 
 class CheckpointServiceServicer(object):
@@ -193,6 +198,27 @@ class CheckpointServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreFiles(self, request, context):
+        """Streams a committed save's files back as they are on disk (or in the
+        bucket), for a client that restores with TensorFlow's own reader: a
+        RestoreFilesHeader listing every file the restore needs with its size
+        and CRC32C from the save's manifest, then the asked ranges as Chunks
+        (path = the file, offset within it). The run need not be registered:
+        the save is found in the folder (RestoreFilesRequest.folder, else the
+        registered one, else the run's name) and must name the run in its
+        manifest. NOT_FOUND: no such committed save. INVALID_ARGUMENT: a bad
+        export_dir, or a range outside the files listed. The daemon does not
+        check what it sends: a client checks each file it receives whole
+        against its RestoreFile.crc32c before using it, and a partial range by
+        its chunks' CRC32C and the per-tensor CRC32C of the (checked) index, as
+        TensorFlow's reader does. Files: a training
+        checkpoint's <prefix>.index and .data-*; a policy save's variables/
+        checkpoint and numpy state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +256,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreRequest.FromString,
                     response_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreResponse.SerializeToString,
+            ),
+            'RestoreFiles': grpc.unary_stream_rpc_method_handler(
+                    servicer.RestoreFiles,
+                    request_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesRequest.FromString,
+                    response_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,5 +388,22 @@ class CheckpointService(object):
         return grpc.experimental.unary_stream(request, target, '/checkpointd.v1.CheckpointService/Restore',
             checkpointd_dot_v1_dot_checkpointd__pb2.RestoreRequest.SerializeToString,
             checkpointd_dot_v1_dot_checkpointd__pb2.RestoreResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RestoreFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/checkpointd.v1.CheckpointService/RestoreFiles',
+            checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesRequest.SerializeToString,
+            checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

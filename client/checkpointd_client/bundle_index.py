@@ -1,0 +1,167 @@
+"""A tensor bundle's `.index` read on the client: where each tensor lies in the data file.
+
+The index is TensorFlow's sorted string table (LevelDB's format, as
+`tsl/lib/io/table` writes it uncompressed): a 48-byte footer pointing at the
+index block, whose entries point at the data blocks, whose entries map each
+checkpoint key to its BundleEntryProto. Each block's entries are prefix
+compressed (`varint32 shared, varint32 unshared, varint32 value length, key
+suffix, value`) and end with their restart offsets and count. Only what a
+partial restore needs is read: each key's dtype, shape, shard, offset and size.
+
+`needed_keys` names the tensors TensorFlow's restore can read for objects
+under the given children of the checkpoint's root: every attribute of a
+node reachable from them (their children, and the optimizers' slot
+variables), so deferred restorations find their bytes too.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+from tensorflow.core.protobuf import tensor_bundle_pb2, trackable_object_graph_pb2
+
+_FOOTER_BYTES = 48
+_MAGIC = 0xDB4775248B80FB57
+_TRAILER_BYTES = 5  # after each block: its compression type byte and masked CRC32C
+
+
+@dataclass(frozen=True)
+class Location:
+    """One tensor of a bundle: its DataType number and shape, where its bytes are (shard, offset, size)."""
+
+    dtype: int
+    shape: tuple[int, ...]
+    shard: int
+    offset: int
+    size: int
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _block(index: bytes, handle: bytes, at: int = 0) -> tuple[bytes, int]:
+    """The block the handle at `at` of `handle` points at, and where the handle ends."""
+    offset, at = _varint(handle, at)
+    size, at = _varint(handle, at)
+    if offset + size + _TRAILER_BYTES > len(index):
+        raise ValueError(f"a block at {offset} of {size} bytes runs past the index's {len(index)}")
+    if index[offset + size] != 0:
+        raise ValueError("a compressed block (TensorFlow writes bundles uncompressed)")
+    return index[offset : offset + size], at
+
+
+def _entries(block: bytes) -> Iterator[tuple[bytes, bytes]]:
+    (restarts,) = struct.unpack_from("<I", block, len(block) - 4)
+    end = len(block) - 4 - 4 * restarts
+    at, key = 0, b""
+    while at < end:
+        shared, at = _varint(block, at)
+        unshared, at = _varint(block, at)
+        length, at = _varint(block, at)
+        key = key[:shared] + block[at : at + unshared]
+        at += unshared
+        yield key, block[at : at + length]
+        at += length
+
+
+def locations(index: bytes) -> dict[str, Location]:
+    """Every tensor's location, by checkpoint key (the header entry left out).
+
+    Raises:
+        ValueError: the bytes are not a tensor bundle's index.
+    """
+    if len(index) < _FOOTER_BYTES:
+        raise ValueError(f"{len(index)} bytes is too short for an index")
+    footer = len(index) - _FOOTER_BYTES
+    low, high = struct.unpack_from("<II", index, len(index) - 8)
+    if (high << 32 | low) != _MAGIC:
+        raise ValueError("not a TensorFlow table (wrong magic number)")
+    _, at = _block(index, index, footer)  # the metaindex (empty)
+    index_block, _ = _block(index, index, at)
+    found: dict[str, Location] = {}
+    for _, handle in _entries(index_block):
+        block, _ = _block(index, handle)
+        for key, value in _entries(block):
+            if not key:
+                continue  # the BundleHeaderProto
+            entry = tensor_bundle_pb2.BundleEntryProto.FromString(value)
+            found[key.decode()] = Location(
+                entry.dtype, tuple(d.size for d in entry.shape.dim), entry.shard_id, entry.offset, entry.size
+            )
+    return found
+
+
+def string_value(tensor: bytes) -> bytes:
+    """A scalar string tensor's value from its bytes in the data file (length, length CRC, bytes)."""
+    length, at = _varint(tensor, 0)
+    return tensor[at + 4 : at + 4 + length]
+
+
+def needed_keys(object_graph: bytes, children: Collection[str]) -> set[str]:
+    """The checkpoint keys under the root's `children` (and the root's own attributes).
+
+    Args:
+        object_graph: the checkpoint's serialized TrackableObjectGraph.
+        children: the names of the root's children being restored.
+    """
+    graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(object_graph)
+    nodes = graph.nodes
+    keys = {a.checkpoint_key for a in nodes[0].attributes}
+    todo = [c.node_id for c in nodes[0].children if c.local_name in children]
+    seen: set[int] = set()
+    while todo:
+        node_id = todo.pop()
+        if node_id in seen:
+            continue
+        seen.add(node_id)
+        node = nodes[node_id]
+        keys.update(a.checkpoint_key for a in node.attributes)
+        todo.extend(c.node_id for c in node.children)
+        todo.extend(s.slot_variable_node_id for s in node.slot_variables)
+    return keys
+
+
+def counterpart_keys(live_graph: bytes, saved_graph: bytes) -> dict[str, str | None]:
+    """Each live checkpoint key's key in a saved checkpoint, matched as TensorFlow's restore matches objects.
+
+    Both graphs are walked from their roots by child name; a node's
+    attribute matches the counterpart's attribute of the same name; an
+    optimizer's slot matches the counterpart optimizer's slot of the same
+    name for the counterpart variable. A key with no counterpart maps to None.
+    """
+    live = trackable_object_graph_pb2.TrackableObjectGraph.FromString(live_graph).nodes
+    saved = trackable_object_graph_pb2.TrackableObjectGraph.FromString(saved_graph).nodes
+    pairs: dict[int, int | None] = {}
+    todo: list[tuple[int, int | None]] = [(0, 0)]
+    while todo:
+        node, other = todo.pop()
+        if node in pairs and (pairs[node] is not None or other is None):
+            continue  # met before (a counterpart found by another path counts)
+        pairs[node] = other
+        children = {c.local_name: c.node_id for c in saved[other].children} if other is not None else {}
+        todo.extend((c.node_id, children.get(c.local_name)) for c in live[node].children)
+    for node, other in list(pairs.items()):  # slots hang off their optimizer, named by their variable
+        saved_slots = (
+            {(s.original_variable_node_id, s.slot_name): s.slot_variable_node_id for s in saved[other].slot_variables}
+            if other is not None
+            else {}
+        )
+        for s in live[node].slot_variables:
+            original = pairs.get(s.original_variable_node_id)
+            pairs.setdefault(s.slot_variable_node_id, saved_slots.get((original, s.slot_name)))
+    keys: dict[str, str | None] = {}
+    for node, other in pairs.items():
+        attributes = {a.name: a.checkpoint_key for a in saved[other].attributes} if other is not None else {}
+        for a in live[node].attributes:
+            keys[a.checkpoint_key] = attributes.get(a.name)
+    return keys

@@ -1,0 +1,413 @@
+"""Restore from a committed save's files: read where the daemon keeps them, or fetched into memory.
+
+The daemon sends the files as they are (RestoreFiles); TensorFlow's own
+reader restores from them, so nothing is decoded or re-encoded:
+
+- same host: the header names the dir the files are in on the daemon's host
+  and the stat of each file the daemon checked against its manifest; if
+  they are there with that stat, the restore reads them in place (no copy,
+  no file byte over the connection). A file replaced or rewritten since has
+  another stat: it is fetched, and checked, instead.
+- elsewhere: the files are written into a private dir on tmpfs (/dev/shm,
+  memory, never the trainer's disk), each file checked whole against its
+  manifest's CRC32C as it lands. A partial restore fetches the index, then
+  the object graph, then only the tensors under the root's children being
+  restored, into a sparse data file (holes take no memory; a tensor read
+  from a hole fails its CRC32C), each chunk checked against its own CRC32C.
+
+Nothing is restored until every asked byte has arrived and been checked, so
+a broken stream changes no variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from checkpointd.protocol import wire
+from checkpointd.protocol.errors import ChecksumError, SaveFailedError
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd.v1 import checkpointd_pb2_grpc
+from checkpointd_client import bundle_index
+from checkpointd_client.stream import RestoreFilesStub
+
+_LOGGER = logging.getLogger(__name__)
+
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+INDEX_SUFFIX = ".index"
+# Where fetched files go: memory, not the trainer's disk.
+MEMORY_DIR = "/dev/shm"
+
+
+@dataclass
+class Fetched:
+    """A save's files, ready for TensorFlow's reader.
+
+    Attributes:
+        header: the daemon's answer.
+        prefix: the checkpoint prefix to restore from.
+        received: file bytes received over the connection (0: read in place).
+        in_place: True if the files are read where the daemon keeps them.
+        index: the index file's bytes, checked against the manifest's CRC32C.
+    """
+
+    header: pb.RestoreFilesHeader
+    prefix: str
+    index: bytes
+    received: int
+    in_place: bool
+    _dir: str | None = None
+
+    def read(self, at: bundle_index.Location) -> bytes:
+        """One tensor's bytes from the files (in place or the fetched copy)."""
+        path = f"{self.prefix}.data-{at.shard:05d}-of-{self.shards:05d}"
+        with open(path, "rb") as file:
+            return os.pread(file.fileno(), at.size, at.offset)
+
+    @property
+    def shards(self) -> int:
+        """How many data files the bundle has."""
+        return sum(1 for f in self.header.files if not f.path.endswith(INDEX_SUFFIX))
+
+    def close(self) -> None:
+        """Deletes a fetched copy (a no-op for files read in place); idempotent."""
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+Stub = checkpointd_pb2_grpc.CheckpointServiceStub | RestoreFilesStub
+Write = Callable[[str, int, memoryview | bytes], None]  # (path, offset, data) of a checked chunk
+
+
+def _receive(
+    stub: Stub, request: pb.RestoreFilesRequest, timeout: float | None, write: Write | None
+) -> tuple[pb.RestoreFilesHeader, int]:
+    """One RestoreFiles call: its header, and each chunk checked and written in the order asked.
+
+    A file asked whole is checked against its manifest's CRC32C (one pass
+    over its bytes, which covers every chunk); a chunk of a partial range
+    against its own.
+    """
+    responses = stub.RestoreFiles(request, timeout=timeout)
+    try:
+        first = _message(next(responses, None))
+        if first is None or first.WhichOneof("item") != "header":
+            raise SaveFailedError("the daemon's RestoreFiles answer did not start with a header")
+        header = first.header
+        files = {f.path: f for f in header.files}
+        asked = [(r.path, r.offset, r.length or _size(files, r.path) - r.offset) for r in request.ranges]
+        if not request.ranges and not request.header_only:
+            asked = [(f.path, 0, f.size) for f in header.files]
+        expected = iter([a for a in asked if a[2] > 0])  # an empty range has no chunk
+        path, at, end, whole, crc = "", 0, 0, False, 0
+        received = 0
+        for response in responses:
+            chunk = _chunk(response)
+            if at == end:
+                path, at, length = next(expected, ("", -1, 0))
+                end, crc = at + length, 0
+                whole = at == 0 and length == _size(files, path)
+            if chunk is None or chunk.path != path or chunk.offset != at:
+                raise SaveFailedError(f"RestoreFiles: expected a chunk of {path!r} at {at}")
+            data = chunk.data
+            if at + len(data) > end or not data:
+                raise SaveFailedError(f"RestoreFiles: a chunk of {path!r} at {at} runs past its range")
+            if whole:
+                crc = wire.crc32c_of(data, crc)
+            elif wire.crc32c_of(data) != chunk.crc32c:
+                raise ChecksumError(f"RestoreFiles: CRC32C mismatch in {path!r} at {at}; retry the restore")
+            if write is not None:
+                write(path, at, data)
+            at += len(data)
+            received += len(data)
+            if whole and at == end and crc != files[path].crc32c:
+                raise ChecksumError(
+                    f"{header.export_dir!r}: {path} does not match its manifest's CRC32C ({crc:08x}, "
+                    f"{files[path].crc32c:08x} committed): the file is corrupt or was replaced (or the "
+                    "transfer failed: retry)"
+                )
+        if at != end or next(expected, None) is not None:
+            raise SaveFailedError(f"RestoreFiles: the stream ended before all of {path!r} arrived")
+    finally:
+        responses.cancel()  # a no-op once the call has ended
+    return header, received
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    path: str
+    offset: int
+    data: memoryview | bytes
+    crc32c: int
+
+
+def _message(response: pb.RestoreFilesResponse | bytes | None) -> pb.RestoreFilesResponse | None:
+    if isinstance(response, bytes):
+        return pb.RestoreFilesResponse.FromString(response)
+    return response
+
+
+def _varint(data: memoryview, at: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _chunk(response: pb.RestoreFilesResponse | bytes) -> _Chunk | None:
+    """A response's chunk, or None if it holds none; read from the serialized bytes without copying its data."""
+    if not isinstance(response, bytes):
+        if response.WhichOneof("item") != "chunk":
+            return None
+        c = response.chunk
+        return _Chunk(c.path, c.offset, c.data, c.crc32c)
+    raw = memoryview(response)
+    if not raw or raw[0] != 0x12:  # RestoreFilesResponse.chunk = 2, length-delimited
+        return None
+    size, at = _varint(raw, 1)
+    end = at + size
+    path, offset, data, crc = "", 0, raw[0:0], 0
+    while at < end:  # Chunk's fields, in any order, defaults omitted
+        tag, at = _varint(raw, at)
+        field, kind = tag >> 3, tag & 7
+        if kind == 0:
+            value, at = _varint(raw, at)
+            offset = value if field == 2 else offset
+        elif kind == 2:
+            length, at = _varint(raw, at)
+            if field == 1:
+                path = bytes(raw[at : at + length]).decode()
+            elif field == 3:
+                data = raw[at : at + length]
+            at += length
+        elif kind == 5:
+            crc = int.from_bytes(raw[at : at + 4], "little") if field == 4 else crc
+            at += 4
+        else:
+            raise SaveFailedError(f"RestoreFiles: a chunk field of wire type {kind}")
+    return _Chunk(path, offset, data, crc)
+
+
+def _size(files: dict[str, pb.RestoreFile], path: str) -> int:
+    file = files.get(path)
+    if file is None:
+        raise SaveFailedError(f"RestoreFiles: the header does not list {path!r}")
+    return file.size
+
+
+class _Writer:
+    """Writes received chunks into files under a dir, each file made at its final size (sparse)."""
+
+    def __init__(self, directory: str, sizes: dict[str, int]) -> None:
+        self._dir = directory
+        self._sizes = sizes
+        self._fds: dict[str, int] = {}
+
+    def __call__(self, path: str, offset: int, data: memoryview | bytes) -> None:
+        fd = self._fds.get(path)
+        if fd is None:
+            full = os.path.join(self._dir, path)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            fd = self._fds[path] = os.open(full, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.ftruncate(fd, self._sizes[path])
+        os.pwrite(fd, data, offset)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _private_dir() -> str:
+    where = MEMORY_DIR if os.path.isdir(MEMORY_DIR) and os.access(MEMORY_DIR, os.W_OK) else None
+    if where is None:
+        _LOGGER.warning("no writable %s: a fetched checkpoint goes to %s", MEMORY_DIR, tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix="checkpointd-restore-", dir=where)
+
+
+def _in_place(header: pb.RestoreFilesHeader) -> bytes | None:
+    """The index, if every file is here as the daemon checked it (same stat, CRC32C-checked index); else None."""
+    if not header.local_dir or not all(_same_file(header.local_dir, f) for f in header.files):
+        return None
+    index = None
+    for f in header.files:
+        if f.path.endswith(INDEX_SUFFIX):
+            try:
+                with open(os.path.join(header.local_dir, f.path), "rb") as file:
+                    index = file.read()
+            except OSError:
+                return None
+            if wire.crc32c_of(index) != f.crc32c:
+                return None
+    return index
+
+
+def fetch(
+    stub: Stub,
+    run: str,
+    export_dir: str,
+    timeout: float | None,
+    *,
+    folder: str = "",
+    children: Collection[str] | None = None,
+    in_place: bool = True,
+) -> Fetched:
+    """A committed save's files for TensorFlow's reader: read in place, or fetched into memory.
+
+    Args:
+        stub: the daemon's stub.
+        run, export_dir, folder: the save, as RestoreFilesRequest takes them.
+        timeout: each call's deadline.
+        children: the names of the checkpoint root's children being
+            restored: only their tensors are fetched. None: every tensor.
+        in_place: whether the files may be read where the daemon keeps them.
+
+    Raises:
+        grpc.RpcError: the status that ended a call.
+        ChecksumError: a chunk or the index does not match its CRC32C.
+        SaveFailedError: the daemon broke the protocol.
+    """
+    base = pb.RestoreFilesRequest(run=run, export_dir=export_dir, folder=folder)
+    # First the header: on the daemon's host, all a restore needs; elsewhere, then the index.
+    probe = pb.RestoreFilesRequest()
+    probe.CopyFrom(base)
+    probe.header_only = True
+    header, _ = _receive(stub, probe, timeout, None)
+    files = list(header.files)
+    indexes = [f for f in files if f.path.endswith(INDEX_SUFFIX)]
+    if len(indexes) != 1:
+        raise SaveFailedError(f"RestoreFiles: {header.export_dir!r} lists {len(indexes)} index files, not 1")
+    index_file = indexes[0]
+    prefix_path = index_file.path[: -len(INDEX_SUFFIX)]
+    local_index = _in_place(header) if in_place else None
+    if local_index is not None:
+        return Fetched(header, os.path.join(header.local_dir, prefix_path), local_index, 0, True)
+    directory = _private_dir()
+    writer = _Writer(directory, {f.path: f.size for f in files})
+    try:
+        request = pb.RestoreFilesRequest()
+        request.CopyFrom(base)
+        request.export_dir = header.export_dir  # the one the header named, even if the newest changes meanwhile
+        request.ranges.add(path=index_file.path)
+        _, received = _receive(stub, request, timeout, writer)
+        writer.close()
+        with open(os.path.join(directory, index_file.path), "rb") as file:
+            index = file.read()
+        if wire.crc32c_of(index) != index_file.crc32c:
+            raise ChecksumError(f"{header.export_dir!r}: its index does not match its manifest's CRC32C")
+        del request.ranges[:]
+        ranges, graph_bytes = _ranges(stub, request, timeout, files, index, children, writer)
+        received += graph_bytes
+        for path, offset, length in ranges:
+            request.ranges.add(path=path, offset=offset, length=length)
+        _, more = _receive(stub, request, timeout, writer)
+        writer.close()
+        return Fetched(header, os.path.join(directory, prefix_path), index, received + more, False, directory)
+    except BaseException:
+        writer.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+
+
+def _ranges(
+    stub: Stub,
+    request: pb.RestoreFilesRequest,
+    timeout: float | None,
+    files: Sequence[pb.RestoreFile],
+    index: bytes,
+    children: Collection[str] | None,
+    write: Write,
+) -> tuple[list[tuple[str, int, int]], int]:
+    """The data ranges to fetch: every data file whole, or (partial) those of the needed keys only.
+
+    A partial fetch reads the object graph first (written into its place in
+    the data file, and not fetched again), then returns the ranges of the
+    tensors under `children`, adjacent ones merged, and the bytes it read.
+    """
+    data_files = [f for f in files if not f.path.endswith(INDEX_SUFFIX)]
+    whole = [(f.path, 0, 0) for f in data_files]
+    if children is None:
+        return whole, 0
+    locations = bundle_index.locations(index)
+    graph_at = locations.get(OBJECT_GRAPH_KEY)
+    if graph_at is None:
+        return whole, 0
+    shard_path = {int(f.path.rsplit("-", 3)[-3]): f.path for f in data_files}
+    graph_file = shard_path[graph_at.shard]
+    asked = pb.RestoreFilesRequest()
+    asked.CopyFrom(request)
+    asked.ranges.add(path=graph_file, offset=graph_at.offset, length=graph_at.size)
+    graph_bytes = bytearray(graph_at.size)
+
+    def keep(path: str, offset: int, data: memoryview | bytes) -> None:
+        graph_bytes[offset - graph_at.offset : offset - graph_at.offset + len(data)] = data
+        write(path, offset, data)
+
+    _, received = _receive(stub, asked, timeout, keep)
+    keys = bundle_index.needed_keys(bundle_index.string_value(bytes(graph_bytes)), children) | {OBJECT_GRAPH_KEY}
+    if keys >= set(locations):
+        return whole, received
+    spans = sorted(
+        (shard_path[loc.shard], loc.offset, loc.size)
+        for k, loc in locations.items()
+        if k in keys and k != OBJECT_GRAPH_KEY
+    )
+    merged: list[tuple[str, int, int]] = []
+    for path, offset, size in spans:
+        if not size:
+            continue
+        if merged and merged[-1][0] == path and offset <= merged[-1][1] + merged[-1][2]:
+            last_path, last_offset, last_size = merged[-1]
+            merged[-1] = (path, last_offset, max(last_size, offset + size - last_offset))
+        else:
+            merged.append((path, offset, size))
+    return merged, received
+
+
+def fetch_whole(stub: Stub, run: str, export_dir: str, timeout: float | None, *, folder: str = "") -> Fetched:
+    """Every file a restore reads of a save (a policy's variables/ and numpy state), in place or fetched.
+
+    Returns a Fetched whose `prefix` is the dir the files' paths are
+    relative to (and no index).
+
+    Raises:
+        As `fetch`.
+    """
+    probe = pb.RestoreFilesRequest(run=run, export_dir=export_dir, folder=folder, header_only=True)
+    header, _ = _receive(stub, probe, timeout, None)
+    if header.local_dir and all(_same_file(header.local_dir, f) for f in header.files):
+        return Fetched(header, header.local_dir, b"", 0, True)
+    directory = _private_dir()
+    writer = _Writer(directory, {f.path: f.size for f in header.files})
+    try:
+        request = pb.RestoreFilesRequest(run=run, export_dir=header.export_dir, folder=folder)
+        _, received = _receive(stub, request, timeout, writer)  # every file whole, each checked
+        return Fetched(header, directory, b"", received, False, directory)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    finally:
+        writer.close()
+
+
+def _same_file(local_dir: str, f: pb.RestoreFile) -> bool:
+    """Whether `f` is at `local_dir` as the daemon checked it (its stat)."""
+    try:
+        st = os.stat(os.path.join(local_dir, f.path))
+    except OSError:
+        return False
+    return bool(f.inode) and (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) == (
+        f.device,
+        f.inode,
+        f.mtime_ns,
+        f.size,
+    )

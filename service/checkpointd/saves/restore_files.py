@@ -1,0 +1,144 @@
+"""RestoreFiles: a committed save's files sent as they are, for TensorFlow's reader on the client.
+
+No tensor is decoded here and TensorFlow is not imported: the daemon lists
+the files a restore reads (a training checkpoint's index and data file, a
+policy save's `variables/` checkpoint and numpy state) with their size and
+CRC32C from the save's manifest, and sends the asked byte ranges as the
+Store reads them (pread on a local root, parallel ranged GETs on an object
+store). Each chunk carries its CRC32C; the client checks a file received
+whole against the manifest's CRC32C before TensorFlow reads it, and a
+partial range by TensorFlow's own per-tensor CRC32C in the checked index.
+On a local root the header also vouches for files a client on this host may
+read in place: checked against their manifest, named by their stat.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpointd.core.numpy_state import DIRECTORY as NUMPY_STATE_DIRECTORY
+from checkpointd.core.ports import CommittedSave, SavedFile, SaveFiles, Store
+from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
+from checkpointd.saves import restore
+
+_LOGGER = logging.getLogger(__name__)
+
+# A policy save's files a restore reads: its variables/ checkpoint and numpy state.
+_POLICY_DIRS = ("variables/", f"{NUMPY_STATE_DIRECTORY}/")
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """What one RestoreFiles call sends.
+
+    Attributes:
+        save: the committed save.
+        files: the files a restore reads, index files first.
+        ranges: (path, offset, length) to send, in order.
+        local_dir: the dir the files' paths are relative to on this host, or
+            None on an object store.
+        verified: the files under local_dir found to match their manifest,
+            by path: their (st_dev, st_ino, st_mtime_ns).
+    """
+
+    save: CommittedSave
+    files: tuple[SavedFile, ...]
+    ranges: tuple[tuple[str, int, int], ...]
+    local_dir: Path | None
+    verified: dict[str, tuple[int, int, int]]
+
+    @property
+    def payload_bytes(self) -> int:
+        """The bytes the ranges carry."""
+        return sum(length for _, _, length in self.ranges)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One chunk's worth of a file: where it goes and its bytes."""
+
+    path: str
+    offset: int
+    data: bytes
+
+
+def plan(
+    store: Store, folder: str, run: str, export_dir: str, asked: Sequence[tuple[str, int, int]], header_only: bool
+) -> FilePlan:
+    """Finds the save and checks the asked ranges against its files.
+
+    Args:
+        store: where the saves live.
+        folder: the run's folder.
+        run: the run; the save's manifest must name it.
+        export_dir: the save; empty for the run's newest.
+        asked: (path, offset, length) ranges, length 0 to the file's end;
+            none: every file whole.
+        header_only: send no ranges at all.
+
+    Raises:
+        RunNotFoundError: no such committed save of the run.
+        InvalidRequestError: a bad export_dir, a range of no listed file or
+            past its end, or a store that cannot send files.
+    """
+    if not isinstance(store, SaveFiles):
+        raise InvalidRequestError(f"{store.describe()} cannot send a save's files; use Restore")
+    save = restore.find(store, folder, run, export_dir)
+    if save.run != run:
+        raise RunNotFoundError(
+            f"the save at {save.export_dir!r} in folder {folder!r} is run {save.run!r}'s, not {run!r}'s"
+        )
+    files = sorted(
+        (f for f in store.files_of(save) if save.prefix or f.path.startswith(_POLICY_DIRS)),
+        key=lambda f: (not f.path.endswith(".index"), f.path),
+    )
+    by_path = {f.path: f for f in files}
+    ranges: list[tuple[str, int, int]] = []
+    if header_only:
+        pass
+    elif not asked:
+        ranges = [(f.path, 0, f.size) for f in files]
+    for path, offset, length in asked if not header_only else ():
+        file = by_path.get(path)
+        if file is None:
+            raise InvalidRequestError(
+                f"RestoreFiles: {save.export_dir!r} has no file {path!r} to send; it has {sorted(by_path)}"
+            )
+        length = length or file.size - offset
+        if offset + length > file.size:
+            raise InvalidRequestError(
+                f"RestoreFiles: the range at {offset} of {length} bytes runs past the end of {path!r} "
+                f"({file.size} bytes)"
+            )
+        ranges.append((path, offset, length))
+    local_dir = store.local_dir(save)
+    verified = store.verified(save, files) if local_dir is not None else {}
+    return FilePlan(save, tuple(files), tuple(ranges), local_dir, verified)
+
+
+def pieces(store: Store, plan: FilePlan) -> Iterator[Piece]:
+    """The plan's ranges, in order, as the store's pieces.
+
+    Raises:
+        SaveFailedError, UnavailableError: the store could not read them.
+    """
+    assert isinstance(store, SaveFiles)
+    data_pieces = store.read_ranges(plan.save, plan.ranges)
+    for path, offset, length in plan.ranges:
+        at, end = offset, offset + length
+        while at < end:
+            data = next(data_pieces)
+            yield Piece(path, at, data)
+            at += len(data)
+
+
+def log_sent(run: str, plan: FilePlan, seconds: float) -> None:
+    """Logs a RestoreFiles call sent in full."""
+    save = plan.save
+    _LOGGER.info(
+        "restored files run=%s kind=%s export_dir=%s step=%d bytes=%d of %d in %.3fs",
+        run, save.kind.value, save.export_dir, save.step, plan.payload_bytes, sum(f.size for f in plan.files), seconds,
+    )  # fmt: skip
