@@ -55,6 +55,7 @@ from checkpointd.core.ports import (
     SaveSink,
     Staged,
     Store,
+    WholePartsSink,
 )
 from checkpointd.protocol.errors import (
     InvalidRequestError,
@@ -445,10 +446,22 @@ class _AtWriterPriority:
         self._lowered: set[int] = set()
 
     def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
+        self._lower()
+        self._sink.write(part, offset, data, crc)
+
+    def write_parts(self, views: Sequence[memoryview]) -> None:
+        self._lower()
+        if isinstance(self._sink, WholePartsSink):
+            self._sink.write_parts(views)
+            return
+        for part, view in enumerate(views):
+            if view.nbytes:
+                self._sink.write(part, 0, view)
+
+    def _lower(self) -> None:
         if threading.get_ident() not in self._lowered:
             self._pool.initializer()
             self._lowered.add(threading.get_ident())
-        self._sink.write(part, offset, data, crc)
 
     def finish(self) -> Staged:
         return self._sink.finish()
