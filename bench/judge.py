@@ -22,6 +22,7 @@ FLEET = "fleet"
 MEMORY = "memory"
 TRAINING_STATE = "training state"
 OBJECT_STORE = "object store"
+SAME_HOST = "same host"
 
 GROUPS = {
     CROSS_HOST: "cross-host path: a save over gRPC, against the machine's limits and the in-process saver",
@@ -32,6 +33,7 @@ GROUPS = {
     MEMORY: "memory: the daemon's peak during a save",
     TRAINING_STATE: "training state: RemoteCheckpointer against Checkpointer (section 7)",
     OBJECT_STORE: "object store: saves committed to S3 (section 8)",
+    SAME_HOST: "same host: a save through shared memory, against the same save over gRPC (sections 3, 3b)",
 }
 
 
