@@ -21,7 +21,7 @@ the daemon's own phase timings:
 is on PATH or in .venv-tools) during the end-to-end saves, as flame graphs
 and top-style text under DIR: where each side's time goes, per function.
 
-It reads two private pieces of the client (`_registered`, `take_snapshot`)
+It reads two private pieces of the client (`_bindings`, `take_snapshot`)
 because it measures them; it is a diagnostic, not an API user.
 """
 
@@ -104,6 +104,7 @@ def run(
     from bench.config import SIZES
     from bench.inprocess import fsync_tree
     from checkpointd import durable
+    from checkpointd.core.ports import Staged
     from checkpointd.formats import bundle
     from checkpointd.formats.sink import BundleSink
     from checkpointd.protocol import wire
@@ -127,7 +128,8 @@ def run(
             shared_memory=transport == "shm",
         )
         saver.save("registered", blocking=True)
-        bindings = saver._registered()  # noqa: SLF001 - the bindings the saver snapshots
+        bindings = saver._bindings  # noqa: SLF001 - the bindings the saver snapshots (set by its 1st save)
+        assert bindings is not None
         variables = [b.variable for b in bindings.variables]
         nbytes = sum(v.dtype.size * int(v.shape.num_elements()) for v in variables)
         print(f"{size.name}: {size.params:,} parameters, {nbytes:,} bytes per snapshot")
@@ -195,7 +197,11 @@ def run(
             (out / "variables").mkdir(parents=True)
             with durable.Writeback(out / "variables") if writeback else contextlib.nullcontext():
                 with BundleSink(
-                    out / "variables" / "variables", entries, list(range(len(parts))), parts, lambda i, t: None
+                    out / "variables" / "variables",
+                    entries,
+                    list(range(len(parts))),
+                    parts,
+                    lambda i, t: Staged(out, 0, {}),
                 ) as sink:
                     upload.receive_snapshot(iter(requests), nbytes, _Active(), parts, None, sink)  # noqa: F821
                     sink.finish()

@@ -294,6 +294,8 @@ STALL_MEMCPY_FACTOR, STALL_MEMCPY_SLACK = 1.2, 0.001
 LATENCY_VS_DISK, LATENCY_SLACK = 1.2, 0.050
 TRAINING_SLOWDOWN = 0.10
 MEMORY_FACTOR = 1.5
+# The run's first checkpoint (its shared-memory segment made, mapped) against a later one's call -> durable.
+FIRST_SAVE_FACTOR = 1.5
 
 
 def table(r: dict[str, Any]) -> list[str]:
@@ -372,6 +374,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         f"training slowed <= {100 * TRAINING_SLOWDOWN:g}%: DQN steps/s with training checkpoints " "(section 7)"
     )
     memory_name = f"training checkpoints: daemon peak <= idle + {MEMORY_FACTOR:g} x state"
+    first_name = f"training checkpoints: the run's 1st save <= {FIRST_SAVE_FACTOR:g} x a later call -> durable"
     cases = r.get("training_checkpoint") or {}
     if not cases:
         return [
@@ -381,6 +384,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
                 (group, stall_name),
                 (group, latency_name),
                 (group, memory_name),
+                (group, first_name),
             )
         ]
     out = []
@@ -418,10 +422,15 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             anchor = f"idle {fmt_bytes(idle)}, state {fmt_bytes(state)}: idle + {(value - idle) / state:.2f} x"
             return at_most(value, idle + MEMORY_FACTOR * state, fmt_bytes, anchor)
 
+        def first(c: dict[str, Any] = c) -> tuple[float, float, bool, str]:
+            value, later = float(at(c, "remote", "first_save_seconds")), median(c, "remote", "save_latency")
+            return at_most(value, FIRST_SAVE_FACTOR * later, fmt_time, f"a later save {fmt_time(later)}")
+
         out += [
             judge(slowed_name, name, slowed, TRAINING_SPEED),
             judge(stall_name, name, stall, group),
             judge(latency_name, name, latency, group),
             judge(memory_name, name, peak, group),
+            judge(first_name, name, first, group),
         ]
     return out

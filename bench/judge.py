@@ -23,6 +23,7 @@ MEMORY = "memory"
 TRAINING_STATE = "training state"
 OBJECT_STORE = "object store"
 INCREMENTAL = "incremental"  # bench/incremental.py
+SAME_HOST = "same host"
 
 GROUPS = {
     CROSS_HOST: "cross-host path: a save over gRPC, against the machine's limits and the in-process saver",
@@ -34,6 +35,7 @@ GROUPS = {
     TRAINING_STATE: "training state: RemoteCheckpointer against Checkpointer (section 7)",
     OBJECT_STORE: "object store: saves committed to S3 (section 8)",
     INCREMENTAL: "incremental: training checkpoints over gRPC that send only the chunks changed since the last",
+    SAME_HOST: "same host: a save through shared memory, against the same save over gRPC (sections 3, 3b)",
 }
 
 

@@ -25,6 +25,7 @@ from bench.judge import (
     FANIN,
     GROUPS,
     MEMORY,
+    SAME_HOST,
     STALL,
     TRAINING_SPEED,
     Measure,
@@ -47,6 +48,8 @@ FANIN_PROCS, FANIN_RATE, FANIN_P99 = 8, 5.0, 0.150
 MEMORY_FACTOR, MEMORY_MIN_PAYLOAD = 1.2, 10e6
 # Over gRPC the daemon writes each chunk as it lands: the memory bound for payloads >= 40 MB.
 GRPC_MEMORY_FACTOR, GRPC_MEMORY_MIN_PAYLOAD = 0.25, 40e6
+# Shared memory is the same host's shortcut: call->durable through it, against the same save over gRPC.
+SHM_VS_GRPC = 1.0
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -66,6 +69,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.extend(s3.targets(r.get("s3")))
     out.extend(_grpc_memory(r, sizes))
     out.extend(incremental.targets(r))
+    out.extend(_same_host(r, sizes))
     order = list(GROUPS)
     return sorted(out, key=lambda t: order.index(t["group"]))  # stable: each group keeps its rows' order
 
@@ -121,6 +125,19 @@ def _cross_host(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
         "section 3b",
     )
     return out
+
+
+def _same_host(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
+    def measure(s: str) -> Measure:
+        def shm() -> tuple[float, float, bool, str]:
+            value = median(r, "remote", s, "save_latency")
+            grpc = median(r, "remote_wire", s, "save_latency")
+            return at_most(value, SHM_VS_GRPC * grpc, fmt_time, f"over gRPC {fmt_time(grpc)}")
+
+        return shm
+
+    name = f"same host: call->durable through shared memory <= {SHM_VS_GRPC:g} x the same save over gRPC"
+    return _per_size(SAME_HOST, name, sizes, measure, "sections 3 and 3b")
 
 
 def _first_save(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:

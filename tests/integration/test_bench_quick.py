@@ -143,6 +143,7 @@ QUICK_TARGETS = {
     "fleet, one daemon: zero lost": (),
     "fleet, 3 daemons on one S3 prefix: zero lost": (),
     "memory: daemon peak during a save": (),
+    "same host: call->durable through shared memory": ("small",),
 }
 
 
@@ -161,13 +162,15 @@ def test_every_target_is_judged(result: dict[str, Any]) -> None:
         for t in found:
             if t["status"] != "not measured":
                 assert t["value"] is not None and t["limit"] is not None and " vs limit " in t["detail"], t
-    # Section 7's training-state targets are judged at small (call -> durable against the disk);
-    # section 8 (not run) is not measured.
+    # Section 7's training-state targets are judged at small (call -> durable against the disk,
+    # the run's 1st checkpoint against a later one); section 8 (not run) is not measured.
     training_state = [t for t in rows if t["group"] == TRAINING_STATE]
-    assert len(training_state) == 3
+    assert len(training_state) == 4
     assert all(t["size"] == "small" and t["status"] != "not measured" for t in training_state)
     durable = [t for t in training_state if "fsync'd disk bandwidth" in t["target"]]
     assert len(durable) == 1 and " vs limit " in durable[0]["detail"]
+    first = [t for t in training_state if "1st save" in t["target"]]
+    assert len(first) == 1 and "a later save" in first[0]["detail"]
     object_store = [t for t in rows if t["group"] == OBJECT_STORE]
     assert object_store and all(t["status"] == "not measured" for t in object_store)
     # The bound on memory over gRPC needs a payload of 40 MB or more: not measured here.

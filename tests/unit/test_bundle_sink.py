@@ -154,3 +154,63 @@ def test_checked_chunk_crcs_give_the_same_index_as_summing_the_bytes(tmp_path: P
     assert combined[0][0] == summed[0][0]
     whole = table.mask(crc32c.crc32c(b"\x01\x07\x09\x00" + b"\x02" * 4))
     assert b"\x35" + whole.to_bytes(4, "little") in combined[0][0]  # w's entry: the whole tensor's checksum
+
+
+def test_whole_parts_are_written_in_data_order_and_give_the_same_files(tmp_path: Path) -> None:
+    finished: list[tuple[bytes, bytes]] = []
+    order: list[int] = []
+    with _sink(tmp_path, finished) as s:
+        s.watch(lambda start, end: order.append(start))
+        order.clear()  # the graph, written at open
+        s.write_parts([memoryview(b"\x01" * 8), memoryview(b"pytho"), memoryview(b"abc"), memoryview(b"tail")])
+        s.finish()
+    ((index, tail),) = finished
+    assert tail == b"tail"
+    assert order == sorted(order)  # the data file grew from its start: b, then py, then w
+    expected = bundle.write(
+        tmp_path / "y",
+        [
+            bundle.Entry("b", "uint8", (3,), 3),
+            bundle.string_entry("py", b"pytho"),
+            bundle.Entry("w", "float32", (2,), 8),
+            bundle.string_entry("graph", b"G"),
+        ],
+        [b"abc", [b"pytho"], b"\x01" * 8, [b"G"]],
+    )
+    assert index == expected
+    assert (tmp_path / ("x" + bundle.DATA_SUFFIX)).read_bytes() == (tmp_path / ("y" + bundle.DATA_SUFFIX)).read_bytes()
+
+
+def test_whole_parts_must_be_every_part(tmp_path: Path) -> None:
+    with _sink(tmp_path, []) as s, pytest.raises(InvalidRequestError, match="3 parts given whole; the snapshot has 4"):
+        s.write_parts([memoryview(b"\x01" * 8), memoryview(b"pytho"), memoryview(b"abc")])
+
+
+def test_the_staged_save_knows_the_bundle_files_size_and_crc(tmp_path: Path) -> None:
+    big = bytes(range(256)) * (8 << 10)  # 2 MiB: two tensors are few enough to combine the data file's CRC
+    entries = [bundle.Entry("big", "uint8", (len(big),), len(big)), bundle.string_entry("graph", b"G")]
+
+    def finish(index: bytes, tail: bytes) -> Staged:
+        return Staged(path=tmp_path, bytes_written=0, versions={})
+
+    with sink.BundleSink(tmp_path / "x", entries, [0, None], [len(big), 0], finish, strings={1: b"G"}) as s:
+        s.write(0, 0, big[:1000])
+        s.write(0, 1000, big[1000:], crc32c.crc32c(big[1000:]))  # a checked chunk's CRC, combined
+        staged = s.finish()
+    assert staged.known is not None
+    for suffix in (bundle.DATA_SUFFIX, bundle.INDEX_SUFFIX):
+        content = (tmp_path / ("x" + suffix)).read_bytes()
+        assert staged.known["x" + suffix] == (len(content), crc32c.crc32c(content))
+
+
+def test_a_bundle_of_many_small_tensors_leaves_its_data_file_to_the_manifest(tmp_path: Path) -> None:
+    entries = [bundle.Entry(f"k{i:04d}", "uint8", (1,), 1) for i in range(3)]
+
+    def finish(index: bytes, tail: bytes) -> Staged:
+        return Staged(path=tmp_path, bytes_written=0, versions={}, known={"other": (1, 2)})
+
+    with sink.BundleSink(tmp_path / "x", entries, [0, 1, 2, None], [1, 1, 1, 0], finish) as s:
+        s.write_parts([memoryview(b"a"), memoryview(b"b"), memoryview(b"c"), memoryview(b"")])
+        staged = s.finish()
+    assert staged.known is not None
+    assert set(staged.known) == {"other", "x" + bundle.INDEX_SUFFIX}  # 3 tensors in 3 bytes: read back instead

@@ -235,3 +235,19 @@ def test_recover_repairs_interrupted_publications_and_nothing_else(tmp_path: Pat
 def test_recover_of_an_empty_or_absent_root_fixes_nothing(tmp_path: Path) -> None:
     assert durable.recover(tmp_path) == 0
     assert durable.recover(tmp_path / "absent") == 0
+
+
+def test_a_staged_prefix_is_renamed_with_the_files_it_knows(tmp_path: Path) -> None:
+    from checkpointd.storage import prefix
+
+    make(tmp_path, {"stem.index": "i", "stem.data-00000-of-00001": "dd"})
+    staged = Staged(
+        path=tmp_path,
+        bytes_written=3,
+        versions={},
+        known={"stem.index": (1, 7), "stem.data-00000-of-00001": (2, 9)},
+        files_prefix="stem",
+    )
+    renamed = prefix.rename_staged_save(staged, "ckpt-3")
+    assert tree(tmp_path) == {"ckpt-3.index": "i", "ckpt-3.data-00000-of-00001": "dd"}
+    assert renamed.known == {"ckpt-3.index": (1, 7), "ckpt-3.data-00000-of-00001": (2, 9)}

@@ -440,6 +440,19 @@ class WatchedSink(Protocol):
 
 
 @runtime_checkable
+class WholePartsSink(Protocol):
+    """A SaveSink that takes a snapshot's parts all at once (one in shared memory) and picks their order."""
+
+    def write_parts(self, views: Sequence[memoryview]) -> None:
+        """Takes every part whole (`views[j]` is part j's bytes), as `write(j, 0, views[j])` for each would.
+
+        Raises:
+            as `SaveSink.write`.
+        """
+        ...
+
+
+@runtime_checkable
 class StreamingStore(Protocol):
     """A Store that starts sending a save's data file while it is written (the object store's parts)."""
 

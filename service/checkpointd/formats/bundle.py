@@ -185,6 +185,7 @@ class BundleWriter:
         self.size = at  # the data file's
         self._written = [0] * len(self.entries)
         self._crcs = [0] * len(self.entries)
+        self._string_file_crcs: dict[int, int] = {}  # a string tensor's bytes in the data file, by index
         self._fd: int | None = os.open(
             self.prefix + DATA_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666
         )
@@ -272,6 +273,8 @@ class BundleWriter:
         data = head + b"".join(values)
         self._pwrite(memoryview(data), self.offsets[i])
         self._crcs[i] = crc32c.crc32c(data[len(head) :], crc)
+        # The entry's checksum folds the lengths in as integers, not as the varints written.
+        self._string_file_crcs[i] = crc32c.crc32c(data)
         self._written[i] = entry.size
 
     def _pwrite(self, view: memoryview, at: int) -> None:
@@ -279,6 +282,19 @@ class BundleWriter:
         while view.nbytes:
             n = os.pwrite(fd, view, at)
             view, at = view[n:], at + n
+
+    def data_crc(self) -> int:
+        """The CRC32C of the whole data file, combined from its tensors' (each is what it wrote).
+
+        Raises:
+            ValueError: a tensor is not complete.
+        """
+        running = 0
+        for i, e in enumerate(self.entries):
+            if not self.complete(i):
+                raise ValueError(f"bundle key {e.key!r}: {self._written[i]} of its {e.size} bytes were written")
+            running = crc_math.combine(running, self._string_file_crcs.get(i, self._crcs[i]), e.size)
+        return running
 
     def complete(self, i: int) -> bool:
         """Whether every byte of tensor #`i` has been written."""

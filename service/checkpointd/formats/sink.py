@@ -16,7 +16,12 @@ bytes) goes one of three ways:
   callback, which writes it as a bundle of its own.
 
 Strings known at open (the object graph) are written at once. Large data
-files are handed to the disk while they grow (`durable.writeback.writing`).
+files are handed to the disk while they grow (`durable.writeback.writing`);
+a snapshot in shared memory comes whole (`write_parts`) and is written in
+the data file's order, so the file grows from its start and the writeback
+sees each page as it is written. The staged save carries both files' size
+and CRC32C (`Staged.known`, combined from the tensors' as they were
+written), so the store's manifest does not read them back.
 
 Every fixed-size tensor's chunk digests are logged on the way
 (`checkpointd.formats.chunks`): from the CRC32C a caller checked, when its
@@ -36,6 +41,7 @@ it fail, so no write ever lands on a reused descriptor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,9 +53,12 @@ import crc32c
 from checkpointd.core.ports import Staged
 from checkpointd.durable import copies, writeback
 from checkpointd.formats import chunks
-from checkpointd.formats.bundle import DATA_SUFFIX, BundleWriter, Entry
+from checkpointd.formats.bundle import DATA_SUFFIX, INDEX_SUFFIX, BundleWriter, Entry
 from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
 from checkpointd.protocol.tensors import STRING
+
+# The data file's CRC32C is combined from its tensors' for up to one tensor per 2**this bytes.
+_COMBINE_SHIFT = 20
 
 # finish's callback: (the index's bytes, the tail's bytes) -> the staged save.
 Finisher = Callable[[bytes, bytes], Staged]
@@ -231,6 +240,28 @@ class BundleSink:
                 )
         return out
 
+    def write_parts(self, views: Sequence[memoryview]) -> None:
+        """Takes every part whole (a snapshot in shared memory), written in the data file's order.
+
+        The file then grows from its start, as SaveV2's does, so the writeback
+        that hands a growing file's new pages to the disk sees every page as it
+        is written, not one jump to the end (the wire's order is not the data's).
+
+        Raises:
+            as `write`.
+        """
+        if len(views) != len(self._parts):
+            raise InvalidRequestError(f"Save: {len(views)} parts given whole; the snapshot has {len(self._parts)}")
+        last = self._writer.size  # the tail (not in the data file) after the tensors
+
+        def at(j: int) -> int:
+            route = self._routes[j]
+            return last if route is None else self._writer.offsets[route]
+
+        for j in sorted(range(len(views)), key=at):
+            if views[j].nbytes:
+                self.write(j, 0, views[j])
+
     def watch(self, on_range: Callable[[int, int], None]) -> tuple[Path, int]:
         """Calls `on_range(start, end)` once each byte range of the data file is written; returns its path and size.
 
@@ -276,10 +307,27 @@ class BundleSink:
             index = self._writer.finish()
             tail = b"".join(bytes(b) for j, b in self._kept.items() if self._routes[j] is None)
             try:
-                return self._finisher(index, tail)
+                return self._known(self._finisher(index, tail), index)
             finally:
                 self._closed = True
                 self._stack.close()
+
+    def _known(self, staged: Staged, index: bytes) -> Staged:
+        """`staged` with the bundle's files in its `known` (size, CRC32C): the manifest need not read them back.
+
+        The data file's CRC32C is combined from its tensors' where that is
+        cheaper than reading it (about a tensor per MiB or fewer: each
+        combine is pure Python).
+        """
+        try:
+            rel = Path(self._writer.prefix).relative_to(staged.path).as_posix()
+        except ValueError:
+            return staged  # staged elsewhere: the store reads the files back
+        known = dict(staged.known or {})
+        known[rel + INDEX_SUFFIX] = (len(index), crc32c.crc32c(index))
+        if len(self._writer.entries) <= max(self._writer.size >> _COMBINE_SHIFT, 1):
+            known[rel + DATA_SUFFIX] = (self._writer.size, self._writer.data_crc())
+        return dataclasses.replace(staged, known=known)
 
     def close(self) -> None:
         """Closes the files (after a write or copy in progress); the caller discards the staging dir."""

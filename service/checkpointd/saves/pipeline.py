@@ -56,6 +56,7 @@ from checkpointd.core.ports import (
     Staged,
     Store,
     StreamingStore,
+    WholePartsSink,
 )
 from checkpointd.protocol.errors import (
     InvalidRequestError,
@@ -465,10 +466,22 @@ class _AtWriterPriority:
         self._lowered: set[int] = set()
 
     def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
+        self._lower()
+        self._sink.write(part, offset, data, crc)
+
+    def write_parts(self, views: Sequence[memoryview]) -> None:
+        self._lower()
+        if isinstance(self._sink, WholePartsSink):
+            self._sink.write_parts(views)
+            return
+        for part, view in enumerate(views):
+            if view.nbytes:
+                self._sink.write(part, 0, view)
+
+    def _lower(self) -> None:
         if threading.get_ident() not in self._lowered:
             self._pool.initializer()
             self._lowered.add(threading.get_ident())
-        self._sink.write(part, offset, data, crc)
 
     def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
         self._sink.copy(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]

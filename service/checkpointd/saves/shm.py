@@ -4,8 +4,8 @@ A trainer on the daemon's host need not stream its snapshot through gRPC:
 on an accept, the daemon offers the run's segment, a file on a tmpfs
 (`/dev/shm` by default) that both processes map. The trainer copies the
 variables straight into it (the copy it makes anyway for a point-in-time
-snapshot) and says so; the daemon hands views of the segment to SaveV2
-without another copy. No chunking, CRC or socket is involved, which is
+snapshot) and says so; the daemon writes the bundle from views of the
+segment, in the data file's order, without another copy. No chunking, CRC or socket is involved, which is
 what made the wire path slow for large policies.
 
 Safety:
@@ -65,8 +65,11 @@ from checkpointd.protocol.busy_lock import BusyLock
 from checkpointd.protocol.wire import aligned_offsets
 
 _LOGGER = logging.getLogger(__name__)
-# MAP_POPULATE (Linux) maps every page at once instead of faulting one by one.
-_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+# Not MAP_POPULATE: the daemon only reads a segment, once the trainer has
+# written it, and read faults map a tmpfs file's pages many at a time
+# (fault-around), which costs less than populating every page one by one at
+# creation, on the first save's path. The pages stay mapped for later saves.
+_FLAGS = mmap.MAP_SHARED
 
 _FOLDER = re.compile(r"checkpointd-(\d+)-[0-9a-f]{16}")
 
@@ -298,7 +301,7 @@ def _make(path: Path, sizes: tuple[int, ...], offsets: tuple[int, ...], size: in
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
-        mapped = mmap.mmap(fd, size, flags=_FLAGS)  # faulted in once, here
+        mapped = mmap.mmap(fd, size, flags=_FLAGS)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)

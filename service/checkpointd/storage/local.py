@@ -123,7 +123,7 @@ class LocalStore:
         target = Path(target)
         writeback.unmark_fsynced(staged.path)
         if staged.files_prefix is not None:  # named as they will be, so the manifest lists them so
-            prefix.rename_staged(staged.path, staged.files_prefix, target.name)
+            staged = prefix.rename_staged_save(staged, target.name)
         # The disk flushes the files and the dirs below the save's own (all
         # complete) while the manifest's CRCs read the files back from the
         # page cache (both release the GIL); the manifest is fsynced as it is

@@ -21,10 +21,12 @@ files it lists. Stdlib only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
 
+from checkpointd.core.ports import Staged
 from checkpointd.storage import save_manifest
 
 _LOGGER = logging.getLogger(__name__)
@@ -49,6 +51,22 @@ def rename_staged(staging: Path, staged_stem: str, name: str) -> None:
         if not entry.startswith(staged_stem):
             raise OSError(f"staged file {entry!r} is not named {staged_stem!r}+suffix")
         os.rename(staging / entry, staging / (name + entry[len(staged_stem) :]))
+
+
+def rename_staged_save(staged: Staged, name: str) -> Staged:
+    """`rename_staged` of a staged prefix save; returns it with the files it `known`s renamed alike.
+
+    Raises:
+        OSError: see `rename_staged`.
+    """
+    stem = staged.files_prefix
+    if stem is None:
+        raise ValueError("not a staged prefix save")
+    rename_staged(staged.path, stem, name)
+    if not staged.known:
+        return staged
+    known = {name + rel[len(stem) :] if rel.startswith(stem) else rel: v for rel, v in staged.known.items()}
+    return dataclasses.replace(staged, known=known)
 
 
 def publish(staging: Path, target: Path, *, fsync: bool = True) -> None:

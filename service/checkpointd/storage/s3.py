@@ -242,7 +242,7 @@ class S3Store:
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         target = PurePosixPath(target)
         if staged.files_prefix is not None:
-            prefix.rename_staged(staged.path, staged.files_prefix, target.name)
+            staged = prefix.rename_staged_save(staged, target.name)
         place = s3_keys.keys_of(target, prefix=staged.files_prefix is not None)
         files_base, manifest_key = place.files_base, place.manifest
         self._fence(meta.run)  # a daemon without the run's lease touches nothing of it
