@@ -208,3 +208,37 @@ def test_a_small_save_replacing_one_parks_the_old_tree_until_the_rename_is_durab
         assert os.listdir(target.parent) == ["save"]  # deleted once the renames were durable
     finally:
         store.close()
+
+
+def test_a_save_on_another_filesystem_than_the_root_keeps_its_own_fsyncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = CountingSync([], tmp_path / "none")
+    monkeypatch.setattr(group_commit, "syncfs_of", lambda directory: recorder)
+    store = LocalStore(tmp_path / "root", group_commit=True)
+    try:
+        target = store.target("run", "save")
+        staging = store.stage(target)
+        real_stat = os.stat
+        root = os.fspath(tmp_path / "root")
+
+        class _OtherDevice:
+            def __init__(self, st: os.stat_result) -> None:
+                self.st_dev = st.st_dev + 1
+
+        # The run's folder as if it were a mount (or a symlink to one) below the root.
+        monkeypatch.setattr(
+            os,
+            "stat",
+            lambda p, *a, **k: _OtherDevice(real_stat(p))
+            if os.fspath(p) == os.fspath(staging)
+            else real_stat(p, *a, **k),
+        )
+        store.commit(
+            Staged(path=staging, bytes_written=1, versions={}), target, SaveMeta("run", SaveKind.CHECKPOINT, 1, "save")
+        )
+        assert recorder.states == []  # not the group's: syncfs of the root would not cover it
+        assert save_manifest.read_manifest(target)["step"] == 1
+        assert root in os.fspath(target)
+    finally:
+        store.close()

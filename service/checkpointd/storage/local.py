@@ -152,7 +152,12 @@ class LocalStore:
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         target = Path(target)
         writeback.unmark_fsynced(staged.path)
-        if self._group is not None and staged.files_prefix is None and staged.bytes_written < GROUP_COMMIT_BYTES:
+        if (
+            self._group is not None
+            and staged.files_prefix is None
+            and staged.bytes_written < GROUP_COMMIT_BYTES
+            and self._on_root_filesystem(staged.path)
+        ):
             return self._commit_in_group(staged, target, meta, self._group)
         if staged.files_prefix is not None:  # named as they will be, so the manifest lists them so
             prefix.rename_staged(staged.path, staged.files_prefix, target.name)
@@ -176,6 +181,17 @@ class LocalStore:
         else:
             files.publish_dir(staged.path, target, fsync=self._fsync, synced=True)
         return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
+
+    def _on_root_filesystem(self, path: Path) -> bool:
+        """Whether `path` is on the root's filesystem, the one the group's syncfs flushes.
+
+        A run's folder may be a symlink to another filesystem; its saves then
+        keep their own fsyncs.
+        """
+        try:
+            return os.stat(path).st_dev == os.stat(self.root).st_dev
+        except OSError:
+            return False
 
     def _commit_in_group(self, staged: Staged, target: Path, meta: SaveMeta, group: group_commit_.GroupSync) -> int:
         """A small save's commit sharing its syncs with the saves committed beside it.
