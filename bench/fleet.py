@@ -36,6 +36,13 @@ in the bucket), the daemons' CPU seconds per save (utime + stime from
 /proc/<pid>/stat, from the start time to the last flush) and their peak RSS
 (VmHWM). Targets: zero lost (accepted = committed = manifests), and p99 <=
 250 ms on one daemon.
+
+Diagnostics (environment, so a bench run's flags stay the same):
+CHECKPOINTD_BENCH_PROFILE=DIR runs each daemon under `bench.sampler` and
+leaves its profile in DIR (local.txt, s3-0.txt, ...; the sampler's own CPU
+counts in CPU/save then; CHECKPOINTD_BENCH_PROFILE_MODE=cprofile: cProfile
+on every thread, by thread CPU time, instead of sampling);
+CHECKPOINTD_BENCH_FLEET_S3=0 skips the S3 phase.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -103,13 +111,16 @@ def run_section(config: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     from tests.integration.daemon import start_daemon
 
     progress(f"9. fleet, one daemon on a local root: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s")
-    local = start_daemon(work / "local-root", work / "local-daemon")
+    local = start_daemon(work / "local-root", work / "local-daemon", wrap=_profiled("local"))
     try:
         result["local"] = _phase([local], spec, trainers, seconds, work / "local", progress)
         result["local"]["manifests"] = sum(1 for _ in (work / "local-root").glob(f"fleet-*/*/{MANIFEST}"))
     finally:
         result["local"] = result.get("local", {}) | {"daemon_exit_codes": [local.terminate()]}
-    result["s3"] = _s3_phase(config, spec, trainers, seconds, work, progress)
+    if os.environ.get("CHECKPOINTD_BENCH_FLEET_S3", "1") == "0":
+        result["s3"] = {"skipped": "CHECKPOINTD_BENCH_FLEET_S3=0"}
+    else:
+        result["s3"] = _s3_phase(config, spec, trainers, seconds, work, progress)
     result["targets"] = targets(result)
     return result
 
@@ -152,6 +163,7 @@ def _s3_phase(
                         "--s3-region",
                         REGION,
                         env=aws,
+                        wrap=_profiled(f"s3-{i}"),
                     )  # fmt: skip
                 )
             progress(
@@ -165,6 +177,16 @@ def _s3_phase(
     finally:
         subprocess.run([str(RGW_SCRIPT), "stop", str(rgw_dir)], timeout=120, check=False)
         shutil.rmtree(rgw_dir, ignore_errors=True)
+
+
+def _profiled(name: str) -> list[str]:
+    """The command a daemon runs under: bench.sampler into $CHECKPOINTD_BENCH_PROFILE/<name>.txt, or nothing."""
+    folder = os.environ.get("CHECKPOINTD_BENCH_PROFILE")
+    if not folder:
+        return []
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    mode = ["--cprofile"] if os.environ.get("CHECKPOINTD_BENCH_PROFILE_MODE") == "cprofile" else []
+    return [sys.executable, "-m", "bench.sampler", *mode, str(Path(folder) / f"{name}.txt"), "--"]
 
 
 def _bucket_manifests(endpoint: str, bucket: str, prefix: str, aws: dict[str, str]) -> int:
@@ -231,6 +253,9 @@ def _phase(
                 raise RuntimeError(f"a client process did not register its runs: {line!r}")
         start = time.time() + 1.0
         cpu0 = {d.proc.pid: _cpu_seconds(d.proc.pid) for d in daemons}
+        if os.environ.get("CHECKPOINTD_BENCH_PROFILE"):
+            for d in daemons:
+                os.kill(d.proc.pid, signal.SIGUSR1)  # bench.sampler: the samples start here
         for p, _ in procs:
             assert p.stdin is not None
             p.stdin.write(f"{start}\n")

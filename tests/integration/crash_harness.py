@@ -24,9 +24,16 @@ written as the chunks arrive, and no index yet), `write` (the save's temp dir
 exists otherwise: opening, finishing, committing), `replace` (the replaced tree is
 parked), `published` (the new tree is in place, its reply not yet received),
 `upload` (a save was asked or accepted and nothing of it is on disk yet),
-`idle` (between two saves). Half the trials kill at a point inside the
-streamed write rather than at a random moment: as soon as a save's data file
-is being written and its index is not.
+`idle` (between two saves), and `batched` (a small save's files and manifest
+are written in its temp dir and the group commit's shared sync, which makes
+them durable before the rename, has not returned). The daemon runs under
+`tests.integration.slow_sync`, which widens each shared sync by SYNC_DELAY,
+so a kill can land between the batched writes and the sync, and between the
+rename and the second sync (`published`). Of the trials, a third kill at a
+point inside the streamed write (as soon as a save's data file is being
+written and its index is not), a third inside the group commit (as soon as
+a temp dir holds its manifest, or, in half of those, as soon as the new tree
+is in place before its reply), the rest at a random moment.
 
 Long mode (the pytest test runs a short subset; CHECKPOINTD_CRASH_TRIALS
 changes its count):
@@ -78,9 +85,11 @@ POOL = (
     ("ck-a", "checkpoint"),
     ("ck-b", "checkpoint"),
 )
-PHASES = ("upload", "stream", "write", "replace", "published", "idle")
+PHASES = ("upload", "stream", "write", "batched", "replace", "published", "idle")
 _TRAIN_STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"
 _DEADLINE = 120.0  # for any one wait in a trial: a registration, a save, a join
+SYNC_DELAY = 0.05  # seconds each group commit's shared sync waits first (tests.integration.slow_sync)
+SLOW_SYNC = (sys.executable, "-m", "tests.integration.slow_sync", str(SYNC_DELAY), "--")
 
 
 @dataclass
@@ -288,6 +297,26 @@ def _streaming(run_dir: Path) -> bool:
     return False
 
 
+def _batched(run_dir: Path) -> bool:
+    """Whether a save of the run is in its group commit before the rename: a temp dir holding its manifest."""
+    return any(
+        tmp.name.startswith(local.TMP_PREFIX) and (tmp / save_manifest.MANIFEST_NAME).exists()
+        for tmp in _leftovers(run_dir)
+    )
+
+
+def _published(root: Path, run: _Run, driver: _Driver) -> bool:
+    """Whether the save in flight is in place (its manifest at the export dir) before its reply reached the trainer."""
+    with driver.lock:
+        pending = driver.pending
+    if pending is None:
+        return False
+    try:
+        return save_manifest.read_manifest(root / run.name / pending[0])["step"] == pending[1]
+    except save_manifest.ManifestError:
+        return False
+
+
 def _until(condition: Callable[[], bool], timeout: float) -> bool:
     """Polls `condition` (a kill point's trigger, so as often as the disk allows) until true or `timeout`."""
     end = time.monotonic() + timeout
@@ -301,7 +330,9 @@ def _classify(root: Path, run: _Run, pending: tuple[str, int] | None) -> str:
     """Which moment of a save the kill hit, from the frozen disk state."""
     parked = _leftovers(root / run.name)
     if any(p.name.startswith(local.TMP_PREFIX) for p in parked):
-        return "stream" if _streaming(root / run.name) else "write"
+        if _streaming(root / run.name):
+            return "stream"
+        return "batched" if _batched(root / run.name) else "write"
     if parked:
         return "replace"
     if pending is None:
@@ -339,7 +370,7 @@ def run_trials(
     cycle = {size: 0.2 for size in sizes}  # seconds per save, measured as trials go
 
     for trial in range(trials + 1):
-        daemon = start_daemon(root, workdir)
+        daemon = start_daemon(root, workdir, wrap=SLOW_SYNC)
         try:
             # The restart has run recover(); nothing else has touched the root yet.
             problems = [f"left after restart: {p}" for p in _leftovers(root)]
@@ -415,11 +446,16 @@ def _trial(
         if not driver.started.wait(_DEADLINE):
             raise RuntimeError("the driver never started a save")
         # The kill's moment: after 0, 1 or 2 durable saves (so there are dirs
-        # to replace), then inside a streamed write (the kill point) or
-        # uniform over about one and a half saves.
+        # to replace), then inside a streamed write or a group commit (the
+        # kill points) or uniform over about one and a half saves.
         driver.wait_saves(rng.choice((0, 1, 2)), _DEADLINE)
-        if rng.random() < 0.5:
+        aim = rng.random()
+        if aim < 1 / 3:
             _until(lambda: _streaming(daemon.root / run.name), 3.0 * cycle[run.size] + 1.0)
+        elif aim < 1 / 2:
+            _until(lambda: _batched(daemon.root / run.name), 3.0 * cycle[run.size] + 1.0)
+        elif aim < 2 / 3:
+            _until(lambda: _published(daemon.root, run, driver), 3.0 * cycle[run.size] + 1.0)
         else:
             threading.Event().wait(rng.uniform(0.0, 1.5 * cycle[run.size]))
         driver.killed.set()

@@ -216,6 +216,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     serve.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing (throwaway runs only)")
     serve.add_argument(
+        "--no-group-commit",
+        action="store_true",
+        help="fsync each small save's files and dirs on its own, instead of one shared syncfs of the root's "
+        "filesystem for the saves that commit together (for a root on a filesystem busy with other writers)",
+    )
+    serve.add_argument(
         "--max-concurrent-uploads",
         type=int,
         default=_D.max_concurrent_uploads,
@@ -422,6 +428,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 max_template_bytes=args.max_template_bytes,
                 max_workers=args.max_workers,
                 fsync=not args.no_fsync,
+                group_commit=not args.no_group_commit,
                 upload_timeout_seconds=args.upload_timeout,
                 max_concurrent_uploads=args.max_concurrent_uploads,
                 keep_last=args.keep_last,

@@ -57,6 +57,10 @@ class ServeConfig:
             and frees its run's lane, so a stalled trainer cannot hold it.
         fsync: fsync files and directories before publishing (turn off only
             for throwaway tests).
+        group_commit: small saves on a local root that finish close together
+            share one sync of the root's filesystem (syncfs) instead of
+            fsyncing each file and dir; each is still reported only once
+            its own files and rename are durable.
         tls_cert, tls_key: PEM certificate (chain) and key; with both, the
             gRPC port speaks TLS only.
         tls_client_ca: PEM CA bundle; with it, clients must present a
@@ -89,6 +93,7 @@ class ServeConfig:
     max_concurrent_uploads: int = 32
     max_staging_bytes: int | None = None
     fsync: bool = True
+    group_commit: bool = True
     upload_timeout_seconds: float = 300.0
     tls_cert: Path | None = None
     tls_key: Path | None = None

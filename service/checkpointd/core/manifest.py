@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ class VariableSpec:
         if any(d < 0 for d in self.shape):
             raise InvalidRequestError(f"variable {self.key!r} has a negative dimension {self.shape}")
 
-    @property
+    @functools.cached_property  # a frozen value, read several times per save
     def nbytes(self) -> int:
         return tensors.nbytes(self.dtype, self.shape)
 
@@ -48,7 +49,7 @@ class Manifest:
                     raise InvalidRequestError(f"variable {attr} {name!r} appears twice")
                 seen.add(name)
 
-    @property
+    @functools.cached_property  # a frozen value, read several times per save
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self.variables)
 

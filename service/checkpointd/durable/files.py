@@ -124,15 +124,25 @@ def remove_quietly(path: Path) -> None:
         _LOGGER.warning("could not remove %s: %s", path, e)
 
 
-def publish_dir(tmp: Path, target: Path, *, fsync: bool = True, synced: bool = False) -> None:
+def publish_dir(
+    tmp: Path, target: Path, *, fsync: bool = True, synced: bool = False, keep_old: bool = False
+) -> Path | None:
     """Renames the finished tree `tmp` to `target`, replacing an old tree.
 
     Args:
         tmp: A complete tree, usually from `make_temp_sibling(target)`.
         target: The published path; an existing directory there is replaced.
-        fsync: Whether to fsync the tree and the parent (off only in tests).
+        fsync: Whether to fsync the tree and the parent (off only in tests,
+            and in a group commit, whose shared syncs cover both).
         synced: The caller has fsynced every file and dir of `tmp` already
             (a store's commit); only the parent is fsynced here.
+        keep_old: leave the replaced tree parked (`.checkpointd-old-*`) and
+            return it, for the caller to delete once the rename is durable
+            (a group commit, after its shared sync); `recover` deletes it
+            after a crash.
+
+    Returns:
+        The parked old tree if `keep_old` and there was one; else None.
 
     Raises:
         SaveFailedError: if `target` exists and is not a directory.
@@ -153,7 +163,7 @@ def publish_dir(tmp: Path, target: Path, *, fsync: bool = True, synced: bool = F
         os.rename(tmp, target)
         if fsync:
             fsync_dir(parent)
-        return
+        return None
     old = parent / f"{OLD_PREFIX}{target.name}-{new_suffix()}"
     os.rename(target, old)
     try:
@@ -164,7 +174,10 @@ def publish_dir(tmp: Path, target: Path, *, fsync: bool = True, synced: bool = F
         raise
     if fsync:
         fsync_dir(parent)
+    if keep_old:
+        return old
     remove_quietly(old)
+    return None
 
 
 def _split_old(name: str) -> str | None:

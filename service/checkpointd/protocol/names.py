@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from pathlib import PurePosixPath
@@ -66,6 +67,9 @@ def is_run_name(name: str) -> bool:
     return _RUN_NAME.match(name) is not None
 
 
+# A save's export dir is checked at its accept and again at its commit; the
+# check is pure text work (a Unicode category per character): done once per name.
+@functools.lru_cache(maxsize=4096)
 def check_export_dir(export_dir: str) -> PurePosixPath:
     """Checks a client's export dir as text; returns it normalized.
 

@@ -12,6 +12,7 @@ by `checkpointd.storage.prefix` instead of the dir rename. Stdlib only
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import stat
@@ -20,6 +21,7 @@ from pathlib import Path, PurePath
 
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged
 from checkpointd.durable import files, writeback
+from checkpointd.durable import group_commit as group_commit_
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
 from checkpointd.protocol.names import (
     RESERVED_PREFIX,
@@ -33,6 +35,11 @@ from checkpointd.storage import local_files, prefix, save_manifest
 
 _LOGGER = logging.getLogger(__name__)
 
+# Saves below this size are committed in a group (with `group_commit`): their
+# syncs are latency, shared well; a larger save's fsyncs are bandwidth, run
+# in parallel with its manifest's CRCs, and flush only its own files.
+GROUP_COMMIT_BYTES = writeback.WRITEBACK_BYTES
+
 
 def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
     """Returns the absolute target of a save: `<root>/<run>/<export_dir>`.
@@ -45,7 +52,7 @@ def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
     """
     check_run_name(run)
     relative = check_export_dir(export_dir)
-    run_dir = Path(os.path.realpath(root / run))
+    run_dir = Path(_real_run_dir(os.fspath(root), run))
     target = run_dir / relative
     # `run_dir` is real and `relative` has no '.' or '..': without a symlink
     # below `run_dir`, `target` is its own realpath. Looking for one costs an
@@ -58,6 +65,23 @@ def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
                 f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)"
             )
     return target
+
+
+def _real_run_dir(root: str, run: str) -> str:
+    """`realpath(root/run)`, with the root's own realpath (an lstat per part of it) looked up once.
+
+    The root is the daemon's to own; the run's dir below it is checked at
+    every call: a symlink there is followed (realpath), as before.
+    """
+    candidate = os.path.join(_real_root(root), run)
+    if os.path.islink(candidate):
+        return os.path.realpath(candidate)
+    return candidate
+
+
+@functools.lru_cache(maxsize=64)
+def _real_root(root: str) -> str:
+    return os.path.realpath(root)
 
 
 def _has_symlink(base: Path, parts: tuple[str, ...]) -> bool:
@@ -86,6 +110,7 @@ class LocalStore:
         *,
         fsync: bool = True,
         thread_initializer: Callable[[], None] | None = None,
+        group_commit: bool = False,
     ) -> None:
         """Creates the store; the root is made if missing.
 
@@ -94,9 +119,15 @@ class LocalStore:
             fsync: whether to fsync saves before publishing them (off only in tests).
             thread_initializer: run in the threads that fsync (e.g. to lower
                 their priority as the writer threads' is).
+            group_commit: small saves committed close together share their
+                syncs (`checkpointd.durable.group_commit`: syncfs of the
+                root's filesystem) instead of fsyncing each file and dir;
+                only with `fsync`, and where libc has syncfs.
         """
         self.root = Path(root)
         self._fsync = fsync
+        sync = group_commit_.syncfs_of(self.root) if fsync and group_commit else None
+        self._group = group_commit_.GroupSync(sync, name="group-sync") if sync is not None else None
         # fsyncs a save's files while its manifest's CRCs read them back.
         self._syncer = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="fsync", initializer=thread_initializer)
         self._verified = local_files.Verified()  # committed files checked for RestoreFiles' same-host readers
@@ -122,6 +153,13 @@ class LocalStore:
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         target = Path(target)
         writeback.unmark_fsynced(staged.path)
+        if (
+            self._group is not None
+            and staged.files_prefix is None
+            and staged.bytes_written < GROUP_COMMIT_BYTES
+            and self._on_root_filesystem(staged.path)
+        ):
+            return self._commit_in_group(staged, target, meta, self._group)
         if staged.files_prefix is not None:  # named as they will be, so the manifest lists them so
             staged = prefix.rename_staged_save(staged, target.name)
         # The disk flushes the files and the dirs below the save's own (all
@@ -144,6 +182,36 @@ class LocalStore:
         else:
             files.publish_dir(staged.path, target, fsync=self._fsync, synced=True)
         return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
+
+    def _on_root_filesystem(self, path: Path) -> bool:
+        """Whether `path` is on the root's filesystem, the one the group's syncfs flushes.
+
+        A run's folder may be a symlink to another filesystem; its saves then
+        keep their own fsyncs.
+        """
+        try:
+            return os.stat(path).st_dev == os.stat(self.root).st_dev
+        except OSError:
+            return False
+
+    def _commit_in_group(self, staged: Staged, target: Path, meta: SaveMeta, group: group_commit_.GroupSync) -> int:
+        """A small save's commit sharing its syncs with the saves committed beside it.
+
+        The files and the manifest are written without a sync; the first
+        barrier makes them (and the staging dir's entries) durable, the
+        rename publishes the complete tree (parking a replaced one), and the
+        second barrier makes the renames durable before the save is reported
+        and the replaced tree deleted. A crash before the rename leaves the
+        staging dir, which `recover` deletes; one between the renames, the
+        parked tree, which it puts back.
+        """
+        save_manifest.write_staged_manifest(staged, meta, fsync=False)
+        group.barrier()
+        old = files.publish_dir(staged.path, target, fsync=False, keep_old=True)
+        group.barrier()
+        if old is not None:
+            files.remove_quietly(old)
+        return staged.bytes_written
 
     def discard(self, staged: Path) -> None:
         writeback.unmark_fsynced(staged)
@@ -233,6 +301,8 @@ class LocalStore:
 
     def close(self) -> None:
         self._syncer.shutdown(wait=True)
+        if self._group is not None:
+            self._group.close()
 
     def _folder_dir(self, folder: str) -> Path:
         # Absolute and real, as resolve_export_dir makes save paths.
