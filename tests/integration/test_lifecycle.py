@@ -175,6 +175,7 @@ def test_reflection_lists_and_describes_the_service(daemon: Daemon) -> None:
         "GetStatus",
         "GetLatest",
         "Restore",
+        "RestoreFiles",
     }
 
 
