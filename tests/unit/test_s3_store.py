@@ -174,12 +174,12 @@ def test_the_etag_log_keeps_the_answered_etag_of_awaited_keys_only(monkeypatch: 
 
 
 def test_the_staged_files_are_the_manifests_list(tmp_path: Path) -> None:
-    from checkpointd.storage.s3 import MANIFEST, _staged_files
+    from checkpointd.storage.s3_commit import MANIFEST, staged_files
 
     for rel in ("saved_model.pb", "variables/variables.index", "assets/a/b.txt", MANIFEST):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"x")
-    assert _staged_files(tmp_path) == ["assets/a/b.txt", "saved_model.pb", "variables/variables.index"]
+    assert staged_files(tmp_path) == ["assets/a/b.txt", "saved_model.pb", "variables/variables.index"]
     (tmp_path / "variables" / "link").symlink_to(tmp_path / "saved_model.pb")
     with pytest.raises(OSError, match="not a regular file"):
-        _staged_files(tmp_path)
+        staged_files(tmp_path)

@@ -15,7 +15,7 @@ Rename is not atomic in an object store, so a save is committed thus:
 3. Every file goes up under its final key through s3transfer (multipart
    above `part_bytes`, in parallel), each body checked by the server
    (`checkpointd.storage.s3_client.make_client`); each object's ETag is the
-   one the server answered its upload with (`_upload`). A streamed save's
+   one the server answered its upload with (`s3_commit.upload`). A streamed save's
    data file of at least one part has been going up since the accept, part
    by part as it filled (`stream`, `s3_parts`): its multipart upload is
    completed here, so its object too appears only after step 2. A file the
@@ -50,9 +50,7 @@ manifest first, then the objects it lists. Start-up tidying is in
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import secrets
 import shutil
 import threading
@@ -63,9 +61,9 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged, WatchedSink
-from checkpointd.protocol.errors import ChecksumError, RunHeldError, RunNotFoundError
+from checkpointd.protocol.errors import RunHeldError, RunNotFoundError
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
-from checkpointd.storage import prefix, s3_copies, s3_keys, s3_parts, s3_recovery, s3_restore, save_manifest
+from checkpointd.storage import prefix, s3_commit, s3_copies, s3_keys, s3_parts, s3_recovery, s3_restore, save_manifest
 from checkpointd.storage.s3_client import (
     ETagLog,
     S3Url,
@@ -76,7 +74,7 @@ from checkpointd.storage.s3_client import (
     make_client,
     unavailable_on_error,
 )
-from checkpointd.storage.s3_keys import ETAGS, MANIFEST, PREFIX_MANIFEST, STORE_FIELDS, WRITER
+from checkpointd.storage.s3_keys import MANIFEST, PREFIX_MANIFEST, STORE_FIELDS
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -251,7 +249,7 @@ class S3Store:
         uploading, uploaded, replacing = time.monotonic(), 0, False
         try:
             replacing = self._unpublish(manifest_key)  # an old save here stops counting first
-            uploaded, listed, _ = self._upload(staged, files_base, manifest_key, meta)
+            uploaded, listed, _ = s3_commit.upload(self, staged, files_base, manifest_key, meta)
         finally:
             self._on_upload(meta.kind.value, time.monotonic() - uploading, uploaded)
             # The bucket has the save (or it failed): its local copy goes either way,
@@ -271,106 +269,6 @@ class S3Store:
             raise
         self.delete_keys([manifest_key])
         return True
-
-    def _upload(self, staged: Staged, files_base: str, manifest_key: str, meta: SaveMeta) -> tuple[int, set[str], int]:
-        """Uploads a save's files, then its manifest (fenced); returns (bytes sent, files listed, manifest bytes).
-
-        Every file goes up at once. Each object's ETag is the one its PutObject or
-        CompleteMultipartUpload answered (`_ETagLog`): the server took the
-        whole body, checked against its signed SHA-256 or Content-MD5, so no
-        HEAD per object is needed to learn it. Only an object whose answer
-        had no ETag (radosgw's CompleteMultipartUpload) is read back with a
-        HEAD, its size checked too.
-        """
-        files = _staged_files(staged.path)
-        keys = {files_base + rel: rel for rel in files}
-        futures: list[Any] = []
-        copies: dict[str, Any] = {}
-        manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
-        with self._lock:
-            part = self._streams.get(str(staged.path))
-        if part is not None and part.key not in keys:  # not where the format put it: send it whole
-            self.discard_stream(staged.path)
-            part = None
-        document = json.loads((staged.path / MANIFEST).read_bytes())
-        entries = {str(e["path"]): (int(e["size"]), str(e["crc32c"])) for e in document["files"]}
-        sources = {
-            key: found
-            for key, rel in keys.items()
-            if rel in entries
-            and (part is None or key != part.key)  # streamed already
-            and (found := self._sources.matching(meta.run, rel, key, *entries[rel]))
-        }
-        sent = sum(entries.get(rel, (0, ""))[0] for key, rel in keys.items() if key not in sources)
-        with self._etag_log.awaiting(self.bucket, keys) as etags:
-            try:
-                copies = {
-                    key: self._parts_pool.submit(
-                        s3_copies.copy_first, self.client, self.bucket, self._sources, meta.run, keys[key], src, key
-                    )
-                    for key, src in sources.items()
-                }
-                futures = [
-                    self.transfer.upload(str(staged.path / rel), self.bucket, key)
-                    for key, rel in keys.items()
-                    if (part is None or key != part.key) and key not in sources
-                ]
-                for key, copied in copies.items():
-                    etag = copied.result()
-                    if etag is None:  # the source is gone or changed: upload the file after all
-                        futures.append(self.transfer.upload(str(staged.path / keys[key]), self.bucket, key))
-                        sent += entries[keys[key]][0]
-                    elif etag:
-                        etags[key] = etag
-                if part is not None:
-                    etag = part.complete()  # after the old manifest went: the object appears now
-                    with self._lock:
-                        self._streams.pop(str(staged.path), None)
-                    if etag:
-                        etags[part.key] = etag
-                for future in futures:
-                    future.result()  # raises the first failure; the manifest is not written
-            except BaseException:
-                for future in [*futures, *copies.values()]:  # none may still read the staged files
-                    future.cancel()
-                for future in futures:
-                    with contextlib.suppress(BaseException):
-                        future.result()
-                raise
-        listed = {entry["path"] for entry in document["files"]}
-        if listed != set(files):
-            raise OSError(f"the staged files of {files_base} changed during the upload ({sorted(listed ^ set(files))})")
-        sizes = {entry["path"]: int(entry["size"]) for entry in document["files"]}
-        for key, rel in keys.items():
-            if key not in etags:  # radosgw answers a CompleteMultipartUpload with an empty ETag
-                head = self.client.head_object(Bucket=self.bucket, Key=key)
-                if head["ContentLength"] != sizes[rel]:
-                    raise ChecksumError(
-                        f"{key} has {head['ContentLength']} bytes in the bucket, {sizes[rel]} were sent"
-                    )
-                etags[key] = head["ETag"].strip('"')
-        document[ETAGS] = {rel: etags[key] for key, rel in keys.items()}
-        if self.writer is not None:
-            document[WRITER] = self.writer
-        body = (json.dumps(document, indent=1) + "\n").encode("utf-8")
-        self._fence(meta.run)  # the lease, checked last before the commit
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=manifest_key, Body=body, IfNoneMatch="*")
-        except Exception as e:
-            if error_code(e) in ("PreconditionFailed", "412"):
-                raise OSError(f"another writer committed {manifest_key} meanwhile; this save is not committed") from e
-            raise
-        try:
-            self._fence(meta.run)  # lost during the PUT (a pause past the margin): withdraw it
-        except Exception:
-            _LOGGER.warning("run %s: the lease was lost while %s was written; withdrawing it", meta.run, manifest_key)
-            self.delete_keys([manifest_key])
-            raise
-        self._sources.remember(
-            meta.run,
-            {rel: s3_copies.Source(key, *entries[rel], etags[key]) for key, rel in keys.items() if rel in entries},
-        )
-        return sent + len(body), listed, manifest_bytes
 
     def discard_stream(self, staged: Path) -> None:
         """Aborts the streamed upload of a staged save, if it has one."""
@@ -588,21 +486,3 @@ class S3Store:
             self.client.put_object(Bucket=self.bucket, Key=str(path), Body=data)
         except Exception as e:
             raise OSError(f"could not write {path} to {self.url}: {e}") from e
-
-
-def _staged_files(staged: Path) -> list[str]:
-    """Every file of a staged save but its manifest, '/'-separated, sorted (as its manifest lists them).
-
-    Raises:
-        OSError: an entry is not a regular file (a symlink, say): nothing of
-            the save may go up, as its manifest would refuse it only later.
-    """
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(staged):
-        rel = PurePosixPath(Path(dirpath).relative_to(staged).as_posix())
-        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            path = os.path.join(dirpath, name)
-            if os.path.islink(path) or not os.path.isfile(path):
-                raise OSError(f"{path} is not a regular file; a save holds only regular files")
-            found.append(str(rel / name))
-    return sorted(f for f in found if f != MANIFEST)

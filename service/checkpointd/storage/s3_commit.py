@@ -1,0 +1,147 @@
+"""Steps 3 and 4 of an S3 save's commit (`checkpointd.storage.s3`): every file up, then the fenced manifest.
+
+Each file goes up under its final key (s3transfer; a streamed data file's
+multipart upload completed; a file the run's previous save committed with
+the same bytes copied server-side instead), each object's ETag taken from the
+server's answer, and the manifest, with the ETags and the writer, created
+last with `IfNoneMatch='*'` between two lease fences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from checkpointd.core.ports import SaveMeta, Staged
+from checkpointd.protocol.errors import ChecksumError
+from checkpointd.storage import s3_copies, save_manifest
+from checkpointd.storage.s3_client import error_code
+from checkpointd.storage.s3_keys import ETAGS, MANIFEST, WRITER
+
+if TYPE_CHECKING:
+    from checkpointd.storage.s3 import S3Store
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def upload(
+    store: S3Store, staged: Staged, files_base: str, manifest_key: str, meta: SaveMeta
+) -> tuple[int, set[str], int]:
+    """Uploads a save's files, then its manifest (fenced); returns (bytes sent, files listed, manifest bytes).
+
+    Every file goes up at once. Each object's ETag is the one its PutObject or
+    CompleteMultipartUpload answered (`_ETagLog`): the server took the
+    whole body, checked against its signed SHA-256 or Content-MD5, so no
+    HEAD per object is needed to learn it. Only an object whose answer
+    had no ETag (radosgw's CompleteMultipartUpload) is read back with a
+    HEAD, its size checked too.
+    """
+    files = staged_files(staged.path)
+    keys = {files_base + rel: rel for rel in files}
+    futures: list[Any] = []
+    copies: dict[str, Any] = {}
+    manifest_bytes = save_manifest.write_staged_manifest(staged, meta)
+    with store._lock:
+        part = store._streams.get(str(staged.path))
+    if part is not None and part.key not in keys:  # not where the format put it: send it whole
+        store.discard_stream(staged.path)
+        part = None
+    document = json.loads((staged.path / MANIFEST).read_bytes())
+    entries = {str(e["path"]): (int(e["size"]), str(e["crc32c"])) for e in document["files"]}
+    sources = {
+        key: found
+        for key, rel in keys.items()
+        if rel in entries
+        and (part is None or key != part.key)  # streamed already
+        and (found := store._sources.matching(meta.run, rel, key, *entries[rel]))
+    }
+    sent = sum(entries.get(rel, (0, ""))[0] for key, rel in keys.items() if key not in sources)
+    with store._etag_log.awaiting(store.bucket, keys) as etags:
+        try:
+            copies = {
+                key: store._parts_pool.submit(
+                    s3_copies.copy_first, store.client, store.bucket, store._sources, meta.run, keys[key], src, key
+                )
+                for key, src in sources.items()
+            }
+            futures = [
+                store.transfer.upload(str(staged.path / rel), store.bucket, key)
+                for key, rel in keys.items()
+                if (part is None or key != part.key) and key not in sources
+            ]
+            for key, copied in copies.items():
+                etag = copied.result()
+                if etag is None:  # the source is gone or changed: upload the file after all
+                    futures.append(store.transfer.upload(str(staged.path / keys[key]), store.bucket, key))
+                    sent += entries[keys[key]][0]
+                elif etag:
+                    etags[key] = etag
+            if part is not None:
+                etag = part.complete()  # after the old manifest went: the object appears now
+                with store._lock:
+                    store._streams.pop(str(staged.path), None)
+                if etag:
+                    etags[part.key] = etag
+            for future in futures:
+                future.result()  # raises the first failure; the manifest is not written
+        except BaseException:
+            for future in [*futures, *copies.values()]:  # none may still read the staged files
+                future.cancel()
+            for future in futures:
+                with contextlib.suppress(BaseException):
+                    future.result()
+            raise
+    listed = {entry["path"] for entry in document["files"]}
+    if listed != set(files):
+        raise OSError(f"the staged files of {files_base} changed during the upload ({sorted(listed ^ set(files))})")
+    sizes = {entry["path"]: int(entry["size"]) for entry in document["files"]}
+    for key, rel in keys.items():
+        if key not in etags:  # radosgw answers a CompleteMultipartUpload with an empty ETag
+            head = store.client.head_object(Bucket=store.bucket, Key=key)
+            if head["ContentLength"] != sizes[rel]:
+                raise ChecksumError(f"{key} has {head['ContentLength']} bytes in the bucket, {sizes[rel]} were sent")
+            etags[key] = head["ETag"].strip('"')
+    document[ETAGS] = {rel: etags[key] for key, rel in keys.items()}
+    if store.writer is not None:
+        document[WRITER] = store.writer
+    body = (json.dumps(document, indent=1) + "\n").encode("utf-8")
+    store._fence(meta.run)  # the lease, checked last before the commit
+    try:
+        store.client.put_object(Bucket=store.bucket, Key=manifest_key, Body=body, IfNoneMatch="*")
+    except Exception as e:
+        if error_code(e) in ("PreconditionFailed", "412"):
+            raise OSError(f"another writer committed {manifest_key} meanwhile; this save is not committed") from e
+        raise
+    try:
+        store._fence(meta.run)  # lost during the PUT (a pause past the margin): withdraw it
+    except Exception:
+        _LOGGER.warning("run %s: the lease was lost while %s was written; withdrawing it", meta.run, manifest_key)
+        store.delete_keys([manifest_key])
+        raise
+    store._sources.remember(
+        meta.run,
+        {rel: s3_copies.Source(key, *entries[rel], etags[key]) for key, rel in keys.items() if rel in entries},
+    )
+    return sent + len(body), listed, manifest_bytes
+
+
+def staged_files(staged: Path) -> list[str]:
+    """Every file of a staged save but its manifest, '/'-separated, sorted (as its manifest lists them).
+
+    Raises:
+        OSError: an entry is not a regular file (a symlink, say): nothing of
+            the save may go up, as its manifest would refuse it only later.
+    """
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(staged):
+        rel = PurePosixPath(Path(dirpath).relative_to(staged).as_posix())
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                raise OSError(f"{path} is not a regular file; a save holds only regular files")
+            found.append(str(rel / name))
+    return sorted(f for f in found if f != MANIFEST)
