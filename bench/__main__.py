@@ -60,6 +60,11 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
         help="the incremental case's state: medium (200 MiB buffer, the default), large (the 1.23 GB state) or none; "
         "quick: none",
     )
+    p.add_argument(
+        "--resume",
+        choices=("small", "medium", "large", "none"),
+        help="the resume section's state: medium (370 MB, the default), large (1.23 GB), small or none; quick: none",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
     p.add_argument(
         "--workdir", type=Path, help="scratch directory, kept (default: a new temp dir, removed after success)"
@@ -87,6 +92,7 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
             fleet_trainers=a.fleet_trainers,
             fleet_seconds=a.fleet_seconds,
             incremental=a.incremental or ("none" if quick else "medium"),
+            resume=a.resume or ("none" if quick else "medium"),
             workdir=workdir,
             keep_workdir=a.workdir is not None,
             out=a.out,
@@ -268,6 +274,10 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
     if config.incremental != "none":  # incremental saves, in a worker process (bench/incremental.py)
         progress(f"incremental training checkpoints over gRPC, {config.incremental}")
         results["incremental"] = run_incremental(config)
+    if config.resume != "none":  # restores, in a worker process (bench/resume.py)
+        progress(f"resume: restoring a {config.resume} training state on every path")
+        extra = ["--case", config.resume] + ([] if config.s3 == "on" else ["--no-s3"])
+        results["resume"] = run_worker(config, "resume", extra)
     if config.fleet == "on":
         results["fleet"] = fleet.run_section(config, progress)
     return results
@@ -275,25 +285,19 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
 
 def run_incremental(config: BenchConfig) -> dict[str, Any]:
     """The incremental case in a worker process (bench.incremental)."""
-    out, log = config.workdir / "incremental.json", config.workdir / "incremental-worker.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.incremental",
-        "--reps",
-        "3",
-        "--workdir",
-        str(config.workdir),
-        "--out",
-        str(out),
-    ]
-    cmd += ["--large"] if config.incremental == "large" else []
+    return run_worker(config, "incremental", ["--large"] if config.incremental == "large" else [])
+
+
+def run_worker(config: BenchConfig, name: str, extra: list[str]) -> dict[str, Any]:
+    """`python -m bench.NAME --reps 3 --workdir W --out F EXTRA` in a worker process; its JSON."""
+    out, log = config.workdir / f"{name}.json", config.workdir / f"{name}-worker.log"
+    cmd = [sys.executable, "-m", f"bench.{name}", "--reps", "3", "--workdir", str(config.workdir), "--out", str(out)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     with open(log, "wb") as err:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=err, timeout=2400, check=False)
+        proc = subprocess.run(cmd + extra, cwd=ROOT, env=env, stdout=sys.stderr, stderr=err, timeout=2400, check=False)
     if proc.returncode != 0:
         raise RuntimeError(
-            f"the incremental worker exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
+            f"the {name} worker exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
         )
     return json.loads(out.read_text())
 

@@ -65,6 +65,7 @@ class BenchConfig:
         fleet_trainers: section 9's simulated trainers.
         fleet_seconds: how long each of them saves, once a second.
         incremental: the incremental case's state (bench/incremental.py).
+        resume: the resume section's case (bench/resume.py): "small", "medium", "large" or "none".
     """
 
     sizes: tuple[str, ...]
@@ -85,6 +86,7 @@ class BenchConfig:
     fleet_trainers: int = 256
     fleet_seconds: float = 60.0
     incremental: str = "medium"  # bench/incremental.py's case: "medium", "large" (1.23 GB state) or "none"
+    resume: str = "medium"
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sizes if s not in SIZES]

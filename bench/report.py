@@ -425,6 +425,10 @@ def table(r: dict[str, Any]) -> str:
     from bench import incremental
 
     lines.extend(incremental.table(r))
+    if r.get("resume"):
+        from bench import resume
+
+        lines.extend(["", *resume.table(r["resume"])])
     return "\n".join(lines) + "\n"
 
 
