@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from tensorflow.core.protobuf import tensor_bundle_pb2, trackable_object_graph_pb2
 
+from checkpointd.protocol import varint
+
 _FOOTER_BYTES = 48
 _MAGIC = 0xDB4775248B80FB57
 _TRAILER_BYTES = 5  # after each block: its compression type byte and masked CRC32C
@@ -38,21 +40,10 @@ class Location:
     size: int
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-
-
 def _block(index: bytes, handle: bytes, at: int = 0) -> tuple[bytes, int]:
     """The block the handle at `at` of `handle` points at, and where the handle ends."""
-    offset, at = _varint(handle, at)
-    size, at = _varint(handle, at)
+    offset, at = varint.decode(handle, at)
+    size, at = varint.decode(handle, at)
     if offset + size + _TRAILER_BYTES > len(index):
         raise ValueError(f"a block at {offset} of {size} bytes runs past the index's {len(index)}")
     if index[offset + size] != 0:
@@ -65,9 +56,9 @@ def _entries(block: bytes) -> Iterator[tuple[bytes, bytes]]:
     end = len(block) - 4 - 4 * restarts
     at, key = 0, b""
     while at < end:
-        shared, at = _varint(block, at)
-        unshared, at = _varint(block, at)
-        length, at = _varint(block, at)
+        shared, at = varint.decode(block, at)
+        unshared, at = varint.decode(block, at)
+        length, at = varint.decode(block, at)
         key = key[:shared] + block[at : at + unshared]
         at += unshared
         yield key, block[at : at + length]
@@ -103,7 +94,7 @@ def locations(index: bytes) -> dict[str, Location]:
 
 def string_value(tensor: bytes) -> bytes:
     """A scalar string tensor's value from its bytes in the data file (length, length CRC, bytes)."""
-    length, at = _varint(tensor, 0)
+    length, at = varint.decode(tensor, 0)
     return tensor[at + 4 : at + 4 + length]
 
 

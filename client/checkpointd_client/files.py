@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from checkpointd.protocol import wire
+from checkpointd.protocol import varint, wire
 from checkpointd.protocol.errors import ChecksumError, SaveFailedError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
@@ -152,17 +152,6 @@ def _message(response: pb.RestoreFilesResponse | bytes | None) -> pb.RestoreFile
     return response
 
 
-def _varint(data: memoryview, at: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-
-
 def _chunk(response: pb.RestoreFilesResponse | bytes) -> _Chunk | None:
     """A response's chunk, or None if it holds none; read from the serialized bytes without copying its data."""
     if not isinstance(response, bytes):
@@ -173,17 +162,17 @@ def _chunk(response: pb.RestoreFilesResponse | bytes) -> _Chunk | None:
     raw = memoryview(response)
     if not raw or raw[0] != 0x12:  # RestoreFilesResponse.chunk = 2, length-delimited
         return None
-    size, at = _varint(raw, 1)
+    size, at = varint.decode(raw, 1)
     end = at + size
     path, offset, data, crc = "", 0, raw[0:0], 0
     while at < end:  # Chunk's fields, in any order, defaults omitted
-        tag, at = _varint(raw, at)
+        tag, at = varint.decode(raw, at)
         field, kind = tag >> 3, tag & 7
         if kind == 0:
-            value, at = _varint(raw, at)
+            value, at = varint.decode(raw, at)
             offset = value if field == 2 else offset
         elif kind == 2:
-            length, at = _varint(raw, at)
+            length, at = varint.decode(raw, at)
             if field == 1:
                 path = bytes(raw[at : at + length]).decode()
             elif field == 3:

@@ -47,6 +47,7 @@ CORE_MAY_USE = (
 PROTOCOL_NEEDS: dict[str, set[str]] = {
     **{module: set() for module in CORE_MAY_USE},
     "checkpointd.protocol.busy_lock": set(),  # stdlib only (fcntl, os)
+    "checkpointd.protocol.varint": set(),  # stdlib only
     "checkpointd.protocol.codes": {"grpc"},
     "checkpointd.protocol.credentials": {"grpc"},
     "checkpointd.protocol.wire": {"crc32c", "protobuf", "checkpointd.v1"},

@@ -31,6 +31,8 @@ from collections.abc import Iterable
 
 import crc32c
 
+from checkpointd.protocol.varint import encode as varint
+
 # table_options.h's defaults, which BundleWriter keeps (it changes only the compression).
 BLOCK_SIZE = 262144
 RESTART_INTERVAL = 16
@@ -42,18 +44,6 @@ _HANDLE_MAX_BYTES = 20  # two varint64s at most
 # crc32c.h: CRCs stored beside the data they cover are rotated and offset,
 # so that the CRC of a string holding CRCs is not trivially related to them.
 _MASK_DELTA = 0xA282EAD8
-
-
-def varint(value: int) -> bytes:
-    """`value` (unsigned, < 2**64) as a little-endian base-128 varint, as `PutVarint64` writes it."""
-    if value < 0:
-        raise ValueError(f"a varint is unsigned, saw {value}")
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def mask(crc: int) -> int:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import crc32c
 
+from checkpointd.protocol import varint
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
 from checkpointd.v1 import checkpointd_pb2 as pb
 
@@ -122,19 +123,10 @@ def save_request_chunks(parts: Iterable[Buffer], chunk_bytes: int) -> Iterator[b
 def encoded_chunk(offset: int, data: Buffer, crc: int) -> bytes:
     """`SaveRequest(chunk=Chunk(offset=offset, data=data, crc32c=crc))`, serialized, `data` copied once."""
     # Chunk fields in number order, proto3 defaults omitted, as upb writes them.
-    head = (b"\x10" + _varint(offset) if offset else b"") + b"\x1a" + _varint(len(data))
+    head = (b"\x10" + varint.encode(offset) if offset else b"") + b"\x1a" + varint.encode(len(data))
     tail = b"\x25" + crc.to_bytes(4, "little") if crc else b""
     body = len(head) + len(data) + len(tail)
-    return b"".join((b"\x12", _varint(body), head, data, tail))  # SaveRequest.chunk = 2
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return b"".join((b"\x12", varint.encode(body), head, data, tail))  # SaveRequest.chunk = 2
 
 
 def template_files(root: str | os.PathLike[str]) -> list[str]:
