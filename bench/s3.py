@@ -43,7 +43,6 @@ side is the same code; only noise should differ).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import inspect
 import json
@@ -57,11 +56,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import s3_raw
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
 RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
-REGION = "us-east-1"
+REGION = s3_raw.REGION
 SAVE_TIMEOUT = 900.0
 COMMIT_VS_RAW = 0.7
 STALL_VS_LOCAL = 1.25
@@ -187,73 +188,6 @@ def _progress(size: str, message: str) -> None:
     print(f"[{time.monotonic() - _START:6.1f}s] S3 {size}: {message}", flush=True)
 
 
-Files = list[tuple[Path, str]]  # (local path, key relative to the save)
-RawPut = Callable[[Files, str], None]  # PUTs the files of a save under a key prefix, all at once
-
-
-def boto3_puts(endpoint: str, bucket: str, part_bytes: int, concurrency: int) -> dict[str, RawPut]:
-    """The boto3 raw PUTs: plain, with Content-MD5, and with Content-MD5 plus a head per object."""
-    from boto3.s3.transfer import TransferConfig, create_transfer_manager
-
-    from checkpointd.storage.s3_client import content_md5, make_client
-
-    def via(md5: bool, head: bool) -> RawPut:
-        # The store's client (make_client, with its pool of 4 x concurrency),
-        # with the Content-MD5 hook or without it whatever the endpoint (the
-        # store sends it over HTTPS only; over HTTP the body's SHA-256 is signed).
-        client = make_client(endpoint, REGION, 4 * concurrency)
-        for operation in ("PutObject", "UploadPart"):
-            client.meta.events.unregister(f"before-call.s3.{operation}", content_md5)
-            if md5:
-                client.meta.events.register(f"before-call.s3.{operation}", content_md5)
-        transfers = create_transfer_manager(
-            client,
-            TransferConfig(multipart_threshold=part_bytes, multipart_chunksize=part_bytes, max_concurrency=concurrency),
-        )
-
-        def upload(files: Files, key_base: str) -> None:
-            futures = [transfers.upload(str(path), bucket, key_base + rel) for path, rel in files]
-            for future in futures:
-                future.result()
-            for path, rel in files if head else ():
-                if client.head_object(Bucket=bucket, Key=key_base + rel)["ContentLength"] != path.stat().st_size:
-                    raise RuntimeError(f"{key_base + rel} has the wrong size in the bucket")
-
-        return upload
-
-    return {
-        "boto3": via(md5=False, head=False),
-        "boto3_md5": via(md5=True, head=False),
-        "boto3_md5_head": via(md5=True, head=True),
-    }
-
-
-def obstore_put(endpoint: str, bucket: str, part_bytes: int, concurrency: int) -> RawPut:
-    """obstore's put_async of every file at once, each multipart above `part_bytes` with `concurrency` parts."""
-    import obstore
-    from obstore.store import S3Store as ObjectStore
-
-    store = ObjectStore(
-        bucket,
-        endpoint=endpoint,
-        region=REGION,
-        access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-        virtual_hosted_style_request=False,
-        client_options={"allow_http": endpoint.startswith("http://")},
-    )
-    loop = asyncio.new_event_loop()
-
-    async def put_all(files: Files, key_base: str) -> None:
-        puts = (
-            obstore.put_async(store, key_base + rel, path, chunk_size=part_bytes, max_concurrency=concurrency)
-            for path, rel in files
-        )
-        await asyncio.gather(*puts)
-
-    return lambda files, key_base: loop.run_until_complete(put_all(files, key_base))
-
-
 def delete_prefix(client: Any, bucket: str, key_prefix: str) -> int:
     """Deletes every object under `key_prefix`; how many there were."""
     keys = [
@@ -270,7 +204,7 @@ def _uploaded(totals_by: Callable[[str, str, str], dict[str, float]], url: str) 
     return totals_by(url, "checkpointd_store_uploaded_bytes_total", "kind").get("saved_model", 0.0)
 
 
-def _files(save_dir: Path) -> Files:
+def _files(save_dir: Path) -> s3_raw.Files:
     return [(p, p.relative_to(save_dir).as_posix()) for p in sorted(save_dir.rglob("*")) if p.is_file()]
 
 
@@ -321,10 +255,12 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     prefix = f"bench-{size.name}-{secrets.token_hex(4)}"
     defaults = store_defaults()
     client = make_client(args.endpoint, REGION)
-    raws = boto3_puts(args.endpoint, args.bucket, defaults["part_bytes"], defaults["max_concurrency"])
+    raws = s3_raw.boto3_puts(args.endpoint, args.bucket, defaults["part_bytes"], defaults["max_concurrency"])
     result: dict[str, Any] = {"prefix": prefix}
     if _obstore_version() is not None:
-        raws["obstore"] = obstore_put(args.endpoint, args.bucket, defaults["part_bytes"], defaults["max_concurrency"])
+        raws["obstore"] = s3_raw.obstore_put(
+            args.endpoint, args.bucket, defaults["part_bytes"], defaults["max_concurrency"]
+        )
     else:
         result["obstore_skipped"] = "obstore is not installed (.venv/bin/pip install obstore)"
 
@@ -414,7 +350,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
                         gone = f"{prefix}-base/trainer/{name}/"
                     else:
                         gone = f"{prefix}/raw/{key}-{i}/"
-                        raw_seconds[key].append(_timed_raw(raws[key], files, gone))
+                        raw_seconds[key].append(s3_raw.timed(raws[key], files, gone))
                     if not delete_prefix(client, args.bucket, gone):
                         raise RuntimeError(f"nothing under {gone} in the bucket after the {key} upload")
                 shutil.rmtree(local.root / "trainer" / name)
@@ -456,12 +392,6 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     }
     say("done")
     return result
-
-
-def _timed_raw(raw: RawPut, files: Files, key_base: str) -> float:
-    start = time.perf_counter()
-    raw(files, key_base)
-    return time.perf_counter() - start
 
 
 # The report.
