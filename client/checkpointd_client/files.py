@@ -6,8 +6,10 @@ reader restores from them, so nothing is decoded or re-encoded:
 - same host: the header names the dir the files are in on the daemon's host
   and the stat of each file the daemon checked against its manifest; if
   they are there with that stat, the restore reads them in place (no copy,
-  no file byte over the connection). A file replaced or rewritten since has
-  another stat: it is fetched, and checked, instead.
+  no file byte over the connection), held open until closed
+  (`checkpointd_client.in_place`), so reads TensorFlow defers get the same
+  bytes even if retention deletes the save meanwhile. A file replaced or
+  rewritten since has another stat: it is fetched, and checked, instead.
 - elsewhere: the files are written into a private dir on tmpfs (/dev/shm,
   memory, never the trainer's disk), each file checked whole against its
   manifest's CRC32C as it lands. A partial restore fetches the index, then
@@ -33,6 +35,7 @@ from checkpointd.protocol.errors import ChecksumError, SaveFailedError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import bundle_index
+from checkpointd_client import in_place as held_files
 from checkpointd_client.stream import RestoreFilesStub
 
 _LOGGER = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class Fetched:
     received: int
     in_place: bool
     _dir: str | None = None
+    _held: held_files.HeldFiles | None = None
 
     def read(self, at: bundle_index.Location) -> bytes:
         """One tensor's bytes from the files (in place or the fetched copy)."""
@@ -74,7 +78,10 @@ class Fetched:
         return sum(1 for f in self.header.files if not f.path.endswith(INDEX_SUFFIX))
 
     def close(self) -> None:
-        """Deletes a fetched copy (a no-op for files read in place); idempotent."""
+        """Deletes a fetched copy, or releases files read in place; idempotent."""
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -223,23 +230,6 @@ def _private_dir() -> str:
     return tempfile.mkdtemp(prefix="checkpointd-restore-", dir=where)
 
 
-def _in_place(header: pb.RestoreFilesHeader) -> bytes | None:
-    """The index, if every file is here as the daemon checked it (same stat, CRC32C-checked index); else None."""
-    if not header.local_dir or not all(_same_file(header.local_dir, f) for f in header.files):
-        return None
-    index = None
-    for f in header.files:
-        if f.path.endswith(INDEX_SUFFIX):
-            try:
-                with open(os.path.join(header.local_dir, f.path), "rb") as file:
-                    index = file.read()
-            except OSError:
-                return None
-            if wire.crc32c_of(index) != f.crc32c:
-                return None
-    return index
-
-
 def fetch(
     stub: Stub,
     run: str,
@@ -277,9 +267,9 @@ def fetch(
         raise SaveFailedError(f"RestoreFiles: {header.export_dir!r} lists {len(indexes)} index files, not 1")
     index_file = indexes[0]
     prefix_path = index_file.path[: -len(INDEX_SUFFIX)]
-    local_index = _in_place(header) if in_place else None
-    if local_index is not None:
-        return Fetched(header, os.path.join(header.local_dir, prefix_path), local_index, 0, True)
+    held = held_files.hold(header) if in_place else None
+    if held is not None:  # held open: deferred reads get these bytes even if retention deletes them
+        return Fetched(header, os.path.join(held.directory, prefix_path), held.index, 0, True, _held=held)
     directory = _private_dir()
     writer = _Writer(directory, {f.path: f.size for f in files})
     try:
@@ -373,8 +363,9 @@ def fetch_whole(stub: Stub, run: str, export_dir: str, timeout: float | None, *,
     """
     probe = pb.RestoreFilesRequest(run=run, export_dir=export_dir, folder=folder, header_only=True)
     header, _ = _receive(stub, probe, timeout, None)
-    if header.local_dir and all(_same_file(header.local_dir, f) for f in header.files):
-        return Fetched(header, header.local_dir, b"", 0, True)
+    held = held_files.hold(header, check_index=False)
+    if held is not None:
+        return Fetched(header, held.directory, b"", 0, True, _held=held)
     directory = _private_dir()
     writer = _Writer(directory, {f.path: f.size for f in header.files})
     try:
@@ -386,17 +377,3 @@ def fetch_whole(stub: Stub, run: str, export_dir: str, timeout: float | None, *,
         raise
     finally:
         writer.close()
-
-
-def _same_file(local_dir: str, f: pb.RestoreFile) -> bool:
-    """Whether `f` is at `local_dir` as the daemon checked it (its stat)."""
-    try:
-        st = os.stat(os.path.join(local_dir, f.path))
-    except OSError:
-        return False
-    return bool(f.inode) and (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) == (
-        f.device,
-        f.inode,
-        f.mtime_ns,
-        f.size,
-    )
