@@ -15,7 +15,10 @@ through a daemon, and times restoring it into the live objects:
   ranged GET of the same objects into memory, the anchor;
 - partial: `tf.train.Checkpoint(policy=agent.policy)` from the training
   checkpoint (the buffer stays behind), against the same policy restored
-  from a checkpoint holding the policy alone.
+  from a checkpoint holding the policy alone;
+- bench/move.py's rows: in process and same host again with a cold page
+  cache, and (with S3, unless --no-move) the whole move of a trainer to
+  another node, the lease wait shown apart.
 
 Targets (the issue's, one run): same host <= 1.2x in process; from S3 >= 0.7x
 the raw GET's bandwidth; partial <= 1.2x the policy alone.
@@ -35,6 +38,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench import move
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -156,6 +161,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress("same host: in place")
             restore(checkpoint, children, True)
             result["same_host"] = _best(args.reps, lambda: restore(checkpoint, children, True))
+            progress("cold page cache: in process and same host")
+            daemon_dir = work / "daemon-root" / "bench" / "train"
+            result.update(move.cold(args.reps, lambda: checkpoint.restore(prefix), move.bundle(local_dir, Path(prefix).name),
+                                    lambda: restore(checkpoint, children, True), move.bundle(daemon_dir, Path(export_dir).name)))  # fmt: skip
             progress("over gRPC: fetched into memory")
             result["grpc_received_bytes"] = restore(checkpoint, children, False)
             result["grpc"] = _best(args.reps, lambda: restore(checkpoint, children, False))
@@ -179,6 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.s3:
         result["s3"] = _s3(args, work, objects, children, step, progress)
+    if args.s3 and args.move:
+        result["move"] = move.whole_move(work, objects, step, progress)
     result["targets"] = targets(result)
     shutil.rmtree(work, ignore_errors=True)
     return result
@@ -308,6 +319,7 @@ def table(r: dict[str, Any]) -> list[str]:
     row("the policy alone (its own checkpoint)", _median(r, "policy_alone"), policy)
     if "partial_received_bytes" in r:
         rows.append(f"  partial received {r['partial_received_bytes'] / 1e6:.1f} MB of {state / 1e6:.0f} MB")
+    move.rows(r, row, rows.append)
     for t in r.get("targets", []):
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["ok"]]
         rows.append(f"  target {t['name']}: {verdict} ({t.get('value', '-')} vs {t.get('limit', '-')})")
@@ -319,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--case", choices=("small", "medium", "large"), default="medium")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-s3", dest="s3", action="store_false", help="skip the S3 rows (no radosgw)")
+    p.add_argument("--no-move", dest="move", action="store_false", help="skip the whole move (an S3 row)")
     p.add_argument("--workdir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)

@@ -1,0 +1,270 @@
+"""The resume section's rows beyond the warm restore paths: a cold page cache, and the whole move.
+
+bench/resume.py calls these (one hook each) with its live objects:
+
+- `cold`: the in-process restore and the same-host in-place restore again,
+  each rep after the files it reads were fsynced and dropped from the page
+  cache (`bench.page_cache.drop`: posix_fadvise DONTNEED, per file, no
+  root), and mincore(2) checked that none of their pages stayed;
+- `whole_move`: a trainer moved to another node. Two daemons on one
+  machine, separate dirs and one S3 prefix, model two nodes: the trainer
+  saves through daemon A, then A is SIGKILLed while it holds the run's lease
+  (its node died; so did the trainer there). On node B, whose daemon is
+  already up (a DaemonSet), the trainer's checkpointer registers the run:
+  B waits for A's lease to lapse, which takes the lease ttl
+  (`--lease-seconds`; B counts it from its own first sight of the lease, as
+  it cannot tell a dead holder from a slow one), then restores the newest
+  checkpoint from the bucket, and the trainer makes its first training
+  step (a new `tf.function` of `agent.train`, traced as in a new process).
+  Shown apart: register -> wait starts, the lease wait, the restore, the
+  first step; their sum is the move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import page_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
+REGION = "us-east-1"
+TIMEOUT = 900.0
+# The move's lease ttl (daemon --lease-seconds; its default is 30 s): the lease wait is about this long.
+LEASE_SECONDS = 10.0
+# The client's log lines the move's phases are read from (their record times).
+_WAIT_LOG = ("checkpointd_client.session", "waits for the run's lease")
+_FOUND_LOG = ("checkpointd_client.checkpointer", "checkpoint available")
+
+
+def _timed(reps: int, fn: Callable[[], Any], before: Callable[[], Any]) -> dict[str, Any]:
+    from bench.stats import summarize
+
+    samples = []
+    for _ in range(reps):
+        before()
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return summarize(samples)
+
+
+def bundle(directory: Path, name: str) -> list[Path]:
+    """The files of checkpoint `name` in `directory` a restore reads (its index and data), not its manifest."""
+    return sorted(p for p in directory.glob(name + ".*") if "manifest" not in p.name)
+
+
+def cold(
+    reps: int,
+    inprocess: Callable[[], Any],
+    inprocess_files: Sequence[Path],
+    same_host: Callable[[], Any],
+    daemon_files: Sequence[Path],
+) -> dict[str, Any]:
+    """The in-process and same-host restores with their files' pages dropped before each rep.
+
+    Args:
+        reps: repetitions of each.
+        inprocess, same_host: one restore each (as resume.py times them warm).
+        inprocess_files, daemon_files: the files each reads (the local
+            checkpoint's; the daemon's committed ones).
+
+    Returns:
+        {"inprocess_cold": summary, "same_host_cold": summary, "cold_resident":
+        the most pages of each set found cached after a drop, and their count}.
+    """
+    worst: dict[str, list[int]] = {"inprocess": [0, 0], "same_host": [0, 0]}
+
+    def dropper(name: str, files: Sequence[Path]) -> Callable[[], None]:
+        def before() -> None:
+            page_cache.drop(files)
+            cached, total = page_cache.resident(files)
+            worst[name] = [max(worst[name][0], cached), total]
+
+        return before
+
+    return {
+        "inprocess_cold": _timed(reps, inprocess, dropper("inprocess", inprocess_files)),
+        "same_host_cold": _timed(reps, same_host, dropper("same_host", daemon_files)),
+        "cold_resident": worst,
+    }
+
+
+@dataclass(frozen=True)
+class _S3:
+    endpoint: str
+    bucket: str
+    env: dict[str, str]
+
+
+@contextlib.contextmanager
+def _radosgw(directory: Path) -> Iterator[tuple[_S3 | None, str]]:
+    """A radosgw of the move's own (scripts/rgw.sh), stopped however the move ends; (None, why) if it cannot start."""
+    proc = subprocess.run([str(RGW_SCRIPT), "start", str(directory)], capture_output=True, text=True, timeout=600)
+    try:
+        if proc.returncode != 0:
+            yield None, f"radosgw did not start (scripts/rgw.sh exit {proc.returncode})"
+            return
+        env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+        aws = {k: v for k, v in env.items() if k.startswith("AWS_")}
+        yield _S3(env["CHECKPOINTD_TEST_S3_ENDPOINT"], env["CHECKPOINTD_TEST_S3_BUCKET"], aws), ""
+    finally:
+        subprocess.run([str(RGW_SCRIPT), "stop", str(directory)], timeout=120, check=False)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class _LogTimes(logging.Handler):
+    """The wall time of the first record of each (logger, text) watched."""
+
+    def __init__(self, *watched: tuple[str, str]) -> None:
+        super().__init__(logging.INFO)
+        self.watched = watched
+        self.times: dict[tuple[str, str], float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for name, text in self.watched:
+            if record.name == name and text in record.getMessage():
+                self.times.setdefault((name, text), record.created)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_LogTimes]:
+        loggers = [logging.getLogger(name) for name, _ in self.watched]
+        levels = [lg.level for lg in loggers]
+        for lg in loggers:
+            lg.addHandler(self)
+            lg.setLevel(logging.INFO)
+        try:
+            yield self
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.removeHandler(self)
+                lg.setLevel(level)
+
+
+def whole_move(
+    work: Path,
+    objects: dict[str, Any],
+    step: Any,
+    say: Callable[[str], None],
+    lease_seconds: float = LEASE_SECONDS,
+) -> dict[str, Any]:
+    """A trainer's move to another node, from its first RegisterRun there to its first training step.
+
+    Args:
+        work: a scratch dir (removed by the caller).
+        objects: the trainer's objects (an "agent" among them), as for
+            tf.train.Checkpoint; restored into on node B.
+        step: the train step variable.
+        say: progress lines.
+        lease_seconds: both daemons' --lease-seconds.
+
+    Returns:
+        The phases in seconds (register_to_wait, lease_wait, restore,
+        first_step, total), the ttl, the bytes restored, or {"skipped": why}.
+    """
+    from bench import agents
+    from checkpointd.protocol.errors import CheckpointdError
+    from checkpointd_client import RemoteCheckpointer
+    from tests.integration.daemon import start_daemon
+
+    with _radosgw(work / "move-rgw") as (s3, why):
+        if s3 is None:
+            return {"skipped": why}
+        url = f"s3://{s3.bucket}/move-{secrets.token_hex(4)}"
+
+        def node(name: str) -> Any:
+            return start_daemon(
+                url, work / f"move-{name}", "--work-dir", str(work / f"move-{name}-state"),
+                "--s3-endpoint-url", s3.endpoint, "--s3-region", REGION,
+                "--lease-seconds", f"{lease_seconds:g}", "--no-shm", env=s3.env,
+            )  # type: ignore[arg-type]  # fmt: skip
+
+        a, b = node("a"), node("b")
+        try:
+            say(f"move: a checkpoint through daemon A (node A), its lease ttl {lease_seconds:g} s")
+            old = RemoteCheckpointer("train", a.address, run="move", timeout=TIMEOUT, **objects)
+            old.save(step, blocking=True).result()
+            a.proc.kill()  # node A dies with its daemon, which holds the run's lease
+            a.proc.wait()
+            with contextlib.suppress(CheckpointdError):
+                old.close(timeout=1.0)  # the trainer of node A died too: nothing of it is waited for
+            say("move: the trainer registers on node B (daemon B waits out A's lease), restores, trains a step")
+            with _LogTimes(_WAIT_LOG, _FOUND_LOG).installed() as log:
+                started = time.time()
+                new = RemoteCheckpointer("train", b.address, run="move", timeout=TIMEOUT, **objects)
+                restored = time.time()
+            try:
+                agents.Trainer(objects["agent"])  # the first training step, traced as in a new process
+                stepped = time.time()
+            finally:
+                new.close()
+            waited = log.times.get(_WAIT_LOG, started)
+            found = log.times.get(_FOUND_LOG, waited)
+            return {
+                "lease_seconds": lease_seconds,
+                "waited": _WAIT_LOG in log.times,
+                "register_to_wait": waited - started,
+                "lease_wait": found - waited,
+                "restore": restored - found,
+                "first_step": stepped - restored,
+                "total": stepped - started,
+                "trainer_peak_rss_bytes": _peak_rss(),
+            }
+        finally:
+            for d in (a, b):
+                if d.proc.poll() is None:
+                    d.terminate()
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set (VmHWM), in bytes; 0 if unknown."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _median(summary: Any) -> float | None:
+    return float(summary["median"]) if isinstance(summary, dict) and "median" in summary else None
+
+
+def rows(r: dict[str, Any], row: Callable[[str, float | None, int], None], note: Callable[[str], None]) -> None:
+    """The cold and move rows, through resume.table's `row` (label, seconds, bytes) and `note` (a line)."""
+    state = r["case"]["state_bytes"]
+    row("in-process restore (cold page cache)", _median(r.get("inprocess_cold")), state)
+    row("same host, in place (cold page cache)", _median(r.get("same_host_cold")), state)
+    resident = r.get("cold_resident")
+    if resident:
+        most = max(resident.values(), key=lambda v: v[0])
+        note(
+            "  cold: before each rep the files read were fsynced and dropped (posix_fadvise DONTNEED); "
+            f"mincore then found at most {most[0]} of {most[1]} pages cached"
+        )
+    move = r.get("move")
+    if not move:
+        return
+    if "total" not in move:
+        note(f"  the whole move: not measured ({move.get('skipped', 'no result')})")
+        return
+    note(
+        f"  the whole move, RegisterRun on node B -> 1st training step: {move['total']:.2f} s = "
+        f"register {move['register_to_wait']:.3f} + lease wait {move['lease_wait']:.2f} "
+        f"(A's lease lapsing; ttl --lease-seconds {move['lease_seconds']:g}) + restore from S3 "
+        f"{move['restore']:.2f} ({move['restore'] / state * 1e9:.2f} s/GB) + 1st step {move['first_step']:.2f}"
+    )
+    if move.get("trainer_peak_rss_bytes"):
+        note(f"  trainer peak RSS {move['trainer_peak_rss_bytes'] / 1e9:.2f} GB for {state / 1e9:.2f} GB of state")
