@@ -195,7 +195,7 @@ class RemoteCheckpointer:
                 _LOGGER.info("run %s: no checkpoint available in %r", self._run, self._dir)
                 self._load_status = self._checkpoint.restore(None)
         except BaseException:
-            self._daemon.shutdown(self._delete_copies)
+            self._daemon.shutdown(self._release)
             raise
         self._checkpoint_exists = latest is not None
 
@@ -480,12 +480,15 @@ class RemoteCheckpointer:
             DeadlineError: if the saves did not end in time.
             CheckpointdError: a subclass for another status the daemon answered.
         """
-        self._daemon.close(timeout, self.flush, lambda: True, self._delete_copies)
+        self._daemon.close(timeout, self.flush, lambda: True, self._release)
 
-    def _delete_copies(self) -> None:
+    def _release(self) -> None:
+        """Deletes restored copies (lets go of files held in place) and drops the spare snapshot
+        buffers: no save follows, and they hold as many bytes as the state."""
         for copy in self._copies:
             copy.close()
         self._copies.clear()
+        self._spare = None
 
     def __enter__(self) -> RemoteCheckpointer:
         return self
