@@ -24,6 +24,7 @@ TRAINING_STATE = "training state"
 OBJECT_STORE = "object store"
 INCREMENTAL = "incremental"  # bench/incremental.py
 SAME_HOST = "same host"
+RESUME = "resume"  # bench/resume.py, bench/move.py
 
 GROUPS = {
     CROSS_HOST: "cross-host path: a save over gRPC, against the machine's limits and the in-process saver",
@@ -36,6 +37,7 @@ GROUPS = {
     OBJECT_STORE: "object store: saves committed to S3 (section 8)",
     INCREMENTAL: "incremental: training checkpoints over gRPC that send only the chunks changed since the last",
     SAME_HOST: "same host: a save through shared memory, against the same save over gRPC (sections 3, 3b)",
+    RESUME: "resume: a restarted trainer's restore, against the in-process Checkpointer (bench/resume.py)",
 }
 
 

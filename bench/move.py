@@ -198,6 +198,7 @@ def whole_move(
             a.proc.wait()
             with contextlib.suppress(CheckpointdError):
                 old.close(timeout=1.0)  # the trainer of node A died too: nothing of it is waited for
+            del old  # its snapshot buffers (as many bytes as the state) go with it
             say("move: the trainer registers on node B (daemon B waits out A's lease), restores, trains a step")
             with _LogTimes(_WAIT_LOG, _FOUND_LOG).installed() as log:
                 started = time.time()
@@ -268,3 +269,33 @@ def rows(r: dict[str, Any], row: Callable[[str, float | None, int], None], note:
     )
     if move.get("trainer_peak_rss_bytes"):
         note(f"  trainer peak RSS {move['trainer_peak_rss_bytes'] / 1e9:.2f} GB for {state / 1e9:.2f} GB of state")
+
+
+def report_targets(r: dict[str, Any] | None, same_host_limit: float, partial_limit: float) -> list[dict[str, Any]]:
+    """The resume section's restore-time targets as bench.report lists them (group "resume").
+
+    Same host and partial are judged here, at bench.resume's limits (passed
+    in: resume imports this module); the S3, gRPC and memory targets of the
+    section are the RestoreFiles path's own.
+    """
+    from bench.fmt import fmt_time
+    from bench.judge import RESUME, at_most, judge, median, not_measured
+
+    names = (
+        f"resume: same host, in place <= {same_host_limit:g} x in-process Checkpointer restore (warm)",
+        f"resume: partial (the policy of a training checkpoint) <= {partial_limit:g} x the policy's own",
+    )
+    if not r:
+        return [{"group": RESUME, **not_measured(n, None, "no resume section in this run")} for n in names]
+
+    def same_host() -> tuple[float, float, bool, str]:
+        inprocess = median(r, "inprocess")
+        return at_most(median(r, "same_host"), same_host_limit * inprocess, fmt_time,
+                       f"in process {fmt_time(inprocess)}")  # fmt: skip
+
+    def partial() -> tuple[float, float, bool, str]:
+        alone = median(r, "policy_alone")
+        return at_most(median(r, "partial"), partial_limit * alone, fmt_time, f"the policy alone {fmt_time(alone)}")
+
+    size = r["case"]["name"]
+    return [judge(n, size, fn, RESUME) for n, fn in zip(names, (same_host, partial), strict=True)]

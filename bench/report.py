@@ -70,6 +70,9 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.extend(_grpc_memory(r, sizes))
     out.extend(incremental.targets(r))
     out.extend(_same_host(r, sizes))
+    from bench import move, resume
+
+    out.extend(move.report_targets(r.get("resume"), resume.SAME_HOST_VS_INPROCESS, resume.PARTIAL_VS_ALONE))
     order = list(GROUPS)
     return sorted(out, key=lambda t: order.index(t["group"]))  # stable: each group keeps its rows' order
 

@@ -144,6 +144,8 @@ QUICK_TARGETS = {
     "fleet, 3 daemons on one S3 prefix: zero lost": (),
     "memory: daemon peak during a save": (),
     "same host: call->durable through shared memory": ("small",),
+    "resume: same host, in place": (),  # the resume section is not in a quick run
+    "resume: partial": (),
 }
 
 
