@@ -483,12 +483,14 @@ class RemoteCheckpointer:
         self._daemon.close(timeout, self.flush, lambda: True, self._release)
 
     def _release(self) -> None:
-        """Deletes restored copies (lets go of files held in place) and drops the spare snapshot
-        buffers: no save follows, and they hold as many bytes as the state."""
+        """Deletes restored copies (lets go of files held in place), drops the spare snapshot
+        buffers and unmaps the shared-memory segment: no save follows, and each holds as many
+        bytes as the state."""
         for copy in self._copies:
             copy.close()
         self._copies.clear()
-        self._spare = None
+        with self._daemon.lock:
+            self._spare, self._segment = None, None
 
     def __enter__(self) -> RemoteCheckpointer:
         return self
