@@ -1,6 +1,6 @@
 """The "resume" section: how fast a restarted trainer gets its training state back.
 
-`python -m bench.resume [--case medium|large] [--reps 3] [--no-s3] --workdir DIR --out FILE`
+`python -m bench.resume [--case medium|large] [--reps 3] [--no-s3] [--no-move] --workdir DIR --out FILE`
 builds, in a process of its own, a DQN agent with Adam (slots trained) and a
 TFUniformReplayBuffer (bench.checkpointer's cases: medium ~370 MB of state,
 large ~1.23 GB behind --case large), saves it once in process and once
