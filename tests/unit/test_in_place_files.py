@@ -85,7 +85,9 @@ def test_a_file_not_as_the_daemon_vouched_is_not_held_and_nothing_stays_open(
 def test_an_index_that_does_not_match_its_crc32c_is_not_held(save: pb.RestoreFilesHeader) -> None:
     save.files[0].crc32c ^= 1
     assert in_place.hold(save) is None
-    assert in_place.hold(save, check_index=False) is not None  # a policy's files: checked as they are read
+    held = in_place.hold(save, check_index=False)  # a policy's files: checked as they are read
+    assert held is not None
+    held.close()
 
 
 @pytest.mark.parametrize("path", ["../ckpt-3.index", "/etc/passwd"])
