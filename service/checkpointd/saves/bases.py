@@ -11,6 +11,13 @@ identity is checked again (`check`): a file written to meanwhile fails the
 save with ChecksumError (DATA_LOSS: the client sends it again in full), so a
 copied range is never other than the bytes its digests describe.
 
+On an object store (`RemoteBases`: S3) the base is the newest committed
+checkpoint's data object, named with the ETag its manifest recorded; its
+ranges are not copied here but referred to (`BundleSink.refer`), and the
+store copies them server-side at commit on condition of that ETag
+(`checkpointd.storage.s3_part_copy`). A base that replaces itself (the same
+export dir) is not offered there: its object is the one being replaced.
+
 `Incremental` is the save's sink with the base beside it: the receiver hands
 it each SameChunks range, checked against the base's digests and copied.
 `Newest` remembers each dir's newest checkpoint as this daemon committed it,
@@ -50,6 +57,7 @@ class OpenBase:
     chunk_bytes: int
     parts: list[chunks.BaseTensor | None]  # per payload part: the base's same tensor, or None
     copied: int = field(default=0)  # payload bytes copied from it so far
+    source: object | None = None  # on an object store: the object the store copies from (fd is -1)
 
     def offer(self) -> list[tuple[int, ...]]:
         """Each part's chunk digests, () where the base has no such tensor."""
@@ -57,6 +65,8 @@ class OpenBase:
 
     def check(self) -> None:
         """Raises ChecksumError unless the base's file is still the one its digests describe."""
+        if self.fd < 0:
+            return  # an object's copies are conditional on its ETag instead
         if chunks.identity(os.fstat(self.fd)) != self.identity:
             raise ChecksumError(
                 f"the base save {self.export_dir!r} was written to while this save copied from it; "
@@ -68,6 +78,13 @@ class OpenBase:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
+
+
+class RemoteBases(Protocol):
+    """A store whose committed saves are objects another save's parts may be copied from (S3)."""
+
+    def base_source(self, save: CommittedSave, data_file: str, size: int) -> object | None:
+        """The committed data object `save`'s path + `data_file` of `size` bytes as copies name it; None if unusable."""
 
 
 class Newest:
@@ -121,29 +138,42 @@ def open_base(
         store: where the run's saves are.
         folder: the run's folder.
         request: an accepted, incremental save.
-        local: whether the store's saves are files on this host.
+        local: whether the store's saves are files on this host (else the
+            store must be `RemoteBases` for a base to be offered).
         newest: what is known of each dir's newest checkpoint; None lists the dir.
     """
     checkpoint = request.checkpoint
-    if not local or checkpoint is None:
+    remote = None if local else getattr(store, "base_source", None)
+    if checkpoint is None or (not local and remote is None):
         return None
     found = (newest or Newest()).find(store, folder, request)
     if found is None:
         return None
     newest_save = found
     record = chunks.parse(newest_save.extra)
-    if record is None or record.chunk_bytes != chunks.CHUNK_BYTES or not isinstance(newest_save.path, Path):
+    if record is None or record.chunk_bytes != chunks.CHUNK_BYTES:
         return None
     path = Path(str(newest_save.path) + record.data_file)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        _LOGGER.info("run %s: no base for an incremental save: %s: %s", request.run, path, e)
-        return None
-    if chunks.identity(os.fstat(fd)) != record.identity:
-        os.close(fd)
-        _LOGGER.info("run %s: base %s is not the file its manifest describes; sending in full", request.run, path)
-        return None
+    source: object | None = None
+    if remote is not None:
+        if newest_save.export_dir == request.export_dir:
+            return None
+        source = remote(newest_save, record.data_file, record.identity[2])
+        if source is None:
+            return None
+        fd = -1
+    else:
+        if not isinstance(newest_save.path, Path):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            _LOGGER.info("run %s: no base for an incremental save: %s: %s", request.run, path, e)
+            return None
+        if chunks.identity(os.fstat(fd)) != record.identity:
+            os.close(fd)
+            _LOGGER.info("run %s: base %s is not the file its manifest describes; sending in full", request.run, path)
+            return None
     parts: list[chunks.BaseTensor | None] = []
     for t in checkpoint.tensors:
         b = record.tensors.get(t.checkpoint_key)
@@ -155,9 +185,10 @@ def open_base(
         parts.append(b if same else None)
     parts.append(None)  # the tail
     if not any(p is not None and p.size for p in parts):
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         return None
-    return OpenBase(newest_save.export_dir, path, fd, record.identity, record.chunk_bytes, parts)
+    return OpenBase(newest_save.export_dir, path, fd, record.identity, record.chunk_bytes, parts, source=source)
 
 
 class CopyingSink(SaveSink, Protocol):
@@ -165,6 +196,10 @@ class CopyingSink(SaveSink, Protocol):
 
     def copy(
         self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]
+    ) -> None: ...
+
+    def refer(
+        self, part: int, offset: int, nbytes: int, source: object, source_offset: int, crcs: Sequence[int]
     ) -> None: ...
 
     def settle(self) -> None: ...
@@ -206,7 +241,10 @@ class Incremental:
             raise InvalidRequestError(
                 f"Save: SameChunks at payload offset {offset}: the chunks' CRC32Cs are not the base's; send them as chunks"
             )
-        self._sink.copy(part, within, length, self._base.fd, base.offset + within, crcs)
+        if self._base.source is not None:  # an object: the store copies it server-side at commit
+            self._sink.refer(part, within, length, self._base.source, base.offset + within, crcs)
+        else:
+            self._sink.copy(part, within, length, self._base.fd, base.offset + within, crcs)
         self._base.copied += length
 
     def settle(self) -> None:

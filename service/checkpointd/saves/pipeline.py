@@ -397,8 +397,7 @@ class SavePipeline:
                     self._phases.observe_phase(kind, "write", time.monotonic() - writing)
             copied = base.copied if base is not None else 0
             outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
-            if self._local:
-                self._bases.committed(self.store, folder, request)
+            self._bases.committed(self.store, folder, request)
             self._phases.payload_bytes(kind, request.snapshot_bytes - copied, copied)
             if request.checkpoint is not None:
                 self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
@@ -485,6 +484,11 @@ class _AtWriterPriority:
 
     def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
         self._sink.copy(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]
+
+    def refer(
+        self, part: int, offset: int, nbytes: int, source: object, source_offset: int, crcs: Sequence[int]
+    ) -> None:
+        self._sink.refer(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]
 
     def settle(self) -> None:
         self._sink.settle()  # type: ignore[attr-defined]

@@ -8,6 +8,12 @@ part (each byte is written once) and sends a part the moment all of its
 bytes are in, read back from the staged file (the page cache), so the
 upload overlaps the receive.
 
+An incremental save's unchanged ranges are never written to staging: the
+sink names them (`referred`), and `complete` has the parts that hold any
+copied from the base object server-side (`checkpointd.storage.s3_part_copy`).
+A part sent early is one wholly written; the parts planned at `complete`
+take the part numbers after it (each early part leaves room for them).
+
 Nothing is visible under the object's key until `complete`, which the
 store calls at commit after the old save's manifest is gone and before the
 new manifest: the commit protocol is unchanged. `abort` (a failed or given
@@ -26,7 +32,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from checkpointd.core.ports import WatchedSink
-from checkpointd.storage import s3_keys
+from checkpointd.storage import s3_keys, s3_part_copy
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -45,12 +51,16 @@ class PartUpload:
         self.client, self.bucket, self.key, self.size = client, bucket, key, size
         self.part_bytes = part_bytes
         self.count = max(1, -(-size // part_bytes))
+        # Part numbers per part_bytes of the file: room for the parts a plan cuts it into.
+        self.stride = max(1, s3_part_copy.MAX_PARTS // self.count)
+        self._refs: list[s3_part_copy.Reference] = []
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # kept: the commit may rename the file
         self._executor = executor
         self._lock = threading.Lock()
         self._covered = [0] * self.count
         self._sent: dict[int, Future[dict[str, Any]]] = {}
         self._ended = False
+        self._uploaded = 0
         self._created: Future[str] = executor.submit(self._create)
 
     def _create(self) -> str:
@@ -78,10 +88,59 @@ class PartUpload:
         body = os.pread(self._fd, hi - lo, lo)
         if len(body) != hi - lo:
             raise OSError(f"{self.key}: part {part + 1} has {len(body)} bytes in staging, {hi - lo} expected")
+        number = part * self.stride + 1
         answer = self.client.upload_part(
-            Bucket=self.bucket, Key=self.key, UploadId=upload_id, PartNumber=part + 1, Body=body
+            Bucket=self.bucket, Key=self.key, UploadId=upload_id, PartNumber=number, Body=body
         )
-        return {"ETag": answer["ETag"], "PartNumber": part + 1}
+        return {"ETag": answer["ETag"], "PartNumber": number}
+
+    def referred(self, start: int, end: int, source: s3_part_copy.Source, offset: int) -> None:
+        """Counts `[start, end)` as equal to `source`'s bytes at `offset`: copied at `complete`, not read from staging.
+
+        Raises:
+            ValueError: the file has too many parts for the copies' part numbers.
+        """
+        if self.stride < 4:  # a part_bytes slot may need up to part_bytes / 5 MiB + 1 parts
+            raise ValueError(f"{self.key}: {self.count} parts leave no part numbers for copies")
+        with self._lock:
+            self._refs.append(s3_part_copy.Reference(start, end, source, offset))
+
+    @property
+    def referred_bytes(self) -> int:
+        """The bytes referred to a base so far (staging lacks them)."""
+        with self._lock:
+            return sum(r.end - r.start for r in self._refs)
+
+    @property
+    def uploaded(self) -> int:
+        """The bytes sent from this daemon, not copied server-side (once complete)."""
+        return self._uploaded
+
+    def _planned(self, upload_id: str) -> list[Future[dict[str, Any]]]:
+        """The parts not sent early, planned around the referred ranges and sent (copies and uploads)."""
+        futures = []
+        slot = 0
+        max_bytes = max(self.part_bytes, 2 * s3_part_copy.MIN_PART_BYTES)
+        while slot < self.count:
+            if slot in self._sent:
+                slot += 1
+                continue
+            first = slot
+            while slot < self.count and slot not in self._sent:
+                slot += 1
+            lo, hi = self._span(first)[0], self._span(slot - 1)[1]
+            parts = s3_part_copy.plan(lo, hi, self._refs, object_end=self.size, max_bytes=max_bytes)
+            if len(parts) > (slot - first) * self.stride:
+                raise ValueError(f"{self.key}: {len(parts)} parts for bytes [{lo}, {hi}) exceed their part numbers")
+            for n, planned in enumerate(parts):
+                self._uploaded += planned.uploaded
+                futures.append(
+                    self._executor.submit(
+                        s3_part_copy.send, self.client, self.bucket, self.key, upload_id,
+                        first * self.stride + 1 + n, planned, self._fd,
+                    )
+                )  # fmt: skip
+        return futures
 
     def sent_early(self) -> int:
         """How many parts were sent before `complete` (as their ranges filled)."""
@@ -94,12 +153,21 @@ class PartUpload:
         Raises:
             Exception: a part or the completion failed (the caller aborts).
         """
+        upload_id = self._created.result() if self._refs else ""
         with self._lock:
-            for part in range(self.count):
-                if part not in self._sent:
-                    self._sent[part] = self._executor.submit(self._send, part)
-            futures = [self._sent[p] for p in range(self.count)]
-        parts = [f.result() for f in futures]
+            self._uploaded = sum(self._span(p)[1] - self._span(p)[0] for p in self._sent)
+            if self._refs:
+                planned = self._planned(upload_id)
+                futures = [*self._sent.values(), *planned]
+                for n, future in enumerate(planned):
+                    self._sent[-1 - n] = future  # so that `abort` waits for them too
+            else:
+                for part in range(self.count):
+                    if part not in self._sent:
+                        self._sent[part] = self._executor.submit(self._send, part)
+                futures = [self._sent[p] for p in range(self.count)]
+                self._uploaded = self.size
+        parts = sorted((f.result() for f in futures), key=lambda p: int(p["PartNumber"]))
         answer = self.client.complete_multipart_upload(
             Bucket=self.bucket, Key=self.key, UploadId=self._created.result(), MultipartUpload={"Parts": parts}
         )
@@ -161,6 +229,7 @@ def start(
     path, size = sink.watch(on_range)
     if size < part_bytes:
         return None
+    refer = getattr(sink, "watch_references", None)  # an incremental save's unchanged ranges
     rel = Path(path).relative_to(staging).as_posix()
     is_prefix = "/" not in rel  # a training checkpoint's files sit in staging, renamed at commit
     if is_prefix:
@@ -170,4 +239,6 @@ def start(
     for start_at, end_at in early:
         part.on_range(start_at, end_at)
     upload.append(part)
+    if refer is not None:
+        refer(part.referred)
     return part
