@@ -292,15 +292,19 @@ class BundleSink:
         """
         if len(views) != len(self._parts):
             raise InvalidRequestError(f"Save: {len(views)} parts given whole; the snapshot has {len(self._parts)}")
+        for j in self.order():
+            if views[j].nbytes:
+                self.write(j, 0, views[j])
+
+    def order(self) -> list[int]:
+        """The parts in the data file's order (the tail last)."""
         last = self._writer.size  # the tail (not in the data file) after the tensors
 
         def at(j: int) -> int:
             route = self._routes[j]
             return last if route is None else self._writer.offsets[route]
 
-        for j in sorted(range(len(views)), key=at):
-            if views[j].nbytes:
-                self.write(j, 0, views[j])
+        return sorted(range(len(self._parts)), key=at)
 
     def watch(self, on_range: Callable[[int, int], None]) -> tuple[Path, int]:
         """Calls `on_range(start, end)` once each byte range of the data file is written; returns its path and size.

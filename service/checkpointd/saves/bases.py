@@ -20,6 +20,10 @@ export dir) is not offered there: its object is the one being replaced.
 
 `Incremental` is the save's sink with the base beside it: the receiver hands
 it each SameChunks range, checked against the base's digests and copied.
+A snapshot in shared memory comes whole (`write_parts`): the daemon sums its
+chunks' CRC32Cs itself, after the trainer has let go of the call (as the
+bundle writer would sum them anyway), and copies the runs equal to the
+base's instead of writing them.
 `Newest` remembers each dir's newest checkpoint as this daemon committed it,
 so an accept lists the dir only once after a start.
 """
@@ -40,6 +44,7 @@ from checkpointd.core.ports import CommittedSave, SaveSink, Staged, Store
 from checkpointd.core.retention import age
 from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
+from checkpointd.protocol.wire import crc32c_of
 from checkpointd.saves.checkpoint_dirs import directory_of
 from checkpointd.saves.requests import SaveRequest
 
@@ -241,11 +246,49 @@ class Incremental:
             raise InvalidRequestError(
                 f"Save: SameChunks at payload offset {offset}: the chunks' CRC32Cs are not the base's; send them as chunks"
             )
+        self._reuse(part, base, within, length, crcs)
+
+    def _reuse(self, part: int, base: chunks.BaseTensor, within: int, length: int, crcs: Sequence[int]) -> None:
+        """Puts bytes [within, within + length) of part `part` in place from the base: copied, or referred to."""
         if self._base.source is not None:  # an object: the store copies it server-side at commit
             self._sink.refer(part, within, length, self._base.source, base.offset + within, crcs)
         else:
             self._sink.copy(part, within, length, self._base.fd, base.offset + within, crcs)
         self._base.copied += length
+
+    def write_parts(self, views: Sequence[memoryview]) -> None:
+        """Takes every part whole (a snapshot in shared memory): chunks equal to the base's are copied, not written.
+
+        Parts go in the sink's order (the data file's, `BundleSink.order`).
+
+        Raises:
+            as `SaveSink.write`.
+        """
+        order = getattr(self._sink, "order", None)
+        ordered = order() if order is not None else None
+        size = chunks.CHUNK_BYTES
+        for j in ordered if ordered is not None else range(len(views)):
+            view = memoryview(views[j]).cast("B")
+            base = self._base.parts[j] if j < len(self._base.parts) else None
+            if base is None:
+                if view.nbytes:
+                    self._sink.write(j, 0, view)
+                continue
+            run_at, run = 0, list[int]()  # unchanged chunks not yet put in place
+            for n, at in enumerate(range(0, view.nbytes, size)):
+                piece = view[at : at + size]
+                crc = crc32c_of(piece)
+                if crc == base.crcs[n]:
+                    if not run:
+                        run_at = at
+                    run.append(crc)
+                    continue
+                if run:
+                    self._reuse(j, base, run_at, at - run_at, run)
+                    run = []
+                self._sink.write(j, at, piece, crc)
+            if run:
+                self._reuse(j, base, run_at, view.nbytes - run_at, run)
 
     def settle(self) -> None:
         """Waits for the copies from the base still running (their OSError, if one failed)."""

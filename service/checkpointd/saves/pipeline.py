@@ -364,9 +364,10 @@ class SavePipeline:
                     segment = None
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
-            if request.incremental and segment is None:
+            if request.incremental:  # through shared memory too: the daemon compares the chunks itself
                 base = bases.open_base(self.store, folder, request, self._local, self._bases)
-            yield Decision(accepted=True, segment=segment, lock_path=lock_path, base=_offer(base))
+            offer = _offer(base) if segment is None else None
+            yield Decision(accepted=True, segment=segment, lock_path=lock_path, base=offer)
             meta = SaveMeta(run, request.kind, request.step, request.export_dir)
             fmt = self.formats(request.kind)
             # The save's files are open before its first byte arrives and are
@@ -484,6 +485,10 @@ class _AtWriterPriority:
 
     def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
         self._sink.copy(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]
+
+    def order(self) -> list[int] | None:
+        order = getattr(self._sink, "order", None)
+        return list(order()) if order is not None else None
 
     def refer(
         self, part: int, offset: int, nbytes: int, source: object, source_offset: int, crcs: Sequence[int]
