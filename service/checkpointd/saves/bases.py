@@ -1,8 +1,10 @@
 """The base of an incremental save: the run's newest committed save, opened, and what it offers.
 
 A training checkpoint's base is the newest committed checkpoint of the run in
-the same dir, on local disk, whose manifest records its chunk digests
-(`checkpointd.formats.chunks`). It is opened at the accept, before its
+the same dir whose manifest records its chunk digests
+(`checkpointd.formats.chunks`); a policy save's (`save`, `save_checkpoint`)
+is the run's newest committed save of the same kind in the same parent dir
+(its `variables/` bundle: the same keys in the same layout). It is opened at the accept, before its
 digests are offered: the descriptor keeps its bytes readable should
 retention delete it (or a save replace it) while the new save copies from
 it, and the file is used only if its identity (device, inode, size,
@@ -97,19 +99,20 @@ class Newest:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._saves: dict[tuple[str, str], CommittedSave] = {}
+        self._saves: dict[tuple[str, str, str], CommittedSave] = {}
 
     def find(self, store: Store, folder: str, request: SaveRequest) -> CommittedSave | None:
-        """The newest committed checkpoint of the request's run and kind in its dir, or None."""
-        key = (folder, directory_of(request.export_dir))
+        """The newest committed save of the request's run and kind in its dir, or None."""
+        key = (folder, directory_of(request.export_dir), request.kind.value)
         with self._lock:
             known = self._saves.get(key)
-        if known is not None and known.run == request.run and known.kind is request.kind:
+        if known is not None and known.run == request.run:
             return known
+        prefix = request.checkpoint is not None  # a training checkpoint's files are a prefix in its dir
         saves = [
             s
             for s in store.committed(folder, request.run)
-            if s.kind is request.kind and s.prefix and directory_of(s.export_dir) == key[1]
+            if s.kind is request.kind and s.prefix == prefix and directory_of(s.export_dir) == key[1]
         ]
         newest = max(saves, key=age) if saves else None
         if newest is not None:
@@ -119,15 +122,13 @@ class Newest:
 
     def committed(self, store: Store, folder: str, request: SaveRequest) -> None:
         """Reads back the manifest of the request's save, just committed: the dir's next base."""
-        if request.checkpoint is None:
-            return
         try:
             save = store.committed_at(folder, request.export_dir)
         except Exception as e:  # noqa: BLE001 - the save is committed; the next one lists the dir instead
             _LOGGER.info("run %s: %s not remembered as a base: %s", request.run, request.export_dir, e)
             save = None
         with self._lock:
-            key = (folder, directory_of(request.export_dir))
+            key = (folder, directory_of(request.export_dir), request.kind.value)
             if save is None:
                 self._saves.pop(key, None)
             else:
@@ -135,7 +136,12 @@ class Newest:
 
 
 def open_base(
-    store: Store, folder: str, request: SaveRequest, local: bool, newest: Newest | None = None
+    store: Store,
+    folder: str,
+    request: SaveRequest,
+    local: bool,
+    newest: Newest | None = None,
+    variables: Sequence[tuple[str, str, tuple[int, ...], int]] = (),
 ) -> OpenBase | None:
     """The base the request's save may copy from, opened; None if there is none to use.
 
@@ -146,10 +152,15 @@ def open_base(
         local: whether the store's saves are files on this host (else the
             store must be `RemoteBases` for a base to be offered).
         newest: what is known of each dir's newest checkpoint; None lists the dir.
+        variables: a policy save's payload parts but its numpy state, as
+            (bundle key, dtype, shape, bytes); a training checkpoint's come
+            from its request.
     """
     checkpoint = request.checkpoint
     remote = None if local else getattr(store, "base_source", None)
-    if checkpoint is None or (not local and remote is None):
+    if checkpoint is not None:
+        variables = [(t.checkpoint_key, t.dtype, t.shape, t.nbytes) for t in checkpoint.tensors]
+    if not variables or (not local and remote is None):
         return None
     found = (newest or Newest()).find(store, folder, request)
     if found is None:
@@ -180,15 +191,11 @@ def open_base(
             _LOGGER.info("run %s: base %s is not the file its manifest describes; sending in full", request.run, path)
             return None
     parts: list[chunks.BaseTensor | None] = []
-    for t in checkpoint.tensors:
-        b = record.tensors.get(t.checkpoint_key)
-        same = (
-            b is not None
-            and not tensors.is_string(t.dtype)
-            and (b.dtype, b.shape, b.size) == (t.dtype, t.shape, t.nbytes)
-        )
+    for key, dtype, shape, nbytes in variables:
+        b = record.tensors.get(key)
+        same = b is not None and not tensors.is_string(dtype) and (b.dtype, b.shape, b.size) == (dtype, shape, nbytes)
         parts.append(b if same else None)
-    parts.append(None)  # the tail
+    parts.append(None)  # the tail (a policy save's numpy state)
     if not any(p is not None and p.size for p in parts):
         if fd >= 0:
             os.close(fd)
