@@ -131,6 +131,14 @@ def test_overlapping_references_are_refused() -> None:
         plan(0, 40, refs, object_end=40, max_bytes=MAX, min_bytes=MIN)
 
 
+def test_references_past_the_range_count_for_their_bytes_within_it() -> None:
+    refs = [Reference(0, 30, BASES[0], 100), Reference(34, 60, BASES[0], 134)]  # one part's range: [16, 40)
+    parts = plan(16, 40, refs, object_end=60, max_bytes=MAX, min_bytes=MIN)
+    assert [(p.start, p.end, p.copy) for p in parts] == [(16, 30, True), (30, 35, False), (35, 40, True)]
+    assert (parts[0].pieces[0].offset, parts[2].pieces[0].offset) == (116, 135)
+    assert [(q.start, q.end, q.source) for q in parts[1].pieces] == [(30, 34, None), (34, 35, BASES[0])]
+
+
 def test_part_sizes_of_a_copy_are_near_equal() -> None:
     (part,) = plan(0, 7, [Reference(0, 7, BASES[1], 0)], object_end=7, max_bytes=MAX, min_bytes=MIN)
     assert isinstance(part, Part) and part.copy and part.uploaded == 0

@@ -99,9 +99,10 @@ def plan(
     part has more than `max_bytes` (at least twice `min_bytes`). A copy part
     copies only from one reference; an upload part's pieces are staging's
     bytes except those inside references (read from their source).
+    References reaching past the range count for their bytes within it.
 
     Raises:
-        ValueError: references overlap or leave the range; the range is
+        ValueError: references overlap; the range is
             shorter than `min_bytes` and does not end the object; or
             `max_bytes` is below twice `min_bytes`.
     """
@@ -121,9 +122,11 @@ def _pieces(start: int, end: int, refs: Iterable[Reference]) -> list[Piece]:
     """[start, end) tiled by the references (adjacent ones of one source merged) and staging between them."""
     out: list[Piece] = []
     at = start
-    for r in sorted((r for r in refs if r.end > start and r.start < end), key=lambda r: r.start):
-        if r.start < at or r.end > end or r.start < start:
-            raise ValueError(f"reference [{r.start}, {r.end}) overlaps another or leaves [{start}, {end})")
+    for whole in sorted((r for r in refs if r.end > start and r.start < end), key=lambda r: r.start):
+        cut = max(start, whole.start)  # clipped to the range
+        r = Reference(cut, min(end, whole.end), whole.source, whole.offset + cut - whole.start)
+        if r.start < at:
+            raise ValueError(f"reference [{whole.start}, {whole.end}) overlaps another")
         if r.start > at:
             out.append(Piece(at, r.start))
         last = out[-1] if out else None

@@ -58,9 +58,10 @@ class PartUpload:
         self._executor = executor
         self._lock = threading.Lock()
         self._covered = [0] * self.count
-        self._sent: dict[int, Future[dict[str, Any]]] = {}
+        self._sent: dict[int, list[Future[dict[str, Any]]]] = {}  # per part_bytes slot: its part(s)
         self._ended = False
-        self._uploaded = 0
+        self._uploaded = 0  # bytes sent from here (not copied server-side)
+        self._max_bytes = max(part_bytes, 2 * s3_part_copy.MIN_PART_BYTES)
         self._created: Future[str] = executor.submit(self._create)
 
     def _create(self) -> str:
@@ -73,18 +74,30 @@ class PartUpload:
     def on_range(self, start: int, end: int) -> None:
         """Counts `[start, end)` as written; sends each part it completes."""
         with self._lock:
-            if self._ended:
-                return
-            first, last = start // self.part_bytes, (max(end, start + 1) - 1) // self.part_bytes
-            for part in range(first, min(last, self.count - 1) + 1):
-                lo, hi = self._span(part)
-                self._covered[part] += max(0, min(end, hi) - max(start, lo))
-                if self._covered[part] >= hi - lo and part not in self._sent:
-                    self._sent[part] = self._executor.submit(self._send, part)
+            self._cover(start, end)
+
+    def _cover(self, start: int, end: int) -> None:
+        """Counts `[start, end)` as accounted for (written or referred); sends each slot it completes. Locked."""
+        if self._ended:
+            return
+        first, last = start // self.part_bytes, (max(end, start + 1) - 1) // self.part_bytes
+        for part in range(first, min(last, self.count - 1) + 1):
+            lo, hi = self._span(part)
+            self._covered[part] += max(0, min(end, hi) - max(start, lo))
+            if self._covered[part] >= hi - lo and part not in self._sent:
+                refs = [r for r in self._refs if r.start < hi and lo < r.end]
+                if not refs:
+                    self._sent[part] = [self._executor.submit(self._send, part)]
+                elif self.part_bytes >= s3_part_copy.MIN_PART_BYTES:  # its copies and uploads, planned now
+                    planned = s3_part_copy.plan(lo, hi, refs, object_end=self.size, max_bytes=self._max_bytes)
+                    if len(planned) <= self.stride:
+                        self._sent[part] = self._submit(part, planned)
 
     def _send(self, part: int) -> dict[str, Any]:
         upload_id = self._created.result()
         lo, hi = self._span(part)
+        with self._lock:
+            self._uploaded += hi - lo
         body = os.pread(self._fd, hi - lo, lo)
         if len(body) != hi - lo:
             raise OSError(f"{self.key}: part {part + 1} has {len(body)} bytes in staging, {hi - lo} expected")
@@ -104,6 +117,7 @@ class PartUpload:
             raise ValueError(f"{self.key}: {self.count} parts leave no part numbers for copies")
         with self._lock:
             self._refs.append(s3_part_copy.Reference(start, end, source, offset))
+            self._cover(start, end)
 
     @property
     def referred_bytes(self) -> int:
@@ -116,11 +130,22 @@ class PartUpload:
         """The bytes sent from this daemon, not copied server-side (once complete)."""
         return self._uploaded
 
-    def _planned(self, upload_id: str) -> list[Future[dict[str, Any]]]:
-        """The parts not sent early, planned around the referred ranges and sent (copies and uploads)."""
+    def _submit(self, slot: int, planned: list[s3_part_copy.Part]) -> list[Future[dict[str, Any]]]:
+        """Sends planned parts numbered from `slot`'s first number. Locked."""
+        futures = []
+        for n, part in enumerate(planned):
+            self._uploaded += part.uploaded
+            futures.append(self._executor.submit(self._send_planned, slot * self.stride + 1 + n, part))
+        return futures
+
+    def _send_planned(self, number: int, part: s3_part_copy.Part) -> dict[str, Any]:
+        upload_id = self._created.result()
+        return s3_part_copy.send(self.client, self.bucket, self.key, upload_id, number, part, self._fd)
+
+    def _planned(self) -> list[Future[dict[str, Any]]]:
+        """The parts not sent early, planned around the referred ranges and sent (copies and uploads). Locked."""
         futures = []
         slot = 0
-        max_bytes = max(self.part_bytes, 2 * s3_part_copy.MIN_PART_BYTES)
         while slot < self.count:
             if slot in self._sent:
                 slot += 1
@@ -129,17 +154,10 @@ class PartUpload:
             while slot < self.count and slot not in self._sent:
                 slot += 1
             lo, hi = self._span(first)[0], self._span(slot - 1)[1]
-            parts = s3_part_copy.plan(lo, hi, self._refs, object_end=self.size, max_bytes=max_bytes)
+            parts = s3_part_copy.plan(lo, hi, self._refs, object_end=self.size, max_bytes=self._max_bytes)
             if len(parts) > (slot - first) * self.stride:
                 raise ValueError(f"{self.key}: {len(parts)} parts for bytes [{lo}, {hi}) exceed their part numbers")
-            for n, planned in enumerate(parts):
-                self._uploaded += planned.uploaded
-                futures.append(
-                    self._executor.submit(
-                        s3_part_copy.send, self.client, self.bucket, self.key, upload_id,
-                        first * self.stride + 1 + n, planned, self._fd,
-                    )
-                )  # fmt: skip
+            futures += self._submit(first, parts)
         return futures
 
     def sent_early(self) -> int:
@@ -153,20 +171,14 @@ class PartUpload:
         Raises:
             Exception: a part or the completion failed (the caller aborts).
         """
-        upload_id = self._created.result() if self._refs else ""
         with self._lock:
-            self._uploaded = sum(self._span(p)[1] - self._span(p)[0] for p in self._sent)
             if self._refs:
-                planned = self._planned(upload_id)
-                futures = [*self._sent.values(), *planned]
-                for n, future in enumerate(planned):
-                    self._sent[-1 - n] = future  # so that `abort` waits for them too
+                self._sent[-1] = self._planned()  # numbered between the slots sent already
             else:
                 for part in range(self.count):
                     if part not in self._sent:
-                        self._sent[part] = self._executor.submit(self._send, part)
-                futures = [self._sent[p] for p in range(self.count)]
-                self._uploaded = self.size
+                        self._sent[part] = [self._executor.submit(self._send, part)]
+            futures = [f for sent in self._sent.values() for f in sent]
         parts = sorted((f.result() for f in futures), key=lambda p: int(p["PartNumber"]))
         answer = self.client.complete_multipart_upload(
             Bucket=self.bucket, Key=self.key, UploadId=self._created.result(), MultipartUpload={"Parts": parts}
@@ -180,7 +192,7 @@ class PartUpload:
         """Drops the upload and its parts (best effort; recovery aborts what is left)."""
         with self._lock:
             self._ended = True
-            futures = list(self._sent.values())
+            futures = [f for sent in self._sent.values() for f in sent]
         for future in futures:
             future.cancel()
         for future in futures:
