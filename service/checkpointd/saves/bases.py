@@ -42,10 +42,12 @@ from pathlib import Path
 from typing import Protocol
 
 from checkpointd.core import chunk_record as chunks
+from checkpointd.core.manifest import VariableSpec
 from checkpointd.core.ports import CommittedSave, SaveSink, Staged, Store
 from checkpointd.core.retention import age
 from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.wire import crc32c_of
 from checkpointd.saves.checkpoint_dirs import directory_of
 from checkpointd.saves.requests import SaveRequest
@@ -141,7 +143,7 @@ def open_base(
     request: SaveRequest,
     local: bool,
     newest: Newest | None = None,
-    variables: Sequence[tuple[str, str, tuple[int, ...], int]] = (),
+    variables: Sequence[VariableSpec] = (),
 ) -> OpenBase | None:
     """The base the request's save may copy from, opened; None if there is none to use.
 
@@ -152,15 +154,17 @@ def open_base(
         local: whether the store's saves are files on this host (else the
             store must be `RemoteBases` for a base to be offered).
         newest: what is known of each dir's newest checkpoint; None lists the dir.
-        variables: a policy save's payload parts but its numpy state, as
-            (bundle key, dtype, shape, bytes); a training checkpoint's come
-            from its request.
+        variables: a policy save's variables (its manifest's), its payload
+            parts but the numpy state; a training checkpoint's come with it.
     """
     checkpoint = request.checkpoint
     remote = None if local else getattr(store, "base_source", None)
     if checkpoint is not None:
-        variables = [(t.checkpoint_key, t.dtype, t.shape, t.nbytes) for t in checkpoint.tensors]
-    if not variables or (not local and remote is None):
+        keyed = [(t.checkpoint_key, t.dtype, t.shape, t.nbytes) for t in checkpoint.tensors]
+    else:  # as the policy's bundle names them: a SavedModel's keys or a checkpoint's
+        saved_model = request.kind is SaveKind.SAVED_MODEL
+        keyed = [(v.key if saved_model else v.checkpoint_key, v.dtype, v.shape, v.nbytes) for v in variables]
+    if not keyed or (not local and remote is None):
         return None
     found = (newest or Newest()).find(store, folder, request)
     if found is None:
@@ -191,7 +195,7 @@ def open_base(
             _LOGGER.info("run %s: base %s is not the file its manifest describes; sending in full", request.run, path)
             return None
     parts: list[chunks.BaseTensor | None] = []
-    for key, dtype, shape, nbytes in variables:
+    for key, dtype, shape, nbytes in keyed:
         b = record.tensors.get(key)
         same = b is not None and not tensors.is_string(dtype) and (b.dtype, b.shape, b.size) == (dtype, shape, nbytes)
         parts.append(b if same else None)

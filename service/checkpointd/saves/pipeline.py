@@ -365,9 +365,7 @@ class SavePipeline:
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
             if request.incremental:  # through shared memory too: the daemon compares the chunks itself
-                base = bases.open_base(
-                    self.store, folder, request, self._local, self._bases, _bundle_keys(request, manifest)
-                )
+                base = bases.open_base(self.store, folder, request, self._local, self._bases, manifest.variables)
             offer = _offer(base) if segment is None else None
             yield Decision(accepted=True, segment=segment, lock_path=lock_path, base=offer)
             meta = SaveMeta(run, request.kind, request.step, request.export_dir)
@@ -505,14 +503,6 @@ class _AtWriterPriority:
 
     def close(self) -> None:
         self._sink.close()
-
-
-def _bundle_keys(request: SaveRequest, manifest: Manifest) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """A policy save's variables as its bundle names them (a SavedModel's keys or a checkpoint's)."""
-    if request.checkpoint is not None:
-        return []  # a training checkpoint's come with it
-    saved_model = request.kind is SaveKind.SAVED_MODEL
-    return [(v.key if saved_model else v.checkpoint_key, v.dtype, v.shape, v.nbytes) for v in manifest.variables]
 
 
 def _offer(base: bases.OpenBase | None) -> BaseOffer | None:
