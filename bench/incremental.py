@@ -15,6 +15,12 @@ save the same state, in alternating order:
 - the trainer's stall (save()'s return) and call -> durable (ticket.result());
 - the full-change case: every row rewritten and the agent trained, the
   incremental save against the one with incremental off.
+
+With `--s3-endpoint URL --s3-bucket B` (credentials: the AWS_* environment)
+the 1 % reps run again on a daemon committing to `s3://B/<prefix>`: bytes
+uploaded per save (checkpointd_store_uploaded_bytes_total, read around each
+save; unchanged ranges are copied in the bucket with UploadPartCopy) and
+call -> committed, incremental against the same save in full.
 """
 
 from __future__ import annotations
@@ -97,6 +103,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "buffer_bytes": buffer_bytes, "agent_bytes": state_bytes - buffer_bytes,
                  "changed_rows": changed_rows},
     }  # fmt: skip
+    if args.s3_endpoint:
+        result["s3"] = _s3_reps(args, work, objects, rewrite, trainer, step, rows, changed_rows, chunks_bound, columns)
     daemon = start_daemon(work / "daemon-root", work / "daemon-work")
     try:
         common = {"max_to_keep": 2, "timeout": SAVE_TIMEOUT, "shared_memory": False}
@@ -163,12 +171,90 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _s3_reps(
+    args: argparse.Namespace, work: Path, objects: dict[str, Any], rewrite: Any, trainer: Any, step: Any,
+    rows: int, changed_rows: int, chunks_bound: Any, columns: list[Any],
+) -> dict[str, Any]:  # fmt: skip
+    """The 1 % reps on a daemon committing to S3: bytes uploaded and call -> committed, incremental vs full."""
+    import secrets
+
+    from bench.stats import summarize
+    from checkpointd_client import RemoteCheckpointer
+    from tests.integration.daemon import start_daemon
+    from tests.integration.scrape import Metrics
+
+    url = f"s3://{args.s3_bucket}/bench-incremental-{secrets.token_hex(4)}"
+    daemon = start_daemon(
+        url, work / "s3-daemon", "--work-dir", str(work / "s3-state"),  # type: ignore[arg-type]
+        "--s3-endpoint-url", args.s3_endpoint, "--s3-region", "us-east-1",
+    )  # fmt: skip
+
+    def uploaded() -> float:  # a scrape of its own each time
+        return float(Metrics(daemon.metrics_url)("checkpointd_store_uploaded_bytes_total", kind="training_checkpoint"))
+
+    out: list[dict[str, Any]] = []
+    try:
+        common = {"max_to_keep": 2, "timeout": SAVE_TIMEOUT, "shared_memory": False}
+        incr = RemoteCheckpointer("incr", daemon.address, run="s3incr", **common, **objects)
+        full = RemoteCheckpointer("full", daemon.address, run="s3full", incremental=False, **common, **objects)
+        try:
+
+            def save(ckpt: Any) -> dict[str, float]:
+                before = uploaded()
+                started = time.perf_counter()
+                r = ckpt.save(step).result(SAVE_TIMEOUT)
+                return {"committed": time.perf_counter() - started, "uploaded": uploaded() - before,
+                        "received": r.bytes_received, "copied": r.bytes_copied}  # fmt: skip
+
+            progress("S3: first saves (the incremental run's base)")
+            save(incr), save(full)
+            start = rows // 5
+            for rep in range(args.reps):
+                rewrite(start, changed_rows)
+                trainer.step()
+                pair = (
+                    (("incremental", incr), ("full", full)) if rep % 2 == 0 else (("full", full), ("incremental", incr))
+                )
+                row: dict[str, Any] = {name: save(ckpt) for name, ckpt in pair}
+                row["changed_chunk_bytes"] = chunks_bound(start, changed_rows)
+                row["changed_regions"] = (2 if start + changed_rows > rows else 1) * len(columns)
+                out.append(row)
+                progress(
+                    f"S3 rep {rep}: incremental uploaded {row['incremental']['uploaded'] / 1e6:.1f} MB, committed in "
+                    f"{row['incremental']['committed']:.2f} s; full {row['full']['uploaded'] / 1e6:.1f} MB in "
+                    f"{row['full']['committed']:.2f} s"
+                )
+                start = (start + changed_rows * 37) % rows
+        finally:
+            incr.close(SAVE_TIMEOUT)
+            full.close(SAVE_TIMEOUT)
+    finally:
+        daemon.terminate()
+        from bench.s3 import delete_prefix
+        from checkpointd.storage.s3_client import make_client
+
+        # radosgw's memstore holds every stored byte in RAM: the run's objects go.
+        delete_prefix(make_client(args.s3_endpoint, "us-east-1"), args.s3_bucket, url.split("/", 3)[3] + "/")
+    return {
+        "reps": out,
+        "changed_chunk_bytes": summarize(r["changed_chunk_bytes"] for r in out),
+        "changed_regions": summarize(r["changed_regions"] for r in out),
+        **{
+            f"{name}_{what}": summarize(r[name][what] for r in out)
+            for name in ("incremental", "full")
+            for what in ("committed", "uploaded", "received", "copied")
+        },
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.incremental", description=__doc__.split("\n\n")[0])
     parser.add_argument("--large", action="store_true", help="the 1 GiB buffer (1.23 GB state), not 200 MiB")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--s3-endpoint", help="also on S3 at this endpoint (AWS_* credentials from the environment)")
+    parser.add_argument("--s3-bucket", help="the bucket for --s3-endpoint")
     args = parser.parse_args(argv)
     args.out.write_text(json.dumps(run(args), indent=1))
     return 0
@@ -208,6 +294,15 @@ def table(r: dict[str, Any]) -> list[str]:
         f"{'every byte changed: call -> durable':<46}incremental {fmt_time(med(every, 'incremental_durable'))}   "
         f"incremental off {fmt_time(med(every, 'full_durable'))}"
     )
+    s3 = c.get("s3")
+    if s3:
+        for label, key, fmt in (
+            ("S3: bytes uploaded", "uploaded", fmt_bytes),
+            ("S3: call -> committed", "committed", fmt_time),
+        ):
+            lines.append(
+                f"{label:<46}incremental {fmt(med(s3, f'incremental_{key}'))}   full {fmt(med(s3, f'full_{key}'))}"
+            )
     return lines
 
 
@@ -240,6 +335,26 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         return at_most(median(every, "incremental_durable"), FULL_CHANGE_FACTOR * off, fmt_time,
                        f"incremental off {fmt_time(off)}")  # fmt: skip
 
-    return [
-        judge(n, c["case"]["name"], fn, INCREMENTAL) for n, fn in zip(names, (sent, latency, full_change), strict=True)
-    ]
+    measures = [sent, latency, full_change]
+    s3 = c.get("s3")
+    if s3:  # measured only with --s3-endpoint
+        names += (
+            "incremental on S3: bytes uploaded <= changed bytes in whole chunks + 10 MiB per changed region "
+            "+ the agent's bytes",
+            f"incremental on S3: call -> committed <= {LATENCY_SHARE:g} x a full commit",
+        )
+
+        def uploaded() -> tuple[float, float, bool, str]:
+            agent, chunks = float(c["case"]["agent_bytes"]), median(s3, "changed_chunk_bytes")
+            regions = median(s3, "changed_regions")
+            return at_most(median(s3, "incremental_uploaded"), chunks + regions * (10 << 20) + agent, fmt_bytes,
+                           f"changed chunks {fmt_bytes(chunks)} in {regions:g} regions, agent {fmt_bytes(agent)}")  # fmt: skip
+
+        def committed() -> tuple[float, float, bool, str]:
+            whole = median(s3, "full_committed")
+            return at_most(
+                median(s3, "incremental_committed"), LATENCY_SHARE * whole, fmt_time, f"full {fmt_time(whole)}"
+            )
+
+        measures += [uploaded, committed]
+    return [judge(n, c["case"]["name"], fn, INCREMENTAL) for n, fn in zip(names, measures, strict=True)]

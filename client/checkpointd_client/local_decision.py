@@ -159,6 +159,7 @@ class DecidesLocally:
                 numpy_state=numpy_state.to_proto() if numpy_state is not None else None,
                 shared_memory=True,
                 held=path.to_proto(),
+                incremental=getattr(self, "_incremental", False),  # the daemon compares the segment's chunks
                 local_skips=self._local_skips.take(),
             )
             stream = SaveStream(daemon.save_stub, header, daemon.timeout)

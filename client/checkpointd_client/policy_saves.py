@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import tensorflow as tf
 from tf_agents.policies import policy_saver
 
+from checkpointd.protocol import increments
 from checkpointd.protocol.errors import CheckpointdError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir
@@ -56,6 +58,7 @@ class PolicySaves(DecidesLocally):
     _template_key: tuple[object, ...]
     _spare: tuple[snapshot.Bindings, tuple[np.ndarray, ...]] | None
     _use_shm: bool
+    _incremental: bool  # changed chunks only (see RemotePolicySaver)
     _segment: shm.SegmentMap | None
 
     def _save(
@@ -108,7 +111,7 @@ class PolicySaves(DecidesLocally):
             if ticket is not None:
                 return ticket, not ticket.skipped  # a skip needs no upload
         ticket = daemon.ticket(export_dir, kind, self._read_step(train_step))
-        stream, bindings, offer = self._decide(ticket, numpy_state, bindings, blocking)
+        stream, bindings, offer, base = self._decide(ticket, numpy_state, bindings, blocking)
         daemon.answered()
         if ticket.skipped:
             return ticket, False  # nothing was copied
@@ -123,11 +126,14 @@ class PolicySaves(DecidesLocally):
             except BaseException:
                 stream.close()
                 raise
+            again = self._resender(ticket, numpy_state, bindings, snap) if base is not None and chunks is None else None
             if blocking:
-                self._upload(stream, snap, chunks, ticket, bindings, callbacks)
+                self._upload(stream, snap, chunks, ticket, bindings, callbacks, base, again)
                 ticket.result()  # raises the save's error
                 return ticket, False
-            daemon.uploads.submit(self._upload_then_release, stream, snap, chunks, ticket, bindings, callbacks)
+            daemon.uploads.submit(
+                self._upload_then_release, stream, snap, chunks, ticket, bindings, callbacks, base, again
+            )
             handed_off = True
             return ticket, True
         finally:
@@ -145,11 +151,12 @@ class PolicySaves(DecidesLocally):
         numpy_state: NumpySnapshot | None,
         bindings: snapshot.Bindings,
         blocking: bool,
-    ) -> tuple[SaveStream, snapshot.Bindings, pb.SharedMemory | None]:
+        incremental: bool = True,
+    ) -> tuple[SaveStream, snapshot.Bindings, pb.SharedMemory | None, pb.IncrementalBase | None]:
         """Opens the Save call and reads the decision; registers again once if the daemon lost the run.
 
-        Returns the call, the bindings (new ones after a re-registration) and
-        the shared memory the accept offered, if any.
+        Returns the call, the bindings (new ones after a re-registration), and
+        the shared memory and the base the accept offered, if any.
         """
         daemon = self._daemon
         current = [bindings]
@@ -167,6 +174,7 @@ class PolicySaves(DecidesLocally):
                 numpy_state=numpy_state.to_proto() if numpy_state is not None else None,
                 shared_memory=self._use_shm,
                 local_skips=self._local_skips.take(),
+                incremental=self._incremental and incremental,
             )
             stream = SaveStream(daemon.save_stub, header, daemon.timeout)
             try:
@@ -183,7 +191,19 @@ class PolicySaves(DecidesLocally):
         if not decision.accepted:
             stream.skip(ticket, decision.reason, self._run)
         offer = decision.shared_memory if decision.HasField("shared_memory") else None
-        return stream, current[0], offer
+        return stream, current[0], offer, decision.base if decision.HasField("base") else None
+
+    def _resender(
+        self, ticket: SaveTicket, numpy_state: NumpySnapshot | None, bindings: snapshot.Bindings,
+        snap: snapshot.Snapshot,
+    ) -> Callable[[], tuple[SaveStream, Iterable[bytes]]]:  # fmt: skip
+        """Opens the save again, blocking and not incremental, to send `snap` in full (see SaveStream.finish)."""
+
+        def resend() -> tuple[SaveStream, Iterable[bytes]]:
+            stream, _, _, _ = self._decide(ticket, numpy_state, bindings, blocking=True, incremental=False)
+            return stream, snap.encoded_chunks(self._daemon.chunk_bytes)
+
+        return resend
 
     def _snapshot(
         self,
@@ -224,11 +244,17 @@ class PolicySaves(DecidesLocally):
     def _upload(
         self, stream: SaveStream, snap: snapshot.Snapshot, chunks: list[bytes] | None,
         ticket: SaveTicket, bindings: snapshot.Bindings, callbacks: tuple[options_lib.WriteCallback, ...],
+        base: pb.IncrementalBase | None = None, resend: Callable[[], tuple[SaveStream, Iterable[bytes]]] | None = None,
     ) -> None:  # fmt: skip
         if chunks is not None:  # in shared memory: the daemon's segment, not ours to reuse
             stream.finish(ticket, chunks, self._run)
         else:
-            stream.finish(ticket, snap.encoded_chunks(self._daemon.chunk_bytes), self._run)
+            size = self._daemon.chunk_bytes
+            # Against the base's digests, if offered: each chunk's CRC32C computed as gRPC sends, off this thread.
+            requests = (
+                increments.save_requests(snap.parts(), base, size) if base is not None else snap.encoded_chunks(size)
+            )
+            stream.finish(ticket, requests, self._run, resend=resend)
             if ticket.done() and ticket.exception(0) is None and self._graph_reads is None:
                 # Uploaded and answered: gRPC has let go of every chunk, so the
                 # next snapshot may reuse these arrays (a failed call may not
@@ -242,9 +268,10 @@ class PolicySaves(DecidesLocally):
     def _upload_then_release(
         self, stream: SaveStream, snap: snapshot.Snapshot, chunks: list[bytes] | None,
         ticket: SaveTicket, bindings: snapshot.Bindings, callbacks: tuple[options_lib.WriteCallback, ...],
+        base: pb.IncrementalBase | None = None, resend: Callable[[], tuple[SaveStream, Iterable[bytes]]] | None = None,
     ) -> None:  # fmt: skip
         try:
-            self._upload(stream, snap, chunks, ticket, bindings, callbacks)
+            self._upload(stream, snap, chunks, ticket, bindings, callbacks, base, resend)
         except Exception:
             # Only a write callback raises here (the upload's own errors end
             # the ticket); the save itself is durable.

@@ -75,6 +75,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         token_file: str | os.PathLike[str] | None = None,
         shared_memory: bool = True,
         session: tf.compat.v1.Session | None = None,
+        incremental: bool = True,
     ) -> None:
         """Builds the PolicySaver and a channel to the daemon; no network I/O yet.
 
@@ -112,6 +113,11 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
                 holds its variables; None: the default session at each
                 call, as PolicySaver reads them. Snapshots are then one
                 `session.run` of the variables' read ops, at the call.
+            incremental: only the variables' chunks that changed since the
+                run's newest save of the same kind in the same parent dir
+                travel (over gRPC; through shared memory the daemon compares
+                them) and the rest are copied from it on the daemon's side;
+                every save is still whole. False sends and writes every byte.
 
         Raises:
             TypeError: if `policy` is not a TFPolicy or `metadata` is not a
@@ -158,6 +164,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         # (bindings, arrays) of the last uploaded snapshot, reused by the next one.
         self._spare: tuple[snapshot.Bindings, tuple[np.ndarray, ...]] | None = None
         self._use_shm = shared_memory
+        self._incremental = incremental
         self._segment: shm.SegmentMap | None = None  # the daemon's segment, mapped here
         self._local_path: LocalDecisionPath | None = None
         self._local_owner: object | None = None

@@ -251,3 +251,64 @@ def test_references_to_chunks_the_base_does_not_have_are_refused(tmp_path: Path)
                 into.same(1, MiB, list(base.parts[0].crcs[:1]))  # type: ignore[union-attr]
     finally:
         base.close()
+
+
+def _whole_parts(
+    root: Path, spec: CheckpointSpec, values: Sequence[bytes], base: bases.OpenBase
+) -> list[tuple[int, int, object, int]]:
+    """Writes the values whole (a snapshot in shared memory) against `base` into `root`; returns the ranges referred.
+
+    With `base.source` set (an object store's base) the unchanged ranges are
+    referred to, not copied: they are copied here afterwards from the base's
+    file, as the store's UploadPartCopy would, so the files can be compared.
+    """
+    root.mkdir()
+    parts = [t.nbytes for t in spec.tensors] + [0]
+    referred: list[tuple[int, int, object, int]] = []
+    fmt = TrainingFormat()
+    with fmt.open("run", SaveKind.TRAINING_CHECKPOINT, None, root, parts, None, checkpoint=spec) as sink:  # type: ignore[arg-type]
+        if base.source is not None:
+            sink.watch(lambda start, end: None)
+            sink.watch_references(lambda start, end, source, offset: referred.append((start, end, source, offset)))
+        bases.Incremental(sink, base, parts).write_parts([memoryview(v) for v in [*values, b""]])
+        sink.settle()
+        base.check()
+        sink.finish()
+    data = root / (STAGED_STEM + DATA_SUFFIX)
+    with open(data, "r+b") as f:
+        for start, end, _, offset in referred:
+            f.seek(start)
+            f.write(os.pread(base.fd, end - start, offset))
+    return referred
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    pattern=st.sampled_from(PATTERNS),
+    a=st.integers(0, 1 << 30),
+    b=st.integers(0, 1 << 30),
+    remote=st.booleans(),
+)
+def test_a_snapshot_given_whole_copies_or_refers_its_unchanged_chunks_and_commits_a_full_saves_bytes(
+    tmp_path_factory: pytest.TempPathFactory, pattern: str, a: int, b: int, remote: bool
+) -> None:
+    tmp = tmp_path_factory.mktemp("whole")
+    spec = _spec()
+    values = _values(spec, 1)
+    base = _base(_write_base(tmp / "base", spec, values), spec)
+    if remote:
+        base.source = "the base object"  # the store copies it; the sink only names the ranges
+    try:
+        _change(values, pattern, a, b)
+        referred = _whole_parts(tmp / "incremental", spec, values, base)
+    finally:
+        base.close()
+    assert _files(tmp / "incremental") == _files(_full(tmp / "full", spec, values))
+    assert bool(referred) == (remote and base.copied > 0)
+    assert sum(end - start for start, end, _, _ in referred) == (base.copied if remote else 0)
+    if pattern == "none":
+        assert base.copied == sum(t.nbytes for t in spec.tensors[:-1])  # all but the Python state's string
+    if pattern == "everything":
+        assert base.copied == 0
+    if pattern in ("one_byte", "chunk_edge"):
+        assert base.copied >= spec.tensors[0].nbytes - 2 * MiB

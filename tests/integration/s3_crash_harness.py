@@ -20,7 +20,10 @@ the window between the last data object and the commit), `stream` (a kill
 point inside the streamed write: as soon as a staging dir holds a bundle's
 data file being written as the chunks arrive, and no index yet), `parts`
 (large sizes: still inside the streamed write, with parts of the data
-file's multipart upload already in the bucket). Aiming is only a
+file's multipart upload already in the bucket), `copies` (large sizes: a
+training checkpoint staged and its data file's upload open: an incremental
+checkpoint's commit, its unchanged parts being copied from the base
+object; only w's first rows change between checkpoints). Aiming is only a
 way to get there often; what the kill hit is judged afterwards, per run,
 from the frozen state: the daemon's staging dir (its manifest lists the
 save's files, sizes and CRC32Cs before the upload starts) against the bucket:
@@ -113,6 +116,7 @@ from checkpointd.protocol.errors import CheckpointdError  # noqa: E402
 from checkpointd.saves import shm  # noqa: E402
 from checkpointd.saves.shm import default_shm_root  # noqa: E402
 from checkpointd.storage.s3 import S3Store  # noqa: E402
+from checkpointd.storage.s3_client import error_code  # noqa: E402
 from checkpointd_client import RemoteCheckpointer, RemotePolicySaver  # noqa: E402
 from tests.integration import crash_harness, policies, s3_bucket  # noqa: E402
 from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
@@ -124,7 +128,7 @@ SIZES = {"small": (16,), "large": (2304, 2304)}
 # The training state's big tensor: 64 KB, or 19 MB (2 parts).
 TRAIN_SHAPES = {"small": (128, 128), "large": (2048, 2304)}
 PHASES = s3_bucket.PHASES
-AIMS = ("random", "multipart", "unmanifested", "stream", "parts")
+AIMS = ("random", "multipart", "unmanifested", "stream", "parts", "copies")
 TRAIN_DIR, MAX_TO_KEEP = "train", 2
 GRACE_SECONDS = 1.0
 # The killed daemon's run leases block its successor (another holder) until
@@ -147,6 +151,7 @@ class Figures:
     aims: collections.Counter[str] = field(default_factory=collections.Counter)
     saves_durable: int = 0
     saves_cut: int = 0
+    bytes_copied: int = 0  # by the training run's incremental checkpoints, from their base, in the bucket
     save_checks: int = 0  # committed saves checked against the bucket, summed over the checks
     objects_read_back: int = 0  # object versions read in full for their CRC32C
     loads: int = 0
@@ -164,6 +169,7 @@ class Figures:
         return (
             f"{self.trials} trials in {self.seconds:.1f}s (aimed {aims}); kills during {kills}; "
             f"{self.saves_durable} saves durable, {self.saves_cut} cut by a kill; "
+            f"{self.bytes_copied} bytes of checkpoints copied from their base; "
             f"{self.save_checks} save checks against the bucket ({self.objects_read_back} objects read back), "
             f"{self.loads} loads; leftovers cleaned by recovery: {self.leftover_objects} objects, "
             f"{self.leftover_uploads} multipart uploads; {len(self.failures)} failures"
@@ -171,8 +177,14 @@ class Figures:
 
 
 def train_values(step: int, shape: tuple[int, int]) -> dict[str, np.ndarray]:
-    """The training state at `step`: a function of the step, so any checkpoint can be checked alone."""
-    return {"w": np.full(shape, step, np.float32), "b": np.arange(8, dtype=np.int64) * step}
+    """The training state at `step`: a function of the step, so any checkpoint can be checked alone.
+
+    Only w's first rows change with the step (as a replay buffer's newest
+    rows do): an incremental checkpoint copies the rest from its base.
+    """
+    w = np.full(shape, -1.0, np.float32)
+    w[: max(1, shape[0] // 32)] = step
+    return {"w": w, "b": np.arange(8, dtype=np.int64) * step}
 
 
 # The trainers.
@@ -189,6 +201,7 @@ class _Trainer(threading.Thread):
         self.pending: int | None = None  # the step of the save call in flight
         self.durable = -1  # the newest step reported durable
         self.saves = 0  # how many were
+        self.copied = 0  # payload bytes the durable ones copied from their base
         self.cut = 0
         self.killed = threading.Event()
         self.first_durable = threading.Event()  # one checkpoint of this trial committed
@@ -205,8 +218,9 @@ class _Trainer(threading.Thread):
             try:
                 ticket = self.ckpt.save(self.step, blocking=self.rng.random() < 0.5)
                 if not ticket.skipped:  # one save at a time: none is skipped, but the API allows it
-                    ticket.result(_DEADLINE)
+                    result = ticket.result(_DEADLINE)
                     self.durable, self.saves = self.step, self.saves + 1
+                    self.copied += result.bytes_copied
                     self.first_durable.set()
             except CheckpointdError as exc:
                 if not self.killed.is_set():
@@ -444,6 +458,7 @@ class _Harness:
                 client._daemon._channel.close()  # noqa: SLF001 - close() would flush against a dead daemon
         self.figures.saves_durable += driver.durable + trainer.saves
         self.figures.saves_cut += driver.cut + trainer.cut
+        self.figures.bytes_copied += trainer.copied
         if driver.cycle:
             self.cycle = sum(driver.cycle) / len(driver.cycle)
         self.train_step, self.train_durable = trainer.step, max(self.train_durable, trainer.durable)
@@ -490,6 +505,12 @@ class _Harness:
             elif aim == "parts":
                 if any(_streaming(d) for d in self.staging.dirs()) and self._parts_up():
                     return
+            elif aim == "copies":  # a training checkpoint's commit: its parts copied from the base
+                staged = [s for s in map(self.staging.staged, self.staging.dirs()) if s is not None]
+                train = f"{self.base}{self.train_run}/"
+                if any(s.manifest_key.startswith(train) for s in staged) and self.reader.uploads(train):
+                    threading.Event().wait(self.rng.uniform(0.0, 0.05))
+                    return
             else:
                 staged = [s for s in map(self.staging.staged, self.staging.dirs()) if s is not None]
                 if staged:
@@ -502,7 +523,12 @@ class _Harness:
     def _parts_up(self) -> bool:
         """Whether a multipart upload under the prefix has a part in the bucket."""
         for key, upload_id in self.reader.uploads(self.base):
-            listed = self.reader.client.list_parts(Bucket=self.reader.bucket, Key=key, UploadId=upload_id)
+            try:
+                listed = self.reader.client.list_parts(Bucket=self.reader.bucket, Key=key, UploadId=upload_id)
+            except Exception as e:
+                if error_code(e) in ("NoSuchUpload", "NoSuchKey", "404"):  # completed or aborted since listed
+                    continue
+                raise
             if listed.get("Parts"):
                 return True
         return False

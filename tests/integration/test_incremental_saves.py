@@ -43,8 +43,9 @@ class Trainer:
         self.state.collect(20)
         self.buffer = tf.Variable(np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH), name="big")
         objects = {**self.state.objects, "big": self.buffer}
+        options.setdefault("shared_memory", False)
         self.remote = RemoteCheckpointer(
-            "train", daemon.address, run=run, max_to_keep=2, timeout=LIMIT, shared_memory=False, **options, **objects
+            "train", daemon.address, run=run, max_to_keep=2, timeout=LIMIT, **options, **objects
         )
         self.local = common.Checkpointer(str(local), max_to_keep=2, **objects)
         self.ours = daemon.root / run / "train"
@@ -144,6 +145,29 @@ def test_a_base_written_to_during_the_save_makes_the_client_send_it_again_in_ful
     assert second.bytes_copied == 0  # the resent save, in full
     assert trainer.same_files(second.step)
     assert trainer.remote.counts.failed == 0 and trainer.remote.counts.durable == 2
+
+
+def test_through_shared_memory_the_daemon_compares_the_chunks_and_copies_the_unchanged_ones(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    t = Trainer(daemon, "through-shm", tmp_path / "train", shared_memory=True)
+    try:
+        first = t.save()
+        assert first.bytes_copied == 0 and t.same_files(first.step)
+        t.rewrite(ROWS - 3, 6, 8.0)  # wraps: the last chunk and the first
+        t.state.train(1)
+        second = t.save()
+        assert t.same_files(second.step)
+        assert second.bytes_copied >= 6 * MiB  # six of the eight chunks copied from the base
+        saved = [line for line in daemon.log().splitlines() if "saved run=through-shm" in line]
+        assert len(saved) == 2 and all("transport=shm" in line for line in saved)  # not over gRPC
+        fresh = tf.train.load_checkpoint(str(t.ours / f"ckpt-{second.step}"))
+        np.testing.assert_array_equal(fresh.get_tensor("big/.ATTRIBUTES/VARIABLE_VALUE"), t.buffer.numpy())
+        t.rewrite(0, ROWS, 2.0)  # every byte of the buffer changed: nothing copied from it, still a full one
+        third = t.save()
+        assert t.same_files(third.step) and third.bytes_copied < 8 * MiB
+    finally:
+        t.close()
 
 
 def test_incremental_off_sends_every_byte(daemon: Daemon, tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ def test_kill_9_during_s3_uploads_and_commits_leaves_only_whole_saves_and_recove
     assert sum(n for phase, n in figures.kills.items() if phase.startswith("policy ")) == TRIALS
     assert sum(n for phase, n in figures.kills.items() if phase.startswith("training ")) == TRIALS
     assert figures.saves_durable > 0 and figures.save_checks > 0 and figures.loads > 0
+    assert figures.bytes_copied > 0  # the training run's checkpoints were incremental (copied in the bucket)
     # The kills cut uploads short, so recovery had objects or multipart uploads to clean (and did).
     assert figures.leftover_objects + figures.leftover_uploads > 0
 

@@ -74,3 +74,29 @@ def test_a_range_is_copied_to_its_place(tmp_path: Path, monkeypatch: pytest.Monk
         os.close(s)
         os.close(d)
     assert dst.read_bytes()[100 : 100 + 2 * C + 3] == data[5 : 5 + 2 * C + 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    offset=st.integers(0, 3 * 4096),
+    shift=st.sampled_from([0, 4096, 8192, 1, 4097]),
+    nbytes=st.integers(1, 5 * 4096),
+)
+def test_a_range_at_the_same_offset_modulo_a_block_is_copied_whole_in_head_middle_and_tail(
+    tmp_path_factory: pytest.TempPathFactory, offset: int, shift: int, nbytes: int
+) -> None:
+    tmp = tmp_path_factory.mktemp("copy")
+    data = bytes(range(256)) * (10 * 4096 // 256)
+    src, dst = tmp / "src", tmp / "dst"
+    src.write_bytes(data)
+    dst.write_bytes(b"\0" * (len(data) + 8192))
+    s, d = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY)
+    try:
+        copies.copy_range(s, offset, d, offset + shift, nbytes)
+    finally:
+        os.close(s)
+        os.close(d)
+    out = dst.read_bytes()
+    assert out[offset + shift : offset + shift + nbytes] == data[offset : offset + nbytes]
+    assert out[: offset + shift].count(0) == offset + shift  # nothing written outside the range
+    assert out[offset + shift + nbytes :].count(0) == len(out) - offset - shift - nbytes

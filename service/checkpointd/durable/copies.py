@@ -5,7 +5,12 @@ into the new one without passing through the daemon's memory. Where the
 file system can share extents (Btrfs, XFS with reflink, OCFS2, NFS 4.2,
 CIFS), Linux's copy_file_range clones them itself when the ranges allow
 (block-aligned offsets on both sides), so no FICLONERANGE call is made here;
-on ext4, tmpfs and overlayfs it copies the bytes in the kernel. Where the
+on ext4, tmpfs and overlayfs it copies the bytes in the kernel. A bundle's
+tensors start anywhere, not on a block, but a range copied from a base of
+the same layout sits at the same offset modulo the block on both sides: it
+is copied as its unaligned head and tail and its block-aligned middle, which
+a reflinking file system then shares instead of copying (on XFS with reflink,
+a GiB in milliseconds, where unaligned it copies the bytes). Where the
 call is refused (another file system on each side on old kernels, a seccomp
 filter), the range is copied with pread/pwrite.
 """
@@ -18,6 +23,7 @@ import os
 # Refusals that mean "not here", after which the bytes are copied by hand.
 _UNSUPPORTED = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM})
 _PIECE = 1 << 20
+_BLOCK = 4096  # the file systems' block (and clone) granularity
 
 
 def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
@@ -26,6 +32,17 @@ def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int
     Raises:
         OSError: the copy failed, or `src` ends before the range does (EIO).
     """
+    head = -src_offset % _BLOCK
+    if src_offset % _BLOCK == dst_offset % _BLOCK and nbytes >= head + _BLOCK:
+        middle = (nbytes - head) // _BLOCK * _BLOCK  # block-aligned on both sides: a clone where it can be
+        for at, n in ((0, head), (head, middle), (head + middle, nbytes - head - middle)):
+            if n:
+                _copy(src, src_offset + at, dst, dst_offset + at, n)
+        return
+    _copy(src, src_offset, dst, dst_offset, nbytes)
+
+
+def _copy(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
     while nbytes:
         try:
             n = os.copy_file_range(src, dst, nbytes, src_offset, dst_offset)

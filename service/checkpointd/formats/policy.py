@@ -31,6 +31,7 @@ new one's graph or keys. The last few templates of a run are kept for that.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -45,7 +46,7 @@ from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.core.ports import CommittedSave, SaveValues, SnapshotBytes, Staged
-from checkpointd.formats import bundle, numpy_files, policy_template, reader, sink, versions
+from checkpointd.formats import bundle, chunks, numpy_files, policy_template, reader, sink, versions
 from checkpointd.formats.policy_template import VARIABLES_PREFIX, Template
 from checkpointd.formats.sink import BundleSink
 from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
@@ -233,14 +234,19 @@ class PolicyFormat:
         position = {i: at for at, i in enumerate(order)}
         routes: list[int | None] = [position[j] for j in range(len(variables))]
         routes.append(None)  # the numpy state, kept for finish
-        return BundleSink(
-            staging / VARIABLES_PREFIX,
-            entries,
-            routes,
-            parts,
-            functools.partial(self._finish, template, kind, staging, numpy_state),
-            strings={len(order): graph},
+        finish = functools.partial(self._finish, template, kind, staging, numpy_state)
+
+        def finish_with_digests(index: bytes, tail: bytes) -> Staged:
+            # The next save's base: the variables' chunk digests, and the data file committing renames.
+            staged = finish(index, tail)
+            data = staging / (VARIABLES_PREFIX + bundle.DATA_SUFFIX)
+            record = chunks.record("/" + VARIABLES_PREFIX + bundle.DATA_SUFFIX, data.stat(), opened.digests())
+            return dataclasses.replace(staged, extra={**(staged.extra or {}), chunks.FIELD: record})
+
+        opened = BundleSink(
+            staging / VARIABLES_PREFIX, entries, routes, parts, finish_with_digests, strings={len(order): graph}
         )
+        return opened
 
     def _template(self, run: str, manifest: Manifest) -> Template:
         """The template a save was checked against: the registration whose manifest it is."""

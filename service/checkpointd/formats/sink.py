@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,7 +55,7 @@ from checkpointd.core.ports import Staged
 from checkpointd.durable import copies, writeback
 from checkpointd.formats import chunks
 from checkpointd.formats.bundle import DATA_SUFFIX, INDEX_SUFFIX, BundleWriter, Entry
-from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
+from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError
 from checkpointd.protocol.tensors import STRING
 
 # The data file's CRC32C is combined from its tensors' for up to one tensor per 2**this bytes.
@@ -117,6 +118,8 @@ class BundleSink:
         self._copies: list[Future[None]] = []  # ranges being copied from a base
         self._closed = False
         self._on_range: Callable[[int, int], None] | None = None
+        self._on_refer: Callable[[int, int, object, int], None] | None = None
+        self._referred = False  # some ranges were left to the store to copy (their bytes not in staging)
         self._stack = contextlib.ExitStack()
         try:
             self._writer = self._stack.enter_context(BundleWriter(prefix, entries))
@@ -189,31 +192,68 @@ class BundleSink:
             OSError: the copy failed.
         """
         with self._lock:
-            if self._closed:
-                raise ValueError("the save's files were closed (the save was given up)")
-            log = self._logs.get(part)
-            done = self._received[part]
-            size = self._parts[part]
-            whole = log is not None and offset % chunks.CHUNK_BYTES == 0
-            end = offset + nbytes
-            if (
-                not whole
-                or offset != done
-                or end > size
-                or (end % chunks.CHUNK_BYTES and end != size)
-                or len(crcs) != chunks.count(nbytes)
-            ):
-                raise InvalidRequestError(
-                    f"Save: {nbytes} bytes of part #{part} at offset {offset} referred to the base, which has "
-                    f"{done} of its {size} bytes (whole chunks of a tensor, in order)"
-                )
-            assert log is not None
-            route = self._route(part)
-            at = self._writer.offsets[route] + offset
-            self._writer.copied(route, nbytes, chunks.range_crc(crcs, offset, size))
-            log.add_chunks(crcs, nbytes)
-            self._received[part] = end
+            at = self._account(part, offset, nbytes, crcs)
             self._copies.append(_copiers.submit(self._copy, source, source_offset, self._writer.fileno, at, nbytes))
+
+    def refer(
+        self, part: int, offset: int, nbytes: int, source: object, source_offset: int, crcs: Sequence[int]
+    ) -> None:
+        """Counts whole chunks of part `part` at `offset` as equal to `source`'s bytes at `source_offset`, unwritten.
+
+        For a store that copies them itself (S3's UploadPartCopy): the range
+        is accounted for as `copy` does and reported to the callback given to
+        `watch_references`, and staging never holds its bytes.
+
+        Raises:
+            ChecksumError: no store takes the range (nothing watches): the
+                save is sent again in full.
+            InvalidRequestError, ValueError: as `copy`.
+        """
+        with self._lock:
+            if self._on_refer is None:
+                raise ChecksumError(
+                    "this save's data file goes up whole, so unchanged chunks cannot be copied from its base: "
+                    "send the save again in full (without incremental)"
+                )
+            at = self._account(part, offset, nbytes, crcs)
+            self._referred = True
+            self._on_refer(at, at + nbytes, source, source_offset)
+
+    def watch_references(self, on_refer: Callable[[int, int, object, int], None]) -> None:
+        """Calls `on_refer(start, end, source, source_offset)` for each range `refer` leaves unwritten."""
+        with self._lock:
+            self._on_refer = on_refer
+
+    def _account(self, part: int, offset: int, nbytes: int, crcs: Sequence[int]) -> int:
+        """Checks and counts a range put in place from elsewhere (whole chunks, in order); its data file offset.
+
+        The caller holds the lock.
+        """
+        if self._closed:
+            raise ValueError("the save's files were closed (the save was given up)")
+        log = self._logs.get(part)
+        done = self._received[part]
+        size = self._parts[part]
+        whole = log is not None and offset % chunks.CHUNK_BYTES == 0
+        end = offset + nbytes
+        if (
+            not whole
+            or offset != done
+            or end > size
+            or (end % chunks.CHUNK_BYTES and end != size)
+            or len(crcs) != chunks.count(nbytes)
+        ):
+            raise InvalidRequestError(
+                f"Save: {nbytes} bytes of part #{part} at offset {offset} referred to the base, which has "
+                f"{done} of its {size} bytes (whole chunks of a tensor, in order)"
+            )
+        assert log is not None
+        route = self._route(part)
+        at = self._writer.offsets[route] + offset
+        self._writer.copied(route, nbytes, chunks.range_crc(crcs, offset, size))
+        log.add_chunks(crcs, nbytes)
+        self._received[part] = end
+        return at
 
     def _copy(self, source: int, source_offset: int, fd: int, at: int, nbytes: int) -> None:
         copies.copy_range(source, source_offset, fd, at, nbytes)
@@ -252,15 +292,19 @@ class BundleSink:
         """
         if len(views) != len(self._parts):
             raise InvalidRequestError(f"Save: {len(views)} parts given whole; the snapshot has {len(self._parts)}")
+        for j in self.order():
+            if views[j].nbytes:
+                self.write(j, 0, views[j])
+
+    def order(self) -> list[int]:
+        """The parts in the data file's order (the tail last)."""
         last = self._writer.size  # the tail (not in the data file) after the tensors
 
         def at(j: int) -> int:
             route = self._routes[j]
             return last if route is None else self._writer.offsets[route]
 
-        for j in sorted(range(len(views)), key=at):
-            if views[j].nbytes:
-                self.write(j, 0, views[j])
+        return sorted(range(len(self._parts)), key=at)
 
     def watch(self, on_range: Callable[[int, int], None]) -> tuple[Path, int]:
         """Calls `on_range(start, end)` once each byte range of the data file is written; returns its path and size.
@@ -304,6 +348,8 @@ class BundleSink:
                 raise InvalidRequestError(
                     f"Save: part #{j} ended after {self._received[j]} of its {self._parts[j]} bytes"
                 )
+            if self._referred:  # a referred range at the end: the file is still its size (its manifest's)
+                os.ftruncate(self._writer.fileno, self._writer.size)
             index = self._writer.finish()
             tail = b"".join(bytes(b) for j, b in self._kept.items() if self._routes[j] is None)
             try:
@@ -325,7 +371,8 @@ class BundleSink:
             return staged  # staged elsewhere: the store reads the files back
         known = dict(staged.known or {})
         known[rel + INDEX_SUFFIX] = (len(index), crc32c.crc32c(index))
-        if len(self._writer.entries) <= max(self._writer.size >> _COMBINE_SHIFT, 1):
+        # Combined always when staging lacks referred ranges: reading the file back would sum holes.
+        if self._referred or len(self._writer.entries) <= max(self._writer.size >> _COMBINE_SHIFT, 1):
             known[rel + DATA_SUFFIX] = (self._writer.size, self._writer.data_crc())
         return dataclasses.replace(staged, known=known)
 

@@ -1,8 +1,10 @@
 """The base of an incremental save: the run's newest committed save, opened, and what it offers.
 
 A training checkpoint's base is the newest committed checkpoint of the run in
-the same dir, on local disk, whose manifest records its chunk digests
-(`checkpointd.formats.chunks`). It is opened at the accept, before its
+the same dir whose manifest records its chunk digests
+(`checkpointd.formats.chunks`); a policy save's (`save`, `save_checkpoint`)
+is the run's newest committed save of the same kind in the same parent dir
+(its `variables/` bundle: the same keys in the same layout). It is opened at the accept, before its
 digests are offered: the descriptor keeps its bytes readable should
 retention delete it (or a save replace it) while the new save copies from
 it, and the file is used only if its identity (device, inode, size,
@@ -11,8 +13,19 @@ identity is checked again (`check`): a file written to meanwhile fails the
 save with ChecksumError (DATA_LOSS: the client sends it again in full), so a
 copied range is never other than the bytes its digests describe.
 
+On an object store (`RemoteBases`: S3) the base is the newest committed
+checkpoint's data object, named with the ETag its manifest recorded; its
+ranges are not copied here but referred to (`BundleSink.refer`), and the
+store copies them server-side at commit on condition of that ETag
+(`checkpointd.storage.s3_part_copy`). A base that replaces itself (the same
+export dir) is not offered there: its object is the one being replaced.
+
 `Incremental` is the save's sink with the base beside it: the receiver hands
 it each SameChunks range, checked against the base's digests and copied.
+A snapshot in shared memory comes whole (`write_parts`): the daemon sums its
+chunks' CRC32Cs itself, after the trainer has let go of the call (as the
+bundle writer would sum them anyway), and copies the runs equal to the
+base's instead of writing them.
 `Newest` remembers each dir's newest checkpoint as this daemon committed it,
 so an accept lists the dir only once after a start.
 """
@@ -29,10 +42,13 @@ from pathlib import Path
 from typing import Protocol
 
 from checkpointd.core import chunk_record as chunks
+from checkpointd.core.manifest import VariableSpec
 from checkpointd.core.ports import CommittedSave, SaveSink, Staged, Store
 from checkpointd.core.retention import age
 from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.wire import crc32c_of
 from checkpointd.saves.checkpoint_dirs import directory_of
 from checkpointd.saves.requests import SaveRequest
 
@@ -50,6 +66,7 @@ class OpenBase:
     chunk_bytes: int
     parts: list[chunks.BaseTensor | None]  # per payload part: the base's same tensor, or None
     copied: int = field(default=0)  # payload bytes copied from it so far
+    source: object | None = None  # on an object store: the object the store copies from (fd is -1)
 
     def offer(self) -> list[tuple[int, ...]]:
         """Each part's chunk digests, () where the base has no such tensor."""
@@ -57,6 +74,8 @@ class OpenBase:
 
     def check(self) -> None:
         """Raises ChecksumError unless the base's file is still the one its digests describe."""
+        if self.fd < 0:
+            return  # an object's copies are conditional on its ETag instead
         if chunks.identity(os.fstat(self.fd)) != self.identity:
             raise ChecksumError(
                 f"the base save {self.export_dir!r} was written to while this save copied from it; "
@@ -70,24 +89,32 @@ class OpenBase:
             os.close(fd)
 
 
+class RemoteBases(Protocol):
+    """A store whose committed saves are objects another save's parts may be copied from (S3)."""
+
+    def base_source(self, save: CommittedSave, data_file: str, size: int) -> object | None:
+        """The committed data object `save`'s path + `data_file` of `size` bytes as copies name it; None if unusable."""
+
+
 class Newest:
     """The newest committed checkpoint of each (folder, dir), as found once and then as committed here. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._saves: dict[tuple[str, str], CommittedSave] = {}
+        self._saves: dict[tuple[str, str, str], CommittedSave] = {}
 
     def find(self, store: Store, folder: str, request: SaveRequest) -> CommittedSave | None:
-        """The newest committed checkpoint of the request's run and kind in its dir, or None."""
-        key = (folder, directory_of(request.export_dir))
+        """The newest committed save of the request's run and kind in its dir, or None."""
+        key = (folder, directory_of(request.export_dir), request.kind.value)
         with self._lock:
             known = self._saves.get(key)
-        if known is not None and known.run == request.run and known.kind is request.kind:
+        if known is not None and known.run == request.run:
             return known
+        prefix = request.checkpoint is not None  # a training checkpoint's files are a prefix in its dir
         saves = [
             s
             for s in store.committed(folder, request.run)
-            if s.kind is request.kind and s.prefix and directory_of(s.export_dir) == key[1]
+            if s.kind is request.kind and s.prefix == prefix and directory_of(s.export_dir) == key[1]
         ]
         newest = max(saves, key=age) if saves else None
         if newest is not None:
@@ -97,15 +124,13 @@ class Newest:
 
     def committed(self, store: Store, folder: str, request: SaveRequest) -> None:
         """Reads back the manifest of the request's save, just committed: the dir's next base."""
-        if request.checkpoint is None:
-            return
         try:
             save = store.committed_at(folder, request.export_dir)
         except Exception as e:  # noqa: BLE001 - the save is committed; the next one lists the dir instead
             _LOGGER.info("run %s: %s not remembered as a base: %s", request.run, request.export_dir, e)
             save = None
         with self._lock:
-            key = (folder, directory_of(request.export_dir))
+            key = (folder, directory_of(request.export_dir), request.kind.value)
             if save is None:
                 self._saves.pop(key, None)
             else:
@@ -113,7 +138,12 @@ class Newest:
 
 
 def open_base(
-    store: Store, folder: str, request: SaveRequest, local: bool, newest: Newest | None = None
+    store: Store,
+    folder: str,
+    request: SaveRequest,
+    local: bool,
+    newest: Newest | None = None,
+    variables: Sequence[VariableSpec] = (),
 ) -> OpenBase | None:
     """The base the request's save may copy from, opened; None if there is none to use.
 
@@ -121,43 +151,60 @@ def open_base(
         store: where the run's saves are.
         folder: the run's folder.
         request: an accepted, incremental save.
-        local: whether the store's saves are files on this host.
+        local: whether the store's saves are files on this host (else the
+            store must be `RemoteBases` for a base to be offered).
         newest: what is known of each dir's newest checkpoint; None lists the dir.
+        variables: a policy save's variables (its manifest's), its payload
+            parts but the numpy state; a training checkpoint's come with it.
     """
     checkpoint = request.checkpoint
-    if not local or checkpoint is None:
+    remote = None if local else getattr(store, "base_source", None)
+    if checkpoint is not None:
+        keyed = [(t.checkpoint_key, t.dtype, t.shape, t.nbytes) for t in checkpoint.tensors]
+    else:  # as the policy's bundle names them: a SavedModel's keys or a checkpoint's
+        saved_model = request.kind is SaveKind.SAVED_MODEL
+        keyed = [(v.key if saved_model else v.checkpoint_key, v.dtype, v.shape, v.nbytes) for v in variables]
+    if not keyed or (not local and remote is None):
         return None
     found = (newest or Newest()).find(store, folder, request)
     if found is None:
         return None
     newest_save = found
     record = chunks.parse(newest_save.extra)
-    if record is None or record.chunk_bytes != chunks.CHUNK_BYTES or not isinstance(newest_save.path, Path):
+    if record is None or record.chunk_bytes != chunks.CHUNK_BYTES:
         return None
     path = Path(str(newest_save.path) + record.data_file)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        _LOGGER.info("run %s: no base for an incremental save: %s: %s", request.run, path, e)
-        return None
-    if chunks.identity(os.fstat(fd)) != record.identity:
-        os.close(fd)
-        _LOGGER.info("run %s: base %s is not the file its manifest describes; sending in full", request.run, path)
-        return None
+    source: object | None = None
+    if remote is not None:
+        if newest_save.export_dir == request.export_dir:
+            return None
+        source = remote(newest_save, record.data_file, record.identity[2])
+        if source is None:
+            return None
+        fd = -1
+    else:
+        if not isinstance(newest_save.path, Path):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            _LOGGER.info("run %s: no base for an incremental save: %s: %s", request.run, path, e)
+            return None
+        if chunks.identity(os.fstat(fd)) != record.identity:
+            os.close(fd)
+            _LOGGER.info("run %s: base %s is not the file its manifest describes; sending in full", request.run, path)
+            return None
     parts: list[chunks.BaseTensor | None] = []
-    for t in checkpoint.tensors:
-        b = record.tensors.get(t.checkpoint_key)
-        same = (
-            b is not None
-            and not tensors.is_string(t.dtype)
-            and (b.dtype, b.shape, b.size) == (t.dtype, t.shape, t.nbytes)
-        )
+    for key, dtype, shape, nbytes in keyed:
+        b = record.tensors.get(key)
+        same = b is not None and not tensors.is_string(dtype) and (b.dtype, b.shape, b.size) == (dtype, shape, nbytes)
         parts.append(b if same else None)
-    parts.append(None)  # the tail
+    parts.append(None)  # the tail (a policy save's numpy state)
     if not any(p is not None and p.size for p in parts):
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         return None
-    return OpenBase(newest_save.export_dir, path, fd, record.identity, record.chunk_bytes, parts)
+    return OpenBase(newest_save.export_dir, path, fd, record.identity, record.chunk_bytes, parts, source=source)
 
 
 class CopyingSink(SaveSink, Protocol):
@@ -165,6 +212,10 @@ class CopyingSink(SaveSink, Protocol):
 
     def copy(
         self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]
+    ) -> None: ...
+
+    def refer(
+        self, part: int, offset: int, nbytes: int, source: object, source_offset: int, crcs: Sequence[int]
     ) -> None: ...
 
     def settle(self) -> None: ...
@@ -206,8 +257,49 @@ class Incremental:
             raise InvalidRequestError(
                 f"Save: SameChunks at payload offset {offset}: the chunks' CRC32Cs are not the base's; send them as chunks"
             )
-        self._sink.copy(part, within, length, self._base.fd, base.offset + within, crcs)
+        self._reuse(part, base, within, length, crcs)
+
+    def _reuse(self, part: int, base: chunks.BaseTensor, within: int, length: int, crcs: Sequence[int]) -> None:
+        """Puts bytes [within, within + length) of part `part` in place from the base: copied, or referred to."""
+        if self._base.source is not None:  # an object: the store copies it server-side at commit
+            self._sink.refer(part, within, length, self._base.source, base.offset + within, crcs)
+        else:
+            self._sink.copy(part, within, length, self._base.fd, base.offset + within, crcs)
         self._base.copied += length
+
+    def write_parts(self, views: Sequence[memoryview]) -> None:
+        """Takes every part whole (a snapshot in shared memory): chunks equal to the base's are copied, not written.
+
+        Parts go in the sink's order (the data file's, `BundleSink.order`).
+
+        Raises:
+            as `SaveSink.write`.
+        """
+        order = getattr(self._sink, "order", None)
+        ordered = order() if order is not None else None
+        size = chunks.CHUNK_BYTES
+        for j in ordered if ordered is not None else range(len(views)):
+            view = memoryview(views[j]).cast("B")
+            base = self._base.parts[j] if j < len(self._base.parts) else None
+            if base is None:
+                if view.nbytes:
+                    self._sink.write(j, 0, view)
+                continue
+            run_at, run = 0, list[int]()  # unchanged chunks not yet put in place
+            for n, at in enumerate(range(0, view.nbytes, size)):
+                piece = view[at : at + size]
+                crc = crc32c_of(piece)
+                if crc == base.crcs[n]:
+                    if not run:
+                        run_at = at
+                    run.append(crc)
+                    continue
+                if run:
+                    self._reuse(j, base, run_at, at - run_at, run)
+                    run = []
+                self._sink.write(j, at, piece, crc)
+            if run:
+                self._reuse(j, base, run_at, view.nbytes - run_at, run)
 
     def settle(self) -> None:
         """Waits for the copies from the base still running (their OSError, if one failed)."""

@@ -364,9 +364,10 @@ class SavePipeline:
                     segment = None
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
-            if request.incremental and segment is None:
-                base = bases.open_base(self.store, folder, request, self._local, self._bases)
-            yield Decision(accepted=True, segment=segment, lock_path=lock_path, base=_offer(base))
+            if request.incremental:  # through shared memory too: the daemon compares the chunks itself
+                base = bases.open_base(self.store, folder, request, self._local, self._bases, manifest.variables)
+            offer = _offer(base) if segment is None else None
+            yield Decision(accepted=True, segment=segment, lock_path=lock_path, base=offer)
             meta = SaveMeta(run, request.kind, request.step, request.export_dir)
             fmt = self.formats(request.kind)
             # The save's files are open before its first byte arrives and are
@@ -397,8 +398,7 @@ class SavePipeline:
                     self._phases.observe_phase(kind, "write", time.monotonic() - writing)
             copied = base.copied if base is not None else 0
             outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
-            if self._local:
-                self._bases.committed(self.store, folder, request)
+            self._bases.committed(self.store, folder, request)
             self._phases.payload_bytes(kind, request.snapshot_bytes - copied, copied)
             if request.checkpoint is not None:
                 self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
@@ -485,6 +485,15 @@ class _AtWriterPriority:
 
     def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
         self._sink.copy(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]
+
+    def order(self) -> list[int] | None:
+        order = getattr(self._sink, "order", None)
+        return list(order()) if order is not None else None
+
+    def refer(
+        self, part: int, offset: int, nbytes: int, source: object, source_offset: int, crcs: Sequence[int]
+    ) -> None:
+        self._sink.refer(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]
 
     def settle(self) -> None:
         self._sink.settle()  # type: ignore[attr-defined]

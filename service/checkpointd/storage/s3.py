@@ -75,6 +75,7 @@ from checkpointd.storage.s3_client import (
     unavailable_on_error,
 )
 from checkpointd.storage.s3_keys import MANIFEST, PREFIX_MANIFEST, STORE_FIELDS
+from checkpointd.storage.s3_part_copy import Source, base_of
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -379,6 +380,10 @@ class S3Store:
     def keys_of(self, save: CommittedSave) -> s3_keys.SaveKeys:
         """Where a committed save's files and manifest are in the bucket."""
         return s3_keys.keys_of(save.path, prefix=save.prefix)
+
+    def base_source(self, save: CommittedSave, data_file: str, size: int) -> Source | None:
+        """The committed data object an incremental save's parts may copy (`checkpointd.saves.bases.RemoteBases`)."""
+        return base_of(self, save, data_file, size)
 
     def local_copy(
         self, save: CommittedSave, progress: Callable[[int], None] | None = None

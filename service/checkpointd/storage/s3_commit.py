@@ -49,6 +49,8 @@ def upload(
         part = store._streams.get(str(staged.path))
     if part is not None and part.key not in keys:  # not where the format put it: send it whole
         store.discard_stream(staged.path)
+        if part.referred_bytes:  # staging lacks the unchanged ranges: the client sends them
+            raise ChecksumError(f"{part.key} is not the data file's key; send the save again in full")
         part = None
     document = json.loads((staged.path / MANIFEST).read_bytes())
     entries = {str(e["path"]): (int(e["size"]), str(e["crc32c"])) for e in document["files"]}
@@ -82,6 +84,7 @@ def upload(
                     etags[key] = etag
             if part is not None:
                 etag = part.complete()  # after the old manifest went: the object appears now
+                sent -= part.size - part.uploaded  # copied from an incremental save's base, server-side
                 with store._lock:
                     store._streams.pop(str(staged.path), None)
                 if etag:
