@@ -57,3 +57,19 @@ def test_a_held_runs_hold_does_not_wait_for_the_runs_lock() -> None:
             assert returned.wait(WAIT)
     finally:
         leases.close()
+
+
+def test_a_run_due_for_its_idle_release_takes_the_locked_path() -> None:
+    bucket, clock = FakeBucket(), FakeClock()
+    leases = _leases(bucket, clock, "a", busy=lambda run: True)  # renewed, never released while busy
+    try:
+        leases.hold("r", None)
+        assert leases._touch_if_valid("r")
+        for _ in range(11):  # 33 s unused (idle is 30), the lease renewed every 3 s
+            clock.now += 3
+            leases.tick()
+        assert not leases._touch_if_valid("r")  # an idle release may be under way: hold() takes the run's lock
+        leases.hold("r", None)  # the locked path: still held, marked used again
+        assert leases._touch_if_valid("r")
+    finally:
+        leases.close()

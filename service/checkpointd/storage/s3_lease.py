@@ -163,8 +163,7 @@ class S3Leases:
         told = False
         # Held and valid (every save of a run held here): no wait for the run's
         # lock, which a renewal of it holds for its request's round trip.
-        self._touch(run)
-        if self._valid(run):
+        if self._touch_if_valid(run):
             return
         with self._run_lock(run):
             self._touch(run)
@@ -427,6 +426,21 @@ class S3Leases:
     def _held_but_lapsed(self, run: str) -> bool:
         with self._cond:
             return run in self._held
+
+    def _touch_if_valid(self, run: str) -> bool:
+        """Marks a held, valid lease used; False (nothing marked) if it is not, or is due for its idle release.
+
+        The idle release decides under the run's lock, on `used`; a run it
+        may be releasing (unused for `idle`) is left to `hold`'s locked path,
+        which waits for that release to end and takes the lease again.
+        """
+        with self._cond:
+            held = self._held.get(run)
+            now = self._clock()
+            if held is None or not held.holding.valid(now) or now - held.used >= self.idle:
+                return False
+            held.used = now
+            return True
 
     def _touch(self, run: str) -> None:
         with self._cond:
