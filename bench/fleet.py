@@ -67,10 +67,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import fleet_store
+from bench.fleet_store import MANIFEST, REGION
+
 ROOT = Path(__file__).resolve().parents[1]
 RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
-REGION = "us-east-1"
-MANIFEST = "checkpointd.manifest.json"
 PER_PROCESS = 64  # simulated trainers per client process
 CHUNK_BYTES = 1 << 20
 RATE_HZ = 1.0
@@ -176,7 +177,7 @@ def _s3_phase(
                 f"9. fleet, 3 daemons on one S3 prefix: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s"
             )
             out |= _phase(daemons, spec, trainers, seconds, work / "s3", progress)
-            out["manifests"] = _bucket_manifests(endpoint, bucket, prefix, aws)
+            out["manifests"] = fleet_store.bucket_manifests(endpoint, bucket, prefix, aws)
         finally:
             out["daemon_exit_codes"] = [d.terminate() for d in daemons]
         return out
@@ -193,20 +194,6 @@ def _profiled(name: str) -> list[str]:
     Path(folder).mkdir(parents=True, exist_ok=True)
     mode = ["--cprofile"] if os.environ.get("CHECKPOINTD_BENCH_PROFILE_MODE") == "cprofile" else []
     return [sys.executable, "-m", "bench.sampler", *mode, str(Path(folder) / f"{name}.txt"), "--"]
-
-
-def _bucket_manifests(endpoint: str, bucket: str, prefix: str, aws: dict[str, str]) -> int:
-    """The save manifests under the prefix (the store's reserved .checkpointd* keys aside)."""
-    os.environ.update(aws)
-    from checkpointd.storage.s3_client import make_client
-
-    client = make_client(endpoint, REGION)
-    keys = [
-        obj["Key"]
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
-        for obj in page.get("Contents", [])
-    ]
-    return sum(1 for k in keys if k.endswith("/" + MANIFEST) and "/.checkpointd" not in k)
 
 
 def _run(cmd: list[str], log: Path, timeout: float) -> None:
@@ -259,7 +246,7 @@ def _phase(
                 raise RuntimeError(f"a client process did not register its runs: {line!r}")
         start = time.time() + 1.0
         cpu0 = {d.proc.pid: _cpu_seconds(d.proc.pid) for d in daemons}
-        store0 = [_store_counts(d.metrics_url) for d in daemons]
+        store0 = [fleet_store.counts(d.metrics_url) for d in daemons]
         if os.environ.get("CHECKPOINTD_BENCH_PROFILE"):
             for d in daemons:
                 os.kill(d.proc.pid, signal.SIGUSR1)  # bench.sampler: the samples start here
@@ -275,7 +262,7 @@ def _phase(
                 raise RuntimeError(f"a client process exited with {p.returncode}: see {work}/clients-*.log")
             outcomes.append(json.loads(out.strip().splitlines()[-1]))
         cpu = sum(_cpu_seconds(pid) - c for pid, c in cpu0.items())
-        store = _store_delta(store0, [_store_counts(d.metrics_url) for d in daemons])
+        store = fleet_store.delta(store0, [fleet_store.counts(d.metrics_url) for d in daemons])
         rss = [_peak_rss_bytes(d.proc.pid) for d in daemons]
     finally:
         for p, err in procs:
@@ -324,30 +311,6 @@ def _phase(
         "s3_requests_per_commit_by_operation": {k: per_commit(n) for k, n in sorted(store["requests"].items())},
         "uploaded_bytes_per_commit": per_commit(store["uploaded_bytes"]) if store["requests"] else None,
     }
-
-
-def _store_counts(url: str) -> dict[str, Any]:
-    """A daemon's object-store counters: requests by operation, bytes uploaded by committed saves."""
-    from bench.scrape import scrape
-
-    requests: dict[str, float] = {}
-    uploaded = 0.0
-    for name, labels, value in scrape(url):
-        if name == "checkpointd_s3_requests_total":
-            requests[labels["operation"]] = requests.get(labels["operation"], 0.0) + value
-        elif name == "checkpointd_store_uploaded_bytes_total":
-            uploaded += value
-    return {"requests": requests, "uploaded_bytes": uploaded}
-
-
-def _store_delta(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The daemons' object-store counters over the window, summed over the daemons."""
-    requests: dict[str, float] = {}
-    for b, a in zip(before, after, strict=True):
-        for op, n in a["requests"].items():
-            requests[op] = requests.get(op, 0.0) + n - b["requests"].get(op, 0.0)
-    uploaded = sum(a["uploaded_bytes"] - b["uploaded_bytes"] for b, a in zip(before, after, strict=True))
-    return {"requests": {op: n for op, n in requests.items() if n}, "uploaded_bytes": uploaded}
 
 
 def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:

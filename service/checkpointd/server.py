@@ -377,12 +377,12 @@ def _make_store(
         )
         return local, NoLeases()
     from checkpointd.storage.s3 import S3Store  # boto3 loads only for an s3:// root
-    from checkpointd.storage.s3_client import S3Url, make_client
+    from checkpointd.storage.s3_client import S3Url, count_requests, make_client
     from checkpointd.storage.s3_lease import S3Leases
 
     url = S3Url.parse(config.s3_url)
     client = make_client(config.s3_endpoint_url, config.s3_region, 4 * _S3_CONCURRENCY)
-    client.meta.events.register("before-send.s3", functools.partial(_count_request, metrics))
+    count_requests(client, metrics.s3_request)
     leases = S3Leases(
         client, url.bucket, url.prefix, ttl=config.lease_seconds, idle=config.lease_idle_seconds,
         busy=busy, sink=metrics, taken=taken,
@@ -404,14 +404,6 @@ def _make_store(
         store.close()
         raise
     return store, leases
-
-
-def _count_request(metrics: Metrics, event_name: str = "", **_: object) -> None:
-    """botocore's before-send hook: counts the request by its operation (the event's last part).
-
-    Returns None: a value returned here would be taken as the response.
-    """
-    metrics.s3_request(event_name.rpartition(".")[2] or "unknown")
 
 
 def _own_dir(config: ServeConfig) -> DirLock:
