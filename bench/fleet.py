@@ -34,7 +34,12 @@ and committed, p50/p99 call -> durable, skipped, failed, accepted against
 committed by counting the manifests (files under the local root; objects
 in the bucket), the daemons' CPU seconds per save (utime + stime from
 /proc/<pid>/stat, from the start time to the last flush) and their peak RSS
-(VmHWM). Targets: zero lost (accepted = committed = manifests), and p99 <=
+(VmHWM), the simulated trainers' own CPU per save offered (each client
+process's rusage over the window: on one machine it comes out of the
+daemons' cores), and on S3 the daemons' requests per committed save by
+operation and bytes uploaded per committed save (their
+checkpointd_s3_requests_total and checkpointd_store_uploaded_bytes_total,
+scraped at the start and the end). Targets: zero lost (accepted = committed = manifests), and p99 <=
 250 ms on one daemon.
 
 Diagnostics (environment, so a bench run's flags stay the same):
@@ -51,6 +56,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -61,10 +67,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import fleet_store
+from bench.fleet_store import MANIFEST, REGION
+
 ROOT = Path(__file__).resolve().parents[1]
 RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
-REGION = "us-east-1"
-MANIFEST = "checkpointd.manifest.json"
 PER_PROCESS = 64  # simulated trainers per client process
 CHUNK_BYTES = 1 << 20
 RATE_HZ = 1.0
@@ -170,7 +177,7 @@ def _s3_phase(
                 f"9. fleet, 3 daemons on one S3 prefix: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s"
             )
             out |= _phase(daemons, spec, trainers, seconds, work / "s3", progress)
-            out["manifests"] = _bucket_manifests(endpoint, bucket, prefix, aws)
+            out["manifests"] = fleet_store.bucket_manifests(endpoint, bucket, prefix, aws)
         finally:
             out["daemon_exit_codes"] = [d.terminate() for d in daemons]
         return out
@@ -187,20 +194,6 @@ def _profiled(name: str) -> list[str]:
     Path(folder).mkdir(parents=True, exist_ok=True)
     mode = ["--cprofile"] if os.environ.get("CHECKPOINTD_BENCH_PROFILE_MODE") == "cprofile" else []
     return [sys.executable, "-m", "bench.sampler", *mode, str(Path(folder) / f"{name}.txt"), "--"]
-
-
-def _bucket_manifests(endpoint: str, bucket: str, prefix: str, aws: dict[str, str]) -> int:
-    """The save manifests under the prefix (the store's reserved .checkpointd* keys aside)."""
-    os.environ.update(aws)
-    from checkpointd.storage.s3_client import make_client
-
-    client = make_client(endpoint, REGION)
-    keys = [
-        obj["Key"]
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
-        for obj in page.get("Contents", [])
-    ]
-    return sum(1 for k in keys if k.endswith("/" + MANIFEST) and "/.checkpointd" not in k)
 
 
 def _run(cmd: list[str], log: Path, timeout: float) -> None:
@@ -253,6 +246,7 @@ def _phase(
                 raise RuntimeError(f"a client process did not register its runs: {line!r}")
         start = time.time() + 1.0
         cpu0 = {d.proc.pid: _cpu_seconds(d.proc.pid) for d in daemons}
+        store0 = [fleet_store.counts(d.metrics_url) for d in daemons]
         if os.environ.get("CHECKPOINTD_BENCH_PROFILE"):
             for d in daemons:
                 os.kill(d.proc.pid, signal.SIGUSR1)  # bench.sampler: the samples start here
@@ -268,6 +262,7 @@ def _phase(
                 raise RuntimeError(f"a client process exited with {p.returncode}: see {work}/clients-*.log")
             outcomes.append(json.loads(out.strip().splitlines()[-1]))
         cpu = sum(_cpu_seconds(pid) - c for pid, c in cpu0.items())
+        store = fleet_store.delta(store0, [fleet_store.counts(d.metrics_url) for d in daemons])
         rss = [_peak_rss_bytes(d.proc.pid) for d in daemons]
     finally:
         for p, err in procs:
@@ -285,6 +280,8 @@ def _phase(
             codes[key] = codes.get(key, 0) + n
         examples = o["examples"] | examples
     after_accept = sum(n for key, n in codes.items() if key.startswith("after accept"))
+    client_cpu = sum(o["cpu_seconds"] for o in outcomes)
+    per_commit = (lambda x: x / total["committed"]) if total["committed"] else (lambda x: None)  # noqa: E731
     return {
         "daemons": len(daemons),
         **total,
@@ -304,6 +301,15 @@ def _phase(
         "daemon_cpu_seconds": cpu,
         "daemon_cpu_ms_per_save": 1000 * cpu / total["committed"] if total["committed"] else None,
         "daemon_peak_rss_mib": [r / (1 << 20) for r in rss],
+        # The simulated trainers' own CPU (every client process, the window and the flushes):
+        # on one machine it is taken from the daemons' cores.
+        "client_cpu_seconds": client_cpu,
+        "client_cpu_ms_per_call": 1000 * client_cpu / total["offered"] if total["offered"] else None,
+        # Object store traffic over the window (the daemons' own counters); {} on a local root.
+        "s3_requests_by_operation": store["requests"],
+        "s3_requests_per_commit": per_commit(sum(store["requests"].values())) if store["requests"] else None,
+        "s3_requests_per_commit_by_operation": {k: per_commit(n) for k, n in sorted(store["requests"].items())},
+        "uploaded_bytes_per_commit": per_commit(store["uploaded_bytes"]) if store["requests"] else None,
     }
 
 
@@ -389,6 +395,14 @@ def table(results: dict[str, Any]) -> str:
         )
         for key, n in sorted(r["failure_codes"].items()):
             lines.append(f"     {key}: {n} (e.g. {r['failure_examples'][key][:150]})")
+        if r.get("client_cpu_ms_per_call") is not None:
+            lines.append(f"     the simulated trainers' own CPU: {r['client_cpu_ms_per_call']:.2f} ms per save offered")
+        if r.get("s3_requests_per_commit") is not None:
+            ops = ", ".join(f"{op} {n:.2f}" for op, n in r["s3_requests_per_commit_by_operation"].items())
+            lines.append(
+                f"     S3 per committed save: {r['s3_requests_per_commit']:.2f} requests ({ops}), "
+                f"{r['uploaded_bytes_per_commit']:,.0f} B uploaded"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -457,6 +471,7 @@ async def _clients(addresses: list[str], spec: Path, first: int, count: int, tra
         await asyncio.gather(*(register(r, i) for r, i in runs[k : k + 16]))
     print(json.dumps({"ready": count}), flush=True)
     start = float(await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline))
+    cpu0 = _own_cpu_seconds()
 
     out: dict[str, Any] = {"offered": 0, "accepted": 0, "skipped": 0, "failed": 0, "committed": 0, "flush_failed": 0}
     latencies: list[float] = []
@@ -520,9 +535,11 @@ async def _clients(addresses: list[str], spec: Path, first: int, count: int, tra
             failures.append(f"{run} flush: {e.code().name}: {e.details()}")
 
     await asyncio.gather(*(trainer(r, i) for r, i in runs))
+    cpu = _own_cpu_seconds() - cpu0
     for c in channels:
         await c.close()
     out |= {
+        "cpu_seconds": cpu,
         "latencies": latencies,
         "lags": lags,
         "failures": failures[:5],
@@ -531,6 +548,12 @@ async def _clients(addresses: list[str], spec: Path, first: int, count: int, tra
         "tensorflow_imported": "tensorflow" in sys.modules,
     }
     print(json.dumps(out), flush=True)
+
+
+def _own_cpu_seconds() -> float:
+    """This process's CPU seconds, every thread (gRPC's own included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -101,6 +101,13 @@ class Metrics:
             ["kind"],
             registry=registry,
         )
+        self.s3_requests = Counter(
+            "checkpointd_s3_requests",
+            "Requests this daemon sent to the object store, by operation (PutObject, ListObjectsV2, ...); "
+            "a retried request counts once per attempt.",
+            ["operation"],
+            registry=registry,
+        )
         self.leases = Gauge(
             "checkpointd_leases_held",
             "Run leases this daemon holds in a shared object store (it writes those runs).",
@@ -183,6 +190,10 @@ class Metrics:
         """One commit's upload to the object store: phase "upload", and its bytes."""
         self.phase_duration.labels(kind, "upload").observe(seconds)
         self.uploaded_bytes.labels(kind).inc(nbytes)
+
+    def s3_request(self, operation: str) -> None:
+        """One request (an attempt) sent to the object store."""
+        self.s3_requests.labels(operation).inc()
 
     def leases_held(self, count: int) -> None:
         self.leases.set(count)

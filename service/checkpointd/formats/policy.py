@@ -49,6 +49,7 @@ from checkpointd.core.ports import CommittedSave, SaveValues, SnapshotBytes, Sta
 from checkpointd.formats import bundle, chunks, numpy_files, policy_template, reader, sink, versions
 from checkpointd.formats.policy_template import VARIABLES_PREFIX, Template
 from checkpointd.formats.sink import BundleSink
+from checkpointd.protocol import varint
 from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
@@ -354,12 +355,49 @@ def _fingerprint(template: Template, index: bytes) -> bytes:
     fields that depend on saved_model.pb alone, which every save copies from
     the template): checkpoint_hash is TF's `HashCheckpointIndexFile`, the
     Fingerprint64 of `variables/variables.index` (`index`, as written), which
-    `tf.fingerprint` computes for a string.
+    TensorFlow's Fingerprint op computes for a string. The template's other
+    fields are serialized once (`_fingerprint_around`); a save adds its hash
+    between them as protobuf would.
     """
     import tensorflow as tf
+
+    # The method as a tensor: with a Python string the op leaves TensorFlow's
+    # eager fast path for its slow Python fallback.
+    digest = tf.raw_ops.Fingerprint(data=tf.constant([index]), method=_farmhash64()).numpy()  # [1, 8] uint8, LE
+    value = int.from_bytes(digest.tobytes(), "little")
+    before, after = _fingerprint_around(template.fingerprint)
+    # proto3 leaves a zero out; otherwise field 5 (varint): its tag, then the value.
+    return before + (_CHECKPOINT_HASH_TAG + varint.encode(value) if value else b"") + after
+
+
+_CHECKPOINT_HASH_TAG = bytes([5 << 3])  # FingerprintDef.checkpoint_hash = 5, wire type 0 (varint)
+_MARK = 0x0123456789ABCDEF  # a checkpoint_hash whose encoding is found once in the serialized template
+
+
+@functools.cache
+def _farmhash64() -> object:
+    import tensorflow as tf
+
+    return tf.constant("farmhash64")
+
+
+@functools.lru_cache(maxsize=1024)
+def _fingerprint_around(template_fingerprint: bytes) -> tuple[bytes, bytes]:
+    """A template's fingerprint.pb serialized without its checkpoint_hash: the bytes before and after the field.
+
+    Serialized by protobuf itself with a marker value in the field, then cut
+    around it: fields go out in field-number order, so the marker's tag and
+    varint sit where any save's value goes.
+    """
     from tensorflow.core.protobuf import fingerprint_pb2
 
-    digest = tf.fingerprint(tf.constant([index]), method="farmhash64").numpy()  # [1, 8] uint8, little-endian
-    fingerprint = fingerprint_pb2.FingerprintDef.FromString(template.fingerprint)
-    fingerprint.checkpoint_hash = int.from_bytes(digest.tobytes(), "little")
-    return fingerprint.SerializeToString()
+    fingerprint = fingerprint_pb2.FingerprintDef.FromString(template_fingerprint)
+    fingerprint.checkpoint_hash = _MARK
+    data = fingerprint.SerializeToString()
+    mark = _CHECKPOINT_HASH_TAG + varint.encode(_MARK)
+    at = data.find(mark)
+    if at < 0 or data.find(mark, at + 1) >= 0:
+        raise SaveFailedError(
+            "the template's fingerprint.pb cannot be rewritten: its checkpoint_hash is not found once"
+        )
+    return data[:at], data[at + len(mark) :]

@@ -10,6 +10,7 @@ gRPC's request iterator would otherwise wait for a stalled client forever.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +42,59 @@ def first(requests: Iterator, field: str, rpc: str):  # noqa: ANN202 - a pb mess
 
 class _Abandoned(Exception):
     """Ends a reader whose save was given up (past its deadline); nobody waits for it."""
+
+
+_READER = "upload-reader"  # a reader thread's name while it runs a save's receive
+_IDLE_READER = "upload-reader (idle)"
+_IDLE_SECONDS = 60.0  # an idle reader thread ends after this long without a save
+
+
+class _Readers:
+    """Daemon threads that run the saves' receives, kept for the next save once one ends.
+
+    A thread of its own per save cost a thread start per small save; these
+    are reused while saves keep coming and end once idle for a minute.
+    Daemon threads, as a reader blocked on a stalled client must not hold
+    up the process's exit. Thread-safe.
+    """
+
+    def __init__(self, keep: int = 64) -> None:
+        self._keep = keep  # idle threads kept at most
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting on _tasks, each to take one task
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+    def run(self, task: Callable[[], None]) -> None:
+        """Runs `task` on an idle reader thread, or a new one."""
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+                self._tasks.put(task)
+                return
+        threading.Thread(target=self._work, args=(task,), name=_READER, daemon=True).start()
+
+    def _work(self, task: Callable[[], None]) -> None:
+        me = threading.current_thread()
+        while True:
+            me.name = _READER
+            task()
+            me.name = _IDLE_READER
+            with self._lock:
+                if self._idle >= self._keep:
+                    return
+                self._idle += 1
+            try:
+                task = self._tasks.get(timeout=_IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    try:  # handed one as the wait ended
+                        task = self._tasks.get_nowait()
+                    except queue.Empty:
+                        self._idle -= 1
+                        return
+
+
+_READERS = _Readers()
 
 
 def within(
@@ -78,7 +132,7 @@ def within(
         finally:
             finished.set()
 
-    threading.Thread(target=read, name="upload-reader", daemon=True).start()
+    _READERS.run(read)
     try:
         if not finished.wait(max(deadline - time.monotonic(), 0.0)):
             raise DeadlineError(

@@ -52,19 +52,20 @@ def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
     """
     check_run_name(run)
     relative = check_export_dir(export_dir)
-    run_dir = Path(_real_run_dir(os.fspath(root), run))
-    target = run_dir / relative
+    run_dir = _real_run_dir(os.fspath(root), run)
+    # Joined as text and made a Path once: a save resolves its target at the
+    # accept, at the stream's open and at the commit (each a check of its own).
+    target = os.path.join(run_dir, *relative.parts)
     # `run_dir` is real and `relative` has no '.' or '..': without a symlink
     # below `run_dir`, `target` is its own realpath. Looking for one costs an
-    # lstat per part of `relative`, not per part of the whole path (twice per
-    # save: at the accept and at the write).
+    # lstat per part of `relative`, not per part of the whole path.
     if _has_symlink(run_dir, relative.parts):
         real = Path(os.path.realpath(target))
-        if real != target and run_dir not in real.parents:
+        if real != Path(target) and Path(run_dir) not in real.parents:
             raise InvalidRequestError(
                 f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)"
             )
-    return target
+    return Path(target)
 
 
 def _real_run_dir(root: str, run: str) -> str:
@@ -84,7 +85,7 @@ def _real_root(root: str) -> str:
     return os.path.realpath(root)
 
 
-def _has_symlink(base: Path, parts: tuple[str, ...]) -> bool:
+def _has_symlink(base: str | Path, parts: tuple[str, ...]) -> bool:
     """Whether `base/parts[0]`, `base/parts[0]/parts[1]`, ... holds a symlink (up to the first absent one)."""
     path = os.fspath(base)
     for part in parts:

@@ -49,6 +49,20 @@ class S3Url:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
+def count_requests(client: Any, count: Callable[[str], None]) -> None:
+    """Calls `count(operation)` before each request `client` sends (each attempt of a retried one).
+
+    botocore's documented before-send event names the operation last
+    (`before-send.s3.PutObject`); the hook returns None, as a value returned
+    there would be taken as the response and the request not sent.
+    """
+
+    def hook(event_name: str = "", **_: Any) -> None:
+        count(event_name.rpartition(".")[2] or "unknown")
+
+    client.meta.events.register("before-send.s3", hook)
+
+
 def make_client(endpoint_url: str | None, region: str | None, max_connections: int = 32) -> Any:
     """An S3 client that works on AWS and on radosgw; every upload's body is checked by the server.
 

@@ -28,6 +28,7 @@ costs no request (the holder's validity is counted on its own clock).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
@@ -47,6 +48,7 @@ _LOGGER = logging.getLogger(__name__)
 
 LEASES_DIR = RESERVED_PREFIX + "-leases"
 _POLL_SECONDS = 0.5  # how often a waiting hold() reads the lease again (to see a release soon)
+_RENEWERS = 8  # leases renewed at once (a request each; the client has connections for more)
 
 
 class LeaseSink(Protocol):
@@ -142,6 +144,7 @@ class S3Leases:
         self._seen: dict[str, Sighting] = {}  # other daemons' leases, as observed
         self._run_locks: dict[str, threading.Lock] = {}
         self._closed = False
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # renewals side by side, made when needed
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._renew_loop, name="leases", daemon=True)
@@ -158,6 +161,10 @@ class S3Leases:
     def hold(self, run: str, deadline: float | None, waiting: Callable[[str], None] | None = None) -> None:
         started = self._clock()
         told = False
+        # Held and valid (every save of a run held here): no wait for the run's
+        # lock, which a renewal of it holds for its request's round trip.
+        if self._touch_if_valid(run):
+            return
         with self._run_lock(run):
             self._touch(run)
             if self._valid(run):
@@ -246,6 +253,9 @@ class S3Leases:
             self._thread.join(timeout=10)
         with self._cond:
             runs = list(self._held)
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         for run in runs:
             with self._run_lock(run):
                 self._release(run, "the daemon is stopping")
@@ -265,14 +275,29 @@ class S3Leases:
                 held = self._held.get(run)
                 if held is not None and self._clock() - held.used >= self.idle:
                     self._release(run, f"unused for {self.idle:g} s")
-        for run in due:
-            with self._run_lock(run):
-                if run in self._held:
-                    self._renew(run)
+        if len(due) > 1:  # leases taken together fall due together: renewed side by side, soonest first
+            with self._cond:
+                due.sort(key=lambda run: self._held[run].holding.renew_at if run in self._held else now)
+            list(self._renewers().map(self._renew_held, due))  # raises the first failure, as one at a time did
+        elif due:
+            self._renew_held(due[0])
         with self._cond:
             soonest = [min(h.holding.renew_at, h.used + self.idle) for h in self._held.values()]
             retries = [self._clock() + lease.renew_interval(self.ttl) / 3 for h in self._held.values() if h.error]
         return min(soonest + retries, default=self._clock() + lease.renew_interval(self.ttl))
+
+    def _renew_held(self, run: str) -> None:
+        with self._run_lock(run):
+            if run in self._held:
+                self._renew(run)
+
+    def _renewers(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that renew due leases side by side: one after another, a round of a fleet's
+        leases (a request each) outlasted what remains of the first ones' ttl under load."""
+        with self._cond:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(_RENEWERS, thread_name_prefix="lease-renew")
+            return self._pool
 
     def _renew_loop(self) -> None:
         while True:
@@ -401,6 +426,21 @@ class S3Leases:
     def _held_but_lapsed(self, run: str) -> bool:
         with self._cond:
             return run in self._held
+
+    def _touch_if_valid(self, run: str) -> bool:
+        """Marks a held, valid lease used; False (nothing marked) if it is not, or is due for its idle release.
+
+        The idle release decides under the run's lock, on `used`; a run it
+        may be releasing (unused for `idle`) is left to `hold`'s locked path,
+        which waits for that release to end and takes the lease again.
+        """
+        with self._cond:
+            held = self._held.get(run)
+            now = self._clock()
+            if held is None or not held.holding.valid(now) or now - held.used >= self.idle:
+                return False
+            held.used = now
+            return True
 
     def _touch(self, run: str) -> None:
         with self._cond:
