@@ -8,6 +8,13 @@ reader restores from them, so nothing is decoded or re-encoded:
   they are there with that stat, the restore reads them in place (no copy,
   no file byte over the connection). A file replaced or rewritten since has
   another stat: it is fetched, and checked, instead.
+- same host, files not local to it (an object store): the daemon lands the
+  ranges in files in its staging dir on a tmpfs (ranged GETs written where
+  they go, each file asked whole checked against its manifest's CRC32C by
+  the daemon); the client hard-links them into a private dir of its own (a
+  copy where it may not) and ends the call, so no file byte crosses the
+  connection. The client knows it is on the daemon's host when it finds the
+  staging dir the header names with the stat the header gives.
 - elsewhere: the files are written into a private dir on tmpfs (/dev/shm,
   memory, never the trainer's disk), each file checked whole against its
   manifest's CRC32C as it lands. A partial restore fetches the index, then
@@ -28,11 +35,13 @@ import tempfile
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from checkpointd.protocol import varint, wire
 from checkpointd.protocol.errors import ChecksumError, SaveFailedError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import bundle_index
+from checkpointd_client import bundle_index, staged
 from checkpointd_client.stream import RestoreFilesStub
 
 _LOGGER = logging.getLogger(__name__)
@@ -53,6 +62,7 @@ class Fetched:
         received: file bytes received over the connection (0: read in place).
         in_place: True if the files are read where the daemon keeps them.
         index: the index file's bytes, checked against the manifest's CRC32C.
+        staged: True if the daemon staged the files on this host (none received).
     """
 
     header: pb.RestoreFilesHeader
@@ -61,6 +71,7 @@ class Fetched:
     received: int
     in_place: bool
     _dir: str | None = None
+    staged: bool = False
 
     def read(self, at: bundle_index.Location) -> bytes:
         """One tensor's bytes from the files (in place or the fetched copy)."""
@@ -280,12 +291,23 @@ def fetch(
     local_index = _in_place(header) if in_place else None
     if local_index is not None:
         return Fetched(header, os.path.join(header.local_dir, prefix_path), local_index, 0, True)
+    stage = in_place and staged.stageable(header)
     directory = _private_dir()
     writer = _Writer(directory, {f.path: f.size for f in files})
     try:
         request = pb.RestoreFilesRequest()
         request.CopyFrom(base)
         request.export_dir = header.export_dir  # the one the header named, even if the newest changes meanwhile
+        if stage and children is None:
+            try:
+                staged.take(stub, request, timeout, directory)  # every file whole, each checked by the daemon
+            except grpc.RpcError as e:
+                if not staged.resource_exhausted(e):
+                    raise
+                stage = False  # no room on the daemon's tmpfs: the bytes over the connection
+            else:
+                index = _staged_index(directory, header, index_file)
+                return Fetched(header, os.path.join(directory, prefix_path), index, 0, False, directory, True)
         request.ranges.add(path=index_file.path)
         _, received = _receive(stub, request, timeout, writer)
         writer.close()
@@ -296,6 +318,19 @@ def fetch(
         del request.ranges[:]
         ranges, graph_bytes = _ranges(stub, request, timeout, files, index, children, writer)
         received += graph_bytes
+        writer.close()
+        if stage:
+            staged_ranges = _with_graph(ranges, files, index)
+            for path, offset, length in staged_ranges:
+                request.ranges.add(path=path, offset=offset, length=length)
+            try:
+                staged.take(stub, request, timeout, directory)
+            except grpc.RpcError as e:
+                if not staged.resource_exhausted(e):
+                    raise
+                del request.ranges[:]
+            else:
+                return Fetched(header, os.path.join(directory, prefix_path), index, received, False, directory, True)
         for path, offset, length in ranges:
             request.ranges.add(path=path, offset=offset, length=length)
         _, more = _receive(stub, request, timeout, writer)
@@ -305,6 +340,26 @@ def fetch(
         writer.close()
         shutil.rmtree(directory, ignore_errors=True)
         raise
+
+
+def _staged_index(directory: str, header: pb.RestoreFilesHeader, index_file: pb.RestoreFile) -> bytes:
+    with open(os.path.join(directory, index_file.path), "rb") as file:
+        index = file.read()
+    if wire.crc32c_of(index) != index_file.crc32c:
+        raise ChecksumError(f"{header.export_dir!r}: its index does not match its manifest's CRC32C")
+    return index
+
+
+def _with_graph(
+    ranges: list[tuple[str, int, int]], files: Sequence[pb.RestoreFile], index: bytes
+) -> list[tuple[str, int, int]]:
+    """A partial fetch's data ranges plus the object graph's: a staged data file replaces the one holding it."""
+    if all(length == 0 for _, _, length in ranges):
+        return ranges  # data files whole: the graph is in them
+    graph_at = bundle_index.locations(index)[OBJECT_GRAPH_KEY]
+    data_files = [f for f in files if not f.path.endswith(INDEX_SUFFIX)]
+    shard_path = {int(f.path.rsplit("-", 3)[-3]): f.path for f in data_files}
+    return [(shard_path[graph_at.shard], graph_at.offset, graph_at.size), *ranges]
 
 
 def _ranges(
@@ -379,6 +434,14 @@ def fetch_whole(stub: Stub, run: str, export_dir: str, timeout: float | None, *,
     writer = _Writer(directory, {f.path: f.size for f in header.files})
     try:
         request = pb.RestoreFilesRequest(run=run, export_dir=header.export_dir, folder=folder)
+        if staged.stageable(header):
+            try:
+                staged.take(stub, request, timeout, directory)  # every file whole, each checked by the daemon
+            except grpc.RpcError as e:
+                if not staged.resource_exhausted(e):
+                    raise
+            else:
+                return Fetched(header, directory, b"", 0, False, directory, True)
         _, received = _receive(stub, request, timeout, writer)  # every file whole, each checked
         return Fetched(header, directory, b"", received, False, directory)
     except BaseException:

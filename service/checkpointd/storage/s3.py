@@ -55,7 +55,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
@@ -398,6 +398,11 @@ class S3Store:
 
     def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
         return s3_restore.read_ranges(self, save, ranges)
+
+    def stage_ranges(
+        self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]], fds: Mapping[str, int]
+    ) -> Generator[tuple[str, int, int, int], None, None]:
+        return s3_restore.stage_ranges(self, save, ranges, fds)
 
     # Deleting.
 

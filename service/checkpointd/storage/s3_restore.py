@@ -2,9 +2,12 @@
 
 RestoreFiles streams the asked byte ranges with parallel ranged GETs
 (`read_ranges`): a few pieces in flight at once, each yielded in order as
-soon as it and those before it have arrived, nothing staged on disk. The
-tensor Restore reads a local copy (`local_copy`), each file checked
-against the manifest's size and CRC32C before anything is yielded.
+soon as it and those before it have arrived, nothing staged on disk. A
+client on the daemon's host has them landed in files instead
+(`stage_ranges`): bigger GETs, each written where it goes as it arrives,
+no message in between. The tensor Restore reads a local copy
+(`local_copy`), each file checked against the manifest's size and CRC32C
+before anything is yielded.
 """
 
 from __future__ import annotations
@@ -13,14 +16,16 @@ import collections
 import concurrent.futures
 import contextlib
 import json
+import os
 import secrets
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 from checkpointd.core.ports import CommittedSave, SavedFile
+from checkpointd.protocol import wire
 from checkpointd.protocol.errors import ChecksumError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.protocol.wire import FILE_CHUNK_BYTES
@@ -156,6 +161,74 @@ def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str,
             view = memoryview(data)
             for start in range(0, len(data), FILE_CHUNK_BYTES):
                 yield bytes(view[start : start + FILE_CHUNK_BYTES])
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True)
+
+
+# A staged restore's GETs: no message limit applies, so as big as the raw
+# parallel GET that is its yardstick; the bytes held are at most their product.
+STAGE_GET_BYTES = 8 << 20
+STAGE_GETS_IN_FLIGHT = 8
+
+
+def stage_ranges(
+    store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str, int, int]], fds: Mapping[str, int]
+) -> Generator[tuple[str, int, int, int], None, None]:
+    """Each (path, offset, length) of the save's files written into `fds[path]` at its offset, by ranged GETs.
+
+    `STAGE_GETS_IN_FLIGHT` GETs of `STAGE_GET_BYTES` run at a time on a pool
+    of this call's own; each one's bytes are written (pwrite) in the thread
+    that got them, and folded into their range's CRC32C here, in order.
+
+    Yields:
+        (path, offset, length, crc32c) of each range, in order, once every
+        byte of it is written.
+
+    Raises:
+        UnavailableError: a GET failed.
+        SaveFailedError: the bucket answered fewer bytes than asked.
+        OSError: a write failed (ENOSPC: the staging dir is full).
+    """
+    files_base = store.keys_of(save).files_base
+    gets = [
+        (path, at, min(STAGE_GET_BYTES, offset + length - at))
+        for path, offset, length in ranges
+        for at in range(offset, offset + length, STAGE_GET_BYTES)
+    ]
+
+    def get(path: str, at: int, size: int) -> bytes:
+        key = files_base + path
+        answer = store.client.get_object(Bucket=store.bucket, Key=key, Range=f"bytes={at}-{at + size - 1}")
+        data: bytes = answer["Body"].read()
+        if len(data) != size:
+            raise SaveFailedError(f"{key} in {store.url}: {len(data)} bytes at {at}, {size} asked")
+        view, done = memoryview(data), 0
+        while done < size:
+            done += os.pwrite(fds[path], view[done:], at + done)
+        return data
+
+    pool = concurrent.futures.ThreadPoolExecutor(STAGE_GETS_IN_FLIGHT, thread_name_prefix="restore-stage")
+    pending: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
+    try:
+        queued = iter(gets)
+        for one in queued:
+            pending.append(pool.submit(get, *one))
+            if len(pending) >= STAGE_GETS_IN_FLIGHT:
+                break
+        for path, offset, length in ranges:
+            at, value = offset, 0
+            while at < offset + length:
+                with store.reading(f"reading {save.path}"):
+                    data = pending.popleft().result()
+                for one in queued:  # one more in flight for the one taken
+                    pending.append(pool.submit(get, *one))
+                    break
+                value = wire.crc32c_of(data, value)
+                at += len(data)
+                del data
+            yield path, offset, length, value
     finally:
         for future in pending:
             future.cancel()
