@@ -115,10 +115,10 @@ def test_a_partial_range_lands_at_its_offset_in_a_file_of_full_size_with_holes_a
 def test_no_room_on_the_tmpfs_is_a_limit_that_says_to_restore_without_staging(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def full(fd: int, offset: int, length: int) -> None:
+    def full(fd: int, data: bytes, offset: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "pwrite", full)
     store = _Files({"ckpt-1.index": INDEX, "ckpt-1.data-00000-of-00001": DATA})
     with pytest.raises(LimitExceededError, match="without staging"):
         with restore_stage.staged(store, _whole(store), tmp_path):

@@ -73,6 +73,14 @@ def staged(store: Store, plan: FilePlan, root: Path) -> Iterator[StagedFiles]:
         try:
             _open(plan, directory, paths, fds)
             _write(store, plan, fds)
+        except OSError as e:
+            # Written with pwrite, never mapped: a full tmpfs is an error here, not a SIGBUS.
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise LimitExceededError(
+                f"RestoreFiles: no room in the staging dir {root} for {plan.payload_bytes} bytes of "
+                f"{plan.save.export_dir!r}; restore without staging (the bytes sent), or free memory on that tmpfs"
+            ) from None
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -82,24 +90,13 @@ def staged(store: Store, plan: FilePlan, root: Path) -> Iterator[StagedFiles]:
 
 
 def _open(plan: FilePlan, directory: Path, paths: tuple[str, ...], fds: dict[str, int]) -> None:
-    """Makes each file at its size and reserves the asked ranges, so a full tmpfs refuses here, not midway."""
+    """Makes each file at its size (a sparse file: its pages come as the ranges are written)."""
     sizes = {f.path: f.size for f in plan.files}
     for path in paths:
         full = directory / path
         full.parent.mkdir(parents=True, exist_ok=True)
         fds[path] = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fds[path], sizes[path])
-    try:
-        for path, offset, length in plan.ranges:
-            if length:
-                os.posix_fallocate(fds[path], offset, length)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise LimitExceededError(
-            f"RestoreFiles: no room in the staging dir {directory.parent} for {plan.payload_bytes} bytes of "
-            f"{plan.save.export_dir!r}; restore without staging (the bytes sent), or free memory on that tmpfs"
-        ) from None
 
 
 def _write(store: Store, plan: FilePlan, fds: Mapping[str, int]) -> None:

@@ -358,6 +358,12 @@ class S3Store:
             self._manifests[key] = (response["ETag"], document)
         return document
 
+    def last_read_manifest(self, key: str) -> dict[str, Any] | None:
+        """The manifest at `key` as this store last read it (a lookup or listing), with no round trip; None if never."""
+        with self._lock:
+            cached = self._manifests.get(key)
+        return cached[1] if cached is not None else None
+
     def _read(
         self, manifest_key: str, save_key: str, folder_key: str, etag: str | None, *, is_prefix: bool
     ) -> CommittedSave | None:
