@@ -48,6 +48,15 @@ def _wait_seconds(value: float, rpc: str) -> float | None:
     return max(value, 0.0) or 1e-9  # already passed: check once, do not wait
 
 
+def _chunk_response(piece: restore_files.Piece) -> pb.RestoreFilesResponse:
+    """A piece as a response, its bytes set once into the response's own chunk (not a Chunk copied in)."""
+    response = pb.RestoreFilesResponse()
+    chunk = response.chunk
+    chunk.path, chunk.offset, chunk.data = piece.path, piece.offset, piece.data
+    chunk.crc32c = wire.crc32c_of(piece.data)
+    return response
+
+
 def _until_ended(context: grpc.ServicerContext, limit: float) -> None:
     """Waits until the call ends (the client cancels it or goes away), at most `limit` seconds."""
     ended = threading.Event()
@@ -210,5 +219,5 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 restore_stage.log_staged(run, plan, staged, time.monotonic() - started)
                 return
             for piece in restore_files.pieces(store, plan):
-                yield pb.RestoreFilesResponse(chunk=wire.chunk(piece.data, piece.offset, piece.path))
+                yield _chunk_response(piece)
         restore_files.log_sent(run, plan, time.monotonic() - started)
