@@ -33,6 +33,8 @@ from checkpointd.saves.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
+_SERVICE = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
+
 
 def _wait_seconds(value: float, rpc: str) -> float | None:
     """A request's timeout_seconds as a wait: None is no deadline.
@@ -48,13 +50,28 @@ def _wait_seconds(value: float, rpc: str) -> float | None:
     return max(value, 0.0) or 1e-9  # already passed: check once, do not wait
 
 
-def _chunk_response(piece: restore_files.Piece) -> pb.RestoreFilesResponse:
-    """A piece as a response, its bytes set once into the response's own chunk (not a Chunk copied in)."""
-    response = pb.RestoreFilesResponse()
-    chunk = response.chunk
-    chunk.path, chunk.offset, chunk.data = piece.path, piece.offset, piece.data
-    chunk.crc32c = wire.crc32c_of(piece.data)
-    return response
+def _chunk_response(piece: restore_files.Piece) -> bytes:
+    """A piece as a serialized RestoreFilesResponse(chunk=...): its bytes copied once, after a few header bytes."""
+    return wire.encoded_chunk(piece.offset, piece.data, wire.crc32c_of(piece.data), piece.path)
+
+
+def _response_bytes(response: pb.RestoreFilesResponse | bytes) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_restore_files_handler(servicer: CheckpointServicer, server: grpc.Server) -> None:
+    """Serves RestoreFiles with a serializer that passes chunks already serialized through.
+
+    Add it before `add_CheckpointServiceServicer_to_server`: gRPC asks the
+    generic handlers in the order they were added, and the generated one
+    would serialize every response as a message (a bytes chunk is not one).
+    """
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.RestoreFiles,
+        request_deserializer=pb.RestoreFilesRequest.FromString,
+        response_serializer=_response_bytes,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"RestoreFiles": handler}),))
 
 
 def _until_ended(context: grpc.ServicerContext, limit: float) -> None:
@@ -187,7 +204,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @grpc_errors
     def RestoreFiles(
         self, request: pb.RestoreFilesRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.RestoreFilesResponse]:
+    ) -> Iterator[pb.RestoreFilesResponse | bytes]:
+        """The header, then the chunks (serialized already: see add_restore_files_handler), or the staged files."""
         run = check_run_name(request.run)
         folder = self._pipeline.folder(run, request.folder)
         store = self._pipeline.store
