@@ -51,8 +51,12 @@ def _wait_seconds(value: float, rpc: str) -> float | None:
 
 
 def _chunk_response(piece: restore_files.Piece) -> bytes:
-    """A piece as a serialized RestoreFilesResponse(chunk=...): its bytes copied once, after a few header bytes."""
-    return wire.encoded_chunk(piece.offset, piece.data, wire.crc32c_of(piece.data), piece.path)
+    """A piece as a serialized RestoreFilesResponse(chunk=...): its bytes copied once, after a few header bytes.
+
+    Its CRC32C is the one the save recorded at commit where the piece has one.
+    """
+    crc = piece.crc if piece.crc is not None else wire.crc32c_of(piece.data)
+    return wire.encoded_chunk(piece.offset, piece.data, crc, piece.path)
 
 
 def _response_bytes(response: pb.RestoreFilesResponse | bytes) -> bytes:
