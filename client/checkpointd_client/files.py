@@ -41,7 +41,7 @@ from checkpointd.protocol import varint, wire
 from checkpointd.protocol.errors import ChecksumError, SaveFailedError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import bundle_index, staged
+from checkpointd_client import bundle_index, restore_writer, staged
 from checkpointd_client.stream import RestoreFilesStub
 
 _LOGGER = logging.getLogger(__name__)
@@ -204,29 +204,6 @@ def _size(files: dict[str, pb.RestoreFile], path: str) -> int:
     return file.size
 
 
-class _Writer:
-    """Writes received chunks into files under a dir, each file made at its final size (sparse)."""
-
-    def __init__(self, directory: str, sizes: dict[str, int]) -> None:
-        self._dir = directory
-        self._sizes = sizes
-        self._fds: dict[str, int] = {}
-
-    def __call__(self, path: str, offset: int, data: memoryview | bytes) -> None:
-        fd = self._fds.get(path)
-        if fd is None:
-            full = os.path.join(self._dir, path)
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            fd = self._fds[path] = os.open(full, os.O_WRONLY | os.O_CREAT, 0o600)
-            os.ftruncate(fd, self._sizes[path])
-        os.pwrite(fd, data, offset)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
 def _private_dir() -> str:
     where = MEMORY_DIR if os.path.isdir(MEMORY_DIR) and os.access(MEMORY_DIR, os.W_OK) else None
     if where is None:
@@ -293,7 +270,7 @@ def fetch(
         return Fetched(header, os.path.join(header.local_dir, prefix_path), local_index, 0, True)
     stage = in_place and staged.stageable(header)
     directory = _private_dir()
-    writer = _Writer(directory, {f.path: f.size for f in files})
+    writer = restore_writer.Writer(directory, {f.path: f.size for f in files})
     try:
         request = pb.RestoreFilesRequest()
         request.CopyFrom(base)
@@ -337,7 +314,7 @@ def fetch(
         writer.close()
         return Fetched(header, os.path.join(directory, prefix_path), index, received + more, False, directory)
     except BaseException:
-        writer.close()
+        writer.abandon()
         shutil.rmtree(directory, ignore_errors=True)
         raise
 
@@ -431,7 +408,7 @@ def fetch_whole(stub: Stub, run: str, export_dir: str, timeout: float | None, *,
     if header.local_dir and all(_same_file(header.local_dir, f) for f in header.files):
         return Fetched(header, header.local_dir, b"", 0, True)
     directory = _private_dir()
-    writer = _Writer(directory, {f.path: f.size for f in header.files})
+    writer = restore_writer.Writer(directory, {f.path: f.size for f in header.files})
     try:
         request = pb.RestoreFilesRequest(run=run, export_dir=header.export_dir, folder=folder)
         if staged.stageable(header):
@@ -443,12 +420,13 @@ def fetch_whole(stub: Stub, run: str, export_dir: str, timeout: float | None, *,
             else:
                 return Fetched(header, directory, b"", 0, False, directory, True)
         _, received = _receive(stub, request, timeout, writer)  # every file whole, each checked
+        writer.close()
         return Fetched(header, directory, b"", received, False, directory)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
     finally:
-        writer.close()
+        writer.abandon()
 
 
 def _same_file(local_dir: str, f: pb.RestoreFile) -> bool:
