@@ -10,9 +10,12 @@ through a daemon, and times restoring it into the live objects:
   (page cache warm), the anchor;
 - same host: RemoteCheckpointer's restore reading the committed files in place;
 - over gRPC: the files fetched into memory (tmpfs), then restored;
-- from S3: a fresh daemon on a radosgw bucket that never saw the run streams
-  the files with parallel ranged GETs; beside it a raw boto3 parallel
-  ranged GET of the same objects into memory, the anchor;
+- from S3: a fresh daemon on a radosgw bucket that never saw the run, on
+  the trainer's host (the trainer moved there): it lands parallel ranged
+  GETs in files on its tmpfs for the trainer to take; beside it the same
+  daemon's byte stream over gRPC (a trainer on another host) and a raw
+  boto3 parallel ranged GET of the same objects into memory, the anchor,
+  one rep of each in turn;
 - partial: `tf.train.Checkpoint(policy=agent.policy)` from the training
   checkpoint (the buffer stays behind), against the same policy restored
   from a checkpoint holding the policy alone;
@@ -20,8 +23,13 @@ through a daemon, and times restoring it into the live objects:
   cache, and (with S3, unless --no-move) the whole move of a trainer to
   another node, the lease wait shown apart.
 
-Targets (the issue's, one run): same host <= 1.2x in process; from S3 >= 0.7x
-the raw GET's bandwidth; partial <= 1.2x the policy alone.
+Targets (the issue's, one run): same host <= 1.2x in process; over gRPC >=
+0.6x min(gRPC loopback, disk read) bandwidth, both measured in the run
+(bench.limits' loopback; a sequential read of the committed files); from S3
+>= 0.7x the raw GET's bandwidth; partial <= 1.2x the policy alone; memory
+during one restore over gRPC and from S3 (bench.restore_memory: peak RSS
+over what each process held just before, tmpfs apart): the daemon and the
+trainer each <= 0.25x the payload.
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ REGION = "us-east-1"
 TIMEOUT = 900.0
 RAW_GET_BYTES = 16 << 20
 RAW_GETS = 8
+READ_BLOCK = 8 << 20
+MEMORY_VS_PAYLOAD = 0.25  # peak RSS over what the process held before, per byte of state restored
+GRPC_VS_LIMIT = 0.6  # over gRPC: state bytes / restore time, against min(gRPC loopback, disk read)
 SAME_HOST_VS_INPROCESS = 1.2
 S3_VS_RAW_GET = 0.7
 PARTIAL_VS_ALONE = 1.2
@@ -72,8 +83,35 @@ def _best(reps: int, fn: Callable[[], Any], before: Callable[[], Any] | None = N
     return summarize(samples)
 
 
+def _interleaved(reps: int, fns: dict[str, Callable[[], Any]]) -> dict[str, dict[str, Any]]:
+    """Each fn timed `reps` times, one rep of each in turn, so the machine's load moves them alike."""
+    from bench.stats import summarize
+
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - started)
+    return {name: summarize(values) for name, values in samples.items()}
+
+
 def _files_bytes(directory: Path, prefix: str) -> int:
     return sum(p.stat().st_size for p in directory.glob(prefix + ".*") if "manifest" not in p.name)
+
+
+def _disk_read(paths: Sequence[Path]) -> int:
+    """Every file read once, sequentially in 8 MiB blocks into one buffer (page cache as it is); returns the bytes."""
+    block = bytearray(READ_BLOCK)
+    total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [block]):
+                total += n
+        finally:
+            os.close(fd)
+    return total
 
 
 def _raw_get(client: Any, bucket: str, keys: Sequence[str]) -> int:
@@ -96,7 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tf_agents.replay_buffers import tf_uniform_replay_buffer
     from tf_agents.utils import common
 
-    from bench import agents
+    from bench import agents, limits, restore_memory
     from bench.checkpointer import CASES
     from bench.config import Size
     from checkpointd_client import RemoteCheckpointer, checkpoint_restore
@@ -165,9 +203,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             daemon_dir = work / "daemon-root" / "bench" / "train"
             result.update(move.cold(args.reps, lambda: checkpoint.restore(prefix), move.bundle(local_dir, Path(prefix).name),
                                     lambda: restore(checkpoint, children, True), move.bundle(daemon_dir, Path(export_dir).name)))  # fmt: skip
-            progress("over gRPC: fetched into memory")
+            progress("over gRPC: fetched into memory; the machine's gRPC loopback and disk read")
             result["grpc_received_bytes"] = restore(checkpoint, children, False)
             result["grpc"] = _best(args.reps, lambda: restore(checkpoint, children, False))
+            result["memory_grpc"] = restore_memory.measure(
+                daemon.proc.pid, lambda: restore(checkpoint, children, False)
+            )
+            committed = sorted((work / "daemon-root" / "bench" / "train").glob(f"ckpt-{int(step.numpy())}.*"))
+            committed = [p for p in committed if "manifest" not in p.name]
+            result["limits"] = {
+                "grpc_loopback": limits.grpc_loopback(work / "grpc-loopback", state_bytes, args.reps),
+                "disk_read": {
+                    "bytes": _disk_read(committed),
+                    "seconds": _best(args.reps, lambda: _disk_read(committed)),
+                },
+            }
             progress("partial: the policy out of the training checkpoint, and the policy alone")
             result["partial_received_bytes"] = restore(policy_checkpoint, {"policy", "save_counter"}, False)
             result["partial"] = _best(args.reps, lambda: restore(policy_checkpoint, {"policy", "save_counter"}, False))
@@ -198,6 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _s3(args: argparse.Namespace, work: Path, objects: dict[str, Any], children: set[str], step: Any, say: Any) -> Any:
     import tensorflow as tf
 
+    from bench import restore_memory
     from checkpointd.storage.s3_client import make_client
     from checkpointd_client import RemoteCheckpointer, checkpoint_restore
     from checkpointd_client.connection import ConnectionOptions
@@ -233,9 +284,7 @@ def _s3(args: argparse.Namespace, work: Path, objects: dict[str, Any], children:
         client = make_client(endpoint, REGION)
         keys = [f"{prefix}/bench/{export_dir}.index", f"{prefix}/bench/{export_dir}.data-00000-of-00001"]
         out: dict[str, Any] = {}
-        say("S3: raw parallel ranged GETs of the same objects")
         out["raw_bytes"] = _raw_get(client, bucket, keys)
-        out["raw_get"] = _best(args.reps, lambda: _raw_get(client, bucket, keys))
         fresh = daemon(1)  # never saw the run
         try:
             session = DaemonSession(
@@ -243,13 +292,26 @@ def _s3(args: argparse.Namespace, work: Path, objects: dict[str, Any], children:
             )
             checkpoint = tf.train.Checkpoint(**objects)
 
-            def restore() -> None:
-                restored = checkpoint_restore.restore(session, checkpoint, children, export_dir, "")
+            def restore(same_host: bool) -> None:
+                restored = checkpoint_restore.restore(session, checkpoint, children, export_dir, "", in_place=same_host)
                 if restored.copy is not None:
                     restored.copy.close()
 
-            say("S3: restore through the fresh daemon")
-            out["fresh_daemon"] = _best(args.reps, restore)
+            # The trainer moved to the fresh daemon's node: the daemon stages the GETs on
+            # that host. A trainer on another host gets the bytes over gRPC instead.
+            say("S3: raw parallel ranged GETs; the fresh daemon staging on its host; its byte stream (interleaved)")
+            out.update(
+                _interleaved(
+                    args.reps,
+                    {
+                        "raw_get": lambda: _raw_get(client, bucket, keys),
+                        "fresh_daemon": lambda: restore(True),
+                        "fresh_daemon_stream": lambda: restore(False),
+                    },
+                )
+            )
+            out["memory_staged"] = restore_memory.measure(fresh.proc.pid, lambda: restore(True))
+            out["memory_stream"] = restore_memory.measure(fresh.proc.pid, lambda: restore(False))
             session.shutdown()
         finally:
             fresh.terminate()
@@ -266,6 +328,11 @@ def _median(r: dict[str, Any], *path: str) -> float | None:
             return None
         node = node[p]
     return float(node["median"])
+
+
+def _rate(r: dict[str, Any], nbytes: int, *path: str) -> float | None:
+    seconds = _median(r, *path)
+    return nbytes / seconds if seconds and nbytes else None
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -285,6 +352,24 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     )
     partial, alone = _median(r, "partial"), _median(r, "policy_alone")
     judge("partial <= 1.2x the policy alone", partial / alone if partial and alone else None, PARTIAL_VS_ALONE, True)
+    grpc_rate = _rate(r, r["case"]["state_bytes"], "grpc") if "case" in r else None
+    loopback = _median(r, "limits", "grpc_loopback", "bytes_per_second")
+    disk = _rate(r, r.get("limits", {}).get("disk_read", {}).get("bytes", 0), "limits", "disk_read", "seconds")
+    judge(
+        "over gRPC >= 0.6x min(gRPC loopback, disk read) bandwidth",
+        grpc_rate / min(loopback, disk) if grpc_rate and loopback and disk else None,
+        GRPC_VS_LIMIT,
+        False,
+    )
+    payload = r.get("case", {}).get("state_bytes", 0)
+    for name, memory in (
+        ("over gRPC", r.get("memory_grpc")),
+        ("from S3, staged", r.get("s3", {}).get("memory_staged")),
+        ("from S3, over gRPC", r.get("s3", {}).get("memory_stream")),
+    ):
+        for side in ("daemon", "trainer"):
+            over = memory[f"{side}_over_bytes"] / payload if memory and payload else None
+            judge(f"memory {name}: the {side} <= its own before + 0.25x payload", over, MEMORY_VS_PAYLOAD, True)
     raw, fresh = _median(r, "s3", "raw_get"), _median(r, "s3", "fresh_daemon")
     judge(
         "S3 through a fresh daemon >= 0.7x raw GET bandwidth",
@@ -312,7 +397,25 @@ def table(r: dict[str, Any]) -> list[str]:
     row("same host, in place", _median(r, "same_host"), state)
     row("over gRPC, into memory", _median(r, "grpc"), state)
     row("S3, raw parallel ranged GET", _median(r, "s3", "raw_get"), state)
-    row("S3, through a fresh daemon", _median(r, "s3", "fresh_daemon"), state)
+    row("S3, through a fresh daemon (same host, staged)", _median(r, "s3", "fresh_daemon"), state)
+    row("S3, through a fresh daemon (bytes over gRPC)", _median(r, "s3", "fresh_daemon_stream"), state)
+    lim = r.get("limits", {})
+    if "grpc_loopback" in lim:
+        row("gRPC loopback (1 MiB messages, bare server)", float(lim["grpc_loopback"]["seconds"]["median"]),
+            int(lim["grpc_loopback"]["bytes"]))  # fmt: skip
+    if "disk_read" in lim:
+        row("disk read of the committed files", _median(r, "limits", "disk_read", "seconds"), lim["disk_read"]["bytes"])
+    for label, memory in (
+        ("over gRPC", r.get("memory_grpc")),
+        ("S3 staged", r.get("s3", {}).get("memory_staged")),
+        ("S3 over gRPC", r.get("s3", {}).get("memory_stream")),
+    ):
+        if memory:
+            rows.append(
+                f"  memory {label:<13} daemon +{memory['daemon_over_bytes'] / 1e6:5.0f} MB over "
+                f"{memory['daemon_before_bytes'] / 1e6:.0f}, trainer +{memory['trainer_over_bytes'] / 1e6:5.0f} MB "
+                f"over {memory['trainer_before_bytes'] / 1e6:.0f}, tmpfs +{memory['tmpfs_over_bytes'] / 1e6:.0f} MB"
+            )
     policy = r["case"]["policy_bytes"]
     row("in-process restore, policy only", _median(r, "inprocess_policy"), policy)
     row("partial: the policy from the training ckpt", _median(r, "partial"), policy)

@@ -10,6 +10,13 @@ reader restores from them, so nothing is decoded or re-encoded:
   (`checkpointd_client.in_place`), so reads TensorFlow defers get the same
   bytes even if retention deletes the save meanwhile. A file replaced or
   rewritten since has another stat: it is fetched, and checked, instead.
+- same host, files not local to it (an object store): the daemon lands the
+  ranges in files in its staging dir on a tmpfs (ranged GETs written where
+  they go, each file asked whole checked against its manifest's CRC32C by
+  the daemon); the client hard-links them into a private dir of its own (a
+  copy where it may not) and ends the call, so no file byte crosses the
+  connection. The client knows it is on the daemon's host when it finds the
+  staging dir the header names with the stat the header gives.
 - elsewhere: the files are written into a private dir on tmpfs (/dev/shm,
   memory, never the trainer's disk), each file checked whole against its
   manifest's CRC32C as it lands. A partial restore fetches the index, then
@@ -30,11 +37,13 @@ import tempfile
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from checkpointd.protocol import varint, wire
 from checkpointd.protocol.errors import ChecksumError, SaveFailedError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import bundle_index
+from checkpointd_client import bundle_index, restore_writer, staged
 from checkpointd_client import in_place as held_files
 from checkpointd_client.stream import RestoreFilesStub
 
@@ -56,6 +65,7 @@ class Fetched:
         received: file bytes received over the connection (0: read in place).
         in_place: True if the files are read where the daemon keeps them.
         index: the index file's bytes, checked against the manifest's CRC32C.
+        staged: True if the daemon staged the files on this host (none received).
     """
 
     header: pb.RestoreFilesHeader
@@ -65,6 +75,7 @@ class Fetched:
     in_place: bool
     _dir: str | None = None
     _held: held_files.HeldFiles | None = None
+    staged: bool = False
 
     def read(self, at: bundle_index.Location) -> bytes:
         """One tensor's bytes from the files (in place or the fetched copy)."""
@@ -200,29 +211,6 @@ def _size(files: dict[str, pb.RestoreFile], path: str) -> int:
     return file.size
 
 
-class _Writer:
-    """Writes received chunks into files under a dir, each file made at its final size (sparse)."""
-
-    def __init__(self, directory: str, sizes: dict[str, int]) -> None:
-        self._dir = directory
-        self._sizes = sizes
-        self._fds: dict[str, int] = {}
-
-    def __call__(self, path: str, offset: int, data: memoryview | bytes) -> None:
-        fd = self._fds.get(path)
-        if fd is None:
-            full = os.path.join(self._dir, path)
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            fd = self._fds[path] = os.open(full, os.O_WRONLY | os.O_CREAT, 0o600)
-            os.ftruncate(fd, self._sizes[path])
-        os.pwrite(fd, data, offset)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
 def _private_dir() -> str:
     where = MEMORY_DIR if os.path.isdir(MEMORY_DIR) and os.access(MEMORY_DIR, os.W_OK) else None
     if where is None:
@@ -270,12 +258,23 @@ def fetch(
     held = held_files.hold(header) if in_place else None
     if held is not None:  # held open: deferred reads get these bytes even if retention deletes them
         return Fetched(header, os.path.join(held.directory, prefix_path), held.index, 0, True, _held=held)
+    stage = in_place and staged.stageable(header)
     directory = _private_dir()
-    writer = _Writer(directory, {f.path: f.size for f in files})
+    writer = restore_writer.Writer(directory, {f.path: f.size for f in files})
     try:
         request = pb.RestoreFilesRequest()
         request.CopyFrom(base)
         request.export_dir = header.export_dir  # the one the header named, even if the newest changes meanwhile
+        if stage and children is None:
+            try:
+                staged.take(stub, request, timeout, directory)  # every file whole, each checked by the daemon
+            except grpc.RpcError as e:
+                if not staged.resource_exhausted(e):
+                    raise
+                stage = False  # no room on the daemon's tmpfs: the bytes over the connection
+            else:
+                index = _staged_index(directory, header, index_file)
+                return Fetched(header, os.path.join(directory, prefix_path), index, 0, False, directory, staged=True)
         request.ranges.add(path=index_file.path)
         _, received = _receive(stub, request, timeout, writer)
         writer.close()
@@ -286,15 +285,50 @@ def fetch(
         del request.ranges[:]
         ranges, graph_bytes = _ranges(stub, request, timeout, files, index, children, writer)
         received += graph_bytes
+        writer.close()
+        if stage:
+            staged_ranges = _with_graph(ranges, files, index)
+            for path, offset, length in staged_ranges:
+                request.ranges.add(path=path, offset=offset, length=length)
+            try:
+                staged.take(stub, request, timeout, directory)
+            except grpc.RpcError as e:
+                if not staged.resource_exhausted(e):
+                    raise
+                del request.ranges[:]
+            else:
+                return Fetched(
+                    header, os.path.join(directory, prefix_path), index, received, False, directory, staged=True
+                )
         for path, offset, length in ranges:
             request.ranges.add(path=path, offset=offset, length=length)
         _, more = _receive(stub, request, timeout, writer)
         writer.close()
         return Fetched(header, os.path.join(directory, prefix_path), index, received + more, False, directory)
     except BaseException:
-        writer.close()
+        writer.abandon()
         shutil.rmtree(directory, ignore_errors=True)
         raise
+
+
+def _staged_index(directory: str, header: pb.RestoreFilesHeader, index_file: pb.RestoreFile) -> bytes:
+    with open(os.path.join(directory, index_file.path), "rb") as file:
+        index = file.read()
+    if wire.crc32c_of(index) != index_file.crc32c:
+        raise ChecksumError(f"{header.export_dir!r}: its index does not match its manifest's CRC32C")
+    return index
+
+
+def _with_graph(
+    ranges: list[tuple[str, int, int]], files: Sequence[pb.RestoreFile], index: bytes
+) -> list[tuple[str, int, int]]:
+    """A partial fetch's data ranges plus the object graph's: a staged data file replaces the one holding it."""
+    if all(length == 0 for _, _, length in ranges):
+        return ranges  # data files whole: the graph is in them
+    graph_at = bundle_index.locations(index)[OBJECT_GRAPH_KEY]
+    data_files = [f for f in files if not f.path.endswith(INDEX_SUFFIX)]
+    shard_path = {int(f.path.rsplit("-", 3)[-3]): f.path for f in data_files}
+    return [(shard_path[graph_at.shard], graph_at.offset, graph_at.size), *ranges]
 
 
 def _ranges(
@@ -367,13 +401,22 @@ def fetch_whole(stub: Stub, run: str, export_dir: str, timeout: float | None, *,
     if held is not None:
         return Fetched(header, held.directory, b"", 0, True, _held=held)
     directory = _private_dir()
-    writer = _Writer(directory, {f.path: f.size for f in header.files})
+    writer = restore_writer.Writer(directory, {f.path: f.size for f in header.files})
     try:
         request = pb.RestoreFilesRequest(run=run, export_dir=header.export_dir, folder=folder)
+        if staged.stageable(header):
+            try:
+                staged.take(stub, request, timeout, directory)  # every file whole, each checked by the daemon
+            except grpc.RpcError as e:
+                if not staged.resource_exhausted(e):
+                    raise
+            else:
+                return Fetched(header, directory, b"", 0, False, directory, staged=True)
         _, received = _receive(stub, request, timeout, writer)  # every file whole, each checked
+        writer.close()
         return Fetched(header, directory, b"", received, False, directory)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
     finally:
-        writer.close()
+        writer.abandon()

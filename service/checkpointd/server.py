@@ -38,7 +38,7 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.calls import OpenCalls
-from checkpointd.rpc.servicer import CheckpointServicer
+from checkpointd.rpc.servicer import CheckpointServicer, add_restore_files_handler
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs
 from checkpointd.saves.pipeline import Formats, SavePipeline
@@ -181,6 +181,7 @@ class Server:
             ],
             interceptors=[*auth.interceptors(), self._calls],
         )
+        add_restore_files_handler(servicer, self._grpc)  # first: its chunks are serialized already
         pb_grpc.add_CheckpointServiceServicer_to_server(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(

@@ -8,7 +8,8 @@ compares every value, bit for bit, with what was saved:
 - fetched: the files come over the connection into memory;
 - partial: a checkpoint of the policy alone fetches only its tensors;
 - a committed file changed on disk is refused (its tensors fail the CRC32C
-  their checked index holds), and the objects keep their values;
+  their checked index holds), and the objects keep their values; the chunk
+  holding the changed byte carries the CRC32C recorded at commit;
 - bad ranges and missing saves get the right status.
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import grpc
 import pytest
 import tensorflow as tf
@@ -195,6 +197,20 @@ def test_a_committed_file_changed_on_disk_is_refused_and_no_variable_changes(
             session, tf.train.Checkpoint(**fresh.objects), CHILDREN, EXPORT_DIR, "", in_place=in_place
         )
     _values_unchanged(fresh, before)
+
+
+def test_chunks_carry_the_crc32c_recorded_at_commit_so_a_byte_changed_since_fails_its_chunk(
+    daemon: Daemon, tampered: Path
+) -> None:
+    data_file = "ckpt-5.data-00000-of-00001"
+    flipped = tampered.stat().st_size // 2
+    request = pb.RestoreFilesRequest(run=RUN, export_dir=EXPORT_DIR, ranges=[pb.FileRange(path=data_file)])
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = checkpointd_pb2_grpc.CheckpointServiceStub(channel)
+        chunks = [r.chunk for r in stub.RestoreFiles(request, timeout=LIMIT) if r.WhichOneof("item") == "chunk"]
+    bad = [c.offset for c in chunks if crc32c.crc32c(c.data) != c.crc32c]
+    (holding,) = [c.offset for c in chunks if c.offset <= flipped < c.offset + len(c.data)]
+    assert bad == [holding]  # the daemon did not recompute it from the bytes it read
 
 
 def _call(stub: Any, **request: Any) -> grpc.StatusCode:

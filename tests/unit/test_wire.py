@@ -121,6 +121,19 @@ def test_encoded_chunks_are_the_serialized_save_requests_byte_for_byte(chunk_byt
     assert list(wire.save_request_chunks(map(wire.byte_view, arrays), chunk_bytes)) == want
 
 
+@pytest.mark.parametrize(
+    ("path", "offset", "data"),
+    [("ckpt-5.data-00000-of-00001", 3 << 20, b"\x00\x01" * 700), ("variables/variables.index", 0, b"x"), ("", 9, b"y")],
+)
+def test_an_encoded_chunk_with_a_path_is_the_serialized_restore_files_response(
+    path: str, offset: int, data: bytes
+) -> None:
+    crc = crc32c.crc32c(data)
+    want = pb.RestoreFilesResponse(chunk=pb.Chunk(path=path, offset=offset, data=data, crc32c=crc))
+    assert wire.encoded_chunk(offset, data, crc, path) == want.SerializeToString()
+    assert pb.RestoreFilesResponse.FromString(wire.encoded_chunk(offset, data, crc, path)) == want
+
+
 # The receiving side's check, on what the chunkers send.
 
 

@@ -16,7 +16,7 @@ The two seams a new backend or save kind plugs into:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -390,6 +390,27 @@ class SaveFiles(Protocol):
         Raises:
             SaveFailedError: a file is missing or unreadable.
             UnavailableError: the object store failed.
+        """
+        ...
+
+
+@runtime_checkable
+class StagesFiles(Protocol):
+    """A SaveFiles Store that can land a save's byte ranges straight in local files (a staged RestoreFiles)."""
+
+    def stage_ranges(
+        self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]], fds: Mapping[str, int]
+    ) -> Generator[tuple[str, int, int, int], None, None]:
+        """Writes each (path, offset, length) into `fds[path]` at its offset.
+
+        Yields:
+            (path, offset, length, crc32c) of each range, in order, once
+            every byte of it is written.
+
+        Raises:
+            SaveFailedError: a file is missing or shorter than asked.
+            UnavailableError: the object store failed.
+            OSError: a write failed.
         """
         ...
 

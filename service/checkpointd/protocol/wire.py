@@ -120,10 +120,17 @@ def save_request_chunks(parts: Iterable[Buffer], chunk_bytes: int) -> Iterator[b
         yield encoded_chunk(offset, data, crc32c.crc32c(data))
 
 
-def encoded_chunk(offset: int, data: Buffer, crc: int) -> bytes:
-    """`SaveRequest(chunk=Chunk(offset=offset, data=data, crc32c=crc))`, serialized, `data` copied once."""
+def encoded_chunk(offset: int, data: Buffer, crc: int, path: str = "") -> bytes:
+    """`SaveRequest(chunk=Chunk(path=path, offset=offset, data=data, crc32c=crc))`, serialized, `data` copied once.
+
+    The same bytes are a `RestoreFilesResponse(chunk=...)`: both hold the chunk as field 2.
+    """
     # Chunk fields in number order, proto3 defaults omitted, as upb writes them.
-    head = (b"\x10" + varint.encode(offset) if offset else b"") + b"\x1a" + varint.encode(len(data))
+    name = path.encode()
+    head = (b"\x0a" + varint.encode(len(name)) + name if name else b"") + (
+        b"\x10" + varint.encode(offset) if offset else b""
+    )
+    head += b"\x1a" + varint.encode(len(data))
     tail = b"\x25" + crc.to_bytes(4, "little") if crc else b""
     body = len(head) + len(data) + len(tail)
     return b"".join((b"\x12", varint.encode(body), head, data, tail))  # SaveRequest.chunk = 2

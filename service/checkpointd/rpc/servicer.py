@@ -10,6 +10,7 @@ streams are read by `checkpointd.rpc.upload`, which bounds a Save's upload by
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import threading
 import time
@@ -26,11 +27,13 @@ from checkpointd.protocol.kinds import to_wire
 from checkpointd.protocol.names import LEASE_WAIT_METADATA, TMP_PREFIX, check_run_name
 from checkpointd.rpc import messages, upload
 from checkpointd.rpc.errors import grpc_errors
-from checkpointd.saves import catalog, restore, restore_files
+from checkpointd.saves import catalog, restore, restore_files, restore_stage
 from checkpointd.saves.pipeline import SavePipeline
 from checkpointd.saves.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 
 
 def _wait_seconds(value: float, rpc: str) -> float | None:
@@ -45,6 +48,41 @@ def _wait_seconds(value: float, rpc: str) -> float | None:
     if value == 0 or value >= threading.TIMEOUT_MAX:
         return None
     return max(value, 0.0) or 1e-9  # already passed: check once, do not wait
+
+
+def _chunk_response(piece: restore_files.Piece) -> bytes:
+    """A piece as a serialized RestoreFilesResponse(chunk=...): its bytes copied once, after a few header bytes.
+
+    Its CRC32C is the one the save recorded at commit where the piece has one.
+    """
+    crc = piece.crc if piece.crc is not None else wire.crc32c_of(piece.data)
+    return wire.encoded_chunk(piece.offset, piece.data, crc, piece.path)
+
+
+def _response_bytes(response: pb.RestoreFilesResponse | bytes) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_restore_files_handler(servicer: CheckpointServicer, server: grpc.Server) -> None:
+    """Serves RestoreFiles with a serializer that passes chunks already serialized through.
+
+    Add it before `add_CheckpointServiceServicer_to_server`: gRPC asks the
+    generic handlers in the order they were added, and the generated one
+    would serialize every response as a message (a bytes chunk is not one).
+    """
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.RestoreFiles,
+        request_deserializer=pb.RestoreFilesRequest.FromString,
+        response_serializer=_response_bytes,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"RestoreFiles": handler}),))
+
+
+def _until_ended(context: grpc.ServicerContext, limit: float) -> None:
+    """Waits until the call ends (the client cancels it or goes away), at most `limit` seconds."""
+    ended = threading.Event()
+    if context.add_callback(ended.set):
+        ended.wait(limit)
 
 
 def restore_file(f: SavedFile, stat: tuple[int, int, int] | None) -> pb.RestoreFile:
@@ -170,22 +208,38 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @grpc_errors
     def RestoreFiles(
         self, request: pb.RestoreFilesRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.RestoreFilesResponse]:
+    ) -> Iterator[pb.RestoreFilesResponse | bytes]:
+        """The header, then the chunks (serialized already: see add_restore_files_handler), or the staged files."""
         run = check_run_name(request.run)
         folder = self._pipeline.folder(run, request.folder)
         store = self._pipeline.store
         asked = [(r.path, r.offset, r.length) for r in request.ranges]
+        staging = self._pipeline.shared_memory
+        root = staging.folder if staging is not None else None
+        if request.stage and root is None:
+            raise InvalidRequestError(
+                "RestoreFiles: this daemon has no staging dir (shared memory is off): ask without stage"
+            )
         with self._pipeline.retention.holding(folder):  # retention must not delete it mid-stream
             plan = restore_files.plan(store, folder, run, request.export_dir, asked, request.header_only)
             started = time.monotonic()
             save = plan.save
+            root_stat = os.stat(root) if root is not None else None
             yield pb.RestoreFilesResponse(
                 header=pb.RestoreFilesHeader(
                     export_dir=save.export_dir, step=save.step, kind=to_wire(save.kind), path=store.location(save.path),
                     unix_seconds=save.created, local_dir=str(plan.local_dir or ""), payload_bytes=plan.payload_bytes,
                     files=[restore_file(f, plan.verified.get(f.path)) for f in plan.files],
+                    staging_dir=str(root or ""), staging_device=root_stat.st_dev if root_stat else 0,
+                    staging_inode=root_stat.st_ino if root_stat else 0,
                 )
             )  # fmt: skip
+            if request.stage and root is not None:
+                with restore_stage.staged(store, plan, root) as staged:
+                    yield pb.RestoreFilesResponse(staged=pb.StagedFiles(dir=str(staged.dir), paths=staged.paths))
+                    _until_ended(context, restore_stage.HOLD_SECONDS)
+                restore_stage.log_staged(run, plan, staged, time.monotonic() - started)
+                return
             for piece in restore_files.pieces(store, plan):
-                yield pb.RestoreFilesResponse(chunk=wire.chunk(piece.data, piece.offset, piece.path))
+                yield _chunk_response(piece)
         restore_files.log_sent(run, plan, time.monotonic() - started)

@@ -126,6 +126,8 @@ class SavePipeline:
         self._budget = budget
         self.retention = retention
         self._shm = shared_memory
+        # The same segments' folder stages RestoreFiles for clients on this host.
+        self.shared_memory = shared_memory
         self._phases = phases if phases is not None else NullPhases()
         # Who writes each run when daemons share the store; NoLeases: this daemon alone.
         self.leases: Leases = leases if leases is not None else NoLeases()

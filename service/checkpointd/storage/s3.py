@@ -55,7 +55,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
@@ -359,6 +359,12 @@ class S3Store:
             self._manifests[key] = (response["ETag"], document)
         return document
 
+    def last_read_manifest(self, key: str) -> dict[str, Any] | None:
+        """The manifest at `key` as this store last read it (a lookup or listing), with no round trip; None if never."""
+        with self._lock:
+            cached = self._manifests.get(key)
+        return cached[1] if cached is not None else None
+
     def _read(
         self, manifest_key: str, save_key: str, folder_key: str, etag: str | None, *, is_prefix: bool
     ) -> CommittedSave | None:
@@ -403,6 +409,11 @@ class S3Store:
 
     def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
         return s3_restore.read_ranges(self, save, ranges)
+
+    def stage_ranges(
+        self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]], fds: Mapping[str, int]
+    ) -> Generator[tuple[str, int, int, int], None, None]:
+        return s3_restore.stage_ranges(self, save, ranges, fds)
 
     # Deleting.
 

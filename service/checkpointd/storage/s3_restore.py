@@ -2,9 +2,12 @@
 
 RestoreFiles streams the asked byte ranges with parallel ranged GETs
 (`read_ranges`): a few pieces in flight at once, each yielded in order as
-soon as it and those before it have arrived, nothing staged on disk. The
-tensor Restore reads a local copy (`local_copy`), each file checked
-against the manifest's size and CRC32C before anything is yielded.
+soon as it and those before it have arrived, nothing staged on disk. A
+client on the daemon's host has them landed in files instead
+(`stage_ranges`): bigger GETs, each written where it goes as it arrives,
+no message in between. The tensor Restore reads a local copy
+(`local_copy`), each file checked against the manifest's size and CRC32C
+before anything is yielded.
 """
 
 from __future__ import annotations
@@ -13,14 +16,16 @@ import collections
 import concurrent.futures
 import contextlib
 import json
+import os
 import secrets
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 from checkpointd.core.ports import CommittedSave, SavedFile
+from checkpointd.protocol import wire
 from checkpointd.protocol.errors import ChecksumError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.protocol.wire import FILE_CHUNK_BYTES
@@ -99,12 +104,19 @@ GETS_IN_FLIGHT = 8
 def files_of(store: S3Store, save: CommittedSave) -> list[SavedFile]:
     """Every file of a committed save in the bucket, from its manifest.
 
+    The manifest that found the save (read by its lookup, just before) is
+    used again rather than read a second time: on a fresh daemon each
+    RestoreFiles call costs a round trip less.
+
     Raises:
         RunNotFoundError: the save is no longer committed.
         UnavailableError: the object store failed.
     """
-    with store.reading(f"reading {save.path}"):
-        document = store.manifest(store.keys_of(save).manifest, None)
+    key = store.keys_of(save).manifest
+    document = store.last_read_manifest(key)
+    if document is None:
+        with store.reading(f"reading {save.path}"):
+            document = store.manifest(key, None)
     if document is None:
         raise RunNotFoundError(f"the save {save.path} in {store.url} is no longer committed")
     entries: list[save_manifest.FileEntry] = document["files"]
@@ -158,5 +170,74 @@ def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str,
                 yield bytes(view[start : start + FILE_CHUNK_BYTES])
     finally:
         for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True)
+
+
+# A staged restore's GETs: no message limit applies, so as big as the raw
+# parallel GET that is its yardstick; the bytes held are at most their
+# product (a GET's bytes go once written and folded into the CRC32C).
+STAGE_GET_BYTES = 16 << 20
+STAGE_GETS_IN_FLIGHT = 8
+
+
+def stage_ranges(
+    store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str, int, int]], fds: Mapping[str, int]
+) -> Generator[tuple[str, int, int, int], None, None]:
+    """Each (path, offset, length) of the save's files written into `fds[path]` at its offset, by ranged GETs.
+
+    `STAGE_GETS_IN_FLIGHT` GETs of `STAGE_GET_BYTES` run at a time on a pool
+    of this call's own. Each thread writes its GET's bytes (pwrite) and
+    folds them into its range's CRC32C once the GET before it in that range
+    has (the pool starts GETs in order, so that one is running or done).
+
+    Yields:
+        (path, offset, length, crc32c) of each range, in order, once every
+        byte of it is written.
+
+    Raises:
+        UnavailableError: a GET failed.
+        SaveFailedError: the bucket answered fewer bytes than asked.
+        OSError: a write failed (ENOSPC: the staging dir is full).
+    """
+    files_base = store.keys_of(save).files_base
+
+    def get(path: str, at: int, size: int, before: concurrent.futures.Future[int] | None) -> int:
+        key = files_base + path
+        answer = store.client.get_object(Bucket=store.bucket, Key=key, Range=f"bytes={at}-{at + size - 1}")
+        data: bytes = answer["Body"].read()  # (its readinto would read into a bytes first, then copy)
+        if len(data) != size:
+            raise SaveFailedError(f"{key} in {store.url}: {len(data)} bytes at {at}, {size} asked")
+        view, done = memoryview(data), 0
+        while done < size:
+            done += os.pwrite(fds[path], view[done:], at + done)
+        return wire.crc32c_of(data, before.result() if before is not None else 0)
+
+    pool = concurrent.futures.ThreadPoolExecutor(STAGE_GETS_IN_FLIGHT, thread_name_prefix="restore-stage")
+    submitted: collections.deque[concurrent.futures.Future[int]] = collections.deque()
+    # Each range with its last GET (None: empty), yielded in order once that is in.
+    ends: collections.deque[tuple[tuple[str, int, int], concurrent.futures.Future[int] | None]] = collections.deque()
+
+    def ready(wait: bool) -> Iterator[tuple[str, int, int, int]]:
+        while ends and (wait or ends[0][1] is None or ends[0][1].done()):
+            one, last = ends.popleft()
+            with store.reading(f"reading {save.path}"):
+                yield (*one, last.result() if last is not None else 0)
+
+    try:
+        for path, offset, length in ranges:
+            before: concurrent.futures.Future[int] | None = None
+            for at in range(offset, offset + length, STAGE_GET_BYTES):
+                while len(submitted) >= STAGE_GETS_IN_FLIGHT:  # the window: wait for the oldest
+                    with store.reading(f"reading {save.path}"):
+                        submitted.popleft().result()
+                    yield from ready(False)
+                before = pool.submit(get, path, at, min(STAGE_GET_BYTES, offset + length - at), before)
+                submitted.append(before)
+            ends.append(((path, offset, length), before))
+            yield from ready(False)
+        yield from ready(True)
+    finally:
+        for future in submitted:
             future.cancel()
         pool.shutdown(wait=True)

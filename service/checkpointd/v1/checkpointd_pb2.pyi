@@ -458,18 +458,20 @@ class FileRange(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RestoreFilesRequest(_message.Message):
-    __slots__ = ("run", "export_dir", "folder", "ranges", "header_only")
+    __slots__ = ("run", "export_dir", "folder", "ranges", "header_only", "stage")
     RUN_FIELD_NUMBER: _ClassVar[int]
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
     FOLDER_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     HEADER_ONLY_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     run: str
     export_dir: str
     folder: str
     ranges: _containers.RepeatedCompositeFieldContainer[FileRange]
     header_only: bool
-    def __init__(self, run: _Optional[str] = ..., export_dir: _Optional[str] = ..., folder: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[FileRange, _Mapping]]] = ..., header_only: bool = ...) -> None: ...
+    stage: bool
+    def __init__(self, run: _Optional[str] = ..., export_dir: _Optional[str] = ..., folder: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[FileRange, _Mapping]]] = ..., header_only: bool = ..., stage: bool = ...) -> None: ...
 
 class RestoreFile(_message.Message):
     __slots__ = ("path", "size", "crc32c", "device", "inode", "mtime_ns")
@@ -488,7 +490,7 @@ class RestoreFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., device: _Optional[int] = ..., inode: _Optional[int] = ..., mtime_ns: _Optional[int] = ...) -> None: ...
 
 class RestoreFilesHeader(_message.Message):
-    __slots__ = ("export_dir", "step", "kind", "path", "unix_seconds", "files", "local_dir", "payload_bytes")
+    __slots__ = ("export_dir", "step", "kind", "path", "unix_seconds", "files", "local_dir", "payload_bytes", "staging_dir", "staging_device", "staging_inode")
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -497,6 +499,9 @@ class RestoreFilesHeader(_message.Message):
     FILES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_DIR_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_DIR_FIELD_NUMBER: _ClassVar[int]
+    STAGING_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STAGING_INODE_FIELD_NUMBER: _ClassVar[int]
     export_dir: str
     step: int
     kind: SaveKind
@@ -505,12 +510,25 @@ class RestoreFilesHeader(_message.Message):
     files: _containers.RepeatedCompositeFieldContainer[RestoreFile]
     local_dir: str
     payload_bytes: int
-    def __init__(self, export_dir: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., path: _Optional[str] = ..., unix_seconds: _Optional[float] = ..., files: _Optional[_Iterable[_Union[RestoreFile, _Mapping]]] = ..., local_dir: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    staging_dir: str
+    staging_device: int
+    staging_inode: int
+    def __init__(self, export_dir: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., path: _Optional[str] = ..., unix_seconds: _Optional[float] = ..., files: _Optional[_Iterable[_Union[RestoreFile, _Mapping]]] = ..., local_dir: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., staging_dir: _Optional[str] = ..., staging_device: _Optional[int] = ..., staging_inode: _Optional[int] = ...) -> None: ...
+
+class StagedFiles(_message.Message):
+    __slots__ = ("dir", "paths")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dir: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RestoreFilesResponse(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "staged")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     header: RestoreFilesHeader
     chunk: Chunk
-    def __init__(self, header: _Optional[_Union[RestoreFilesHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    staged: StagedFiles
+    def __init__(self, header: _Optional[_Union[RestoreFilesHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., staged: _Optional[_Union[StagedFiles, _Mapping]] = ...) -> None: ...
