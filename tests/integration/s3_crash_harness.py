@@ -205,6 +205,7 @@ class _Trainer(threading.Thread):
         self.cut = 0
         self.killed = threading.Event()
         self.first_durable = threading.Event()  # one checkpoint of this trial committed
+        self.first_copied = threading.Event()  # one committed incrementally (bytes copied from its base)
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -222,6 +223,8 @@ class _Trainer(threading.Thread):
                     self.durable, self.saves = self.step, self.saves + 1
                     self.copied += result.bytes_copied
                     self.first_durable.set()
+                    if result.bytes_copied:
+                        self.first_copied.set()
             except CheckpointdError as exc:
                 if not self.killed.is_set():
                     self.error = exc
@@ -428,11 +431,14 @@ class _Harness:
             driver.start()
             trainer.start()
             if self.figures.trials == 0:
-                # The first kill comes after a committed checkpoint (never replaced in
-                # place, unlike a policy export dir), so every run has a manifest to check
-                # and a save to load, however the load on the machine times the kills.
+                # The first kill comes after a checkpoint committed incrementally (a
+                # base, then one copied from it; never replaced in place, unlike a policy
+                # export dir), so every run has a manifest to check, a save to load and a
+                # copy from a base to prove, however the load on the machine times the kills.
+                # (Only the large state spans chunks to copy.)
+                first = trainer.first_copied if self.size == "large" else trainer.first_durable
                 until = time.monotonic() + _DEADLINE
-                while trainer.is_alive() and time.monotonic() < until and not trainer.first_durable.wait(0.05):
+                while trainer.is_alive() and time.monotonic() < until and not first.wait(0.05):
                     pass  # a trainer that failed ends the wait; its error is reported below
             aim = self.rng.choice(AIMS if self.size == "large" else ("random", "unmanifested", "stream"))
             self.figures.aims[aim] += 1
