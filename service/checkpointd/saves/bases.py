@@ -96,6 +96,16 @@ class RemoteBases(Protocol):
         """The committed data object `save`'s path + `data_file` of `size` bytes as copies name it; None if unusable."""
 
 
+# A save of less than one chunk has nothing worth copying: opening its base and
+# reading its manifest back after the commit cost more than sending its bytes.
+MIN_BYTES = chunks.CHUNK_BYTES
+
+
+def worth_a_base(parts: Sequence[int]) -> bool:
+    """Whether a save whose payload parts are `parts` bytes may copy from a base."""
+    return sum(parts) >= MIN_BYTES
+
+
 class Newest:
     """The newest committed checkpoint of each (folder, dir), as found once and then as committed here. Thread-safe."""
 
@@ -121,6 +131,11 @@ class Newest:
             with self._lock:
                 self._saves[key] = newest
         return newest
+
+    def forget(self, folder: str, request: SaveRequest) -> None:
+        """Drops what is known of the request's dir (a save committed there without being remembered)."""
+        with self._lock:
+            self._saves.pop((folder, directory_of(request.export_dir), request.kind.value), None)
 
     def committed(self, store: Store, folder: str, request: SaveRequest) -> None:
         """Reads back the manifest of the request's save, just committed: the dir's next base."""

@@ -366,7 +366,8 @@ class SavePipeline:
                     segment = None
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
-            if request.incremental:  # through shared memory too: the daemon compares the chunks itself
+            incremental = request.incremental and bases.worth_a_base(parts)
+            if incremental:  # through shared memory too: the daemon compares the chunks itself
                 base = bases.open_base(self.store, folder, request, self._local, self._bases, manifest.variables)
             offer = _offer(base) if segment is None else None
             yield Decision(accepted=True, segment=segment, lock_path=lock_path, base=offer)
@@ -400,7 +401,10 @@ class SavePipeline:
                     self._phases.observe_phase(kind, "write", time.monotonic() - writing)
             copied = base.copied if base is not None else 0
             outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
-            self._bases.committed(self.store, folder, request)
+            if incremental:
+                self._bases.committed(self.store, folder, request)
+            else:
+                self._bases.forget(folder, request)
             self._phases.payload_bytes(kind, request.snapshot_bytes - copied, copied)
             if request.checkpoint is not None:
                 self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
