@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,16 +73,9 @@ def _open_fds_to(path: Path) -> int:
 def test_deferred_slots_are_restored_from_an_in_place_save_that_retention_deleted_meanwhile(
     daemon: Daemon, session: DaemonSession
 ) -> None:
-    trained = _trained(seed=0)
-    trained.global_step.assign(5)
-    _save(daemon, session.run, trained, 5)
-    saved = training_state.values(trained.objects)
-    directory = daemon.root / session.run / "train"
-    data = (directory / "ckpt-5.data-00000-of-00001").resolve()
-
-    resumed = training_state.build(seed=1)  # Adam has no slots yet: TensorFlow defers them
-    restored = checkpoint_restore.restore(session, _checkpoint(resumed), CHILDREN, "train/ckpt-5", "")
-    assert restored.in_place and restored.received == 0
+    trained, saved, resumed, restored = _restored_with_slots_deferred(daemon, session)
+    data = (daemon.root / session.run / "train" / "ckpt-5.data-00000-of-00001").resolve()
+    assert restored.received == 0
     assert restored.copy is not None  # kept for the deferred slots
     try:
         _save(daemon, session.run, trained, 6, train=2)  # max_to_keep=1: retention deletes ckpt-5
@@ -97,16 +91,10 @@ def test_deferred_slots_are_restored_from_an_in_place_save_that_retention_delete
 def test_deferred_slots_come_from_the_save_restored_even_if_another_of_its_name_replaced_it(
     daemon: Daemon, session: DaemonSession
 ) -> None:
-    trained = _trained(seed=0)
-    trained.global_step.assign(5)
-    _save(daemon, session.run, trained, 5)
-    saved = training_state.values(trained.objects)
     index = daemon.root / session.run / "train" / "ckpt-5.index"
+    trained, saved, resumed, restored = _restored_with_slots_deferred(daemon, session)
     before = index.stat().st_ino
-
-    resumed = training_state.build(seed=1)
-    restored = checkpoint_restore.restore(session, _checkpoint(resumed), CHILDREN, "train/ckpt-5", "")
-    assert restored.in_place and restored.copy is not None
+    assert restored.copy is not None
     try:
         _save(daemon, session.run, trained, 5, train=2)  # other values, slots included, under the same name
         assert index.stat().st_ino != before
@@ -129,6 +117,21 @@ def test_a_restore_with_nothing_deferred_keeps_no_file_of_the_save_open(daemon: 
     assert _open_fds_to(directory / "ckpt-5.index") == 0
     assert _open_fds_to(directory / "ckpt-5.data-00000-of-00001") == 0
     assert training_state.values(resumed.objects) == training_state.values(trained.objects)
+
+
+def _restored_with_slots_deferred(daemon: Daemon, session: DaemonSession) -> tuple[Any, dict[str, bytes], Any, Any]:
+    """A trained state saved as train/ckpt-5, and a new one restored from it in place, its Adam slots deferred.
+
+    Returns (trained, its values as saved, resumed, the restore's result).
+    """
+    trained = _trained(seed=0)
+    trained.global_step.assign(5)
+    _save(daemon, session.run, trained, 5)
+    saved = training_state.values(trained.objects)
+    resumed = training_state.build(seed=1)  # Adam has no slots yet: TensorFlow defers them
+    restored = checkpoint_restore.restore(session, _checkpoint(resumed), CHILDREN, "train/ckpt-5", "")
+    assert restored.in_place
+    return trained, saved, resumed, restored
 
 
 def _differing(got: dict[str, bytes], want: dict[str, bytes]) -> list[str]:
