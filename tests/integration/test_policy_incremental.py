@@ -107,3 +107,18 @@ def test_policy_saves_copy_the_unchanged_variables_and_are_byte_identical_to_ful
         line.rpartition("transport=")[2] for line in daemon.log().splitlines() if f"saved run={pair.runs[0]} " in line
     }
     assert transports == {"shm" if pair.shared_memory else "grpc"}
+
+
+def test_a_save_under_one_chunk_is_sent_whole_with_no_base(daemon: Daemon) -> None:
+    small = policies.build(policies.q(hidden=(8,)))  # a few hundred bytes of variables: under one 1 MiB chunk
+    p = Pair(daemon, small, "policy-small", shared_memory=False)
+    try:
+        p.step.assign(1)
+        p.save("p/1")
+        small.variables()[-1].assign_add(tf.fill(small.variables()[-1].shape, 0.5))  # type: ignore[attr-defined]
+        p.step.assign(2)
+        incr, full = p.save("p/2")
+        assert p.same("p/2")
+        assert incr.bytes_copied == 0 and incr.bytes_received == full.bytes_received  # type: ignore[attr-defined]
+    finally:
+        p.close()
