@@ -74,6 +74,26 @@ def test_manifest_lists_every_other_file_with_size_and_crc32c(tmp_path: Path) ->
     ]
 
 
+def test_manifest_has_a_line_per_field_and_per_file_and_reads_back_as_written(tmp_path: Path) -> None:
+    extra = {"chunks": {"tensors": [{"key": "a", "shape": [2, 3], "crc32c": "KDPINA=="}]}, "note": 'ü \\ "'}
+    save = tmp_path / "s"
+    make_save(save)
+    (save / MANIFEST).unlink()
+    save_manifest.write_manifest(
+        save, run="r", kind="saved_model", step=1, export_dir="s", versions={"tensorflow": "2.15.1"}, extra=extra
+    )
+    data = (save / MANIFEST).read_bytes()
+    document = save_manifest.parse_manifest(data)
+    lines = data.decode("utf-8").splitlines()
+
+    assert json.loads(data)["chunks"] == extra["chunks"] and document["note"] == extra["note"]
+    assert [e.path for e in document["files"]] == sorted(SAVED_MODEL)
+    # One line a top-level field, one a file entry: `{`, 11 fields, `]` closing the files, `}`.
+    assert len(lines) == 1 + 11 + len(SAVED_MODEL) + 1 + 1
+    assert lines[0] == "{" and lines[-1] == "}" and data.endswith(b"}\n")
+    assert sum(line.strip().startswith('{"path": ') for line in lines) == len(SAVED_MODEL)
+
+
 def test_manifest_is_not_written_over_an_existing_one(tmp_path: Path) -> None:
     save = make_save(tmp_path / "s")
     with pytest.raises(FileExistsError):

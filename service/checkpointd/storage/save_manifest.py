@@ -224,13 +224,32 @@ def write_manifest(
         if key in document:
             raise ValueError(f"extra manifest field {key!r} would replace a standard one")
         document[key] = value
-    data = (json.dumps(document, indent=1) + "\n").encode("utf-8")
+    data = encode_manifest(document)
     with open(save_dir / MANIFEST_NAME, "xb") as f:
         f.write(data)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
     return len(data)
+
+
+def encode_manifest(document: Mapping[str, Any]) -> bytes:
+    """A manifest's bytes: JSON, one line per top-level field, a list field's items one a line.
+
+    Each value is encoded whole by `json.dumps` without `indent`, which is
+    the C encoder (with `indent` it is the pure-Python one, the largest piece
+    of a small save's commit CPU); the line breaks keep it readable by people
+    and by line-oriented tools. Any JSON parser reads it.
+    """
+    encode = json.dumps
+    lines = []
+    for key, value in document.items():
+        if isinstance(value, list) and value:
+            items = ",\n  ".join(encode(item) for item in value)
+            lines.append(f" {encode(key)}: [\n  {items}\n ]")
+        else:
+            lines.append(f" {encode(key)}: {encode(value)}")
+    return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
 
 
 def read_manifest(save_dir: Path, name: str = MANIFEST_NAME) -> dict[str, Any]:
