@@ -14,10 +14,13 @@ dir is discarded; the Store commits the manifest last).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+from typing import cast
 
 from checkpointd.core.checkpoint_spec import CheckpointSpec
 from checkpointd.core.manifest import Manifest
@@ -85,18 +88,20 @@ def streamed(
         RunNotFoundError: the run has no template in the format.
         SaveFailedError: the save could not be written, with the reason.
     """
-    made = _missing_dirs(PurePath(target).parent)
+    parent = os.path.dirname(target)
+    made = _missing_dirs(parent)
     try:
         staging = store.stage(target)
     except OSError as e:
         raise write_failed(meta, target, e) from e
-    if Path(staging).parent != Path(target).parent:  # staged elsewhere (an object store's local dir)
+    if os.path.dirname(staging) != parent:  # staged elsewhere (an object store's local dir)
         made = []
     try:
         sink = fmt.open(meta.run, meta.kind, manifest, staging, parts, numpy_state, **_own_spec(checkpoint))
         try:
-            if isinstance(store, StreamingStore) and isinstance(sink, WatchedSink):
-                store.stream(staging, target, meta, sink)  # an object store sends parts as they fill
+            if _is(type(store), StreamingStore) and _is(type(sink), WatchedSink):
+                # An object store sends parts as they fill.
+                cast(StreamingStore, store).stream(staging, target, meta, cast(WatchedSink, sink))
             yield StreamedSave(store, meta, target, staging, sink)
         finally:
             sink.close()
@@ -108,13 +113,23 @@ def streamed(
         raise write_failed(meta, target, e) from e
 
 
-def _missing_dirs(parent: PurePath) -> list[Path]:
+@functools.lru_cache(maxsize=64)
+def _is(kind: type, protocol: type) -> bool:
+    """`isinstance` for a runtime-checkable Protocol of methods, looked up once per class.
+
+    Protocol instance checks inspect every member at every call; a Store's
+    or sink's methods are its class's, so its class answers for it.
+    """
+    return issubclass(kind, protocol)
+
+
+def _missing_dirs(parent: str) -> list[Path]:
     """The dirs from `parent` up that do not exist yet (staging beside the target will make them), deepest first."""
     missing = []
-    path = Path(parent)
-    while not path.exists() and path != path.parent:
-        missing.append(path)
-        path = path.parent
+    path = parent
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        missing.append(Path(path))
+        path = os.path.dirname(path)
     return missing
 
 
