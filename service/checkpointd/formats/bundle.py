@@ -30,6 +30,7 @@ path never imports TensorFlow. Stdlib and crc32c only.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from collections.abc import Sequence
@@ -116,6 +117,11 @@ def _string_head(values: Sequence[bytes]) -> tuple[bytes, int]:
 
 def entry_proto(dtype: str, shape: Sequence[int], offset: int, size: int, masked_crc: int) -> bytes:
     """A BundleEntryProto, serialized as protobuf does (fields in number order, zeros absent)."""
+    return _entry_head(dtype, shape, offset, size) + _crc_field(masked_crc)
+
+
+def _entry_head(dtype: str, shape: Sequence[int], offset: int, size: int) -> bytes:
+    """A BundleEntryProto's fields before its crc32c (the last field): the same for every save of a layout."""
     dims = bytearray()
     for d in shape:
         dim = b"\x08" + table.varint(d) if d else b""  # TensorShapeProto.Dim{size}
@@ -127,9 +133,45 @@ def entry_proto(dtype: str, shape: Sequence[int], offset: int, size: int, masked
         out += b"\x20" + table.varint(offset)
     if size:
         out += b"\x28" + table.varint(size)
-    if masked_crc:
-        out += b"\x35" + struct.pack("<I", masked_crc)
     return bytes(out)
+
+
+def _crc_field(masked_crc: int) -> bytes:
+    """BundleEntryProto.crc32c (5, fixed32), absent when zero."""
+    return b"\x35" + struct.pack("<I", masked_crc) if masked_crc else b""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What every bundle of the same entries has alike: where each tensor goes, and its index row but the CRC."""
+
+    offsets: tuple[int, ...]  # each entry's place in the data file, in data order
+    size: int  # the data file's
+    order: tuple[int, ...]  # the entries in the index's (bytewise key) order
+    rows: tuple[tuple[bytes, bytes], ...]  # (key, entry proto without its crc32c) in that order
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(entries: tuple[Entry, ...]) -> _Layout:
+    """The checked layout of a bundle of `entries` (data order), made once per distinct entries.
+
+    A run's saves write bundles of the same entries (a template's); only the
+    tensors' CRC32Cs differ from save to save.
+
+    Raises:
+        ValueError: see `check_entries` (not cached: raised at every call).
+    """
+    check_entries(entries)
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += e.size
+    order = tuple(sorted(range(len(entries)), key=lambda i: entries[i].key.encode()))
+    rows = tuple(
+        (entries[i].key.encode(), _entry_head(entries[i].dtype, entries[i].shape, offsets[i], entries[i].size))
+        for i in order
+    )
+    return _Layout(tuple(offsets), at, order, rows)
 
 
 def check_entries(entries: Sequence[Entry]) -> None:
@@ -174,15 +216,11 @@ class BundleWriter:
             ValueError: see `check_entries`.
             OSError: the data file could not be created.
         """
-        check_entries(entries)
         self.entries = tuple(entries)
+        self._layout = _layout(self.entries)  # checks them
         self.prefix = str(prefix)
-        self.offsets: list[int] = []
-        at = 0
-        for e in self.entries:
-            self.offsets.append(at)
-            at += e.size
-        self.size = at  # the data file's
+        self.offsets = list(self._layout.offsets)
+        self.size = self._layout.size  # the data file's
         self._written = [0] * len(self.entries)
         self._crcs = [0] * len(self.entries)
         self._string_file_crcs: dict[int, int] = {}  # a string tensor's bytes in the data file, by index
@@ -309,11 +347,12 @@ class BundleWriter:
         for i, e in enumerate(self.entries):
             if not self.complete(i):
                 raise ValueError(f"bundle key {e.key!r}: {self._written[i]} of its {e.size} bytes were written")
+        crcs, mask = self._crcs, table.mask
         rows = [(b"", HEADER)]
-        for e, offset, crc in sorted(
-            zip(self.entries, self.offsets, self._crcs, strict=True), key=lambda row: row[0].key.encode()
-        ):
-            rows.append((e.key.encode(), entry_proto(e.dtype, e.shape, offset, e.size, table.mask(crc))))
+        rows += [
+            (key, head + _crc_field(mask(crcs[i])))
+            for i, (key, head) in zip(self._layout.order, self._layout.rows, strict=True)
+        ]
         return table.build(rows)
 
     def finish(self) -> bytes:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# The one-byte varints, made once: most lengths and counts a table or a proto holds.
+_ONE_BYTE = tuple(bytes((n,)) for n in range(0x80))
+
 
 def encode(value: int) -> bytes:
     """`value` (unsigned, < 2**64) as a little-endian base-128 varint."""
+    if 0 <= value < 0x80:
+        return _ONE_BYTE[value]
     if value < 0:
         raise ValueError(f"a varint is unsigned, saw {value}")
     out = bytearray()
