@@ -151,14 +151,14 @@ def unmark_fsynced(staging: Path) -> None:
 
 
 @contextlib.contextmanager
-def writing(directory: Path, nbytes: int) -> Iterator[None]:
+def writing(directory: Path | str, nbytes: int) -> Iterator[None]:
     """Around a format's write of `nbytes` into `directory`: for one of at least WRITEBACK_BYTES,
     a `Writeback` if `directory` (or its parent) is a staging dir that will be fsynced (`mark_fsynced`),
     and the heap's free pages handed back to the system before and after (`release_free_memory`)."""
-    directory = Path(directory)
     if nbytes < WRITEBACK_BYTES:
         yield
         return
+    directory = Path(directory)
     with _fsynced_staging_lock:
         fsynced = directory in _fsynced_staging or directory.parent in _fsynced_staging
     release_free_memory()

@@ -85,6 +85,8 @@ class PolicyFormat:
         self._register_lock = threading.Lock()
         # Each run's recent templates, newest last (see _KEPT_TEMPLATES).
         self._templates: dict[str, list[Template]] = {}
+        # Each kept template's bundle layout by kind (`_plan`), by the template's id (it holds a dict: unhashable).
+        self._plans: dict[tuple[int, SaveKind], tuple[Template, _Plan]] = {}
 
     def register(
         self,
@@ -131,6 +133,9 @@ class PolicyFormat:
                 with self._lock:
                     kept = self._templates.setdefault(run, [])
                     kept.append(template)
+                    for dropped in kept[:-_KEPT_TEMPLATES]:
+                        for k in self.kinds:
+                            self._plans.pop((id(dropped), k), None)
                     del kept[:-_KEPT_TEMPLATES]
         except BaseException:
             durable.remove_quietly(staged_dir)
@@ -210,44 +215,42 @@ class PolicyFormat:
             OSError: the files could not be created.
         """
         template = self._template(run, manifest)
-        variables = template.manifest.variables
         tail = numpy_state.nbytes if numpy_state is not None else 0
-        if list(parts) != [*(v.nbytes for v in variables), tail]:
+        plan = self._plan(template, kind)
+        if len(parts) != len(plan.parts) + 1 or tuple(parts[:-1]) != plan.parts or parts[-1] != tail:
             raise SaveFailedError(f"run {run!r}: snapshot parts do not match the manifest")
+        where = os.fspath(staging)
         if kind is SaveKind.SAVED_MODEL:
             for rel in template.dirs:
-                (staging / rel).mkdir(exist_ok=True)
+                _mkdir(os.path.join(where, rel))
             for rel, content in template.files:
-                _write_new(os.path.join(staging, rel), content)
-            order, names, graph = (
-                template.saved_model_order,
-                [v.key for v in variables],
-                template.saved_model_graph,
-            )
-        elif kind is SaveKind.CHECKPOINT:
-            order, names = template.checkpoint_order, [v.checkpoint_key for v in variables]
-            graph = template.checkpoint_graph
-        else:
-            raise SaveFailedError(f"unknown save kind {kind!r}")
-        (staging / "variables").mkdir(exist_ok=True)
-        entries = [bundle.Entry(names[i], variables[i].dtype, variables[i].shape, variables[i].nbytes) for i in order]
-        entries.append(bundle.string_entry(OBJECT_GRAPH_KEY, graph))
-        position = {i: at for at, i in enumerate(order)}
-        routes: list[int | None] = [position[j] for j in range(len(variables))]
-        routes.append(None)  # the numpy state, kept for finish
+                _write_new(os.path.join(where, rel), content)
+        _mkdir(os.path.join(where, "variables"))
         finish = functools.partial(self._finish, template, kind, staging, numpy_state)
 
         def finish_with_digests(index: bytes, tail: bytes) -> Staged:
             # The next save's base: the variables' chunk digests, and the data file committing renames.
             staged = finish(index, tail)
-            data = staging / (VARIABLES_PREFIX + bundle.DATA_SUFFIX)
-            record = chunks.record("/" + VARIABLES_PREFIX + bundle.DATA_SUFFIX, data.stat(), opened.digests())
+            record = chunks.record(_DATA_FILE, os.stat(os.path.join(where, _DATA_PATH)), opened.digests())
             return dataclasses.replace(staged, extra={**(staged.extra or {}), chunks.FIELD: record})
 
         opened = BundleSink(
-            staging / VARIABLES_PREFIX, entries, routes, parts, finish_with_digests, strings={len(order): graph}
-        )
+            os.path.join(where, VARIABLES_PREFIX), plan.entries, plan.routes, parts, finish_with_digests,
+            strings=plan.strings,
+        )  # fmt: skip
         return opened
+
+    def _plan(self, template: Template, kind: SaveKind) -> _Plan:
+        """The bundle layout of `template`'s saves of `kind`, made at its first save and kept with it."""
+        with self._lock:
+            held = self._plans.get((id(template), kind))
+        if held is not None and held[0] is template:
+            return held[1]
+        plan = _make_plan(template, kind)
+        with self._lock:
+            if any(template in kept for kept in self._templates.values()):  # not dropped meanwhile
+                self._plans[(id(template), kind)] = (template, plan)
+        return plan
 
     def _template(self, run: str, manifest: Manifest) -> Template:
         """The template a save was checked against: the registration whose manifest it is."""
@@ -308,6 +311,46 @@ class PolicyFormat:
     def read(self, save: CommittedSave, manifest: Manifest) -> SaveValues:
         """Opens a committed policy save for Restore (see `checkpointd.formats.reader`)."""
         return reader.open_save(Path(save.path), save.kind, manifest, repr(save.export_dir))
+
+
+_DATA_PATH = VARIABLES_PREFIX + bundle.DATA_SUFFIX  # in the save's dir
+_DATA_FILE = "/" + _DATA_PATH  # as a save's chunk record names it
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What every save of one template and kind writes alike: its bundle's tensors and where each part goes."""
+
+    parts: tuple[int, ...]  # each variable's bytes, in manifest order (the numpy state's part follows)
+    entries: tuple[bundle.Entry, ...]  # the bundle's tensors in data order: the variables, then the object graph
+    routes: tuple[int | None, ...]  # each wire part's entry; None for the numpy state, kept for finish
+    strings: dict[int, bytes]  # the object graph, by its entry
+
+
+def _make_plan(template: Template, kind: SaveKind) -> _Plan:
+    variables = template.manifest.variables
+    if kind is SaveKind.SAVED_MODEL:
+        order, names, graph = template.saved_model_order, [v.key for v in variables], template.saved_model_graph
+    elif kind is SaveKind.CHECKPOINT:
+        order, names = template.checkpoint_order, [v.checkpoint_key for v in variables]
+        graph = template.checkpoint_graph
+    else:
+        raise SaveFailedError(f"unknown save kind {kind!r}")
+    entries = [bundle.Entry(names[i], variables[i].dtype, variables[i].shape, variables[i].nbytes) for i in order]
+    entries.append(bundle.string_entry(OBJECT_GRAPH_KEY, graph))
+    position = {i: at for at, i in enumerate(order)}
+    routes: list[int | None] = [position[j] for j in range(len(variables))]
+    routes.append(None)
+    return _Plan(tuple(v.nbytes for v in variables), tuple(entries), tuple(routes), {len(order): graph})
+
+
+def _mkdir(path: str) -> None:
+    """`Path(path).mkdir(exist_ok=True)`, without pathlib's parsing."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
 
 
 def _sizes(

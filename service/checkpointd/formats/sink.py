@@ -72,7 +72,7 @@ class BundleSink:
 
     def __init__(
         self,
-        prefix: Path,
+        prefix: Path | str,
         entries: Sequence[Entry],
         routes: Sequence[int | None],
         parts: Sequence[int],
@@ -123,7 +123,7 @@ class BundleSink:
         self._stack = contextlib.ExitStack()
         try:
             self._writer = self._stack.enter_context(BundleWriter(prefix, entries))
-            self._stack.enter_context(writeback.writing(Path(prefix).parent, self._writer.size))
+            self._stack.enter_context(writeback.writing(os.path.dirname(prefix), self._writer.size))
             for i, value in (strings or {}).items():
                 self._writer.write_strings(i, [value])
         except BaseException:
@@ -365,10 +365,14 @@ class BundleSink:
         cheaper than reading it (about a tensor per MiB or fewer: each
         combine is pure Python).
         """
-        try:
-            rel = Path(self._writer.prefix).relative_to(staged.path).as_posix()
-        except ValueError:
-            return staged  # staged elsewhere: the store reads the files back
+        base = os.fspath(staged.path) + os.sep
+        if self._writer.prefix.startswith(base):  # as the formats join them: no pathlib parsing
+            rel = self._writer.prefix[len(base) :].replace(os.sep, "/")
+        else:
+            try:
+                rel = Path(self._writer.prefix).relative_to(staged.path).as_posix()
+            except ValueError:
+                return staged  # staged elsewhere: the store reads the files back
         known = dict(staged.known or {})
         known[rel + INDEX_SUFFIX] = (len(index), crc32c.crc32c(index))
         # Combined always when staging lacks referred ranges: reading the file back would sum holes.
