@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 from checkpointd.protocol.errors import SaveFailedError
@@ -38,7 +39,7 @@ def new_suffix() -> str:
     return secrets.token_hex(_HEX_LEN // 2)
 
 
-def make_temp_sibling(target: Path) -> Path:
+def make_temp_sibling(target: Path | str) -> Path:
     """Creates an empty temp dir next to `target` to write into.
 
     Args:
@@ -51,15 +52,23 @@ def make_temp_sibling(target: Path) -> Path:
     Raises:
         OSError: if the parents or the temp dir cannot be created.
     """
-    target = Path(target)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        # mkdir says "File exists" when the parent is a file; say what is wrong.
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(target.parent)) from None
-    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{new_suffix()}"
-    tmp.mkdir()
-    return tmp
+    # As text (pathlib parses every path it makes): a save stages at its accept.
+    parent, name = os.path.split(os.fspath(_path(target)))
+    parent = parent or "."
+    if not os.path.isdir(parent):
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except FileExistsError:
+            # mkdir says "File exists" when the parent is a file; say what is wrong.
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), parent) from None
+    tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{new_suffix()}")
+    os.mkdir(tmp)
+    return Path(tmp)
+
+
+def _path(path: Path | str) -> Path:
+    """`path` as a Path, normalized as pathlib does; one given already is not parsed again."""
+    return path if isinstance(path, Path) else Path(path)
 
 
 def fsync_dir(path: Path | str) -> None:
@@ -125,7 +134,7 @@ def remove_quietly(path: Path) -> None:
 
 
 def publish_dir(
-    tmp: Path, target: Path, *, fsync: bool = True, synced: bool = False, keep_old: bool = False
+    tmp: Path | str, target: Path | str, *, fsync: bool = True, synced: bool = False, keep_old: bool = False
 ) -> Path | None:
     """Renames the finished tree `tmp` to `target`, replacing an old tree.
 
@@ -148,29 +157,34 @@ def publish_dir(
         SaveFailedError: if `target` exists and is not a directory.
         OSError: if a rename or fsync fails; `tmp` is then left for the caller.
     """
-    tmp, target = Path(tmp), Path(target)
-    parent = target.parent
+    # As text, with one lstat for the target's three checks (pathlib's cost more than the renames).
+    where = os.fspath(_path(target))
+    parent, name = os.path.split(where)
+    parent = parent or "."
     if fsync and not synced:
-        fsync_tree(tmp)
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        fsync_tree(_path(tmp))
+    try:
+        mode: int | None = os.lstat(where).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None  # absent (the rename says why if a parent is not a dir)
+    if mode is not None and not stat.S_ISDIR(mode):
         # A symlink to a directory is refused too: renaming over it would
         # replace the link, not the tree the user pointed it at.
         raise SaveFailedError(
-            f"cannot publish to {target}: it exists and is not a directory; "
-            "move it away or choose another export_dir"
+            f"cannot publish to {where}: it exists and is not a directory; " "move it away or choose another export_dir"
         )
-    if not target.exists():
-        os.rename(tmp, target)
+    if mode is None:
+        os.rename(tmp, where)
         if fsync:
             fsync_dir(parent)
         return None
-    old = parent / f"{OLD_PREFIX}{target.name}-{new_suffix()}"
-    os.rename(target, old)
+    old = Path(parent, f"{OLD_PREFIX}{name}-{new_suffix()}")
+    os.rename(where, old)
     try:
-        os.rename(tmp, target)
+        os.rename(tmp, where)
     except OSError:
         # Put the old tree back so a failed save leaves what was there.
-        os.rename(old, target)
+        os.rename(old, where)
         raise
     if fsync:
         fsync_dir(parent)

@@ -141,13 +141,13 @@ _fsynced_staging_lock = threading.Lock()
 def mark_fsynced(staging: Path) -> None:
     """Says that `staging` will be fsynced before it is published: `writing` hands its files to the disk early."""
     with _fsynced_staging_lock:
-        _fsynced_staging.add(Path(staging))
+        _fsynced_staging.add(staging if isinstance(staging, Path) else Path(staging))
 
 
 def unmark_fsynced(staging: Path) -> None:
     """Undoes `mark_fsynced` (the staging dir is committed or discarded); a dir never marked is ignored."""
     with _fsynced_staging_lock:
-        _fsynced_staging.discard(Path(staging))
+        _fsynced_staging.discard(staging if isinstance(staging, Path) else Path(staging))
 
 
 @contextlib.contextmanager

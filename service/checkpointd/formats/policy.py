@@ -370,7 +370,7 @@ def _sizes(
         for rel, content in (("fingerprint.pb", fingerprint), ("variables/variables.index", index)):  # manifest paths
             known[rel] = policy_template.size_and_crc(content)
         # Every file is in `known` but the data shards, the only ones to stat.
-        with os.scandir(tmp / "variables") as entries:
+        with os.scandir(os.path.join(tmp, "variables")) as entries:
             shards = sum(e.stat(follow_symlinks=False).st_size for e in entries if f"variables/{e.name}" not in known)
         return sum(size for size, _ in known.values()) + shards, known
     written = sum(

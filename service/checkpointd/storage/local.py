@@ -146,13 +146,13 @@ class LocalStore:
         return resolve_export_dir(self.root, folder, export_dir)
 
     def stage(self, target: PurePath) -> Path:
-        staging = files.make_temp_sibling(Path(target))
+        staging = files.make_temp_sibling(target if isinstance(target, Path) else Path(target))
         if self._fsync:
             writeback.mark_fsynced(staging)
         return staging
 
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
-        target = Path(target)
+        target = target if isinstance(target, Path) else Path(target)
         writeback.unmark_fsynced(staged.path)
         if (
             self._group is not None

@@ -76,7 +76,7 @@ class Report:
 _MAP_BYTES = 4 << 20
 
 
-def file_checksum(path: Path, progress: Progress | None = None, *, mapped: bool = False) -> tuple[int, int]:
+def file_checksum(path: Path | str, progress: Progress | None = None, *, mapped: bool = False) -> tuple[int, int]:
     """Returns (size, CRC32C) of a file, read in 4 MiB blocks.
 
     `mapped` checksums a file of 4 MiB or more through a read-only map of the
@@ -199,15 +199,15 @@ def write_manifest(
     Raises:
         OSError: a file could not be read or the manifest written.
     """
-    save_dir = Path(save_dir)
+    where = os.fspath(save_dir)  # joined as text: pathlib's parsing costs more than a small save's CRCs
     known = known or {}
     entries = []
-    for rel, path, st in _staged_entries(os.fspath(save_dir)):
+    for rel, path, st in _staged_entries(where):
         if not stat.S_ISREG(st.st_mode):
             raise OSError(f"{path} is not a regular file; a save holds only regular files")
         size, value = known.get(rel, (-1, 0))
         if size != st.st_size:
-            size, value = file_checksum(Path(path), mapped=True)  # the save's own files
+            size, value = file_checksum(path, mapped=True)  # the save's own files
         entries.append(FileEntry(rel, size, _hex(value)))
     document = {
         "format": FORMAT,
@@ -225,7 +225,7 @@ def write_manifest(
             raise ValueError(f"extra manifest field {key!r} would replace a standard one")
         document[key] = value
     data = encode_manifest(document)
-    with open(save_dir / MANIFEST_NAME, "xb") as f:
+    with open(os.path.join(where, MANIFEST_NAME), "xb") as f:
         f.write(data)
         if fsync:
             f.flush()
