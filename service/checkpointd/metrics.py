@@ -8,6 +8,7 @@ Nothing is registered at import time: build `Metrics(registry)`.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from prometheus_client import (
     REGISTRY,
@@ -37,6 +38,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.registry = registry
+        self._children: dict[tuple[object, ...], Any] = {}  # see _child
         self.save_duration = Histogram(
             "checkpointd_save_duration_seconds",
             "Seconds from a save's accept to durable on disk (or failure), by kind.",
@@ -147,19 +149,31 @@ class Metrics:
             for transport in TRANSPORTS:
                 self.snapshots.labels(kind, transport)
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once per metric and labels (`labels()` validates at every call).
+
+        Only for series never removed (bounded labels: kind, outcome, phase,
+        transport, operation); a run's series are removed when it closes.
+        """
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def save_skipped(self, run: str, kind: str) -> None:
-        self.saves.labels(kind, "skipped").inc()
-        self.skipped.labels(kind).inc()
+        self._child(self.saves, kind, "skipped").inc()
+        self._child(self.skipped, kind).inc()
 
     def save_written(self, run: str, kind: str, bytes_written: int, seconds: float, at: float) -> None:
-        self.saves.labels(kind, "ok").inc()
-        self.save_duration.labels(kind).observe(seconds)
-        self.written_bytes.labels(kind).inc(bytes_written)
+        self._child(self.saves, kind, "ok").inc()
+        self._child(self.save_duration, kind).observe(seconds)
+        self._child(self.written_bytes, kind).inc(bytes_written)
         self.last_success.labels(run).set(at)
 
     def save_failed(self, run: str, kind: str, seconds: float) -> None:
-        self.saves.labels(kind, "failed").inc()
-        self.save_duration.labels(kind).observe(seconds)
+        self._child(self.saves, kind, "failed").inc()
+        self._child(self.save_duration, kind).observe(seconds)
 
     def observe_phase(self, kind: str, phase: str, seconds: float) -> None:
         """Times one phase of an accepted save.
@@ -169,7 +183,7 @@ class Metrics:
         """
         if phase not in PHASES:
             raise ValueError(f"unknown save phase {phase!r}; expected one of {PHASES}")
-        self.phase_duration.labels(kind, phase).observe(seconds)
+        self._child(self.phase_duration, kind, phase).observe(seconds)
 
     def snapshot_received(self, kind: str, transport: str) -> None:
         """Counts one snapshot received in full over `transport` (one of TRANSPORTS).
@@ -179,21 +193,21 @@ class Metrics:
         """
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
-        self.snapshots.labels(kind, transport).inc()
+        self._child(self.snapshots, kind, transport).inc()
 
     def payload_bytes(self, kind: str, received: int, copied: int) -> None:
         """Counts one committed save's payload: bytes received, and bytes copied from its base."""
-        self.payload_received.labels(kind).inc(received)
-        self.payload_copied.labels(kind).inc(copied)
+        self._child(self.payload_received, kind).inc(received)
+        self._child(self.payload_copied, kind).inc(copied)
 
     def store_uploaded(self, kind: str, seconds: float, nbytes: int) -> None:
         """One commit's upload to the object store: phase "upload", and its bytes."""
-        self.phase_duration.labels(kind, "upload").observe(seconds)
-        self.uploaded_bytes.labels(kind).inc(nbytes)
+        self._child(self.phase_duration, kind, "upload").observe(seconds)
+        self._child(self.uploaded_bytes, kind).inc(nbytes)
 
     def s3_request(self, operation: str) -> None:
         """One request (an attempt) sent to the object store."""
-        self.s3_requests.labels(operation).inc()
+        self._child(self.s3_requests, operation).inc()
 
     def leases_held(self, count: int) -> None:
         self.leases.set(count)
