@@ -65,7 +65,12 @@ def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
             raise InvalidRequestError(
                 f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)"
             )
-    return Path(target)
+    return _path_of(target)
+
+
+# A save's target is resolved (and checked) three times, each making the same
+# Path; made once per text (a Path never changes).
+_path_of = functools.lru_cache(maxsize=1024)(Path)
 
 
 def _real_run_dir(root: str, run: str) -> str:
