@@ -8,6 +8,7 @@ proto's `SaveKind` enum. Stdlib only until a wire function is called.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
@@ -26,11 +27,17 @@ LABELS: tuple[str, ...] = tuple(k.value for k in SaveKind)
 
 def to_wire(kind: SaveKind) -> pb.SaveKind:
     """The proto `SaveKind` value of a kind (same member names)."""
-    from checkpointd.v1 import checkpointd_pb2 as pb
-
     # An int at run time; protobuf's stubs type Value() as int, the messages'
     # kind fields as the enum.
-    return cast("pb.SaveKind", pb.SaveKind.Value(kind.name))
+    return cast("pb.SaveKind", _wire_values()[kind])
+
+
+@functools.cache
+def _wire_values() -> dict[SaveKind, int]:
+    """Every kind's proto value, looked up once (every save's response names its kind)."""
+    from checkpointd.v1 import checkpointd_pb2 as pb
+
+    return {kind: pb.SaveKind.Value(kind.name) for kind in SaveKind}
 
 
 def from_wire(value: int) -> SaveKind | None:
