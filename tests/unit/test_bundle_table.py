@@ -123,6 +123,45 @@ def test_blocks_close_at_the_block_size_and_the_index_separates_them() -> None:
     assert table.BLOCK_SIZE <= first_size < table.BLOCK_SIZE + 1100  # closed by the entry that reached it
 
 
+def test_fixed_rows_make_the_table_build_makes_for_any_tails() -> None:
+    keys = [b""] + [b"model/%02d/.ATTRIBUTES/VALUE" % i for i in range(40)]  # restarts at 0, 16 and 32
+    tails = [0] + [4] * 40
+    fixed = table.FixedRows([(k, b"head%d" % len(k) + b"\x00" * t) for k, t in zip(keys, tails, strict=True)], tails)
+    assert fixed.fits
+    for seed in (1, 2):
+        given = [struct.pack("<I", (seed * 2654435761 * (i + 1)) & 0xFFFFFFFF)[:t] for i, t in enumerate(tails)]
+        rows = [(k, b"head%d" % len(k) + tail) for k, tail in zip(keys, given, strict=True)]
+        assert fixed.build(given) == table.build(rows)
+    with pytest.raises(ValueError, match="length"):
+        fixed.build([b""] * len(keys))
+
+
+def test_fixed_rows_of_more_than_one_block_are_built_whole() -> None:
+    rows = [(b"tensor/%06d" % i, b"v" * 1000) for i in range(600)]
+    fixed = table.FixedRows(rows, [4] * len(rows))
+    assert not fixed.fits
+    with pytest.raises(ValueError, match="one data block"):
+        fixed.build([b"abcd"] * len(rows))
+
+
+def test_an_index_with_a_zero_crc_is_built_whole_as_the_reference(tmp_path: Path) -> None:
+    # A tensor whose masked CRC32C is 0 leaves its field out: another row size than the layout's.
+    entries = [bundle.Entry("a", "uint8", (1,), 1), bundle.Entry("b", "uint8", (2,), 2)]
+    writer = bundle.BundleWriter(tmp_path / "v", entries)
+    writer.write(0, b"\x01")
+    writer.write(1, b"xy")
+    writer._crcs[0] = table.unmask(0)  # noqa: SLF001 - a CRC32C whose mask is 0, which no small input gives
+    expected = table.build(
+        [
+            (b"", bundle.HEADER),
+            (b"a", bundle.entry_proto("uint8", (1,), 0, 1, 0)),
+            (b"b", bundle.entry_proto("uint8", (2,), 1, 2, table.mask(crc32c.crc32c(b"xy")))),
+        ]
+    )
+    assert writer.index() == expected
+    writer.close()
+
+
 def test_keys_must_increase() -> None:
     with pytest.raises(ValueError, match="increase"):
         table.build([(b"b", b""), (b"a", b"")])

@@ -149,6 +149,7 @@ class _Layout:
     size: int  # the data file's
     order: tuple[int, ...]  # the entries in the index's (bytewise key) order
     rows: tuple[tuple[bytes, bytes], ...]  # (key, entry proto without its crc32c) in that order
+    index: table.FixedRows  # the index's table when no tensor's masked CRC32C is 0 (each then a 5-byte field)
 
 
 @functools.lru_cache(maxsize=256)
@@ -171,7 +172,11 @@ def _layout(entries: tuple[Entry, ...]) -> _Layout:
         (entries[i].key.encode(), _entry_head(entries[i].dtype, entries[i].shape, offsets[i], entries[i].size))
         for i in order
     )
-    return _Layout(tuple(offsets), at, order, rows)
+    placeholder = _crc_field(1)
+    fixed = table.FixedRows(
+        [(b"", HEADER), *((key, head + placeholder) for key, head in rows)], [0] + [len(placeholder) - 1] * len(rows)
+    )
+    return _Layout(tuple(offsets), at, order, rows, fixed)
 
 
 def check_entries(entries: Sequence[Entry]) -> None:
@@ -348,6 +353,9 @@ class BundleWriter:
             if not self.complete(i):
                 raise ValueError(f"bundle key {e.key!r}: {self._written[i]} of its {e.size} bytes were written")
         crcs, mask = self._crcs, table.mask
+        masked = [mask(crcs[i]) for i in self._layout.order]
+        if self._layout.index.fits and all(masked):  # the CRC fields' bytes are all that differ from save to save
+            return self._layout.index.build([b"", *(struct.pack("<I", m) for m in masked)])
         rows = [(b"", HEADER)]
         rows += [
             (key, head + _crc_field(mask(crcs[i])))

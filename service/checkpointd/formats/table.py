@@ -27,7 +27,7 @@ Stdlib and crc32c only; TensorFlow's own writer is the reference in tests.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import crc32c
 
@@ -177,3 +177,65 @@ def build(entries: Iterable[tuple[bytes, bytes]]) -> bytes:
     footer = (metaindex + index_handle).ljust(2 * _HANDLE_MAX_BYTES, b"\x00")
     out.extend(footer + struct.pack("<II", MAGIC & 0xFFFFFFFF, MAGIC >> 32))
     return bytes(out)
+
+
+class FixedRows:
+    """The table of rows whose keys and value sizes never change, only each value's last bytes (a bundle's CRCs).
+
+    Made once from the rows with any tails; `build(tails)` is then what
+    `build` returns for the same rows with those tails, from the parts that
+    do not change: the entries' headers and fixed bytes, the restarts, the
+    metaindex, index and footer. Only a table of one data block is made so
+    (a bundle index under `BLOCK_SIZE`, any policy's); `fits` is False for
+    others, which `build` makes whole.
+    """
+
+    def __init__(self, rows: Sequence[tuple[bytes, bytes]], tails: Sequence[int]) -> None:
+        """Args:
+        rows: (key, value) in strictly increasing key order, each value ending in its tail.
+        tails: each row's tail length in bytes (0: the whole value is fixed).
+        """
+        self._tails = tuple(tails)
+        fixed: list[bytes] = []
+        restarts = [0]
+        size, counter, last = 0, 0, b""
+        for key, value in rows:
+            shared = 0
+            if counter < RESTART_INTERVAL:
+                limit = min(len(last), len(key))
+                while shared < limit and last[shared] == key[shared]:
+                    shared += 1
+            else:
+                restarts.append(size)
+                counter = 0
+            head = varint(shared) + varint(len(key) - shared) + varint(len(value)) + key[shared:]
+            fixed.append(head + value[: len(value) - self._tails[len(fixed)]])
+            size += len(head) + len(value)
+            last, counter = key, counter + 1
+        self._fixed = fixed
+        self._restarts = struct.pack(f"<{len(restarts) + 1}I", *restarts, len(restarts))
+        whole = build(rows)
+        contents = self._contents([value[len(value) - t :] for (_, value), t in zip(rows, self._tails, strict=True)])
+        self._suffix = whole[len(contents) + 5 :]  # after the data block's trailer
+        # One data block, and the same bytes as `build`: else `build` it is, every time.
+        self.fits = bool(rows) and self._table(contents) == whole
+
+    def _contents(self, tails: Sequence[bytes]) -> bytes:
+        parts = []
+        for fixed, tail in zip(self._fixed, tails, strict=True):
+            parts.append(fixed)
+            parts.append(tail)
+        parts.append(self._restarts)
+        return b"".join(parts)
+
+    def _table(self, contents: bytes) -> bytes:
+        crc = crc32c.crc32c(_NO_COMPRESSION, crc32c.crc32c(contents))
+        return contents + _NO_COMPRESSION + struct.pack("<I", mask(crc)) + self._suffix
+
+    def build(self, tails: Sequence[bytes]) -> bytes:
+        """The table with these tails (each of its row's tail length), as `build` makes it; only if `fits`."""
+        if not self.fits:
+            raise ValueError("these rows do not fit one data block: build them whole")
+        if [len(t) for t in tails] != list(self._tails):
+            raise ValueError("a tail of another length than its row's")
+        return self._table(self._contents(tails))
