@@ -20,7 +20,8 @@ The Store then commits the staged files with `checkpointd.manifest.json`
 listing each with its size and CRC32C (template files' sums are known here),
 so a crash or a bad disk can be told from a complete save without TensorFlow.
 
-Lock discipline: `_lock` guards `_templates` only. A write takes the
+Lock discipline: `_lock` guards `_templates` and `_plans` (each kept
+template's bundle layout, made at its first save) only. A write takes the
 `Template` its snapshot was checked against (immutable, its files held in
 memory) under the lock and then works without it, so registering a new
 template never disturbs a write in progress: a save accepted before a run
@@ -248,7 +249,7 @@ class PolicyFormat:
             return held[1]
         plan = _make_plan(template, kind)
         with self._lock:
-            if any(template in kept for kept in self._templates.values()):  # not dropped meanwhile
+            if any(t is template for kept in self._templates.values() for t in kept):  # not dropped meanwhile
                 self._plans[(id(template), kind)] = (template, plan)
         return plan
 

@@ -21,6 +21,10 @@ comparator. `build` returns the whole file for entries given in key order:
 - the 48-byte footer: the metaindex and index handles, zero padding to 40
   bytes, the table's magic number (fixed64 as two fixed32, low word first).
 
+`FixedRows` makes the same file for rows whose keys and value sizes stay
+the same and whose values' last bytes change (a run's bundle index from save
+to save: only the CRCs), from the parts made once.
+
 Stdlib and crc32c only; TensorFlow's own writer is the reference in tests.
 """
 
