@@ -33,8 +33,9 @@ started by the section and stopped however it ends), 3 daemons on one
 and committed, p50/p99 call -> durable, skipped, failed, accepted against
 committed by counting the manifests (files under the local root; objects
 in the bucket), the daemons' CPU seconds per save (utime + stime from
-/proc/<pid>/stat, from the start time to the last flush) and their peak RSS
-(VmHWM), the simulated trainers' own CPU per save offered (each client
+/proc/<pid>/stat, from the start time to the last flush), their context
+switches per save (every live thread's, from /proc/<pid>/task/*/status: a
+thread hand-off is one) and their peak RSS (VmHWM), the simulated trainers' own CPU per save offered (each client
 process's rusage over the window: on one machine it comes out of the
 daemons' cores), and on S3 the daemons' requests per committed save by
 operation and bytes uploaded per committed save (their
@@ -209,6 +210,18 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def _context_switches(pid: int) -> int:
+    """The voluntary and involuntary context switches of `pid`'s live threads so far (each thread hand-off is one)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            lines = status.read_text().splitlines()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += sum(int(line.split()[1]) for line in lines if "ctxt_switches:" in line)
+    return total
+
+
 def _peak_rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -246,6 +259,7 @@ def _phase(
                 raise RuntimeError(f"a client process did not register its runs: {line!r}")
         start = time.time() + 1.0
         cpu0 = {d.proc.pid: _cpu_seconds(d.proc.pid) for d in daemons}
+        switches0 = {d.proc.pid: _context_switches(d.proc.pid) for d in daemons}
         store0 = [fleet_store.counts(d.metrics_url) for d in daemons]
         if os.environ.get("CHECKPOINTD_BENCH_PROFILE"):
             for d in daemons:
@@ -262,6 +276,7 @@ def _phase(
                 raise RuntimeError(f"a client process exited with {p.returncode}: see {work}/clients-*.log")
             outcomes.append(json.loads(out.strip().splitlines()[-1]))
         cpu = sum(_cpu_seconds(pid) - c for pid, c in cpu0.items())
+        switches = sum(_context_switches(pid) - n for pid, n in switches0.items())
         store = fleet_store.delta(store0, [fleet_store.counts(d.metrics_url) for d in daemons])
         rss = [_peak_rss_bytes(d.proc.pid) for d in daemons]
     finally:
@@ -301,6 +316,8 @@ def _phase(
         "daemon_cpu_seconds": cpu,
         "daemon_cpu_ms_per_save": 1000 * cpu / total["committed"] if total["committed"] else None,
         "daemon_peak_rss_mib": [r / (1 << 20) for r in rss],
+        # Over the window, summed over the daemons' live threads (one ended meanwhile drops its count).
+        "daemon_context_switches_per_save": switches / total["committed"] if total["committed"] else None,
         # The simulated trainers' own CPU (every client process, the window and the flushes):
         # on one machine it is taken from the daemons' cores.
         "client_cpu_seconds": client_cpu,
@@ -395,6 +412,10 @@ def table(results: dict[str, Any]) -> str:
         )
         for key, n in sorted(r["failure_codes"].items()):
             lines.append(f"     {key}: {n} (e.g. {r['failure_examples'][key][:150]})")
+        if r.get("daemon_context_switches_per_save") is not None:  # absent from older runs
+            lines.append(
+                f"     the daemons' context switches: {r['daemon_context_switches_per_save']:.1f} per committed save"
+            )
         if r.get("client_cpu_ms_per_call") is not None:
             lines.append(f"     the simulated trainers' own CPU: {r['client_cpu_ms_per_call']:.2f} ms per save offered")
         if r.get("s3_requests_per_commit") is not None:
