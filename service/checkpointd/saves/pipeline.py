@@ -383,22 +383,32 @@ class SavePipeline:
                 ) as save,
             ):  # fmt: skip
                 # A phase is timed when it ends, failed or not, as save_duration is.
+                transferred = _Once(lambda: self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted))
+                sink: SaveSink = _AtWriterPriority(save.sink, self._pool)
+                if base is not None:
+                    sink = bases.Incremental(_AtWriterPriority(save.sink, self._pool), base, parts)
+
+                def commit(came_by: str) -> tuple[str, int]:
+                    """The received save's commit, on the thread that wrote it (already at writer priority: no hop)."""
+                    nonlocal transport
+                    transport = came_by
+                    try:
+                        if base is not None:
+                            sink.settle()  # type: ignore[attr-defined]
+                            base.check()  # the copied ranges were the bytes its digests describe
+                        self._phases.snapshot_received(kind, came_by)
+                    finally:
+                        transferred()
+                    writing = time.monotonic()
+                    try:
+                        return self._pool.run(lambda: self._commit(request, folder, save))
+                    finally:
+                        self._phases.observe_phase(kind, "write", time.monotonic() - writing)
+
                 try:
-                    sink: SaveSink = _AtWriterPriority(save.sink, self._pool)
-                    if base is not None:
-                        sink = bases.Incremental(_AtWriterPriority(save.sink, self._pool), base, parts)
-                    transport = receive(parts, segment, accepted + self.upload_timeout, sink)
-                    if base is not None:
-                        sink.settle()  # type: ignore[attr-defined]
-                        base.check()  # the copied ranges were the bytes its digests describe
-                    self._phases.snapshot_received(kind, transport)
+                    path, bytes_written = receive(parts, segment, accepted + self.upload_timeout, sink, commit)
                 finally:
-                    self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted)
-                writing = time.monotonic()
-                try:
-                    path, bytes_written = self._pool.run(lambda: self._commit(request, folder, save))
-                finally:
-                    self._phases.observe_phase(kind, "write", time.monotonic() - writing)
+                    transferred()
             copied = base.copied if base is not None else 0
             outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
             if incremental:
@@ -509,6 +519,18 @@ class _AtWriterPriority:
 
     def close(self) -> None:
         self._sink.close()
+
+
+class _Once:
+    """Calls `action` the first time it is called, and never again."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self._action: Callable[[], None] | None = action
+
+    def __call__(self) -> None:
+        action, self._action = self._action, None
+        if action is not None:
+            action()
 
 
 def _offer(base: bases.OpenBase | None) -> BaseOffer | None:
