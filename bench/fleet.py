@@ -210,16 +210,25 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def _context_switches(pid: int) -> int:
-    """The voluntary and involuntary context switches of `pid`'s live threads so far (each thread hand-off is one)."""
-    total = 0
+def _context_switches(pid: int) -> tuple[int, int]:
+    """The (voluntary, involuntary) context switches of `pid`'s live threads so far.
+
+    A voluntary one is a thread waiting (a hand-off to another thread, a
+    wait for the GIL, for I/O); an involuntary one, a thread preempted (the
+    machine's load moves those).
+    """
+    voluntary = involuntary = 0
     for status in Path(f"/proc/{pid}/task").glob("*/status"):
         try:
             lines = status.read_text().splitlines()
         except OSError:  # the thread ended meanwhile
             continue
-        total += sum(int(line.split()[1]) for line in lines if "ctxt_switches:" in line)
-    return total
+        for line in lines:
+            if line.startswith("voluntary_ctxt_switches:"):
+                voluntary += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                involuntary += int(line.split()[1])
+    return voluntary, involuntary
 
 
 def _peak_rss_bytes(pid: int) -> int:
@@ -276,7 +285,9 @@ def _phase(
                 raise RuntimeError(f"a client process exited with {p.returncode}: see {work}/clients-*.log")
             outcomes.append(json.loads(out.strip().splitlines()[-1]))
         cpu = sum(_cpu_seconds(pid) - c for pid, c in cpu0.items())
-        switches = sum(_context_switches(pid) - n for pid, n in switches0.items())
+        switches1 = {pid: _context_switches(pid) for pid in switches0}
+        voluntary = sum(switches1[pid][0] - n[0] for pid, n in switches0.items())
+        involuntary = sum(switches1[pid][1] - n[1] for pid, n in switches0.items())
         store = fleet_store.delta(store0, [fleet_store.counts(d.metrics_url) for d in daemons])
         rss = [_peak_rss_bytes(d.proc.pid) for d in daemons]
     finally:
@@ -317,7 +328,8 @@ def _phase(
         "daemon_cpu_ms_per_save": 1000 * cpu / total["committed"] if total["committed"] else None,
         "daemon_peak_rss_mib": [r / (1 << 20) for r in rss],
         # Over the window, summed over the daemons' live threads (one ended meanwhile drops its count).
-        "daemon_context_switches_per_save": switches / total["committed"] if total["committed"] else None,
+        "daemon_context_switches_per_save": per_commit(voluntary + involuntary),
+        "daemon_voluntary_context_switches_per_save": per_commit(voluntary),
         # The simulated trainers' own CPU (every client process, the window and the flushes):
         # on one machine it is taken from the daemons' cores.
         "client_cpu_seconds": client_cpu,
@@ -414,7 +426,8 @@ def table(results: dict[str, Any]) -> str:
             lines.append(f"     {key}: {n} (e.g. {r['failure_examples'][key][:150]})")
         if r.get("daemon_context_switches_per_save") is not None:  # absent from older runs
             lines.append(
-                f"     the daemons' context switches: {r['daemon_context_switches_per_save']:.1f} per committed save"
+                f"     the daemons' context switches: {r['daemon_context_switches_per_save']:.1f} per committed save "
+                f"({r['daemon_voluntary_context_switches_per_save']:.1f} voluntary: waits and hand-offs)"
             )
         if r.get("client_cpu_ms_per_call") is not None:
             lines.append(f"     the simulated trainers' own CPU: {r['client_cpu_ms_per_call']:.2f} ms per save offered")
