@@ -6,9 +6,11 @@ counted as nothing and writes nothing), reserves its bytes in the upload
 budget, asks the run's lane (accept, queue or skip), and for an accepted save
 opens its files with the kind's `SaveFormat` in the `Store`'s staging, has
 the caller's `Receiver` write the snapshot into them as it arrives
-(`checkpointd.saves.writes`), finishes and commits them (manifest last) on a
-writer thread and queues retention. Every accepted save ends in the lane
-as written or failed, and its error reaches the caller.
+(`checkpointd.saves.writes`), finishes and commits them (manifest last) at
+the writer pool's priority (on the receiving thread once it writes there, so
+a save needs no hand-off between its last byte and its commit) and queues
+retention. Every accepted save ends in the lane as written or failed, and
+its error reaches the caller.
 
 When daemons share a store (a fleet on one bucket), a run is written by the
 one holding its lease (`Leases`): registration takes it before the template
@@ -439,7 +441,7 @@ class SavePipeline:
         )  # fmt: skip
 
     def _commit(self, request: SaveRequest, folder: str, save: writes.StreamedSave) -> tuple[str, int]:
-        """Finishes and commits one received save, on a writer thread; returns (path, bytes)."""
+        """Finishes and commits one received save, at the writer pool's priority; returns (path, bytes)."""
         # Again at commit time: a symlink planted during the upload must not
         # redirect the save out of the run's folder.
         target = self.store.target(folder, request.export_dir)
