@@ -33,8 +33,9 @@ started by the section and stopped however it ends), 3 daemons on one
 and committed, p50/p99 call -> durable, skipped, failed, accepted against
 committed by counting the manifests (files under the local root; objects
 in the bucket), the daemons' CPU seconds per save (utime + stime from
-/proc/<pid>/stat, from the start time to the last flush) and their peak RSS
-(VmHWM), the simulated trainers' own CPU per save offered (each client
+/proc/<pid>/stat, from the start time to the last flush), their context
+switches per save (every live thread's, from /proc/<pid>/task/*/status: a
+thread hand-off is one) and their peak RSS (VmHWM), the simulated trainers' own CPU per save offered (each client
 process's rusage over the window: on one machine it comes out of the
 daemons' cores), and on S3 the daemons' requests per committed save by
 operation and bytes uploaded per committed save (their
@@ -209,6 +210,27 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def _context_switches(pid: int) -> tuple[int, int]:
+    """The (voluntary, involuntary) context switches of `pid`'s live threads so far.
+
+    A voluntary one is a thread waiting (a hand-off to another thread, a
+    wait for the GIL, for I/O); an involuntary one, a thread preempted (the
+    machine's load moves those).
+    """
+    voluntary = involuntary = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            lines = status.read_text().splitlines()
+        except OSError:  # the thread ended meanwhile
+            continue
+        for line in lines:
+            if line.startswith("voluntary_ctxt_switches:"):
+                voluntary += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                involuntary += int(line.split()[1])
+    return voluntary, involuntary
+
+
 def _peak_rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -246,6 +268,7 @@ def _phase(
                 raise RuntimeError(f"a client process did not register its runs: {line!r}")
         start = time.time() + 1.0
         cpu0 = {d.proc.pid: _cpu_seconds(d.proc.pid) for d in daemons}
+        switches0 = {d.proc.pid: _context_switches(d.proc.pid) for d in daemons}
         store0 = [fleet_store.counts(d.metrics_url) for d in daemons]
         if os.environ.get("CHECKPOINTD_BENCH_PROFILE"):
             for d in daemons:
@@ -262,6 +285,9 @@ def _phase(
                 raise RuntimeError(f"a client process exited with {p.returncode}: see {work}/clients-*.log")
             outcomes.append(json.loads(out.strip().splitlines()[-1]))
         cpu = sum(_cpu_seconds(pid) - c for pid, c in cpu0.items())
+        switches1 = {pid: _context_switches(pid) for pid in switches0}
+        voluntary = sum(switches1[pid][0] - n[0] for pid, n in switches0.items())
+        involuntary = sum(switches1[pid][1] - n[1] for pid, n in switches0.items())
         store = fleet_store.delta(store0, [fleet_store.counts(d.metrics_url) for d in daemons])
         rss = [_peak_rss_bytes(d.proc.pid) for d in daemons]
     finally:
@@ -301,6 +327,9 @@ def _phase(
         "daemon_cpu_seconds": cpu,
         "daemon_cpu_ms_per_save": 1000 * cpu / total["committed"] if total["committed"] else None,
         "daemon_peak_rss_mib": [r / (1 << 20) for r in rss],
+        # Over the window, summed over the daemons' live threads (one ended meanwhile drops its count).
+        "daemon_context_switches_per_save": per_commit(voluntary + involuntary),
+        "daemon_voluntary_context_switches_per_save": per_commit(voluntary),
         # The simulated trainers' own CPU (every client process, the window and the flushes):
         # on one machine it is taken from the daemons' cores.
         "client_cpu_seconds": client_cpu,
@@ -395,6 +424,11 @@ def table(results: dict[str, Any]) -> str:
         )
         for key, n in sorted(r["failure_codes"].items()):
             lines.append(f"     {key}: {n} (e.g. {r['failure_examples'][key][:150]})")
+        if r.get("daemon_context_switches_per_save") is not None:  # absent from older runs
+            lines.append(
+                f"     the daemons' context switches: {r['daemon_context_switches_per_save']:.1f} per committed save "
+                f"({r['daemon_voluntary_context_switches_per_save']:.1f} voluntary: waits and hand-offs)"
+            )
         if r.get("client_cpu_ms_per_call") is not None:
             lines.append(f"     the simulated trainers' own CPU: {r['client_cpu_ms_per_call']:.2f} ms per save offered")
         if r.get("s3_requests_per_commit") is not None:

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
+from typing import TypeVar
 
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
@@ -38,6 +39,8 @@ from checkpointd.protocol.errors import (
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_export_dir, check_run_name
 from checkpointd.saves.shm import Segment
+
+_T = TypeVar("_T")
 
 # Upper bound on every wait in this tier; reached only when a test fails.
 LIMIT = 10.0
@@ -469,7 +472,9 @@ class Upload:
         self.error = error
         self.calls = 0
 
-    def __call__(self, parts: Sequence[int], segment: Segment | None, deadline: float, sink: SaveSink) -> str:
+    def __call__(
+        self, parts: Sequence[int], segment: Segment | None, deadline: float, sink: SaveSink, then: Callable[[str], _T]
+    ) -> _T:
         self.calls += 1
         if self.hold is not None:
             self.hold.pass_through()
@@ -481,7 +486,7 @@ class Upload:
             if size:
                 sink.write(j, 0, memoryview(self.data[start : start + size]))
             start += size
-        return "test"
+        return then("test")
 
 
 @dataclass

@@ -488,3 +488,36 @@ def test_the_thread_that_writes_a_saves_files_takes_the_writer_pools_priority() 
         assert seen[0] < 7 and seen[1] == 7
     finally:
         pool.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux's")
+def test_the_writer_pool_runs_work_inline_on_a_thread_at_its_priority_and_elsewhere_on_its_own() -> None:
+    from checkpointd.saves.pool import WriterPool
+
+    pool = WriterPool(nice=7)
+    try:
+        # (the caller's thread, (the thread the work ran on, its nice value)); the caller's own nice after
+        ran: dict[str, tuple[int, tuple[int, int]]] = {}
+        after: list[int] = []
+
+        def where() -> tuple[int, int]:
+            return threading.get_ident(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        def lowered() -> None:  # the upload's reader, once it has written a save
+            pool.initializer()
+            ran["lowered"] = (threading.get_ident(), pool.run(where))
+
+        def normal() -> None:  # a gRPC handler: its priority is never touched
+            ran["normal"] = (threading.get_ident(), pool.run(where))
+            after.append(where()[1])
+
+        for target in (lowered, normal):
+            thread = threading.Thread(target=target)
+            thread.start()
+            thread.join(LIMIT)
+        assert ran["lowered"][1] == (ran["lowered"][0], 7)  # no hand-off
+        on, nice = ran["normal"][1]
+        assert on != ran["normal"][0] and nice == 7
+        assert after[0] < 7
+    finally:
+        pool.close()

@@ -64,9 +64,42 @@ def _taking(got: list[int]) -> Callable[[Iterator[int]], str]:
     return receive
 
 
+def _same(received: str) -> str:
+    return received
+
+
+def test_within_runs_then_on_the_reader_after_the_receive_and_no_deadline_cuts_it_off() -> None:
+    threads: list[int] = []
+    committing = threading.Event()
+    release = threading.Event()
+
+    def receive(requests: Iterator[int]) -> str:
+        threads.append(threading.get_ident())
+        return str(sum(requests))
+
+    def then(received: str) -> str:
+        threads.append(threading.get_ident())
+        committing.set()
+        assert release.wait(DEADLINE)  # the commit outlasts the upload's deadline
+        return f"committed {received}"
+
+    outcome: list[str] = []
+    caller = threading.Thread(
+        target=lambda: outcome.append(within(receive, iter(range(4)), time.monotonic() + 0.2, 0.2, then))
+    )
+    caller.start()
+    assert committing.wait(DEADLINE)
+    caller.join(0.4)  # past the deadline, still waiting for the commit
+    assert caller.is_alive()
+    release.set()
+    caller.join(DEADLINE)
+    assert outcome == ["committed 6"]
+    assert len(threads) == 2 and threads[0] == threads[1] != caller.ident
+
+
 def test_within_runs_the_receive_on_a_reader_and_returns_its_result() -> None:
     got: list[int] = []
-    assert within(_taking(got), iter(range(10)), time.monotonic() + DEADLINE, DEADLINE) == "received"
+    assert within(_taking(got), iter(range(10)), time.monotonic() + DEADLINE, DEADLINE, _same) == "received"
     assert got == list(range(10))
     wait_until(lambda: _readers() == 0, "the reader ended", DEADLINE)
 
@@ -76,7 +109,7 @@ def test_within_cuts_off_a_stalled_source_at_the_deadline_and_its_reader_ends() 
     got: list[int] = []
     started = time.monotonic()
     with pytest.raises(DeadlineError, match=r"upload did not finish within 0\.3s"):
-        within(_taking(got), _blocking_source([1, 2], release), started + 0.3, 0.3)
+        within(_taking(got), _blocking_source([1, 2], release), started + 0.3, 0.3, _same)
     assert got == [1, 2]
     assert 0.3 <= time.monotonic() - started < 5.0
     release.set()  # the call ends: the reader sees the end of the stream
@@ -89,7 +122,7 @@ def test_within_hands_the_source_error_to_the_caller() -> None:
         raise grpc.RpcError("cancelled")
 
     with pytest.raises(grpc.RpcError):
-        within(_taking([]), failing(), time.monotonic() + DEADLINE, DEADLINE)
+        within(_taking([]), failing(), time.monotonic() + DEADLINE, DEADLINE, _same)
 
 
 def test_within_reader_stops_at_its_next_request_once_the_deadline_passed() -> None:
@@ -103,7 +136,7 @@ def test_within_reader_stops_at_its_next_request_once_the_deadline_passed() -> N
 
     got: list[int] = []
     with pytest.raises(DeadlineError):
-        within(_taking(got), stalling(), time.monotonic() + 0.2, 0.2)
+        within(_taking(got), stalling(), time.monotonic() + 0.2, 0.2, _same)
     release.set()
     wait_until(lambda: _readers() == 0, "the reader ended", DEADLINE)
     assert got == [1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,49 @@ def test_a_failed_sync_fails_every_caller_it_covered_and_the_next_round_runs_afr
     finally:
         sync.release.release()
         group.close()
+
+
+def test_each_round_runs_on_the_thread_of_one_of_its_callers_with_no_sync_thread() -> None:
+    sync = GatedSync()
+    ran_on: list[int] = []
+    group = group_commit.GroupSync(lambda: (ran_on.append(threading.get_ident()), sync()))
+    try:
+        first, first_out = _barrier_in_thread(group)
+        assert sync.entered.acquire(timeout=DEADLINE)
+        later = [_barrier_in_thread(group) for _ in range(3)]
+        sync.release.release()
+        assert sync.entered.acquire(timeout=DEADLINE)  # round 2, led by one of the three
+        sync.release.release()
+        for thread, outcome in [(first, first_out), *later]:
+            thread.join(DEADLINE)
+            assert outcome == [None]
+        assert ran_on[0] == first.ident
+        assert ran_on[1] in {thread.ident for thread, _ in later}
+        assert not any(t.name == "group-sync" for t in threading.enumerate())
+    finally:
+        sync.release.release()
+        group.close()
+
+
+def test_close_returns_after_the_round_of_a_caller_still_waiting() -> None:
+    sync = GatedSync()
+    group = group_commit.GroupSync(sync)
+    first, first_out = _barrier_in_thread(group)
+    assert sync.entered.acquire(timeout=DEADLINE)
+    waiting, waiting_out = _barrier_in_thread(group)
+    deadline = time.monotonic() + DEADLINE
+    while group.waiting() == 0:  # the caller has joined round 2 (else close would refuse it)
+        assert time.monotonic() < deadline, "the second caller never reached the barrier"
+        threading.Event().wait(0.001)
+    closer = threading.Thread(target=group.close)
+    closer.start()
+    sync.release.release()  # round 1 ends; the waiting caller leads round 2
+    assert sync.entered.acquire(timeout=DEADLINE)
+    assert closer.is_alive()  # round 2 still runs
+    sync.release.release()
+    for thread in (first, waiting, closer):
+        thread.join(DEADLINE)
+    assert (first_out, waiting_out, group.rounds) == ([None], [None], 2)
 
 
 def test_a_closed_group_refuses_barriers() -> None:

@@ -17,6 +17,10 @@ def _on_thread(_requests: object) -> int:
     return threading.get_ident()
 
 
+def _same(received: object) -> object:
+    return received
+
+
 def _wait_for(condition: object, what: str) -> None:
     deadline = time.monotonic() + DEADLINE
     while not condition():  # type: ignore[operator]
@@ -68,8 +72,8 @@ def test_saves_at_once_each_get_a_thread_and_idle_ones_beyond_keep_end() -> None
 
 
 def test_within_reports_the_result_and_the_deadline_on_kept_threads() -> None:
-    first = upload.within(_on_thread, iter(()), time.monotonic() + DEADLINE, DEADLINE)
-    second = upload.within(_on_thread, iter(()), time.monotonic() + DEADLINE, DEADLINE)
+    first = upload.within(_on_thread, iter(()), time.monotonic() + DEADLINE, DEADLINE, _same)
+    second = upload.within(_on_thread, iter(()), time.monotonic() + DEADLINE, DEADLINE, _same)
     assert first == second  # the second save's receive ran on the first's thread
 
     release = threading.Event()
@@ -78,5 +82,5 @@ def test_within_reports_the_result_and_the_deadline_on_kept_threads() -> None:
         release.wait(DEADLINE)
 
     with pytest.raises(DeadlineError, match="--upload-timeout"):
-        upload.within(stalled, iter(()), time.monotonic() + 0.05, 0.05)
+        upload.within(stalled, iter(()), time.monotonic() + 0.05, 0.05, _same)
     release.set()

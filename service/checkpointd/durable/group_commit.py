@@ -74,35 +74,39 @@ def syncfs_of(directory: Path) -> Sync | None:
 
 
 class _Round:
-    """One sync and the callers it covers."""
+    """One sync and the callers it covers; its callers wait on `woken` (one lock for all rounds)."""
 
-    def __init__(self) -> None:
-        self.done = threading.Event()
+    def __init__(self, lock: threading.Lock) -> None:
+        self.woken = threading.Condition(lock)
         self.error: OSError | None = None
         self.callers = 0
+        self.started = False  # its sync runs (on its leader's thread)
+        self.finished = False
 
 
 class GroupSync:
     """Shares one filesystem sync among the callers that arrive while the last one ran. Thread-safe.
 
-    A thread of its own runs the syncs: it waits for a caller, takes every
-    caller that arrived by then into the round, syncs, and wakes them; those
-    arriving meanwhile form the next round.
+    No thread of its own: the first caller to find no sync running leads a
+    round, running the sync on its own thread; callers arriving meanwhile
+    join the next round and wait. As a round ends its leader wakes its
+    callers and, if the next round has any, one of them to lead it: a
+    leader never waits, and every other caller is woken once, where a sync
+    thread cost every caller two hand-offs (to the thread and back).
     """
 
-    def __init__(self, sync: Sync, *, name: str = "group-sync") -> None:
+    def __init__(self, sync: Sync) -> None:
         """Args:
         sync: makes everything written to the filesystem so far durable (`syncfs_of`).
-        name: the thread's name.
         """
         self._sync = sync
-        self._cond = threading.Condition()
-        self._next = _Round()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # close() waits on it for the last round
+        self._running: _Round | None = None
+        self._next: _Round | None = None  # the callers waiting for the sync after the running one
         self._closed = False
         self.rounds = 0  # syncs run (for tests and logs)
         self.covered = 0  # barriers they answered
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     def barrier(self) -> None:
         """Returns once a sync that started after this call has finished.
@@ -111,38 +115,57 @@ class GroupSync:
             OSError: that sync failed (every caller it covered hears it); or
                 the GroupSync is closed.
         """
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise OSError("the store is closed: no sync runs any more")
-            joined = self._next
-            joined.callers += 1
-            self._cond.notify_all()
-        joined.done.wait()
+            if self._running is None:  # nothing running, so nobody waits either: lead at once
+                joined = self._running = _Round(self._lock)
+                joined.callers += 1
+                lead = True
+            else:
+                if self._next is None:
+                    self._next = _Round(self._lock)
+                joined = self._next
+                joined.callers += 1
+                # Woken when it ends, or (one caller) to lead it once the running one has.
+                while not joined.finished and not (joined is self._running and not joined.started):
+                    joined.woken.wait()
+                lead = not joined.finished
+            joined.started = True
+        if lead:
+            self._lead(joined)
         if joined.error is not None:
             raise joined.error
 
-    def close(self) -> None:
-        """Runs the last round for the callers waiting, then stops the thread."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join()
+    def waiting(self) -> int:
+        """How many callers wait for the next round (for tests and logs)."""
+        with self._lock:
+            return self._next.callers if self._next is not None else 0
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._next.callers == 0 and not self._closed:
-                    self._cond.wait()
-                if self._next.callers == 0:  # closed, nobody waiting
-                    return
-                current, self._next = self._next, _Round()
-            try:
-                self._sync()
-            except OSError as e:
-                _LOGGER.error("a shared sync of %d saves' writes failed: %s", current.callers, e)
-                current.error = e
-            except BaseException as e:  # noqa: BLE001 - every waiter must wake, with an error
-                current.error = OSError(f"the shared sync failed: {e!r}")
+    def _lead(self, current: _Round) -> None:
+        """Runs `current`'s sync on this thread, then wakes its callers and the next round's leader."""
+        try:
+            self._sync()
+        except OSError as e:
+            current.error = e
+        except BaseException as e:  # noqa: BLE001 - every waiter must wake, with an error
+            current.error = OSError(f"the shared sync failed: {e!r}")
+        with self._lock:
+            if current.error is not None:
+                _LOGGER.error("a shared sync of %d saves' writes failed: %s", current.callers, current.error)
             self.rounds += 1
             self.covered += current.callers
-            current.done.set()
+            current.finished = True
+            current.woken.notify_all()
+            self._running, self._next = self._next, None
+            if self._running is not None:
+                self._running.woken.notify()  # one of them leads it
+            else:
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        """Refuses further barriers; returns once the rounds of the callers waiting have run."""
+        with self._lock:
+            self._closed = True
+            while self._running is not None:
+                self._idle.wait()

@@ -15,8 +15,9 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -32,6 +33,8 @@ from checkpointd.saves.pipeline import SavePipeline
 from checkpointd.saves.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
+
+_T = TypeVar("_T")
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 
@@ -138,11 +141,13 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     ) -> Iterator[pb.SaveResponse]:
         request = messages.save_request(upload.first(request_iterator, "header", "Save"))
 
-        def receive(parts: Sequence[int], segment: Segment | None, deadline: float, sink: upload.Sink) -> str:
+        def receive(
+            parts: Sequence[int], segment: Segment | None, deadline: float, sink: upload.Sink, then: Callable[[str], _T]
+        ) -> _T:
             def chunks(requests: Iterator[pb.SaveRequest]) -> str:
                 return upload.receive_snapshot(requests, request.snapshot_bytes, context, parts, segment, sink)
 
-            return upload.within(chunks, request_iterator, deadline, self._pipeline.upload_timeout)
+            return upload.within(chunks, request_iterator, deadline, self._pipeline.upload_timeout, then)
 
         # A blocking save waiting for its turn wakes when the caller goes away.
         context.add_callback(self._lanes.wake)

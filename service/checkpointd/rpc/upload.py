@@ -26,6 +26,7 @@ from checkpointd.protocol.wire import check_chunk
 from checkpointd.rpc import same_chunks
 from checkpointd.v1 import checkpointd_pb2 as pb
 
+_R = TypeVar("_R")
 _T = TypeVar("_T")
 
 
@@ -97,13 +98,25 @@ class _Readers:
 _READERS = _Readers()
 
 
+class _Upload:
+    """One save's upload as its reader and its handler share it: whether it was received, or given up."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # the receive's end and the deadline's, decided once
+        self.finished = threading.Event()
+        self.received = False  # the bytes are all in: the deadline no longer applies
+        self.abandoned = False  # the deadline passed first: the reader stops
+        self.outcome: list[Any] = []  # [result] or [None, the exception]
+
+
 def within(
-    receive: Callable[[Iterator[pb.SaveRequest]], _T],
+    receive: Callable[[Iterator[pb.SaveRequest]], _R],
     requests: Iterator[pb.SaveRequest],
     deadline: float,
     timeout: float,
+    then: Callable[[_R], _T],
 ) -> _T:
-    """`receive(requests)`, run on a reader thread, or DeadlineError once the monotonic `deadline` passes.
+    """`then(receive(requests))`, run on a reader thread; DeadlineError if the receive is not done by the monotonic `deadline`.
 
     gRPC's request iterator blocks with no timeout, so a thread reads it
     while the handler waits for the outcome for the time left: a client that
@@ -111,39 +124,46 @@ def within(
     polling. The reader does all the per-chunk work too (checks, CRC32C, the
     copy into the buffer), so a chunk passes from gRPC's thread to one of
     ours and no further: a queue between a reader and the handler cost a
-    thread hand-off (and a wait for the GIL) per chunk. Once the deadline has
-    passed the reader stops at its next request, or ends with the call.
+    thread hand-off (and a wait for the GIL) per chunk. Once the snapshot is
+    in, the reader goes on with `then` (the save's commit), which the
+    deadline does not bound: the handler is woken once, with the outcome,
+    not once for the upload and again for the commit. Once the deadline has
+    passed first the reader stops at its next request, or ends with the call.
     """
-    stop = threading.Event()
-    finished = threading.Event()
-    outcome: list[Any] = []  # [result] or [None, the exception]
+    upload = _Upload()
 
     def guarded() -> Iterator[pb.SaveRequest]:
         for request in requests:
-            if stop.is_set():
+            if upload.abandoned:
                 raise _Abandoned
             yield request
 
     def read() -> None:
         try:
-            outcome.append(receive(guarded()))
+            received = receive(guarded())
+            with upload.lock:
+                if upload.abandoned:  # the deadline passed as the last bytes came
+                    raise _Abandoned
+                upload.received = True
+            upload.outcome.append(then(received))
         except BaseException as exc:  # noqa: BLE001 - handed to the handler thread
-            outcome.extend((None, exc))
+            upload.outcome.extend((None, exc))
         finally:
-            finished.set()
+            upload.finished.set()
 
     _READERS.run(read)
-    try:
-        if not finished.wait(max(deadline - time.monotonic(), 0.0)):
+    if not upload.finished.wait(max(deadline - time.monotonic(), 0.0)):
+        with upload.lock:
+            upload.abandoned = not upload.received
+        if upload.abandoned:
             raise DeadlineError(
                 f"upload did not finish within {timeout:g}s after the save was accepted "
                 "(--upload-timeout); the save is discarded"
             )
-    finally:
-        stop.set()
-    if len(outcome) == 2:
-        raise outcome[1]
-    return outcome[0]
+        upload.finished.wait()  # received in time: its commit runs to the end
+    if len(upload.outcome) == 2:
+        raise upload.outcome[1]
+    return upload.outcome[0]
 
 
 def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, total: int) -> None:

@@ -6,9 +6,11 @@ counted as nothing and writes nothing), reserves its bytes in the upload
 budget, asks the run's lane (accept, queue or skip), and for an accepted save
 opens its files with the kind's `SaveFormat` in the `Store`'s staging, has
 the caller's `Receiver` write the snapshot into them as it arrives
-(`checkpointd.saves.writes`), finishes and commits them (manifest last) on a
-writer thread and queues retention. Every accepted save ends in the lane
-as written or failed, and its error reaches the caller.
+(`checkpointd.saves.writes`), finishes and commits them (manifest last) at
+the writer pool's priority (on the receiving thread once it writes there, so
+a save needs no hand-off between its last byte and its commit) and queues
+retention. Every accepted save ends in the lane as written or failed, and
+its error reaches the caller.
 
 When daemons share a store (a fleet on one bucket), a run is written by the
 one holding its lease (`Leases`): registration takes it before the template
@@ -383,22 +385,32 @@ class SavePipeline:
                 ) as save,
             ):  # fmt: skip
                 # A phase is timed when it ends, failed or not, as save_duration is.
+                transferred = _Once(lambda: self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted))
+                sink: SaveSink = _AtWriterPriority(save.sink, self._pool)
+                if base is not None:
+                    sink = bases.Incremental(_AtWriterPriority(save.sink, self._pool), base, parts)
+
+                def commit(came_by: str) -> tuple[str, int]:
+                    """The received save's commit, on the thread that wrote it (already at writer priority: no hop)."""
+                    nonlocal transport
+                    transport = came_by
+                    try:
+                        if base is not None:
+                            sink.settle()  # type: ignore[attr-defined]
+                            base.check()  # the copied ranges were the bytes its digests describe
+                        self._phases.snapshot_received(kind, came_by)
+                    finally:
+                        transferred()
+                    writing = time.monotonic()
+                    try:
+                        return self._pool.run(lambda: self._commit(request, folder, save))
+                    finally:
+                        self._phases.observe_phase(kind, "write", time.monotonic() - writing)
+
                 try:
-                    sink: SaveSink = _AtWriterPriority(save.sink, self._pool)
-                    if base is not None:
-                        sink = bases.Incremental(_AtWriterPriority(save.sink, self._pool), base, parts)
-                    transport = receive(parts, segment, accepted + self.upload_timeout, sink)
-                    if base is not None:
-                        sink.settle()  # type: ignore[attr-defined]
-                        base.check()  # the copied ranges were the bytes its digests describe
-                    self._phases.snapshot_received(kind, transport)
+                    path, bytes_written = receive(parts, segment, accepted + self.upload_timeout, sink, commit)
                 finally:
-                    self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted)
-                writing = time.monotonic()
-                try:
-                    path, bytes_written = self._pool.run(lambda: self._commit(request, folder, save))
-                finally:
-                    self._phases.observe_phase(kind, "write", time.monotonic() - writing)
+                    transferred()
             copied = base.copied if base is not None else 0
             outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
             if incremental:
@@ -429,7 +441,7 @@ class SavePipeline:
         )  # fmt: skip
 
     def _commit(self, request: SaveRequest, folder: str, save: writes.StreamedSave) -> tuple[str, int]:
-        """Finishes and commits one received save, on a writer thread; returns (path, bytes)."""
+        """Finishes and commits one received save, at the writer pool's priority; returns (path, bytes)."""
         # Again at commit time: a symlink planted during the upload must not
         # redirect the save out of the run's folder.
         target = self.store.target(folder, request.export_dir)
@@ -509,6 +521,18 @@ class _AtWriterPriority:
 
     def close(self) -> None:
         self._sink.close()
+
+
+class _Once:
+    """Calls `action` the first time it is called, and never again."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self._action: Callable[[], None] | None = action
+
+    def __call__(self) -> None:
+        action, self._action = self._action, None
+        if action is not None:
+            action()
 
 
 def _offer(base: bases.OpenBase | None) -> BaseOffer | None:

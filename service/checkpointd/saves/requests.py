@@ -6,9 +6,9 @@ protocol's messages; `checkpointd.saves.pipeline` takes and yields them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from checkpointd.core.checkpoint_spec import CheckpointSpec
 from checkpointd.core.manifest import VariableSpec
@@ -16,6 +16,8 @@ from checkpointd.core.numpy_state import NumpyStateSpec
 from checkpointd.core.ports import SaveSink
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.shm import Segment
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,13 @@ class Receiver(Protocol):
     """Reads an accepted save's snapshot (the RPC layer's request stream) into the save's open files.
 
     Writes each part's bytes (the variables, then the numpy state's) into
-    `sink` as they arrive and returns the transport they came by ("grpc" or
-    "shm"). Raises a domain error for a bad upload: out of order, bad CRC,
+    `sink` as they arrive, then returns `then(transport)` for the transport
+    they came by ("grpc" or "shm"), called on the thread that wrote them
+    (the save's commit: no hand-off to another thread), unbounded by the
+    deadline. Raises a domain error for a bad upload: out of order, bad CRC,
     late past `deadline` (monotonic).
     """
 
-    def __call__(self, parts: Sequence[int], segment: Segment | None, deadline: float, sink: SaveSink) -> str: ...
+    def __call__(
+        self, parts: Sequence[int], segment: Segment | None, deadline: float, sink: SaveSink, then: Callable[[str], _T]
+    ) -> _T: ...

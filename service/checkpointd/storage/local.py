@@ -133,7 +133,7 @@ class LocalStore:
         self.root = Path(root)
         self._fsync = fsync
         sync = group_commit_.syncfs_of(self.root) if fsync and group_commit else None
-        self._group = group_commit_.GroupSync(sync, name="group-sync") if sync is not None else None
+        self._group = group_commit_.GroupSync(sync) if sync is not None else None
         # fsyncs a save's files while its manifest's CRCs read them back.
         self._syncer = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="fsync", initializer=thread_initializer)
         self._verified = local_files.Verified()  # committed files checked for RestoreFiles' same-host readers
