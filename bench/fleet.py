@@ -47,7 +47,8 @@ CHECKPOINTD_BENCH_PROFILE=DIR runs each daemon under `bench.sampler` and
 leaves its profile in DIR (local.txt, s3-0.txt, ...; the sampler's own CPU
 counts in CPU/save then; CHECKPOINTD_BENCH_PROFILE_MODE=cprofile: cProfile
 on every thread, by thread CPU time, instead of sampling);
-CHECKPOINTD_BENCH_FLEET_S3=0 skips the S3 phase.
+CHECKPOINTD_BENCH_FLEET_S3=0 skips the S3 phase, CHECKPOINTD_BENCH_FLEET_LOCAL=0
+the local one (to measure the other alone).
 """
 
 from __future__ import annotations
@@ -114,22 +115,30 @@ def run_section(config: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     _run([sys.executable, "-m", "bench.fleet", "template", str(spec)], work / "template.log", 600)
     result: dict[str, Any] = {"trainers": trainers, "seconds": seconds, "rate_hz": RATE_HZ}
     result["template"] = json.loads((spec / "spec.json").read_text())
-
-    from tests.integration.daemon import start_daemon
-
-    progress(f"9. fleet, one daemon on a local root: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s")
-    local = start_daemon(work / "local-root", work / "local-daemon", wrap=_profiled("local"))
-    try:
-        result["local"] = _phase([local], spec, trainers, seconds, work / "local", progress)
-        result["local"]["manifests"] = sum(1 for _ in (work / "local-root").glob(f"fleet-*/*/{MANIFEST}"))
-    finally:
-        result["local"] = result.get("local", {}) | {"daemon_exit_codes": [local.terminate()]}
+    if os.environ.get("CHECKPOINTD_BENCH_FLEET_LOCAL", "1") == "0":
+        result["local"] = {"skipped": "CHECKPOINTD_BENCH_FLEET_LOCAL=0"}
+    else:
+        result["local"] = _local_phase(spec, trainers, seconds, work, progress)
     if os.environ.get("CHECKPOINTD_BENCH_FLEET_S3", "1") == "0":
         result["s3"] = {"skipped": "CHECKPOINTD_BENCH_FLEET_S3=0"}
     else:
         result["s3"] = _s3_phase(config, spec, trainers, seconds, work, progress)
     result["targets"] = targets(result)
     return result
+
+
+def _local_phase(spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+    from tests.integration.daemon import start_daemon
+
+    progress(f"9. fleet, one daemon on a local root: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s")
+    local = start_daemon(work / "local-root", work / "local-daemon", wrap=_profiled("local"))
+    out: dict[str, Any] = {}
+    try:
+        out = _phase([local], spec, trainers, seconds, work / "local", progress)
+        out["manifests"] = sum(1 for _ in (work / "local-root").glob(f"fleet-*/*/{MANIFEST}"))
+    finally:
+        out["daemon_exit_codes"] = [local.terminate()]
+    return out
 
 
 def _s3_phase(
