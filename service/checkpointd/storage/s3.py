@@ -72,6 +72,7 @@ from checkpointd.storage.s3_client import (
     endpoint_hint,
     error_code,
     make_client,
+    small_requests,
     unavailable_on_error,
 )
 from checkpointd.storage.s3_keys import MANIFEST, PREFIX_MANIFEST, STORE_FIELDS
@@ -138,6 +139,7 @@ class S3Store:
             ),
         )
         self._etag_log = ETagLog(self.client)
+        self.small = small_requests(self.client)  # a save's small requests (s3_signed where it can)
         self._lock = threading.Lock()
         self._manifests: dict[str, tuple[str, dict[str, Any]]] = {}  # key -> (ETag, parsed)
         self._fence = fence or (lambda run: None)
@@ -263,7 +265,7 @@ class S3Store:
     def _unpublish(self, manifest_key: str) -> bool:
         """Deletes the manifest of a save at `manifest_key`'s place, if there is one; True if there was."""
         try:
-            self.client.head_object(Bucket=self.bucket, Key=manifest_key)
+            self.small.head_object(Bucket=self.bucket, Key=manifest_key)
         except Exception as e:
             if error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 return False
@@ -348,7 +350,7 @@ class S3Store:
         if cached is not None and etag is not None and cached[0] == etag:
             return cached[1]
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            response = self.small.get_object(Bucket=self.bucket, Key=key)
         except Exception as e:
             if error_code(e) in ("NoSuchKey", "404"):
                 return None

@@ -1,6 +1,7 @@
 """Steps 3 and 4 of an S3 save's commit (`checkpointd.storage.s3`): every file up, then the fenced manifest.
 
-Each file goes up under its final key (s3transfer; a streamed data file's
+Each file goes up under its final key (one PutObject through the store's
+`small` requests up to 1 MiB, s3transfer above; a streamed data file's
 multipart upload completed; a file the run's previous save committed with
 the same bytes copied server-side instead), each object's ETag taken from the
 server's answer, and the manifest, with the ETags and the writer, created
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from checkpointd.storage.s3 import S3Store
 
 _LOGGER = logging.getLogger(__name__)
+_DIRECT_BYTES = 1 << 20  # a file up to this size goes up in one request, read whole (not through s3transfer)
 
 
 def upload(
@@ -36,7 +38,8 @@ def upload(
     Every file goes up at once. Each object's ETag is the one its PutObject or
     CompleteMultipartUpload answered (`_ETagLog`): the server took the
     whole body, checked against its signed SHA-256 or Content-MD5, so no
-    HEAD per object is needed to learn it. Only an object whose answer
+    HEAD per object is needed to learn it (a small file's PutObject through
+    `store.small` returns it directly). Only an object whose answer
     had no ETag (radosgw's CompleteMultipartUpload) is read back with a
     HEAD, its size checked too.
     """
@@ -66,19 +69,19 @@ def upload(
         try:
             copies = {
                 key: store._parts_pool.submit(
-                    s3_copies.copy_first, store.client, store.bucket, store._sources, meta.run, keys[key], src, key
+                    s3_copies.copy_first, store.small, store.bucket, store._sources, meta.run, keys[key], src, key
                 )
                 for key, src in sources.items()
             }
             futures = [
-                store.transfer.upload(str(staged.path / rel), store.bucket, key)
+                _upload(store, staged.path / rel, key, entries.get(rel, (store.part_bytes, ""))[0], etags)
                 for key, rel in keys.items()
                 if (part is None or key != part.key) and key not in sources
             ]
             for key, copied in copies.items():
                 etag = copied.result()
                 if etag is None:  # the source is gone or changed: upload the file after all
-                    futures.append(store.transfer.upload(str(staged.path / keys[key]), store.bucket, key))
+                    futures.append(_upload(store, staged.path / keys[key], key, entries[keys[key]][0], etags))
                     sent += entries[keys[key]][0]
                 elif etag:
                     etags[key] = etag
@@ -104,7 +107,7 @@ def upload(
     sizes = {entry["path"]: int(entry["size"]) for entry in document["files"]}
     for key, rel in keys.items():
         if key not in etags:  # radosgw answers a CompleteMultipartUpload with an empty ETag
-            head = store.client.head_object(Bucket=store.bucket, Key=key)
+            head = store.small.head_object(Bucket=store.bucket, Key=key)
             if head["ContentLength"] != sizes[rel]:
                 raise ChecksumError(f"{key} has {head['ContentLength']} bytes in the bucket, {sizes[rel]} were sent")
             etags[key] = head["ETag"].strip('"')
@@ -114,7 +117,7 @@ def upload(
     body = (json.dumps(document, indent=1) + "\n").encode("utf-8")
     store._fence(meta.run)  # the lease, checked last before the commit
     try:
-        store.client.put_object(Bucket=store.bucket, Key=manifest_key, Body=body, IfNoneMatch="*")
+        store.small.put_object(Bucket=store.bucket, Key=manifest_key, Body=body, IfNoneMatch="*")
     except Exception as e:
         if error_code(e) in ("PreconditionFailed", "412"):
             raise OSError(f"another writer committed {manifest_key} meanwhile; this save is not committed") from e
@@ -130,6 +133,22 @@ def upload(
         {rel: s3_copies.Source(key, *entries[rel], etags[key]) for key, rel in keys.items() if rel in entries},
     )
     return sent + len(body), listed, manifest_bytes
+
+
+def _upload(store: S3Store, path: Path, key: str, size: int, etags: dict[str, str]) -> Any:
+    """Starts one file's upload; a future. A small file is one PutObject of its bytes (`store.small`),
+    its ETag put in `etags`; a larger one goes through s3transfer (multipart above `part_bytes`)."""
+    if size > _DIRECT_BYTES or store.small is store.client:
+        return store.transfer.upload(str(path), store.bucket, key)
+
+    def put() -> None:
+        etags[key] = _etag(store.small.put_object(Bucket=store.bucket, Key=key, Body=path.read_bytes()))
+
+    return store._parts_pool.submit(put)
+
+
+def _etag(answer: dict[str, Any]) -> str:
+    return str(answer.get("ETag") or "").strip('"')
 
 
 def staged_files(staged: Path) -> list[str]:

@@ -42,7 +42,7 @@ from checkpointd.core import lease
 from checkpointd.core.lease import Holding, LeaseDoc, LeaseDocError, Sighting
 from checkpointd.protocol.errors import RunHeldError, UnavailableError
 from checkpointd.protocol.names import RESERVED_PREFIX, check_run_name
-from checkpointd.storage.s3_client import error_code
+from checkpointd.storage.s3_client import error_code, small_requests
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class S3Leases:
         """
         lease.check_timing(ttl, idle)
         self.client = client
+        self._small = small_requests(client)  # a lease's GET and PUT are small requests (s3_signed)
         self.bucket = bucket
         self._base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.ttl = ttl
@@ -462,7 +463,7 @@ class S3Leases:
         """
         key = self.key(run)
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            response = self._small.get_object(Bucket=self.bucket, Key=key)
         except Exception as e:
             if _missing(e):
                 return None
@@ -480,4 +481,4 @@ class S3Leases:
             kwargs["IfMatch"] = if_match  # unquoted: radosgw 16 compares it with the bare hex (AWS takes both)
         if if_none_match:
             kwargs["IfNoneMatch"] = "*"
-        return _etag(self.client.put_object(**kwargs))
+        return _etag(self._small.put_object(**kwargs))
