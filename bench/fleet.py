@@ -127,7 +127,9 @@ def run_section(config: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     return result
 
 
-def _local_phase(spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+def _local_phase(
+    spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]
+) -> dict[str, Any]:
     from tests.integration.daemon import start_daemon
 
     progress(f"9. fleet, one daemon on a local root: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s")
