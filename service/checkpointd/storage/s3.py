@@ -12,6 +12,8 @@ Rename is not atomic in an object store, so a save is committed thus:
    shared host) for the CPU and slows the commit.
 2. An older save at the same place (a HEAD of its manifest) loses its
    manifest first: it stops counting before any of its objects is replaced.
+   An export dir known to hold nothing while the run's lease is held
+   (`s3_places`) needs no HEAD.
 3. Every file goes up under its final key through s3transfer (multipart
    above `part_bytes`, in parallel), each body checked by the server
    (`checkpointd.storage.s3_client.make_client`); each object's ETag is the
@@ -63,7 +65,17 @@ from typing import Any
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged, WatchedSink
 from checkpointd.protocol.errors import RunHeldError, RunNotFoundError
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
-from checkpointd.storage import prefix, s3_commit, s3_copies, s3_keys, s3_parts, s3_recovery, s3_restore, save_manifest
+from checkpointd.storage import (
+    prefix,
+    s3_commit,
+    s3_copies,
+    s3_keys,
+    s3_parts,
+    s3_places,
+    s3_recovery,
+    s3_restore,
+    save_manifest,
+)
 from checkpointd.storage.s3_client import (
     ETagLog,
     S3Url,
@@ -102,6 +114,7 @@ class S3Store:
         fence: Callable[[str], None] | None = None,
         writer: str | None = None,
         on_upload: Callable[[str, float, int], None] | None = None,
+        tenure: Callable[[str], object | None] | None = None,
     ) -> None:
         """Makes the store; nothing is sent until `check` or a save.
 
@@ -121,6 +134,9 @@ class S3Store:
             on_upload: called per commit with (kind, seconds, bytes) of its
                 upload to the bucket (the files sent, not those copied
                 server-side, and the manifest; 0 bytes if it failed).
+            tenure: the run's lease tenure (`S3Leases.tenure`): with it, a
+                save into an export dir known empty skips step 2's HEAD
+                (`s3_places`); None: every save makes it.
         """
         from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
@@ -150,6 +166,7 @@ class S3Store:
         self._parts_pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-parts")
         self._streams: dict[str, s3_parts.PartUpload] = {}  # staging dir -> its data file's upload
         self._sources = s3_copies.Sources()  # what a run's next save may copy server-side
+        self._places = s3_places.Places(self._dirs_under, tenure)  # export dirs known to hold nothing
 
     # Start-up.
 
@@ -247,11 +264,17 @@ class S3Store:
         place = s3_keys.keys_of(target, prefix=staged.files_prefix is not None)
         files_base, manifest_key = place.files_base, place.manifest
         self._fence(meta.run)  # a daemon without the run's lease touches nothing of it
+        folder = self._folder_of(target)
         with self._lock:
-            self._folder_runs[self._folder_of(target)] = meta.run
+            self._folder_runs[folder] = meta.run
         uploading, uploaded, replacing = time.monotonic(), 0, False
         try:
-            replacing = self._unpublish(manifest_key)  # an old save here stops counting first
+            folder_key = self.folder_key(folder)
+            empty = staged.files_prefix is None and self._places.claim(
+                folder_key, meta.run, str(target)[len(folder_key) :].split("/")[0]
+            )
+            if not empty:
+                replacing = self._unpublish(manifest_key)  # an old save here stops counting first
             uploaded, listed, _ = s3_commit.upload(self, staged, files_base, manifest_key, meta)
         finally:
             self._on_upload(meta.kind.value, time.monotonic() - uploading, uploaded)
@@ -272,6 +295,13 @@ class S3Store:
             raise
         self.delete_keys([manifest_key])
         return True
+
+    def _dirs_under(self, folder_key: str) -> set[str] | None:
+        """The dir names right under `folder_key` (one request); None if they are more than one page."""
+        answer = self.client.list_objects_v2(Bucket=self.bucket, Prefix=folder_key, Delimiter="/")
+        if answer.get("IsTruncated"):
+            return None
+        return {str(p["Prefix"])[len(folder_key) :].rstrip("/") for p in answer.get("CommonPrefixes", [])}
 
     def discard_stream(self, staged: Path) -> None:
         """Aborts the streamed upload of a staged save, if it has one."""

@@ -73,6 +73,7 @@ class _Held:
     etag: str
     holding: Holding
     used: float  # monotonic time of the last hold() or check()
+    tenure: int  # new each time the lease is taken (`tenure`)
     error: str = ""  # the last renewal's failure, if it failed
 
 
@@ -144,6 +145,7 @@ class S3Leases:
         self._lost: dict[str, str] = {}  # run -> who took it, for messages
         self._seen: dict[str, Sighting] = {}  # other daemons' leases, as observed
         self._run_locks: dict[str, threading.Lock] = {}
+        self._tenures = 0  # leases taken so far (each hold's `tenure`)
         self._closed = False
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # renewals side by side, made when needed
         self._thread: threading.Thread | None = None
@@ -213,6 +215,22 @@ class S3Leases:
             else:
                 reason = f"this daemon does not hold the lease on run {run!r} (it was released)"
         raise RunHeldError(f"{reason}; the save is not committed; a next save here takes the lease again if it is free")
+
+    def tenure(self, run: str) -> int | None:
+        """An id of this daemon's hold on the run's lease, the same for as long as it holds it without a break;
+        None unless held and valid now.
+
+        Two equal answers mean nobody else held the run between them, so
+        nobody else wrote its saves: a renewal, even one late after the
+        lease lapsed here, succeeds only against the ETag of our last write
+        (any other daemon's take changes it). Taken again after a loss, a
+        release or an idle release: a new id.
+        """
+        with self._cond:
+            held = self._held.get(run)
+            if held is None or not held.holding.valid(self._clock()):
+                return None
+            return held.tenure
 
     def release(self, run: str) -> None:
         with self._run_lock(run):
@@ -395,7 +413,8 @@ class S3Leases:
                     continue
                 raise UnavailableError(f"run {run!r}: could not write its lease in the bucket: {e}") from e
             with self._cond:
-                self._held[run] = _Held(mine, etag, Holding(self.ttl, sent), self._clock())
+                self._tenures += 1
+                self._held[run] = _Held(mine, etag, Holding(self.ttl, sent), self._clock(), self._tenures)
                 self._lost.pop(run, None)
                 self._seen.pop(run, None)
                 self._cond.notify_all()  # the renewal thread schedules it
