@@ -10,6 +10,7 @@ last with `IfNoneMatch='*'` between two lease fences.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -139,15 +140,20 @@ def upload(
 
 
 def _upload(store: S3Store, path: Path, key: str, size: int, etags: dict[str, str]) -> Any:
-    """Starts one file's upload; a future. A small file is one PutObject of its bytes (`store.small`),
-    its ETag put in `etags`; a larger one goes through s3transfer (multipart above `part_bytes`)."""
+    """Uploads one file, or starts to; a future. A small file is one PutObject of its bytes
+    (`store.small`), sent here and now, while the copies and larger files go up in their threads (a
+    hand-off to a pool costs more than the request); its ETag is put in `etags`. A larger file
+    goes through s3transfer (multipart above `part_bytes`)."""
     if size > _DIRECT_BYTES or store.small is store.client:
         return store.transfer.upload(str(path), store.bucket, key)
-
-    def put() -> None:
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    try:
         etags[key] = _etag(store.small.put_object(Bucket=store.bucket, Key=key, Body=path.read_bytes()))
-
-    return store._parts_pool.submit(put)
+    except Exception as e:  # raised where every upload's failure is: at its future's result()
+        done.set_exception(e)
+    else:
+        done.set_result(None)
+    return done
 
 
 def _etag(answer: dict[str, Any]) -> str:
