@@ -1,4 +1,4 @@
-"""Which export dirs of a run's folder are known empty while its lease is held (no network)."""
+"""Which export dirs of a run are known empty while its lease is held (no network)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from checkpointd.storage.s3_places import Places
 
 
 class Folder:
-    """The folder's top-level dirs as a listing answers them, counting the listings."""
+    """The dirs under a save's parent ("pre/run/") as a listing answers them, counting the listings."""
 
     def __init__(self, dirs: set[str] | None) -> None:
         self.dirs = dirs

@@ -269,9 +269,10 @@ class S3Store:
             self._folder_runs[folder] = meta.run
         uploading, uploaded, replacing = time.monotonic(), 0, False
         try:
-            folder_key = self.folder_key(folder)
-            empty = staged.files_prefix is None and self._places.claim(
-                folder_key, meta.run, str(target)[len(folder_key) :].split("/")[0]
+            empty = (
+                staged.files_prefix is None
+                and target.parent.name != ""  # a save's dir is always inside its run's folder
+                and self._places.claim(f"{target.parent}/", meta.run, target.name)
             )
             if not empty:
                 replacing = self._unpublish(manifest_key)  # an old save here stops counting first
@@ -296,12 +297,12 @@ class S3Store:
         self.delete_keys([manifest_key])
         return True
 
-    def _dirs_under(self, folder_key: str) -> set[str] | None:
-        """The dir names right under `folder_key` (one request); None if they are more than one page."""
-        answer = self.client.list_objects_v2(Bucket=self.bucket, Prefix=folder_key, Delimiter="/")
+    def _dirs_under(self, dir_key: str) -> set[str] | None:
+        """The names of the dirs right under `dir_key` (one request); None if they are more than one page."""
+        answer = self.client.list_objects_v2(Bucket=self.bucket, Prefix=dir_key, Delimiter="/")
         if answer.get("IsTruncated"):
             return None
-        return {str(p["Prefix"])[len(folder_key) :].rstrip("/") for p in answer.get("CommonPrefixes", [])}
+        return {str(p["Prefix"])[len(dir_key) :].rstrip("/") for p in answer.get("CommonPrefixes", [])}
 
     def discard_stream(self, staged: Path) -> None:
         """Aborts the streamed upload of a staged save, if it has one."""
