@@ -39,7 +39,8 @@ process's rusage over the window: on one machine it comes out of the
 daemons' cores), and on S3 the daemons' requests per committed save by
 operation and bytes uploaded per committed save (their
 checkpointd_s3_requests_total and checkpointd_store_uploaded_bytes_total,
-scraped at the start and the end). Targets: zero lost (accepted = committed = manifests), and p99 <=
+scraped at the start and the end), and the CPU of radosgw, its OSD and mon
+per committed save (they share the cores). Targets: zero lost (accepted = committed = manifests), and p99 <=
 250 ms on one daemon.
 
 Diagnostics (environment, so a bench run's flags stay the same):
@@ -187,7 +188,8 @@ def _s3_phase(
             progress(
                 f"9. fleet, 3 daemons on one S3 prefix: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s"
             )
-            out |= _phase(daemons, spec, trainers, seconds, work / "s3", progress)
+            servers = [int((rgw_dir / f"{n}.pid").read_text()) for n in ("rgw", "osd", "mon")]
+            out |= _phase(daemons, spec, trainers, seconds, work / "s3", progress, servers)
             out["manifests"] = fleet_store.bucket_manifests(endpoint, bucket, prefix, aws)
         finally:
             out["daemon_exit_codes"] = [d.terminate() for d in daemons]
@@ -228,9 +230,19 @@ def _peak_rss_bytes(pid: int) -> int:
 
 
 def _phase(
-    daemons: Sequence[Any], spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]
+    daemons: Sequence[Any],
+    spec: Path,
+    trainers: int,
+    seconds: float,
+    work: Path,
+    progress: Callable[[str], None],
+    servers: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Runs the client processes against `daemons` (trainer i on daemons[i % len]) and sums their outcomes."""
+    """Runs the client processes against `daemons` (trainer i on daemons[i % len]) and sums their outcomes.
+
+    `servers`: the PIDs of the object store's processes (radosgw, its OSD and mon), whose CPU over
+    the window is reported per committed save too: on one machine it comes out of the daemons' cores.
+    """
     from bench.stats import percentile
 
     work.mkdir(parents=True, exist_ok=True)
@@ -257,6 +269,7 @@ def _phase(
                 raise RuntimeError(f"a client process did not register its runs: {line!r}")
         start = time.time() + 1.0
         cpu0 = {d.proc.pid: _cpu_seconds(d.proc.pid) for d in daemons}
+        server0 = {pid: _cpu_seconds(pid) for pid in servers}
         store0 = [fleet_store.counts(d.metrics_url) for d in daemons]
         if os.environ.get("CHECKPOINTD_BENCH_PROFILE"):
             for d in daemons:
@@ -273,6 +286,7 @@ def _phase(
                 raise RuntimeError(f"a client process exited with {p.returncode}: see {work}/clients-*.log")
             outcomes.append(json.loads(out.strip().splitlines()[-1]))
         cpu = sum(_cpu_seconds(pid) - c for pid, c in cpu0.items())
+        server_cpu = sum(_cpu_seconds(pid) - c for pid, c in server0.items())
         store = fleet_store.delta(store0, [fleet_store.counts(d.metrics_url) for d in daemons])
         rss = [_peak_rss_bytes(d.proc.pid) for d in daemons]
     finally:
@@ -312,6 +326,8 @@ def _phase(
         "daemon_cpu_seconds": cpu,
         "daemon_cpu_ms_per_save": 1000 * cpu / total["committed"] if total["committed"] else None,
         "daemon_peak_rss_mib": [r / (1 << 20) for r in rss],
+        # The object store's processes (radosgw, OSD, mon) over the window; None on a local root.
+        "server_cpu_ms_per_save": 1000 * server_cpu / total["committed"] if servers and total["committed"] else None,
         # The simulated trainers' own CPU (every client process, the window and the flushes):
         # on one machine it is taken from the daemons' cores.
         "client_cpu_seconds": client_cpu,
@@ -413,6 +429,10 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"     S3 per committed save: {r['s3_requests_per_commit']:.2f} requests ({ops}), "
                 f"{r['uploaded_bytes_per_commit']:,.0f} B uploaded"
+            )
+        if r.get("server_cpu_ms_per_save") is not None:
+            lines.append(
+                f"     radosgw, its OSD and mon: {r['server_cpu_ms_per_save']:.1f} ms of CPU per committed save"
             )
     return "\n".join(lines) + "\n"
 
