@@ -1,11 +1,13 @@
 """Steps 3 and 4 of an S3 save's commit (`checkpointd.storage.s3`): every file up, then the fenced manifest.
 
-Each file goes up under its final key (one PutObject through the store's
-`small` requests up to 1 MiB, s3transfer above; a streamed data file's
-multipart upload completed; a file the run's previous save committed with
-the same bytes copied server-side instead, but for the smallest), each object's ETag taken from the
-server's answer, and the manifest, with the ETags and the writer, created
-last with `IfNoneMatch='*'` between two lease fences.
+Each file goes up under its final key (up to 1 MiB, one PutObject through
+`s3_signed` where the client has it, sent by the commit thread itself;
+otherwise s3transfer; a streamed data file's multipart upload completed; a
+file the run's previous save committed with the same bytes copied
+server-side instead, but for the smallest, `s3_copies.sent_instead`), each
+object's ETag taken from the server's answer, and the manifest, with the
+ETags and the writer, created last with `IfNoneMatch='*'` between two lease
+fences.
 """
 
 from __future__ import annotations
