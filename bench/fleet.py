@@ -40,7 +40,8 @@ process's rusage over the window: on one machine it comes out of the
 daemons' cores), and on S3 the daemons' requests per committed save by
 operation and bytes uploaded per committed save (their
 checkpointd_s3_requests_total and checkpointd_store_uploaded_bytes_total,
-scraped at the start and the end). Targets: zero lost (accepted = committed = manifests), and p99 <=
+scraped at the start and the end), and the CPU of radosgw, its OSD and mon
+per committed save (they share the cores). Targets: zero lost (accepted = committed = manifests), and p99 <=
 250 ms on one daemon.
 
 Diagnostics (environment, so a bench run's flags stay the same):
@@ -48,7 +49,8 @@ CHECKPOINTD_BENCH_PROFILE=DIR runs each daemon under `bench.sampler` and
 leaves its profile in DIR (local.txt, s3-0.txt, ...; the sampler's own CPU
 counts in CPU/save then; CHECKPOINTD_BENCH_PROFILE_MODE=cprofile: cProfile
 on every thread, by thread CPU time, instead of sampling);
-CHECKPOINTD_BENCH_FLEET_S3=0 skips the S3 phase.
+CHECKPOINTD_BENCH_FLEET_S3=0 skips the S3 phase, CHECKPOINTD_BENCH_FLEET_LOCAL=0
+the local one (to measure the other alone).
 """
 
 from __future__ import annotations
@@ -115,22 +117,32 @@ def run_section(config: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     _run([sys.executable, "-m", "bench.fleet", "template", str(spec)], work / "template.log", 600)
     result: dict[str, Any] = {"trainers": trainers, "seconds": seconds, "rate_hz": RATE_HZ}
     result["template"] = json.loads((spec / "spec.json").read_text())
-
-    from tests.integration.daemon import start_daemon
-
-    progress(f"9. fleet, one daemon on a local root: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s")
-    local = start_daemon(work / "local-root", work / "local-daemon", wrap=_profiled("local"))
-    try:
-        result["local"] = _phase([local], spec, trainers, seconds, work / "local", progress)
-        result["local"]["manifests"] = sum(1 for _ in (work / "local-root").glob(f"fleet-*/*/{MANIFEST}"))
-    finally:
-        result["local"] = result.get("local", {}) | {"daemon_exit_codes": [local.terminate()]}
+    if os.environ.get("CHECKPOINTD_BENCH_FLEET_LOCAL", "1") == "0":
+        result["local"] = {"skipped": "CHECKPOINTD_BENCH_FLEET_LOCAL=0"}
+    else:
+        result["local"] = _local_phase(spec, trainers, seconds, work, progress)
     if os.environ.get("CHECKPOINTD_BENCH_FLEET_S3", "1") == "0":
         result["s3"] = {"skipped": "CHECKPOINTD_BENCH_FLEET_S3=0"}
     else:
         result["s3"] = _s3_phase(config, spec, trainers, seconds, work, progress)
     result["targets"] = targets(result)
     return result
+
+
+def _local_phase(
+    spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    from tests.integration.daemon import start_daemon
+
+    progress(f"9. fleet, one daemon on a local root: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s")
+    local = start_daemon(work / "local-root", work / "local-daemon", wrap=_profiled("local"))
+    out: dict[str, Any] = {}
+    try:
+        out = _phase([local], spec, trainers, seconds, work / "local", progress)
+        out["manifests"] = sum(1 for _ in (work / "local-root").glob(f"fleet-*/*/{MANIFEST}"))
+    finally:
+        out["daemon_exit_codes"] = [local.terminate()]
+    return out
 
 
 def _s3_phase(
@@ -177,7 +189,8 @@ def _s3_phase(
             progress(
                 f"9. fleet, 3 daemons on one S3 prefix: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s"
             )
-            out |= _phase(daemons, spec, trainers, seconds, work / "s3", progress)
+            servers = [int((rgw_dir / f"{n}.pid").read_text()) for n in ("rgw", "osd", "mon")]
+            out |= _phase(daemons, spec, trainers, seconds, work / "s3", progress, servers)
             out["manifests"] = fleet_store.bucket_manifests(endpoint, bucket, prefix, aws)
         finally:
             out["daemon_exit_codes"] = [d.terminate() for d in daemons]
@@ -239,9 +252,19 @@ def _peak_rss_bytes(pid: int) -> int:
 
 
 def _phase(
-    daemons: Sequence[Any], spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]
+    daemons: Sequence[Any],
+    spec: Path,
+    trainers: int,
+    seconds: float,
+    work: Path,
+    progress: Callable[[str], None],
+    servers: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Runs the client processes against `daemons` (trainer i on daemons[i % len]) and sums their outcomes."""
+    """Runs the client processes against `daemons` (trainer i on daemons[i % len]) and sums their outcomes.
+
+    `servers`: the PIDs of the object store's processes (radosgw, its OSD and mon), whose CPU over
+    the window is reported per committed save too: on one machine it comes out of the daemons' cores.
+    """
     from bench.stats import percentile
 
     work.mkdir(parents=True, exist_ok=True)
@@ -269,6 +292,7 @@ def _phase(
         start = time.time() + 1.0
         cpu0 = {d.proc.pid: _cpu_seconds(d.proc.pid) for d in daemons}
         switches0 = {d.proc.pid: _context_switches(d.proc.pid) for d in daemons}
+        server0 = {pid: _cpu_seconds(pid) for pid in servers}
         store0 = [fleet_store.counts(d.metrics_url) for d in daemons]
         if os.environ.get("CHECKPOINTD_BENCH_PROFILE"):
             for d in daemons:
@@ -288,6 +312,7 @@ def _phase(
         switches1 = {pid: _context_switches(pid) for pid in switches0}
         voluntary = sum(switches1[pid][0] - n[0] for pid, n in switches0.items())
         involuntary = sum(switches1[pid][1] - n[1] for pid, n in switches0.items())
+        server_cpu = sum(_cpu_seconds(pid) - c for pid, c in server0.items())
         store = fleet_store.delta(store0, [fleet_store.counts(d.metrics_url) for d in daemons])
         rss = [_peak_rss_bytes(d.proc.pid) for d in daemons]
     finally:
@@ -330,6 +355,8 @@ def _phase(
         # Over the window, summed over the daemons' live threads (one ended meanwhile drops its count).
         "daemon_context_switches_per_save": per_commit(voluntary + involuntary),
         "daemon_voluntary_context_switches_per_save": per_commit(voluntary),
+        # The object store's processes (radosgw, OSD, mon) over the window; None on a local root.
+        "server_cpu_ms_per_save": 1000 * server_cpu / total["committed"] if servers and total["committed"] else None,
         # The simulated trainers' own CPU (every client process, the window and the flushes):
         # on one machine it is taken from the daemons' cores.
         "client_cpu_seconds": client_cpu,
@@ -436,6 +463,10 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"     S3 per committed save: {r['s3_requests_per_commit']:.2f} requests ({ops}), "
                 f"{r['uploaded_bytes_per_commit']:,.0f} B uploaded"
+            )
+        if r.get("server_cpu_ms_per_save") is not None:
+            lines.append(
+                f"     radosgw, its OSD and mon: {r['server_cpu_ms_per_save']:.1f} ms of CPU per committed save"
             )
     return "\n".join(lines) + "\n"
 

@@ -395,6 +395,7 @@ def _make_store(
         max_concurrency=_S3_CONCURRENCY,
         client=client,
         fence=leases.check,
+        tenure=leases.tenure,
         writer=leases.owner,
         on_upload=metrics.store_uploaded,
     )

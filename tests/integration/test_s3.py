@@ -540,3 +540,32 @@ def test_a_runs_next_policy_save_copies_the_graph_files_server_side_and_uploads_
         assert head["ContentLength"] == f["size"] and head["ETag"].strip('"') == manifest["s3_etags"][f["path"]]
     ok = _cli(s3, "verify", f"{s3.url}/cp")
     assert ok.returncode == 0 and "2 OK, 0 FAILED" in ok.stdout, ok.stdout + ok.stderr
+
+
+def test_saves_into_new_dirs_make_no_head_and_one_replacing_a_save_in_place_still_unpublishes_it_first(
+    s3: S3, policy: object
+) -> None:
+    from tests.integration import scrape
+
+    s3.client.put_object(Bucket=s3.rgw.bucket, Key=f"{s3.prefix}/pl/p/9/leftover", Body=b"x")  # a dir in use
+    d = s3.daemon()
+    saver, step = s3.saver(d, policy, "pl")
+
+    def heads() -> float:
+        samples = scrape.Metrics(d.metrics_url).samples
+        return samples.get(("checkpointd_s3_requests_total", frozenset({("operation", "HeadObject")})), 0.0)
+
+    for n in (1, 2, 3):
+        step.assign(n)
+        saver.save(f"p/{n}", blocking=True).result()
+    assert heads() == 0  # the first save listed p/ once: nothing in 1, 2 or 3
+    step.assign(4)
+    saver.save("p/2", blocking=True).result()  # in place: the old save stops counting first
+    step.assign(5)
+    saver.save("p/9", blocking=True).result()  # a dir that held objects before the daemon came
+    assert heads() == 2
+    in_bucket = _objects(s3.client, s3.rgw.bucket, f"{s3.prefix}/pl/p/")
+    assert {k for k in in_bucket if k.endswith(MANIFEST)} == {f"{n}/{MANIFEST}" for n in (1, 2, 3, 9)}
+    assert json.loads(in_bucket[f"2/{MANIFEST}"])["step"] == 4
+    ok = _cli(s3, "verify", f"{s3.url}/pl")
+    assert ok.returncode == 0 and "4 OK, 0 FAILED" in ok.stdout, ok.stdout + ok.stderr

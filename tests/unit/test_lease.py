@@ -420,3 +420,45 @@ def test_a_hold_that_waits_says_once_for_whom_before_it_waits_and_logs_it(
     assert bucket.doc(KEY).owner == "b-2-y"
     b.hold("r", clock.now + 20, waiting)  # held now: no wait, nothing said
     assert len(told) == 1
+
+
+def test_the_tenure_lasts_while_the_lease_is_held_without_a_break_even_renewed_late(
+    bucket: FakeBucket, clock: FakeClock
+) -> None:
+    a, b = _leases(bucket, clock, "a-1-x"), _leases(bucket, clock, "b-2-y")
+    assert a.tenure("r") is None
+    a.hold("r", None)
+    first = a.tenure("r")
+    assert first is not None
+    clock.now += 3
+    a.tick()
+    assert a.tenure("r") == first  # renewed
+    bucket.fail = _Refused("ServiceUnavailable")
+    for _ in range(3):
+        clock.now += 3
+        a.tick()
+    assert a.tenure("r") is None  # lapsed: not to be trusted now
+    bucket.fail = None
+    a.hold("r", None)  # renewed against its own ETag: nobody took it meanwhile
+    assert a.tenure("r") == first
+    a.release("r")
+    assert a.tenure("r") is None
+    b.hold("r", None)
+    b.release("r")
+    a.hold("r", None)  # taken again, after another daemon held it
+    assert a.tenure("r") not in (None, first)
+
+
+def test_a_lease_lost_to_another_daemon_ends_the_tenure(bucket: FakeBucket, clock: FakeClock) -> None:
+    a, b = _leases(bucket, clock, "a-1-x"), _leases(bucket, clock, "b-2-y")
+    a.hold("r", None)
+    first = a.tenure("r")
+    with pytest.raises(RunHeldError):
+        b.hold("r", None)  # b's first sight of a's lease
+    clock.now += 10  # a paused past the ttl: b sees the same ETag for a full ttl and takes it
+    b.hold("r", None)
+    a.tick()  # a's renewal meets b's write
+    assert a.tenure("r") is None
+    with pytest.raises(RunHeldError):
+        a.hold("r", None)
+    assert b.tenure("r") is not None and first is not None

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from checkpointd.storage.s3_copies import Source, Sources, copy_first
+from checkpointd.storage.s3_copies import SENT_INSTEAD_BYTES, Source, Sources, copy_first, sent_instead
 
 
 class Refused(Exception):
@@ -64,3 +64,13 @@ def test_another_copy_failure_fails_the_save() -> None:
     s3 = FakeS3({"p/1/g": Refused("InternalError")})
     with pytest.raises(Refused):
         copy_first(s3, "b", Sources(), "r", "g", [Source("p/1/g", 5, "cc", "e1")], "p/3/g")
+
+
+def test_the_smallest_copyable_files_are_sent_instead_up_to_the_budget() -> None:
+    sizes = {"p/3/fingerprint.pb": 57, "p/3/saved_model.pb": 85_437, "p/3/index": 531, "p/3/specs": 2_411}
+    assert sent_instead(sizes) == {"p/3/fingerprint.pb", "p/3/index", "p/3/specs"}
+    sizes["p/3/data"] = SENT_INSTEAD_BYTES - 57 - 531 - 2_411
+    assert sent_instead(sizes) == {"p/3/fingerprint.pb", "p/3/index", "p/3/specs", "p/3/data"}
+    sizes["p/3/data"] += 1  # one byte over: it is copied, and nothing larger is sent
+    assert sent_instead(sizes) == {"p/3/fingerprint.pb", "p/3/index", "p/3/specs"}
+    assert sent_instead({"p/3/saved_model.pb": SENT_INSTEAD_BYTES + 1}) == set()

@@ -12,6 +12,8 @@ Rename is not atomic in an object store, so a save is committed thus:
    shared host) for the CPU and slows the commit.
 2. An older save at the same place (a HEAD of its manifest) loses its
    manifest first: it stops counting before any of its objects is replaced.
+   An export dir known to hold nothing while the run's lease is held
+   (`s3_places`) needs no HEAD.
 3. Every file goes up under its final key through s3transfer (multipart
    above `part_bytes`, in parallel), each body checked by the server
    (`checkpointd.storage.s3_client.make_client`); each object's ETag is the
@@ -63,7 +65,17 @@ from typing import Any
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged, WatchedSink
 from checkpointd.protocol.errors import RunHeldError, RunNotFoundError
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
-from checkpointd.storage import prefix, s3_commit, s3_copies, s3_keys, s3_parts, s3_recovery, s3_restore, save_manifest
+from checkpointd.storage import (
+    prefix,
+    s3_commit,
+    s3_copies,
+    s3_keys,
+    s3_parts,
+    s3_places,
+    s3_recovery,
+    s3_restore,
+    save_manifest,
+)
 from checkpointd.storage.s3_client import (
     ETagLog,
     S3Url,
@@ -72,6 +84,7 @@ from checkpointd.storage.s3_client import (
     endpoint_hint,
     error_code,
     make_client,
+    small_requests,
     unavailable_on_error,
 )
 from checkpointd.storage.s3_keys import MANIFEST, PREFIX_MANIFEST, STORE_FIELDS
@@ -101,6 +114,7 @@ class S3Store:
         fence: Callable[[str], None] | None = None,
         writer: str | None = None,
         on_upload: Callable[[str, float, int], None] | None = None,
+        tenure: Callable[[str], object | None] | None = None,
     ) -> None:
         """Makes the store; nothing is sent until `check` or a save.
 
@@ -120,6 +134,9 @@ class S3Store:
             on_upload: called per commit with (kind, seconds, bytes) of its
                 upload to the bucket (the files sent, not those copied
                 server-side, and the manifest; 0 bytes if it failed).
+            tenure: the run's lease tenure (`S3Leases.tenure`): with it, a
+                save into an export dir known empty skips step 2's HEAD
+                (`s3_places`); None: every save makes it.
         """
         from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
@@ -138,6 +155,7 @@ class S3Store:
             ),
         )
         self._etag_log = ETagLog(self.client)
+        self.small = small_requests(self.client)  # a save's small requests (s3_signed where it can)
         self._lock = threading.Lock()
         self._manifests: dict[str, tuple[str, dict[str, Any]]] = {}  # key -> (ETag, parsed)
         self._fence = fence or (lambda run: None)
@@ -148,6 +166,7 @@ class S3Store:
         self._parts_pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-parts")
         self._streams: dict[str, s3_parts.PartUpload] = {}  # staging dir -> its data file's upload
         self._sources = s3_copies.Sources()  # what a run's next save may copy server-side
+        self._places = s3_places.Places(self._dirs_under, tenure)  # export dirs known to hold nothing
 
     # Start-up.
 
@@ -245,11 +264,18 @@ class S3Store:
         place = s3_keys.keys_of(target, prefix=staged.files_prefix is not None)
         files_base, manifest_key = place.files_base, place.manifest
         self._fence(meta.run)  # a daemon without the run's lease touches nothing of it
+        folder = self._folder_of(target)
         with self._lock:
-            self._folder_runs[self._folder_of(target)] = meta.run
+            self._folder_runs[folder] = meta.run
         uploading, uploaded, replacing = time.monotonic(), 0, False
         try:
-            replacing = self._unpublish(manifest_key)  # an old save here stops counting first
+            empty = (
+                staged.files_prefix is None
+                and target.parent.name != ""  # a save's dir is always inside its run's folder
+                and self._places.claim(f"{target.parent}/", meta.run, target.name)
+            )
+            if not empty:
+                replacing = self._unpublish(manifest_key)  # an old save here stops counting first
             uploaded, listed, _ = s3_commit.upload(self, staged, files_base, manifest_key, meta)
         finally:
             self._on_upload(meta.kind.value, time.monotonic() - uploading, uploaded)
@@ -263,13 +289,20 @@ class S3Store:
     def _unpublish(self, manifest_key: str) -> bool:
         """Deletes the manifest of a save at `manifest_key`'s place, if there is one; True if there was."""
         try:
-            self.client.head_object(Bucket=self.bucket, Key=manifest_key)
+            self.small.head_object(Bucket=self.bucket, Key=manifest_key)
         except Exception as e:
             if error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
         self.delete_keys([manifest_key])
         return True
+
+    def _dirs_under(self, dir_key: str) -> set[str] | None:
+        """The names of the dirs right under `dir_key` (one request); None if they are more than one page."""
+        answer = self.client.list_objects_v2(Bucket=self.bucket, Prefix=dir_key, Delimiter="/")
+        if answer.get("IsTruncated"):
+            return None
+        return {str(p["Prefix"])[len(dir_key) :].rstrip("/") for p in answer.get("CommonPrefixes", [])}
 
     def discard_stream(self, staged: Path) -> None:
         """Aborts the streamed upload of a staged save, if it has one."""
@@ -348,7 +381,7 @@ class S3Store:
         if cached is not None and etag is not None and cached[0] == etag:
             return cached[1]
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            response = self.small.get_object(Bucket=self.bucket, Key=key)
         except Exception as e:
             if error_code(e) in ("NoSuchKey", "404"):
                 return None

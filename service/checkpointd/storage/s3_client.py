@@ -1,7 +1,8 @@
 """The S3 client the object store uses: URL, connection and retries, body checks, and what its answers carry.
 
 `make_client` makes a boto3 client that works on AWS and on radosgw, every
-upload's body checked by the server; `ETagLog` reads the ETag of each upload
+upload's body checked by the server (with `s3_signed` beside it for the
+store's small requests to a plain-HTTP endpoint, `small_requests`); `ETagLog` reads the ETag of each upload
 from the client's own answers; `Progress` reports a transfer's bytes. boto3
 is imported when a client is made, so the rest of the daemon does not need it.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointd.protocol.errors import UnavailableError
+from checkpointd.storage import s3_signed
 
 
 class StoreSetupError(OSError):
@@ -91,11 +93,25 @@ def make_client(endpoint_url: str | None, region: str | None, max_connections: i
         max_pool_connections=max_connections,
         s3={"addressing_style": "path" if endpoint_url else "auto"},
     )
-    client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+    session = boto3.session.Session()
+    client = session.client("s3", endpoint_url=endpoint_url, config=config)
     if not body_is_signed(endpoint_url):
         for operation in ("PutObject", "UploadPart"):
             client.meta.events.register(f"before-call.s3.{operation}", content_md5)
+    credentials = session.get_credentials()
+    if endpoint_url is not None and body_is_signed(endpoint_url) and credentials is not None:
+        signed = s3_signed.SignedRequests(
+            endpoint_url, client.meta.region_name or "us-east-1", credentials, client.meta.events,
+            connect_timeout=5, read_timeout=60,
+        )  # fmt: skip
+        setattr(client, s3_signed.ATTRIBUTE, signed)  # the store's small requests go this way (s3_signed)
     return client
+
+
+def small_requests(client: Any) -> Any:
+    """What sends the store's small PutObject/CopyObject/HeadObject/GetObject: the client's
+    `s3_signed.SignedRequests` if `make_client` gave it one, else the client itself (same arguments)."""
+    return s3_signed.of(client) or client
 
 
 def _is_aws(endpoint_url: str | None) -> bool:

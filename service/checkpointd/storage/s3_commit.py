@@ -1,14 +1,18 @@
 """Steps 3 and 4 of an S3 save's commit (`checkpointd.storage.s3`): every file up, then the fenced manifest.
 
-Each file goes up under its final key (s3transfer; a streamed data file's
-multipart upload completed; a file the run's previous save committed with
-the same bytes copied server-side instead), each object's ETag taken from the
-server's answer, and the manifest, with the ETags and the writer, created
-last with `IfNoneMatch='*'` between two lease fences.
+Each file goes up under its final key (up to 1 MiB, one PutObject through
+`s3_signed` where the client has it, sent by the commit thread itself;
+otherwise s3transfer; a streamed data file's multipart upload completed; a
+file the run's previous save committed with the same bytes copied
+server-side instead, but for the smallest, `s3_copies.sent_instead`), each
+object's ETag taken from the server's answer, and the manifest, with the
+ETags and the writer, created last with `IfNoneMatch='*'` between two lease
+fences.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
     from checkpointd.storage.s3 import S3Store
 
 _LOGGER = logging.getLogger(__name__)
+_DIRECT_BYTES = 1 << 20  # a file up to this size goes up in one request, read whole (not through s3transfer)
 
 
 def upload(
@@ -36,7 +41,8 @@ def upload(
     Every file goes up at once. Each object's ETag is the one its PutObject or
     CompleteMultipartUpload answered (`_ETagLog`): the server took the
     whole body, checked against its signed SHA-256 or Content-MD5, so no
-    HEAD per object is needed to learn it. Only an object whose answer
+    HEAD per object is needed to learn it (a small file's PutObject through
+    `store.small` returns it directly). Only an object whose answer
     had no ETag (radosgw's CompleteMultipartUpload) is read back with a
     HEAD, its size checked too.
     """
@@ -61,24 +67,26 @@ def upload(
         and (part is None or key != part.key)  # streamed already
         and (found := store._sources.matching(meta.run, rel, key, *entries[rel]))
     }
+    for key in s3_copies.sent_instead({key: entries[keys[key]][0] for key in sources}):
+        del sources[key]
     sent = sum(entries.get(rel, (0, ""))[0] for key, rel in keys.items() if key not in sources)
     with store._etag_log.awaiting(store.bucket, keys) as etags:
         try:
             copies = {
                 key: store._parts_pool.submit(
-                    s3_copies.copy_first, store.client, store.bucket, store._sources, meta.run, keys[key], src, key
+                    s3_copies.copy_first, store.small, store.bucket, store._sources, meta.run, keys[key], src, key
                 )
                 for key, src in sources.items()
             }
             futures = [
-                store.transfer.upload(str(staged.path / rel), store.bucket, key)
+                _upload(store, staged.path / rel, key, entries.get(rel, (store.part_bytes, ""))[0], etags)
                 for key, rel in keys.items()
                 if (part is None or key != part.key) and key not in sources
             ]
             for key, copied in copies.items():
                 etag = copied.result()
                 if etag is None:  # the source is gone or changed: upload the file after all
-                    futures.append(store.transfer.upload(str(staged.path / keys[key]), store.bucket, key))
+                    futures.append(_upload(store, staged.path / keys[key], key, entries[keys[key]][0], etags))
                     sent += entries[keys[key]][0]
                 elif etag:
                     etags[key] = etag
@@ -104,17 +112,18 @@ def upload(
     sizes = {entry["path"]: int(entry["size"]) for entry in document["files"]}
     for key, rel in keys.items():
         if key not in etags:  # radosgw answers a CompleteMultipartUpload with an empty ETag
-            head = store.client.head_object(Bucket=store.bucket, Key=key)
+            head = store.small.head_object(Bucket=store.bucket, Key=key)
             if head["ContentLength"] != sizes[rel]:
                 raise ChecksumError(f"{key} has {head['ContentLength']} bytes in the bucket, {sizes[rel]} were sent")
             etags[key] = head["ETag"].strip('"')
     document[ETAGS] = {rel: etags[key] for key, rel in keys.items()}
     if store.writer is not None:
         document[WRITER] = store.writer
-    body = (json.dumps(document, indent=1) + "\n").encode("utf-8")
+    # One line: json's C encoder (indent= takes the pure-Python one, ~10x the CPU); readers parse it alike.
+    body = (json.dumps(document) + "\n").encode("utf-8")
     store._fence(meta.run)  # the lease, checked last before the commit
     try:
-        store.client.put_object(Bucket=store.bucket, Key=manifest_key, Body=body, IfNoneMatch="*")
+        store.small.put_object(Bucket=store.bucket, Key=manifest_key, Body=body, IfNoneMatch="*")
     except Exception as e:
         if error_code(e) in ("PreconditionFailed", "412"):
             raise OSError(f"another writer committed {manifest_key} meanwhile; this save is not committed") from e
@@ -130,6 +139,27 @@ def upload(
         {rel: s3_copies.Source(key, *entries[rel], etags[key]) for key, rel in keys.items() if rel in entries},
     )
     return sent + len(body), listed, manifest_bytes
+
+
+def _upload(store: S3Store, path: Path, key: str, size: int, etags: dict[str, str]) -> Any:
+    """Uploads one file, or starts to; a future. A small file is one PutObject of its bytes
+    (`store.small`), sent here and now, while the copies and larger files go up in their threads (a
+    hand-off to a pool costs more than the request); its ETag is put in `etags`. A larger file
+    goes through s3transfer (multipart above `part_bytes`)."""
+    if size > _DIRECT_BYTES or store.small is store.client:
+        return store.transfer.upload(str(path), store.bucket, key)
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    try:
+        etags[key] = _etag(store.small.put_object(Bucket=store.bucket, Key=key, Body=path.read_bytes()))
+    except Exception as e:  # raised where every upload's failure is: at its future's result()
+        done.set_exception(e)
+    else:
+        done.set_result(None)
+    return done
+
+
+def _etag(answer: dict[str, Any]) -> str:
+    return str(answer.get("ETag") or "").strip('"')
 
 
 def staged_files(staged: Path) -> list[str]:

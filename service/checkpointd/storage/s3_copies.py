@@ -10,11 +10,17 @@ A source gone (retention, another daemon) or changed makes the copy fail:
 it is forgotten and the next one tried, newest first, and with none left
 the file is uploaded as before. The new manifest's sizes and CRCs are the
 staged file's, which the copy reproduces byte for byte.
+
+The smallest such files are sent instead (`sent_instead`), up to 32 KiB a
+save: a PutObject of a few KiB on hand costs the server less CPU than a
+CopyObject, which on radosgw also takes some 50 ms to answer, against a few
+ms for the PUT; a policy's graph, the bulk of its bytes, is still copied.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +41,19 @@ class Source:
 
 
 _KEPT = 8  # sources kept per (run, path, bytes): enough to outlive a retention that deletes the newest
+SENT_INSTEAD_BYTES = 32 << 10  # a save's copyable bytes sent instead, its smallest files first
+
+
+def sent_instead(sizes: Mapping[str, int]) -> set[str]:
+    """Of a save's copyable files (key -> bytes), those to send instead: the smallest first, SENT_INSTEAD_BYTES in all."""
+    chosen: set[str] = set()
+    total = 0
+    for key, size in sorted(sizes.items(), key=lambda item: (item[1], item[0])):
+        if total + size > SENT_INSTEAD_BYTES:
+            break
+        chosen.add(key)
+        total += size
+    return chosen
 
 
 class Sources:

@@ -42,7 +42,7 @@ from checkpointd.core import lease
 from checkpointd.core.lease import Holding, LeaseDoc, LeaseDocError, Sighting
 from checkpointd.protocol.errors import RunHeldError, UnavailableError
 from checkpointd.protocol.names import RESERVED_PREFIX, check_run_name
-from checkpointd.storage.s3_client import error_code
+from checkpointd.storage.s3_client import error_code, small_requests
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class _Held:
     etag: str
     holding: Holding
     used: float  # monotonic time of the last hold() or check()
+    tenure: int  # new each time the lease is taken (`tenure`)
     error: str = ""  # the last renewal's failure, if it failed
 
 
@@ -126,6 +127,7 @@ class S3Leases:
         """
         lease.check_timing(ttl, idle)
         self.client = client
+        self._small = small_requests(client)  # a lease's GET and PUT are small requests (s3_signed)
         self.bucket = bucket
         self._base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.ttl = ttl
@@ -143,6 +145,7 @@ class S3Leases:
         self._lost: dict[str, str] = {}  # run -> who took it, for messages
         self._seen: dict[str, Sighting] = {}  # other daemons' leases, as observed
         self._run_locks: dict[str, threading.Lock] = {}
+        self._tenures = 0  # leases taken so far (each hold's `tenure`)
         self._closed = False
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # renewals side by side, made when needed
         self._thread: threading.Thread | None = None
@@ -212,6 +215,22 @@ class S3Leases:
             else:
                 reason = f"this daemon does not hold the lease on run {run!r} (it was released)"
         raise RunHeldError(f"{reason}; the save is not committed; a next save here takes the lease again if it is free")
+
+    def tenure(self, run: str) -> int | None:
+        """An id of this daemon's hold on the run's lease, the same for as long as it holds it without a break;
+        None unless held and valid now.
+
+        Two equal answers mean nobody else held the run between them, so
+        nobody else wrote its saves: a renewal, even one late after the
+        lease lapsed here, succeeds only against the ETag of our last write
+        (any other daemon's take changes it). Taken again after a loss, a
+        release or an idle release: a new id.
+        """
+        with self._cond:
+            held = self._held.get(run)
+            if held is None or not held.holding.valid(self._clock()):
+                return None
+            return held.tenure
 
     def release(self, run: str) -> None:
         with self._run_lock(run):
@@ -394,7 +413,8 @@ class S3Leases:
                     continue
                 raise UnavailableError(f"run {run!r}: could not write its lease in the bucket: {e}") from e
             with self._cond:
-                self._held[run] = _Held(mine, etag, Holding(self.ttl, sent), self._clock())
+                self._tenures += 1
+                self._held[run] = _Held(mine, etag, Holding(self.ttl, sent), self._clock(), self._tenures)
                 self._lost.pop(run, None)
                 self._seen.pop(run, None)
                 self._cond.notify_all()  # the renewal thread schedules it
@@ -462,7 +482,7 @@ class S3Leases:
         """
         key = self.key(run)
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            response = self._small.get_object(Bucket=self.bucket, Key=key)
         except Exception as e:
             if _missing(e):
                 return None
@@ -480,4 +500,4 @@ class S3Leases:
             kwargs["IfMatch"] = if_match  # unquoted: radosgw 16 compares it with the bare hex (AWS takes both)
         if if_none_match:
             kwargs["IfNoneMatch"] = "*"
-        return _etag(self.client.put_object(**kwargs))
+        return _etag(self._small.put_object(**kwargs))
