@@ -13,8 +13,8 @@ staged file's, which the copy reproduces byte for byte.
 
 The smallest such files are sent instead (`sent_instead`), up to 32 KiB a
 save: a PutObject of a few KiB on hand costs the server less CPU than a
-CopyObject, which on radosgw also takes some 50 ms to answer, against a few
-ms for the PUT; a policy's graph, the bulk of its bytes, is still copied.
+CopyObject, and on radosgw is answered much sooner (bench/README.md); a
+policy's graph, the bulk of its bytes, is still copied.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -87,7 +86,7 @@ def local_copy(
                 )
         if not save.prefix:  # the dir as the local store has it, manifest included
             manifest_body = {**document, "files": [vars(e) for e in entries]}
-            (local / MANIFEST).write_text(json.dumps(manifest_body, indent=1) + "\n")
+            (local / MANIFEST).write_bytes(save_manifest.encode_manifest(manifest_body))
         yield replace(save, path=local)
     finally:
         shutil.rmtree(copy, ignore_errors=True)

@@ -3,12 +3,12 @@
 A save of a small policy is a handful of tiny requests (the files under one
 part, the server-side copies of its graph, the fenced manifest), and a
 fleet's leases add one every few seconds per run. Through a boto3 client
-each costs about 2 ms of the daemon's CPU (parameter building, endpoint
+each costs several times the CPU of the request itself (parameter building, endpoint
 rules, event hooks, urllib3, its response parsing) and a wait for a
 `100-continue` before any body; the daemon's Python is serialized by the
 GIL, so that CPU is what caps its commits per second. `SignedRequests`
 sends the same requests over `http.client` with a SigV4 signature of its
-own (about 0.3 ms each): path-style URLs under the client's endpoint, the
+own (bench/README.md has the figures): path-style URLs under the client's endpoint, the
 client's own credentials (refreshed as boto3 refreshes them), every body's
 SHA-256 signed, so the server refuses a body that does not match it. A failure raises botocore's `ClientError` with the S3 error
 code, as the client would, so `s3_client.error_code` and every caller's
