@@ -49,7 +49,7 @@ LAYERS: dict[str, Layer] = {
     # The durability toolkit: below formats and storage, so neither imports the other.
     "durable": _layer({"core", "protocol"}),
     "formats": _layer(
-        {"checkpointd", "core", "durable", "protocol"}, {"crc32c", "google.protobuf", "numpy", "tensorflow"}
+        {"checkpointd", "core", "durable", "protocol"}, {"crc32c", "farmhash", "google.protobuf", "numpy", "tensorflow"}
     ),
     "storage": _layer({"core", "durable", "protocol"}, {"boto3", "botocore", "crc32c"}),
     "metrics": _layer({"core", "protocol"}, {"prometheus_client"}),
@@ -170,8 +170,9 @@ def test_the_scan_sees_the_imports_the_layers_rely_on() -> None:
     found = modules(TREES)
     server = {i.target for i in imports("checkpointd.server", found["checkpointd.server"], set(found))}
     assert {"checkpointd.storage.s3", "checkpointd.rpc.servicer", "checkpointd.saves.pipeline"} <= server
-    policy = {i.target for i in imports("checkpointd.formats.policy", found["checkpointd.formats.policy"], set(found))}
-    assert {"tensorflow", "checkpointd.durable"} <= policy
+    name = "checkpointd.formats.policy_template"
+    template = {i.target for i in imports(name, found[name], set(found))}
+    assert {"tensorflow", "checkpointd.formats.object_graph"} <= template
 
 
 # --- the checker itself -------------------------------------------------------

@@ -41,6 +41,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import farmhash
+
 from checkpointd import durable
 from checkpointd.core.checkpoint_spec import CheckpointSpec
 from checkpointd.core.manifest import Manifest, VariableSpec
@@ -398,17 +400,14 @@ def _fingerprint(template: Template, index: bytes) -> bytes:
     fraction of its cost (it parses and hashes the whole graph, for
     fields that depend on saved_model.pb alone, which every save copies from
     the template): checkpoint_hash is TF's `HashCheckpointIndexFile`, the
-    Fingerprint64 of `variables/variables.index` (`index`, as written), which
-    TensorFlow's Fingerprint op computes for a string. The template's other
-    fields are serialized once (`_fingerprint_around`); a save adds its hash
-    between them as protobuf would.
+    farmhash Fingerprint64 of `variables/variables.index` (`index`, as
+    written), computed here by farmhash's own C++ (pyfarmhash) rather than
+    TensorFlow's Fingerprint op: the op's eager dispatch lets go of the GIL
+    and waits to get it back behind every busy thread, per save. The
+    template's other fields are serialized once (`_fingerprint_around`); a
+    save adds its hash between them as protobuf would.
     """
-    import tensorflow as tf
-
-    # The method as a tensor: with a Python string the op leaves TensorFlow's
-    # eager fast path for its slow Python fallback.
-    digest = tf.raw_ops.Fingerprint(data=tf.constant([index]), method=_farmhash64()).numpy()  # [1, 8] uint8, LE
-    value = int.from_bytes(digest.tobytes(), "little")
+    value = farmhash.fingerprint64(index)
     before, after = _fingerprint_around(template.fingerprint)
     # proto3 leaves a zero out; otherwise field 5 (varint): its tag, then the value.
     return before + (_CHECKPOINT_HASH_TAG + varint.encode(value) if value else b"") + after
@@ -416,13 +415,6 @@ def _fingerprint(template: Template, index: bytes) -> bytes:
 
 _CHECKPOINT_HASH_TAG = bytes([5 << 3])  # FingerprintDef.checkpoint_hash = 5, wire type 0 (varint)
 _MARK = 0x0123456789ABCDEF  # a checkpoint_hash whose encoding is found once in the serialized template
-
-
-@functools.cache
-def _farmhash64() -> object:
-    import tensorflow as tf
-
-    return tf.constant("farmhash64")
 
 
 @functools.lru_cache(maxsize=1024)
