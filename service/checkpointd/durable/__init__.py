@@ -10,6 +10,7 @@ from checkpointd.durable.files import (
     publish_dir,
     recover,
     remove_quietly,
+    write_new,
 )
 from checkpointd.durable.writeback import (
     WRITEBACK_BYTES,
@@ -37,5 +38,6 @@ __all__ = [
     "release_free_memory",
     "remove_quietly",
     "unmark_fsynced",
+    "write_new",
     "writing",
 ]

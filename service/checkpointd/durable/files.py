@@ -71,6 +71,24 @@ def _path(path: Path | str) -> Path:
     return path if isinstance(path, Path) else Path(path)
 
 
+def write_new(path: str, content: bytes | memoryview, *, fsync: bool = False) -> None:
+    """Writes `content` as a new file (O_EXCL: never one that exists) with three syscalls, not Python's buffered six.
+
+    For the small files a save writes whole from memory into its own staging
+    dir: each syscall lets go of the GIL, and under load getting it back is
+    the cost. `fsync`: flushed before it is closed.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(content)
+        while view:
+            view = view[os.write(fd, view) :]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path | str) -> None:
     """Fsyncs the directory `path`, so its new or renamed entries are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -40,6 +40,7 @@ from types import TracebackType
 
 import crc32c
 
+from checkpointd import durable
 from checkpointd.formats import crc as crc_math
 from checkpointd.formats import table
 from checkpointd.protocol.tensors import ITEMSIZE, STRING
@@ -374,13 +375,7 @@ class BundleWriter:
         """
         index = self.index()
         self.close()
-        fd = os.open(self.prefix + INDEX_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        try:
-            view = memoryview(index)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
+        durable.write_new(self.prefix + INDEX_SUFFIX, index)
         return index
 
     def close(self) -> None:

@@ -227,7 +227,7 @@ class PolicyFormat:
             for rel in template.dirs:
                 _mkdir(os.path.join(where, rel))
             for rel, content in template.files:
-                _write_new(os.path.join(where, rel), content)
+                durable.write_new(os.path.join(where, rel), content)
         _mkdir(os.path.join(where, "variables"))
         finish = functools.partial(self._finish, template, kind, staging, numpy_state)
 
@@ -368,7 +368,7 @@ def _sizes(
     """
     if kind is SaveKind.SAVED_MODEL:
         fingerprint = _fingerprint(template, index)
-        _write_new(os.path.join(tmp, "fingerprint.pb"), fingerprint)
+        durable.write_new(os.path.join(tmp, "fingerprint.pb"), fingerprint)
         known = dict(template.checksums)
         for rel, content in (("fingerprint.pb", fingerprint), ("variables/variables.index", index)):  # manifest paths
             known[rel] = policy_template.size_and_crc(content)
@@ -380,17 +380,6 @@ def _sizes(
         os.path.getsize(os.path.join(dirpath, name)) for dirpath, _, filenames in os.walk(tmp) for name in filenames
     )
     return written, None
-
-
-def _write_new(path: str, content: bytes) -> None:
-    """Writes a new file (the staging dir is the save's own) with three syscalls, not Python's buffered six."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        view = memoryview(content)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
 
 
 def _fingerprint(template: Template, index: bytes) -> bytes:

@@ -25,6 +25,7 @@ from typing import Any
 
 import crc32c
 
+from checkpointd import durable
 from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import MANIFEST_NAME
@@ -225,11 +226,7 @@ def write_manifest(
             raise ValueError(f"extra manifest field {key!r} would replace a standard one")
         document[key] = value
     data = encode_manifest(document)
-    with open(os.path.join(where, MANIFEST_NAME), "xb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+    durable.write_new(os.path.join(where, MANIFEST_NAME), data, fsync=fsync)
     return len(data)
 
 
