@@ -4,7 +4,7 @@
 `--endpoint URL --bucket B` with the AWS_* variables set uses another
 plain-HTTP S3 server instead) and makes `--requests` PutObjects of `--size`
 bytes through each contender, one at a time, in `--rounds` interleaved
-rounds. It reports the median of the rounds' CPU per request of this
+rounds (each contender first in turn). It reports the median of the rounds' CPU per request of this
 process (time.process_time: every thread's user and system time; the
 server's own CPU is not in it): `sent` over the network, and `no network`,
 the same calls with the connection replaced by a canned 200, which is what
@@ -134,9 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for put in puts.values():  # warm up: connections, imports, caches
             _cpu_per_request(put, 50, body, -1)
         seconds: dict[str, list[float]] = {name: [] for name in puts}
+        order = list(puts)
         for round_ in range(args.rounds):
-            for name, put in puts.items():
-                seconds[name].append(_cpu_per_request(put, args.requests, body, round_))
+            for name in order[round_ % len(order) :] + order[: round_ % len(order)]:  # each goes first in turn
+                seconds[name].append(_cpu_per_request(puts[name], args.requests, body, round_))
     print(
         f"{args.requests} PutObjects of {args.size} B per round, {args.rounds} rounds, CPU of this process per request:"
     )
