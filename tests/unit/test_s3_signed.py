@@ -1,21 +1,22 @@
-"""The store's small S3 requests without botocore: the signature botocore would compute, its errors, its retries."""
+"""The store's small S3 requests without the boto3 client: what botocore's signer is given and signs, the errors, the retries.
+
+That the server accepts what SignedRequests signs, and refuses a body that does
+not match, is tests/integration/test_s3_signed.py's, against radosgw.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import http.client
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import pytest
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
-from botocore.credentials import Credentials
+from botocore.credentials import Credentials, ReadOnlyCredentials
 from botocore.exceptions import ClientError
 
 from checkpointd.storage import s3_signed
 from checkpointd.storage.s3_client import error_code, make_client, small_requests
-
-_NOW = 1_780_000_000.0
 
 
 class _Events:
@@ -27,48 +28,25 @@ class _Events:
         return []
 
 
-def _signed(endpoint: str = "http://127.0.0.1:7480", token: str | None = None) -> s3_signed.SignedRequests:
-    return s3_signed.SignedRequests(endpoint, "us-east-1", Credentials("AKID", "SECRET", token), _Events())
+def _signed() -> s3_signed.SignedRequests:
+    return s3_signed.SignedRequests("http://127.0.0.1:7480", "us-east-1", Credentials("AKID", "SECRET"), _Events())
 
 
-@pytest.mark.parametrize("token", [None, "session-token"])
-@pytest.mark.parametrize(
-    ("method", "key", "body", "extra"),
-    [
-        ("PUT", "run/s1/checkpointd.manifest.json", b'{"files": []}\n', {"if-none-match": "*"}),
-        ("PUT", "run/s 2+x~/variables/variables.index", b"\x00\x01", {"if-match": "0123abcd"}),
-        ("PUT", "run/s3/saved_model.pb", b"", {"x-amz-copy-source": "b/run/s2/saved_model.pb"}),
-        ("HEAD", "run/s1/checkpointd.manifest.json", b"", {}),
-    ],
-)
-def test_the_signature_is_the_one_botocore_computes_for_the_same_request(
-    monkeypatch: pytest.MonkeyPatch, token: str | None, method: str, key: str, body: bytes, extra: dict[str, str]
-) -> None:
-    import datetime
-
-    import botocore.auth
-
-    signed = _signed(token=token)
-    path = "/bucket/" + s3_signed.quote(key, safe="/~")
-    payload = hashlib.sha256(body).hexdigest()
-    ours = signed._sign(method, path, extra, payload, now=_NOW)
-
-    moment = datetime.datetime.fromtimestamp(_NOW, datetime.timezone.utc)  # noqa: UP017 - botocore's own call
-    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: moment)
-    request = AWSRequest(method, "http://127.0.0.1:7480" + path, headers={"X-Amz-Content-SHA256": payload, **extra})
-    request.data = body
-    S3SigV4Auth(Credentials("AKID", "SECRET", token), "s3", "us-east-1").add_auth(request)
-    assert ours["authorization"] == request.headers["Authorization"]
-    assert ours["x-amz-date"] == request.headers["X-Amz-Date"]
-    assert ours.get("x-amz-security-token") == token
+class _Sent(NamedTuple):
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes | None
 
 
-def _answering(signed: s3_signed.SignedRequests, answers: list[Any]) -> list[tuple[str, str]]:
+def _answering(signed: s3_signed.SignedRequests, answers: list[Any]) -> list[_Sent]:
     """Makes `signed` take its answers from the list (an exception is raised); returns the requests it sends."""
-    sent: list[tuple[str, str]] = []
+    sent: list[_Sent] = []
 
-    def exchange(method: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
-        sent.append((method, path))
+    def exchange(
+        method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> tuple[int, dict[str, str], bytes]:
+        sent.append(_Sent(method, path, dict(headers), body))
         answer = answers.pop(0)
         if isinstance(answer, BaseException):
             raise answer
@@ -77,6 +55,61 @@ def _answering(signed: s3_signed.SignedRequests, answers: list[Any]) -> list[tup
     signed._exchange = exchange  # type: ignore[method-assign]
     signed._drop_connection = lambda: None  # type: ignore[method-assign]
     return sent
+
+
+class _Rotating:
+    """Credentials that a refresh rotates: each read gives the next key, as a refreshed `Credentials` would."""
+
+    def __init__(self, *tokens: str | None) -> None:
+        self._tokens = list(tokens)
+        self.reads = 0
+
+    def get_frozen_credentials(self) -> ReadOnlyCredentials:
+        self.reads += 1
+        return ReadOnlyCredentials(f"AKID{self.reads}", f"SECRET{self.reads}", self._tokens.pop(0))
+
+
+def test_each_attempt_is_signed_anew_with_that_moments_credentials_and_the_bodys_sha256(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(s3_signed, "_backoff", lambda attempt: None)
+    credentials = _Rotating(None, "session-token")
+    signed = s3_signed.SignedRequests("http://127.0.0.1:7480", "eu-west-3", credentials, _Events())
+    body = b'{"files": []}\n'
+    sent = _answering(signed, [(503, {}, b"<Error><Code>SlowDown</Code></Error>"), (200, {"etag": '"e"'}, b"")])
+    signed.put_object(Bucket="b", Key="run/s 1/checkpointd.manifest.json", Body=body, IfNoneMatch="*")
+
+    assert [request.path for request in sent] == ["/b/run/s%201/checkpointd.manifest.json"] * 2
+    first, second = (request.headers for request in sent)
+    for n, headers in enumerate((first, second), 1):
+        # Over plain HTTP the payload is signed, never UNSIGNED-PAYLOAD: the server checks the body by it.
+        assert headers["X-Amz-Content-SHA256"] == hashlib.sha256(body).hexdigest()
+        assert headers["Authorization"].startswith(f"AWS4-HMAC-SHA256 Credential=AKID{n}/")
+        assert "/eu-west-3/s3/aws4_request, " in headers["Authorization"]
+        signed_names = headers["Authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
+        assert {"host", "if-none-match", "x-amz-content-sha256", "x-amz-date"} <= set(signed_names)
+        assert headers["host"] == "127.0.0.1:7480"
+    assert "X-Amz-Security-Token" not in first and second["X-Amz-Security-Token"] == "session-token"
+    assert "x-amz-security-token" in second["Authorization"]
+    assert [request.body for request in sent] == [body, body]
+    assert credentials.reads == 2
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "host", "path"),
+    [
+        ("http://[::1]", "[::1]", "/b/k"),
+        ("http://[::1]:7480", "[::1]:7480", "/b/k"),
+        ("http://RGW.example:80/base/", "rgw.example", "/base/b/k"),
+        ("http://rgw.example:7480/base", "rgw.example:7480", "/base/b/k"),
+    ],
+)
+def test_the_signed_host_and_path_are_the_ones_sent(endpoint: str, host: str, path: str) -> None:
+    signed = s3_signed.SignedRequests(endpoint, "us-east-1", Credentials("AKID", "SECRET"), _Events())
+    sent = _answering(signed, [(200, {}, b"")])
+    signed.head_object(Bucket="b", Key="k")
+    [request] = sent
+    assert (request.method, request.path, request.headers["host"]) == ("HEAD", path, host)
 
 
 def test_a_failed_answer_raises_the_clienterror_botocore_would_with_the_s3_code(
@@ -123,7 +156,7 @@ def test_a_dropped_connection_or_a_5xx_is_retried_and_the_answer_read(monkeypatc
     assert signed.copy_object(Bucket="b", Key="a/k2", CopySource={"Bucket": "b", "Key": "a/k"}) == {
         "CopyObjectResult": {"ETag": '"abc"'}
     }
-    assert sent == [("PUT", "/b/a/k")] * 3 + [("PUT", "/b/a/k2")] * 2
+    assert [(request.method, request.path) for request in sent] == [("PUT", "/b/a/k")] * 3 + [("PUT", "/b/a/k2")] * 2
     assert len(signed._events.emitted) == 5  # type: ignore[attr-defined]  # each attempt counted
 
 

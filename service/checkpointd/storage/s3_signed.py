@@ -1,4 +1,4 @@
-"""The store's small, frequent S3 requests, signed and sent without botocore's per-request machinery.
+"""The store's small, frequent S3 requests, signed by botocore and sent without its per-request machinery.
 
 A save of a small policy is a handful of tiny requests (the files under one
 part, the server-side copies of its graph, the fenced manifest), and a
@@ -7,10 +7,13 @@ each costs several times the CPU of the request itself (parameter building, endp
 rules, event hooks, urllib3, its response parsing) and a wait for a
 `100-continue` before any body; the daemon's Python is serialized by the
 GIL, so that CPU is what caps its commits per second. `SignedRequests`
-sends the same requests over `http.client` with a SigV4 signature of its
-own (bench/README.md has the figures): path-style URLs under the client's endpoint, the
-client's own credentials (refreshed as boto3 refreshes them), every body's
-SHA-256 signed, so the server refuses a body that does not match it. A failure raises botocore's `ClientError` with the S3 error
+builds the same requests as botocore `AWSRequest`s, signs them with
+botocore's own SigV4 signer for S3 (`S3SigV4Auth`, as the client would) and
+sends them over `http.client` (bench/README.md has the figures): path-style
+URLs under the client's endpoint, the client's own credentials (refreshed as
+boto3 refreshes them), every body's SHA-256 signed (`S3SigV4Auth` signs the
+payload of any request to a plain-HTTP URL), so the server refuses a body that
+does not match it. A failure raises botocore's `ClientError` with the S3 error
 code, as the client would, so `s3_client.error_code` and every caller's
 handling stay the same; each attempt is counted through the client's own
 `before-send` event, so `s3_client.count_requests` sees it.
@@ -23,8 +26,6 @@ endpoints, HTTPS ones and anything else go through boto3 as before.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import http.client
 import random
 import re
@@ -40,7 +41,6 @@ ATTRIBUTE = "checkpointd_signed"  # where `make_client` puts a client's SignedRe
 _ATTEMPTS = 4  # as the client's retries={"max_attempts": 4}
 _RETRIED_STATUS = frozenset({500, 502, 503, 504})
 _RETRIED_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable"})
-_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 def of(client: Any) -> SignedRequests | None:
@@ -75,13 +75,12 @@ class SignedRequests:
         url = urlsplit(endpoint_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"{endpoint_url!r} is not an http(s) endpoint")
-        self._https = url.scheme == "https"
+        self._scheme = url.scheme
         self._hostname = url.hostname
-        self._port = url.port or (443 if self._https else 80)
-        default_port = url.port is None or url.port == (443 if self._https else 80)
-        self._host = self._hostname if default_port else f"{self._hostname}:{url.port}"
-        if ":" in self._hostname and not default_port:  # an IPv6 literal
-            self._host = f"[{self._hostname}]:{url.port}"
+        default_port = 443 if self._scheme == "https" else 80
+        self._port = url.port or default_port
+        name = f"[{url.hostname}]" if ":" in url.hostname else url.hostname  # an IPv6 literal in brackets
+        self._host = name if self._port == default_port else f"{name}:{self._port}"  # the Host header, signed
         self._base_path = url.path.rstrip("/")
         self._region = region
         self._credentials = credentials
@@ -89,8 +88,6 @@ class SignedRequests:
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._local = threading.local()
-        self._keys_lock = threading.Lock()
-        self._keys: dict[tuple[str, str], bytes] = {}  # (secret, date) -> signing key
 
     # The operations, with boto3's arguments and the parts of its answers the store reads.
 
@@ -133,13 +130,12 @@ class SignedRequests:
         from botocore.exceptions import ClientError
 
         path = f"{self._base_path}/{quote(bucket, safe='')}/{quote(key, safe='/~')}"
-        payload_hash = hashlib.sha256(body).hexdigest() if body else _EMPTY_SHA256
         for attempt in range(_ATTEMPTS):
             if self._events is not None:
                 self._events.emit(f"before-send.s3.{operation}", request=None)
-            signed = self._sign(method, path, headers, payload_hash)
+            signed = self._signed(method, path, headers, body)
             try:
-                status, answer, data = self._exchange(method, path, body, signed)
+                status, answer, data = self._exchange(method, path, signed.body, signed.headers)
             except (OSError, http.client.HTTPException):
                 self._drop_connection()
                 if attempt + 1 == _ATTEMPTS:
@@ -162,7 +158,7 @@ class SignedRequests:
         raise AssertionError("unreachable")
 
     def _exchange(
-        self, method: str, path: str, body: bytes, headers: dict[str, str]
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
     ) -> tuple[int, dict[str, str], bytes]:
         conn = self._connection()
         conn.request(method, path, body=body if method in ("PUT", "POST") else None, headers=headers)
@@ -176,7 +172,7 @@ class SignedRequests:
     def _connection(self) -> http.client.HTTPConnection:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            cls = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
             conn = cls(self._hostname, self._port, timeout=self._connect_timeout)
             conn.connect()
             assert conn.sock is not None
@@ -191,53 +187,18 @@ class SignedRequests:
         if conn is not None:
             conn.close()
 
-    # SigV4 (AWS's "Signature Version 4 signing process"), the body's SHA-256 signed.
+    def _signed(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Any:
+        """The request as botocore prepares it to be sent (`AWSPreparedRequest`), signed now.
 
-    def _sign(
-        self, method: str, path: str, extra: Mapping[str, str], payload_hash: str, now: float | None = None
-    ) -> dict[str, str]:
-        """The request's headers with its `authorization`, signed at `now` (Unix time; default: the clock's)."""
-        creds = self._credentials.get_frozen_credentials()
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
-        date = stamp[:8]
-        headers = {"host": self._host, "x-amz-date": stamp, "x-amz-content-sha256": payload_hash, **extra}
-        if creds.token:
-            headers["x-amz-security-token"] = creds.token
-        names = sorted(headers)
-        signed_names = ";".join(names)
-        canonical = "\n".join(
-            [
-                method,
-                path,
-                "",
-                *(f"{n}:{' '.join(str(headers[n]).split())}" for n in names),
-                "",
-                signed_names,
-                payload_hash,
-            ]
-        )
-        scope = f"{date}/{self._region}/s3/aws4_request"
-        to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
-        signature = hmac.new(self._signing_key(creds.secret_key, date), to_sign.encode(), hashlib.sha256).hexdigest()
-        headers["authorization"] = (
-            f"AWS4-HMAC-SHA256 Credential={creds.access_key}/{scope}, "
-            f"SignedHeaders={signed_names}, Signature={signature}"
-        )
-        return headers
+        Each attempt is signed anew: its time, and the credentials of that
+        moment (frozen, so a refresh cannot mix a key with another's secret).
+        """
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
 
-    def _signing_key(self, secret: str, date: str) -> bytes:
-        with self._keys_lock:
-            found = self._keys.get((secret, date))
-        if found is not None:
-            return found
-        key = ("AWS4" + secret).encode()
-        for part in (date, self._region, "s3", "aws4_request"):
-            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-        with self._keys_lock:
-            if len(self._keys) > 4:  # a new day or rotated credentials: the old keys are done
-                self._keys.clear()
-            self._keys[(secret, date)] = key
-        return key
+        request = AWSRequest(method, f"{self._scheme}://{self._host}{path}", {"host": self._host, **headers}, body)
+        S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(request)
+        return request.prepare()
 
 
 class _Body:
