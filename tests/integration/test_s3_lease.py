@@ -222,8 +222,11 @@ def test_racing_registrations_of_one_run_never_make_two_writers(
 ) -> None:
     daemons = list(pair)
     stubs = [fleet.stub(d) for d in daemons]
+    # Each call's deadline stays under TTL, so the loser cannot see the lease
+    # unchanged for a full ttl (and take it) before its deadline refuses it;
+    # the winner's registration must fit in it too, on a loaded machine.
     for round_ in range(4):
-        outcomes = _together(*(functools.partial(_register, s, "race", template, 1.5) for s in stubs))
+        outcomes = _together(*(functools.partial(_register, s, "race", template, TTL - 0.5) for s in stubs))
         winners = [i for i, o in enumerate(outcomes) if isinstance(o, Run)]
         assert len(winners) == 1, outcomes
         (won,) = winners
