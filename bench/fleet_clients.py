@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-CHUNK_BYTES = 1 << 20
 RATE_HZ = 1.0
 TIMEOUT = 60.0  # every RPC's deadline
 
@@ -88,8 +87,9 @@ async def run_clients(addresses: list[str], spec: Path, first: int, count: int, 
 
     base = pb.RegisterRunHeader.FromString((spec / "header.bin").read_bytes())
     payload = (spec / "payload.bin").read_bytes()
-    template_chunks = list(wire.template_chunks(spec / "files", CHUNK_BYTES))
-    chunks = [pb.SaveRequest(chunk=c) for c in wire.chunks([payload], CHUNK_BYTES)]
+    # The client library's chunk size, as a trainer's saver sends.
+    template_chunks = list(wire.template_chunks(spec / "files", wire.CHUNK_BYTES))
+    chunks = [pb.SaveRequest(chunk=c) for c in wire.chunks([payload], wire.CHUNK_BYTES)]
     channels = [grpc.aio.insecure_channel(a) for a in addresses]
     stubs = [checkpointd_pb2_grpc.CheckpointServiceStub(c) for c in channels]
     runs = [(f"fleet-{i}", i) for i in range(first, first + count)]
