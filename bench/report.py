@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.fmt import fmt_bytes, fmt_rate, fmt_share, fmt_sps, fmt_time, num
+from bench.fmt import cells, columns, fmt_bytes, fmt_rate, fmt_share, fmt_sps, fmt_time, num
 from bench.judge import (
     CROSS_HOST,
     FANIN,
@@ -281,20 +281,13 @@ def _grpc_memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
 def table(r: dict[str, Any]) -> str:
     """The human-readable report: one column per size, then machine-wide rows."""
     sizes = list(r["sizes"])
-    label_w, col_w = 46, 27
     lines: list[str] = []
 
-    def row(label: str, cells: list[str]) -> None:
-        lines.append(label.ljust(label_w) + "".join(c.ljust(col_w) for c in cells).rstrip())
+    def row(label: str, line: list[str]) -> None:
+        lines.append(columns(label, line))
 
     def per_size(label: str, fn: Callable[[str], str]) -> None:
-        cells = []
-        for s in sizes:
-            try:
-                cells.append(fn(s))
-            except (KeyError, TypeError):
-                cells.append("-")
-        row(label, cells)
+        row(label, cells(fn, sizes))
 
     def head(text: str) -> None:
         lines.append("")

@@ -100,7 +100,7 @@ def header(r: dict[str, Any]) -> str:
 
 def table(r: dict[str, Any]) -> str:
     """Section 8's lines (its targets are in bench.report's block); empty if the section did not run."""
-    from bench.fmt import fmt_bytes, fmt_rate, fmt_time
+    from bench.fmt import cells, columns, fmt_bytes, fmt_rate, fmt_time
 
     section = r.get("s3")
     if section is None:
@@ -110,7 +110,6 @@ def table(r: dict[str, Any]) -> str:
         return f"\n{title}\nskipped: {section['skipped']}\n"
     sizes = section["sizes"]
     names = list(sizes)
-    label_w, col_w = 46, 27
     part = f"{section['part_bytes'] >> 20} MiB parts, {section['max_concurrency']} at once"
     lines = [
         "",
@@ -122,16 +121,10 @@ def table(r: dict[str, Any]) -> str:
     ]
 
     def row(label: str, fn: Callable[[dict[str, Any]], str]) -> None:
-        cells = []
-        for n in names:
-            try:
-                cells.append(fn(sizes[n]))
-            except (KeyError, TypeError):
-                cells.append("-")
-        lines.append(label.ljust(label_w) + "".join(c.ljust(col_w) for c in cells).rstrip())
+        lines.append(columns(label, cells(fn, [sizes[n] for n in names])))
 
     phase = lambda s, k: s["s3_phase_mean_seconds"][f"saved_model/{k}"]  # noqa: E731
-    lines.append("".ljust(label_w) + "".join(n.ljust(col_w) for n in names).rstrip())
+    lines.append(columns("", names))
     row("bytes of a save (files)", lambda s: f"{fmt_bytes(s['size']['save_bytes'])} ({s['files']} files)")
     row("local root: save() stall", lambda s: fmt_time(s["local"]["save_stall"]))
     row("local root: call -> durable", lambda s: fmt_time(s["local"]["save_latency"]))
