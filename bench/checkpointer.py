@@ -300,23 +300,16 @@ FIRST_SAVE_FACTOR = 1.5
 
 def table(r: dict[str, Any]) -> list[str]:
     """Section 7's lines: one column per case."""
-    from bench.fmt import fmt_bytes, fmt_sps, fmt_time
+    from bench.fmt import cells, columns, fmt_bytes, fmt_sps, fmt_time
 
     cases = r.get("training_checkpoint") or {}
     if not cases:
         return []
     names = list(cases)
-    label_w, col_w = 46, 27
     lines = ["", "7. whole training state (agent + Adam + replay buffer): common.Checkpointer vs checkpointd"]
 
     def row(label: str, fn: Any) -> None:
-        cells = []
-        for name in names:
-            try:
-                cells.append(fn(cases[name]))
-            except (KeyError, TypeError):
-                cells.append("-")
-        lines.append(label.ljust(label_w) + "".join(c.ljust(col_w) for c in cells).rstrip())
+        lines.append(columns(label, cells(fn, [cases[name] for name in names])))
 
     row("", lambda c: c["case"]["name"])
     row("agent parameters / state bytes", lambda c: f"{c['case']['params']:,} / {fmt_bytes(c['case']['state_bytes'])}")

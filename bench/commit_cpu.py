@@ -40,8 +40,6 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-CHUNK_BYTES = 1 << 20  # as the fleet's trainers send
-
 
 class _Context:
     """What the servicer asks of a gRPC call's context, for a call that is always active."""
@@ -164,8 +162,9 @@ def run(
         servicer = made[0]
         base = pb.RegisterRunHeader.FromString((template / "header.bin").read_bytes())
         payload = (template / "payload.bin").read_bytes()
-        template_chunks = list(wire.template_chunks(template / "files", CHUNK_BYTES))
-        chunks = [pb.SaveRequest(chunk=c) for c in wire.chunks([payload], CHUNK_BYTES)]
+        # The client library's chunk size, as the fleet's trainers send.
+        template_chunks = list(wire.template_chunks(template / "files", wire.CHUNK_BYTES))
+        chunks = [pb.SaveRequest(chunk=c) for c in wire.chunks([payload], wire.CHUNK_BYTES)]
         names = [f"cpu-{i}" for i in range(runs)]
         for name in names:
             header = pb.RegisterRunHeader()

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+# The report's tables: a row's label, then a column per size or case.
+LABEL_WIDTH = 46
+COLUMN_WIDTH = 27
 
 
 def _time(seconds: float) -> tuple[float, str]:
@@ -50,3 +57,19 @@ def fmt_sps(stats: dict[str, Any], base: float | None = None) -> str:
     if base:
         text += f" {100 * (stats['median'] / base - 1):+.0f}%"
     return text
+
+
+def columns(label: str, cells: Iterable[str]) -> str:
+    """A line of the report's tables: the label, then each cell in its column."""
+    return label.ljust(LABEL_WIDTH) + "".join(c.ljust(COLUMN_WIDTH) for c in cells).rstrip()
+
+
+def cells(fn: Callable[[_T], str], items: Iterable[_T]) -> list[str]:
+    """fn(item) for each item; "-" where the results lack what fn reads (an older run's JSON)."""
+    out = []
+    for item in items:
+        try:
+            out.append(fn(item))
+        except (KeyError, TypeError):
+            out.append("-")
+    return out

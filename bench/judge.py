@@ -4,8 +4,8 @@ A target is a ratio against an anchor measured in the same run; `judge`
 turns a measure into a row (met, MISSED, or "not measured" where the run
 lacks what it needs, so an older JSON still renders). Each row names its
 group, the subject it is about; `GROUPS` says how each is printed.
-`bench.report` and the sections' modules (`bench.checkpointer`, `bench.s3`,
-`bench.fleet`) import this; it imports none of them.
+`bench.report` and the sections' modules (`bench.checkpointer`,
+`bench.s3_report`, `bench.fleet_report`) import this; it imports none of them.
 """
 
 from __future__ import annotations

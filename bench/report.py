@@ -7,7 +7,7 @@ measurement an older run lacks is "not measured", never an error.
 Every target is a ratio against an anchor measured in the same run: the
 machine's limits (section 4), the in-process savers (sections 1 and 2).
 Targets are grouped by subject (`bench.judge.GROUPS`); sections 7, 8 and 9
-judge their own (`bench.checkpointer`, `bench.s3`, `bench.fleet`).
+judge their own (`bench.checkpointer`, `bench.s3_report`, `bench.fleet_report`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.fmt import fmt_bytes, fmt_rate, fmt_share, fmt_sps, fmt_time, num
+from bench.fmt import cells, columns, fmt_bytes, fmt_rate, fmt_share, fmt_sps, fmt_time, num
 from bench.judge import (
     CROSS_HOST,
     FANIN,
@@ -58,15 +58,15 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     A target needs the sizes it names: the large-only one is "not measured"
     in a run without large; the per-size ones are judged at the run's sizes.
     """
-    from bench import checkpointer, fleet, incremental, s3
+    from bench import checkpointer, fleet_report, incremental, s3_report
 
     sizes = list(r.get("sizes") or {})
     out = [*_cross_host(r, sizes), *_first_save(r, sizes), *_stall(r, sizes), *_training(r, sizes)]
     out.extend(checkpointer.targets(r))
     out.extend(_fanin(r))
-    out.extend(fleet.targets(r.get("fleet")))
+    out.extend(fleet_report.targets(r.get("fleet")))
     out.extend(_memory(r, sizes))
-    out.extend(s3.targets(r.get("s3")))
+    out.extend(s3_report.targets(r.get("s3")))
     out.extend(_grpc_memory(r, sizes))
     out.extend(incremental.targets(r))
     out.extend(_same_host(r, sizes))
@@ -281,20 +281,13 @@ def _grpc_memory(r: dict[str, Any], sizes: list[str]) -> list[dict[str, Any]]:
 def table(r: dict[str, Any]) -> str:
     """The human-readable report: one column per size, then machine-wide rows."""
     sizes = list(r["sizes"])
-    label_w, col_w = 46, 27
     lines: list[str] = []
 
-    def row(label: str, cells: list[str]) -> None:
-        lines.append(label.ljust(label_w) + "".join(c.ljust(col_w) for c in cells).rstrip())
+    def row(label: str, line: list[str]) -> None:
+        lines.append(columns(label, line))
 
     def per_size(label: str, fn: Callable[[str], str]) -> None:
-        cells = []
-        for s in sizes:
-            try:
-                cells.append(fn(s))
-            except (KeyError, TypeError):
-                cells.append("-")
-        row(label, cells)
+        row(label, cells(fn, sizes))
 
     def head(text: str) -> None:
         lines.append("")
@@ -485,10 +478,10 @@ def render(r: dict[str, Any]) -> str:
 
     A part whose rows an older run cannot fill says so; the targets always print.
     """
-    from bench import fleet, s3
+    from bench import fleet_report, s3_report
 
     parts = []
-    for part in (table if "sizes" in r else s3.header, s3.table, fleet.table):
+    for part in (table if "sizes" in r else s3_report.header, s3_report.table, fleet_report.table):
         try:
             parts.append(part(r))
         except (KeyError, TypeError) as e:
