@@ -26,18 +26,13 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import page_cache
+from bench import page_cache, rgw
 
-ROOT = Path(__file__).resolve().parents[1]
-RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
 REGION = "us-east-1"
 TIMEOUT = 900.0
 # The move's lease ttl (daemon --lease-seconds; its default is 30 s): the lease wait is about this long.
@@ -100,29 +95,6 @@ def cold(
     }
 
 
-@dataclass(frozen=True)
-class _S3:
-    endpoint: str
-    bucket: str
-    env: dict[str, str]
-
-
-@contextlib.contextmanager
-def _radosgw(directory: Path) -> Iterator[tuple[_S3 | None, str]]:
-    """A radosgw of the move's own (scripts/rgw.sh), stopped however the move ends; (None, why) if it cannot start."""
-    proc = subprocess.run([str(RGW_SCRIPT), "start", str(directory)], capture_output=True, text=True, timeout=600)
-    try:
-        if proc.returncode != 0:
-            yield None, f"radosgw did not start (scripts/rgw.sh exit {proc.returncode})"
-            return
-        env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-        aws = {k: v for k, v in env.items() if k.startswith("AWS_")}
-        yield _S3(env["CHECKPOINTD_TEST_S3_ENDPOINT"], env["CHECKPOINTD_TEST_S3_BUCKET"], aws), ""
-    finally:
-        subprocess.run([str(RGW_SCRIPT), "stop", str(directory)], timeout=120, check=False)
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 class _LogTimes(logging.Handler):
     """The wall time of the first record of each (logger, text) watched."""
 
@@ -177,7 +149,7 @@ def whole_move(
     from checkpointd_client import RemoteCheckpointer
     from tests.integration.daemon import start_daemon
 
-    with _radosgw(work / "move-rgw") as (s3, why):
+    with rgw.radosgw(work / "move-rgw") as (s3, why):
         if s3 is None:
             return {"skipped": why}
         url = f"s3://{s3.bucket}/move-{secrets.token_hex(4)}"

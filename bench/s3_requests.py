@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import importlib.util
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,27 +32,22 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
+from bench import rgw
+from bench.rgw import ROOT
+
 REGION = "us-east-1"
 
 Put = Callable[[str, bytes], Any]  # PutObject of (key, body)
 
 
 @contextlib.contextmanager
-def _radosgw() -> Iterator[tuple[str, str]]:
+def _radosgw(directory: Path) -> Iterator[tuple[str, str]]:
     """A radosgw of this run's own, its AWS_* variables set in os.environ; (endpoint, bucket)."""
-    directory = Path(tempfile.mkdtemp(prefix="bench-s3-requests-"))
-    proc = subprocess.run([str(RGW_SCRIPT), "start", str(directory)], capture_output=True, text=True, timeout=600)
-    try:
-        if proc.returncode != 0:
-            raise SystemExit(f"radosgw did not start (scripts/rgw.sh exit {proc.returncode}):\n{proc.stderr}")
-        env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-        os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
-        yield env["CHECKPOINTD_TEST_S3_ENDPOINT"], env["CHECKPOINTD_TEST_S3_BUCKET"]
-    finally:
-        subprocess.run([str(RGW_SCRIPT), "stop", str(directory)], timeout=120, check=False)
-        shutil.rmtree(directory, ignore_errors=True)
+    with rgw.radosgw(directory) as (s3, why):
+        if s3 is None:
+            raise SystemExit(why)
+        os.environ.update(s3.env)
+        yield s3.endpoint, s3.bucket
 
 
 def _module_at(revision: str, work: Path) -> Any:
@@ -129,7 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     body = os.urandom(args.size)
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-s3-requests-")))
-        endpoint, bucket = (args.endpoint, args.bucket) if args.endpoint else stack.enter_context(_radosgw())
+        endpoint, bucket = (
+            (args.endpoint, args.bucket) if args.endpoint else stack.enter_context(_radosgw(work / "rgw"))
+        )
         puts = _contenders(endpoint, bucket, args.against, work)
         for put in puts.values():  # warm up: connections, imports, caches
             _cpu_per_request(put, 50, body, -1)
