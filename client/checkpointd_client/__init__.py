@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointd.protocol.credentials import credentials
 from checkpointd.protocol.errors import (
+    AlreadyExistsError,
     CheckpointdError,
     ChecksumError,
     DeadlineError,
@@ -27,7 +28,7 @@ from checkpointd.protocol.kinds import SaveKind
 
 if TYPE_CHECKING:
     from checkpointd_client.checkpointer import RemoteCheckpointer
-    from checkpointd_client.learner import RemoteLearner, ppo_learner_module, train_modules
+    from checkpointd_client.learner import RemoteLearner, common_module, ppo_learner_module, train_modules
     from checkpointd_client.restore import LatestSave
     from checkpointd_client.saver import RemotePolicySaver
     from checkpointd_client.ticket import SaveCounts, SaveResult, SaveTicket
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "RemoteCheckpointer": "checkpointd_client.checkpointer",
     "RemoteLearner": "checkpointd_client.learner",
+    "common_module": "checkpointd_client.learner",
     "ppo_learner_module": "checkpointd_client.learner",
     "train_modules": "checkpointd_client.learner",
     "LatestSave": "checkpointd_client.restore",
@@ -48,6 +50,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AlreadyExistsError",
     "CheckpointdError",
     "ChecksumError",
     "DeadlineError",
@@ -68,6 +71,7 @@ __all__ = [
     "SaveTicket",
     "UnauthenticatedError",
     "UnavailableError",
+    "common_module",
     "credentials",
     "ppo_learner_module",
     "train_modules",

@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from pathlib import PurePosixPath
 from typing import Any
 
 import grpc
@@ -42,11 +41,11 @@ import numpy as np
 import tensorflow as tf
 
 from checkpointd.protocol import increments, wire
-from checkpointd.protocol.errors import CheckpointdError, InvalidRequestError
+from checkpointd.protocol.errors import CheckpointdError, InvalidRequestError, RunClosedError
 from checkpointd.protocol.kinds import SaveKind, to_wire
-from checkpointd.protocol.names import check_export_dir, check_run_name, checkpoint_prefix
+from checkpointd.protocol.names import check_export_dir, checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import checkpoint_restore, shm, tf_checkpoint
+from checkpointd_client import checkpoint_restore, shm, streams, tf_checkpoint
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.outage import survivable
 from checkpointd_client.session import DaemonSession
@@ -113,10 +112,10 @@ class RemoteCheckpointer:
 
     def __init__(
         self,
-        ckpt_dir: str,
+        ckpt_dir: str | os.PathLike[str],
         address: str,
         *,
-        run: str,
+        run: str | None = None,
         max_to_keep: int | None = 20,
         keep_checkpoint_every_n_hours: float | None = None,
         folder: str | None = None,
@@ -127,18 +126,26 @@ class RemoteCheckpointer:
         token_file: str | os.PathLike[str] | None = None,
         shared_memory: bool = True,
         incremental: bool = True,
+        root_dir: str | os.PathLike[str] | None = None,
+        read_only: bool = False,
         **objects: Any,
     ) -> None:
-        """Registers the run and restores its newest checkpoint, as Checkpointer's constructor does.
+        """Registers the run and restores the dir's newest checkpoint, as Checkpointer's constructor does.
 
         Args:
-            ckpt_dir: the checkpoint dir, relative to the run's folder on the
-                daemon (Checkpointer's local `ckpt_dir`, e.g. "train").
+            ckpt_dir: the checkpoint dir, relative to the job's folder on the
+                daemon (Checkpointer's local `ckpt_dir`, e.g. "train"), or
+                under `root_dir`.
             address: the daemon's `host:port`.
-            run: this run's name on the daemon; one run per ckpt_dir.
+            run: the training job's name, the same for every saver and
+                checkpointer of the script: its folder on the daemon (unless
+                `folder` is given) and the base of this checkpointer's run,
+                `<run>.<ckpt_dir with '/' as '.'>` (`checkpointd_client.streams`).
+                None: `folder`'s name.
             max_to_keep, keep_checkpoint_every_n_hours: as for
-                tf.train.CheckpointManager (None keeps all / never preserves).
-            folder: the run's folder under the daemon's root; None: the run's name.
+                tf.train.CheckpointManager (None keeps all / never preserves;
+                a max_to_keep over 2**32 - 1 keeps all).
+            folder: the job's folder under the daemon's root; None: `run`.
             chunk_bytes, channel_credentials, timeout, token, token_file,
                 shared_memory: as for RemotePolicySaver.
             incremental: a checkpoint sent over gRPC sends only the chunks
@@ -147,33 +154,56 @@ class RemoteCheckpointer:
                 still complete on its own); False sends every byte.
             **objects: what to save, as for tf.train.Checkpoint (agent,
                 policy, replay_buffer, global_step, metrics, NumpyState...).
+            root_dir: the script's local root: a `ckpt_dir` below it is
+                saved at the same path under the job's folder (TF-Agents'
+                scripts join their dirs to a root_dir).
+            read_only: restore only (an evaluation job, a notebook): no run
+                is registered, held or closed, so the trainer writing the dir
+                keeps saving; `save()` raises RunClosedError.
 
         Raises:
             ValueError: an invalid run, folder, ckpt_dir (absolute, or leaving
                 the folder), max_to_keep, keep_checkpoint_every_n_hours,
-                timeout or token option.
+                root_dir, timeout or token option, each named.
+            AlreadyExistsError: another open run on the daemon writes this
+                folder's ckpt_dir (another job of the same folder, or an
+                older name of this one): see the message for what to change.
             CheckpointdError: the daemon refused the registration or the
                 restore (InvalidRequestError naming the first key of a
                 checkpoint saved from objects of another structure), or is
                 unreachable.
         """
+        job = streams.job_name(run, folder)
         try:
-            self._run = check_run_name(run)
-            self._folder = check_run_name(folder) if folder is not None else None
-            self._dir = check_export_dir(ckpt_dir).as_posix()
-        except CheckpointdError as e:
-            raise ValueError(f"{e} (ckpt_dir is relative to the run's folder on the daemon)") from None
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
-        if keep_checkpoint_every_n_hours is not None and not keep_checkpoint_every_n_hours > 0:
+            self._dir = check_export_dir(streams.relative_to(ckpt_dir, root_dir)).as_posix()
+        except (CheckpointdError, ValueError) as e:
             raise ValueError(
-                f"keep_checkpoint_every_n_hours must be > 0 or None, got {keep_checkpoint_every_n_hours!r}"
+                f"ckpt_dir={ckpt_dir!r}: {e} (ckpt_dir is relative to the job's folder on the daemon)"
+            ) from None
+        self._folder = folder if folder is not None else job
+        self._run = streams.checkpointer_run(job, self._dir)
+        self._max_to_keep = _checked_max_to_keep(max_to_keep)
+        if keep_checkpoint_every_n_hours is not None and not (
+            isinstance(keep_checkpoint_every_n_hours, int | float)
+            and not isinstance(keep_checkpoint_every_n_hours, bool)
+            and 0 < keep_checkpoint_every_n_hours < float("inf")
+        ):
+            raise ValueError(
+                "keep_checkpoint_every_n_hours must be a finite number of hours > 0, or None; got "
+                f"{keep_checkpoint_every_n_hours!r}"
             )
+        for argument, value in (
+            ("shared_memory", shared_memory),
+            ("incremental", incremental),
+            ("read_only", read_only),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"{argument} must be True or False, got {value!r}")
+        self._read_only = read_only
         connection = ConnectionOptions(
             chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
             token_file=token_file, shared_memory=shared_memory,
         )  # fmt: skip
-        self._max_to_keep = max_to_keep
         self._keep_hours = keep_checkpoint_every_n_hours
         self._checkpoint = tf.train.Checkpoint(**objects)
         self._objects = tuple(objects)
@@ -186,7 +216,8 @@ class RemoteCheckpointer:
         self._copies: list[checkpoint_restore.Copy] = []  # restored checkpoints TF may still read
         self._manager = RemoteCheckpointManager(self)
         try:
-            self._register()
+            if not read_only:
+                self._register()
             latest = self._latest()
             if latest is not None:
                 _LOGGER.info("run %s: checkpoint available: %s (step %d)", self._run, latest.path, latest.step)
@@ -230,7 +261,11 @@ class RemoteCheckpointer:
 
     @property
     def folder(self) -> str:
-        return self._folder or self._run
+        return self._folder
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
 
     @property
     def ckpt_dir(self) -> str:
@@ -277,6 +312,11 @@ class RemoteCheckpointer:
         """
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be a bool, saw {type(blocking)!r} (CheckpointOptions are not taken)")
+        if self._read_only:
+            raise RunClosedError(
+                f"the checkpointer of {self._dir!r} in folder {self._folder!r} is read-only (read_only=True): "
+                "it restores, it does not save"
+            )
         daemon = self._daemon
         daemon.begin()
         handed_off = False
@@ -432,27 +472,22 @@ class RemoteCheckpointer:
 
     def _register(self) -> None:
         header = pb.RegisterRunHeader(
-            run=self._run, folder=self._folder or "", kind=to_wire(SaveKind.TRAINING_CHECKPOINT)
+            run=self._run, folder=self._folder, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), checkpoint_dir=self._dir
         )
         self._daemon.register_run(iter([pb.RegisterRunRequest(header=header)]), f"registering run {self._run!r}")
 
     def _latest(self) -> _Latest | None:
-        request = pb.LatestRequest(run=self._run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), folder=self._folder or "")
-        with self._daemon.calling(f"looking up run {self._run!r}'s newest checkpoint"):
+        """The newest checkpoint in this dir of the folder, whichever run committed it (as latest_checkpoint(dir))."""
+        request = pb.LatestRequest(
+            run=self._run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), folder=self._folder, checkpoint_dir=self._dir
+        )
+        with self._daemon.calling(f"looking up the newest checkpoint in {self._dir!r} of folder {self._folder!r}"):
             response = self._daemon.stub.GetLatest(request, timeout=self._daemon.timeout)
-        if not response.found:
-            return None
-        if str(PurePosixPath(response.export_dir).parent) != self._dir:
-            _LOGGER.warning(
-                "run %s: its newest checkpoint is %r, not in %r; one run per checkpoint dir",
-                self._run, response.export_dir, self._dir,
-            )  # fmt: skip
-            return None
-        return _Latest(response)
+        return _Latest(response) if response.found else None
 
     def _restore(self, export_dir: str) -> Any:
         children = {*self._objects, _SAVE_COUNTER}
-        restored = checkpoint_restore.restore(self._daemon, self._checkpoint, children, export_dir, self._folder or "")
+        restored = checkpoint_restore.restore(self._daemon, self._checkpoint, children, export_dir, self._folder)
         if restored.copy is not None:
             self._copies.append(restored.copy)
         return restored.status
@@ -468,7 +503,7 @@ class RemoteCheckpointer:
             CheckpointdError: another status the daemon answered
                 (UnavailableError, naming the address, if it cannot be reached).
         """
-        self._daemon.flush(timeout, registered=True)
+        self._daemon.flush(timeout, registered=not self._read_only)
 
     def close(self, timeout: float | None = None) -> None:
         """Flushes, closes the run on the daemon and the channel; idempotent.
@@ -480,7 +515,7 @@ class RemoteCheckpointer:
             DeadlineError: if the saves did not end in time.
             CheckpointdError: a subclass for another status the daemon answered.
         """
-        self._daemon.close(timeout, self.flush, lambda: True, self._release)
+        self._daemon.close(timeout, self.flush, lambda: not self._read_only, self._release)
 
     def _release(self) -> None:
         """Deletes restored copies (lets go of files held in place), drops the spare snapshot
@@ -497,3 +532,19 @@ class RemoteCheckpointer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _checked_max_to_keep(max_to_keep: Any) -> int | None:
+    """`max_to_keep` as the wire carries it (uint32); more than that keeps all, as None does.
+
+    Raises:
+        ValueError: not a positive int or None.
+    """
+    if max_to_keep is None:
+        return None
+    if not isinstance(max_to_keep, int | np.integer) or isinstance(max_to_keep, bool) or max_to_keep < 1:
+        raise ValueError(f"max_to_keep must be a positive int or None (keep all), got {max_to_keep!r}")
+    return int(max_to_keep) if max_to_keep <= _MOST_KEPT else None
+
+
+_MOST_KEPT = 2**32 - 1  # TrainingCheckpoint.max_to_keep is a uint32

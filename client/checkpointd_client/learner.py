@@ -9,7 +9,7 @@ daemon, under one folder named after the job (`run`):
 
 | what | daemon run | where, under `<root>/<run>/` |
 |---|---|---|
-| the Learner's checkpoints | `<run>.train` | `train/checkpoints/ckpt-<step>.*` + `checkpoint` |
+| the Learner's checkpoints | `<run>.train.checkpoints` | `train/checkpoints/ckpt-<step>.*` + `checkpoint` |
 | the policy trigger's saves | `<run>`, `<run>.collect_policy`, `<run>.greedy_policy` | `policies/...` |
 
 A Learner-based script swaps to checkpointd in one line, its import::
@@ -35,7 +35,6 @@ themselves. Optimizer slots: Learner creates them before it restores
 from __future__ import annotations
 
 import os
-import posixpath
 import threading
 import types
 from typing import Any
@@ -47,6 +46,7 @@ from tf_agents.utils import common
 
 from checkpointd_client.checkpointer import RemoteCheckpointer
 from checkpointd_client.connection import CONNECTION_OPTIONS
+from checkpointd_client.streams import relative_to
 from checkpointd_client.trigger import POLICY_CONNECTION_OPTIONS, RemotePolicySavedModelTrigger
 
 # Learner builds its Checkpointer through `tf_agents.train.learner.common`,
@@ -57,32 +57,9 @@ from checkpointd_client.trigger import POLICY_CONNECTION_OPTIONS, RemotePolicySa
 _SWAP = threading.RLock()
 
 
-def relative_to(path: str, root_dir: str | os.PathLike[str] | None) -> str:
-    """`path` as the daemon names it: relative to `root_dir` (when given), '/'-separated.
-
-    Raises:
-        ValueError: `path` is absolute and not under `root_dir`, or leaves it.
-    """
-    if root_dir is not None and os.path.isabs(path) == os.path.isabs(os.fspath(root_dir)):
-        path = os.path.relpath(path, root_dir)
-    relative = path.replace(os.sep, "/")
-    if posixpath.isabs(relative) or relative.split("/")[0] == "..":
-        raise ValueError(
-            f"{path!r} is not under root_dir {os.fspath(root_dir) if root_dir else None!r}: checkpointd saves "
-            "under the run's folder on the daemon, so give paths relative to it (or under root_dir)"
-        )
-    return relative
-
-
-class _Common(types.ModuleType):
-    """`tf_agents.utils.common` whose Checkpointer is a RemoteCheckpointer."""
-
-    def __init__(self, make: Any) -> None:
-        super().__init__(common.__name__)
-        self.Checkpointer = make  # noqa: N815 - the name Learner calls
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(common, name)
+def _common_with(make: Any) -> types.ModuleType:
+    """`tf_agents.utils.common` whose Checkpointer is `make`."""
+    return _Proxy(common, Checkpointer=make)
 
 
 class RemoteLearner(tf_learner.Learner):
@@ -101,15 +78,14 @@ class RemoteLearner(tf_learner.Learner):
 
         def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
             checkpointer = RemoteCheckpointer(
-                relative_to(ckpt_dir, root_dir), address, run=f"{run}.{tf_learner.TRAIN_DIR}", folder=run,
-                max_to_keep=max_to_keep, **connection, **objects,
+                relative_to(ckpt_dir, root_dir), address, run=run, max_to_keep=max_to_keep, **connection, **objects,
             )  # fmt: skip
             made.append(checkpointer)
             return checkpointer
 
         with _SWAP:
             original = tf_learner.common
-            tf_learner.common = _Common(make)
+            tf_learner.common = _common_with(make)
             try:
                 super().__init__(root_dir, train_step, agent, *args, **kwargs)
             except BaseException:
@@ -215,6 +191,37 @@ def ppo_learner_module(address: str, *, run: str, **connection: Any) -> types.Mo
             return inner.checkpointer
 
     return _Proxy(tf_ppo_learner, PPOLearner=PPOLearner)
+
+
+def common_module(
+    address: str, *, run: str, root_dir: str | os.PathLike[str] | None = None, **connection: Any
+) -> types.ModuleType:
+    """`tf_agents.utils.common` as a classic TF-Agents script imports it, its Checkpointers saving through checkpointd.
+
+    The classic examples (`agents/dqn/examples/v2/train_eval.py` and its
+    kin) keep their state in several `common.Checkpointer`s under one
+    `train_dir`; here each is a `RemoteCheckpointer` of the job `run`, with
+    a run of its own (`checkpointd_client.streams`), saving at the same path
+    under `<root>/<run>/` as it would under `root_dir`. Everything else of
+    the module (`common.function`, the losses, ...) is TF-Agents' own::
+
+        from tf_agents.utils import common                             # before
+        common = checkpointd_client.common_module(                       # after
+            "localhost:7431", run="cartpole-dqn", root_dir=root_dir)
+
+    Args:
+        address, run, root_dir, **connection: as for `train_modules`.
+
+    Returns:
+        A stand-in for `tf_agents.utils.common`.
+    """
+
+    def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
+        return RemoteCheckpointer(
+            ckpt_dir, address, run=run, root_dir=root_dir, max_to_keep=max_to_keep, **connection, **objects
+        )
+
+    return _common_with(make)
 
 
 def _learner_module(address: str, run: str, connection: dict[str, Any]) -> types.ModuleType:

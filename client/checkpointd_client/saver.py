@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import grpc
 import numpy as np
@@ -24,10 +25,8 @@ from tf_agents.utils import numpy_storage
 
 from checkpointd.protocol import wire
 from checkpointd.protocol.busy_lock import BusyLock
-from checkpointd.protocol.errors import CheckpointdError
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.names import check_run_name
-from checkpointd_client import graph_mode, shm, snapshot
+from checkpointd_client import graph_mode, shm, snapshot, streams
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import options as options_lib
 from checkpointd_client import restore as restore_lib
@@ -59,7 +58,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         policy: tf_policy.TFPolicy,
         address: str,
         *,
-        run: str,
+        run: str | None = None,
         batch_size: int | None = None,
         use_nest_path_signatures: bool = True,
         seed: types.Seed | None = None,
@@ -83,12 +82,17 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             policy, batch_size, use_nest_path_signatures, seed, train_step,
                 metadata, input_fn_and_spec: as for `PolicySaver`.
             address: the daemon's `host:port`.
-            run: this run's name on the daemon, 1-128 of [A-Za-z0-9._-].
+            run: the training job's name, the same for every saver and
+                checkpointer of the script (1-128 of [A-Za-z0-9._-]): this
+                saver's run on the daemon, and its folder unless `folder` is
+                given. While a saver of another policy of the job is open
+                in this process, this one's run is `<run>.<policy's name>`
+                (`checkpointd_client.streams`). None: `folder`'s name.
             numpy_state: a `NumpyState` saved with every save (its arrays
                 serialized at the call) as `<export_dir>/numpy_state/`, and
                 restored by `restore()`.
-            folder: the run's folder under the daemon's root (a valid run
-                name); None: the run's name. Runs sharing a folder (one per
+            folder: the job's folder under the daemon's root (a valid run
+                name); None: `run`. Savers sharing a folder (one per
                 policy, as RemotePolicySavedModelTrigger does) must use
                 distinct export dirs.
             chunk_bytes: the largest payload per message (template and snapshot).
@@ -138,11 +142,8 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             input_fn_and_spec=input_fn_and_spec,
             metadata=metadata,
         )
-        try:
-            self._run = check_run_name(run)
-            self._folder = check_run_name(folder) if folder is not None else None
-        except CheckpointdError as e:
-            raise ValueError(str(e) if folder is None else f"folder: {e}") from None
+        job = streams.job_name(run, folder)
+        self._folder = folder
         connection = ConnectionOptions(
             chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
             token_file=token_file, shared_memory=shared_memory,
@@ -153,8 +154,13 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             raise ValueError("session= is for a policy built in graph mode; this one was built eagerly")
         train_step_variable = self._saver._train_step  # noqa: SLF001 - PolicySaver exposes no other way
         self._graph_reads = graph_mode.GraphReads(graph, train_step_variable, session) if graph else None
-        self._daemon = DaemonSession(address, self._run, connection, owner="saver", upload_threads=4)
+        self._daemon = DaemonSession(address, job, connection, owner="saver", upload_threads=4)
         self._address = self._daemon.address
+        # Another policy's open saver of the job in this process has a run of its own (streams.PolicyRuns).
+        self._run = streams.POLICY_RUNS.take(self._address, folder or job, job, policy)
+        self._daemon.run = self._run
+        self._policy_runs_key = (self._address, folder or job, self._run)
+        weakref.finalize(self, streams.POLICY_RUNS.release, *self._policy_runs_key, policy)
         self._register_lock = threading.Lock()
         self._bindings: snapshot.Bindings | None = None
         self._dirty = True  # the template must be (re-)exported before the next save
@@ -360,6 +366,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             CheckpointdError: a subclass for another status the daemon answered.
         """
         self._daemon.close(timeout, self.flush, lambda: self._bindings is not None, self._close_busy_locks)
+        streams.POLICY_RUNS.release(*self._policy_runs_key, self.policy)
 
     def __enter__(self) -> RemotePolicySaver:
         return self

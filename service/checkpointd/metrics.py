@@ -23,7 +23,7 @@ from checkpointd.protocol.kinds import LABELS
 _LOGGER = logging.getLogger(__name__)
 
 KINDS = LABELS  # every kind, training_checkpoint included: series exist from the start
-OUTCOMES = ("ok", "skipped", "failed")
+OUTCOMES = ("ok", "skipped", "failed", "cancelled")
 # Where an accepted save's time goes: the blocking wait before the accept, the
 # snapshot upload (accept -> last chunk), and writer.write; with an object
 # store, "upload" is the part of write that sends the files and manifest.
@@ -48,7 +48,7 @@ class Metrics:
         )
         self.saves = Counter(
             "checkpointd_saves_total",
-            "Save requests by kind and outcome (ok, skipped, failed).",
+            "Save requests by kind and outcome (ok, skipped, failed, cancelled: accepted, then the caller went away).",
             ["kind", "outcome"],
             registry=registry,
         )
@@ -174,6 +174,9 @@ class Metrics:
     def save_failed(self, run: str, kind: str, seconds: float) -> None:
         self._child(self.saves, kind, "failed").inc()
         self._child(self.save_duration, kind).observe(seconds)
+
+    def save_cancelled(self, run: str, kind: str, seconds: float) -> None:
+        self._child(self.saves, kind, "cancelled").inc()
 
     def observe_phase(self, kind: str, phase: str, seconds: float) -> None:
         """Times one phase of an accepted save.

@@ -511,6 +511,9 @@ class RecordingSink:
     def save_failed(self, run: str, kind: str, seconds: float) -> None:
         self._record("failed", run, kind)
 
+    def save_cancelled(self, run: str, kind: str, seconds: float) -> None:
+        self._record("cancelled", run, kind)
+
     def in_flight_changed(self, delta: int) -> None:
         self._record("in_flight", delta)
 
@@ -518,6 +521,6 @@ class RecordingSink:
         self._record("closed", run)
 
     def outcomes(self) -> list[tuple]:
-        """The calls that count a save (skipped, written, failed), in order."""
+        """The calls that count a save (skipped, written, failed, cancelled), in order."""
         with self._lock:
-            return [c for c in self.calls if c[0] in ("skipped", "written", "failed")]
+            return [c for c in self.calls if c[0] in ("skipped", "written", "failed", "cancelled")]

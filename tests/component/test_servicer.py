@@ -371,3 +371,15 @@ def test_stop_refuses_new_saves_and_drains_the_accepted_one(up: Served) -> None:
         stopping.join(LIMIT)
     assert stopped == [True]  # every accepted save finished within the grace
     assert [s.export_dir for s in up.store.saves()] == ["draining"]
+
+
+def test_a_save_whose_caller_goes_away_mid_upload_counts_as_cancelled_not_failed(up: Served) -> None:
+    call = held(up, "gone")
+    call.send_chunks(snapshot_chunks(snapshot(1))[:1])  # part of the snapshot, then Ctrl-C
+    call.close()
+    assert eventually(lambda: status(up).saves_cancelled == 1)
+    row = status(up)
+    assert (row.saves_ok, row.saves_skipped, row.saves_failed, row.last_error) == (0, 0, 0, "")
+    assert not [s for s in up.store.saves() if s.export_dir == "gone"]
+    assert eventually(lambda: not up.store.live_staging())  # its staging was discarded
+    assert save(up, "after", step=2).path  # the lane is free and serving

@@ -107,7 +107,7 @@ def test_a_live_checkpointer_survives_a_daemon_stop_and_saves_again_after_its_re
 
 
 def test_the_checkpointers_errors_name_the_daemons_address() -> None:
-    with pytest.raises(UnavailableError, match=r"^registering run 'nowhere' at 127\.0\.0\.1:1: "):
+    with pytest.raises(UnavailableError, match=r"^registering run 'nowhere\.train' at 127\.0\.0\.1:1: "):
         RemoteCheckpointer("train", "127.0.0.1:1", run="nowhere", timeout=WAIT, step=tf.Variable(0))
 
 

@@ -49,7 +49,7 @@ class Trainer:
         )
         self.local = common.Checkpointer(str(local), max_to_keep=2, **objects)
         self.ours = daemon.root / run / "train"
-        self.run = run
+        self.run = self.remote.run  # the daemon run: <job>.train
         self.local_dir = local
 
     def rewrite(self, start: int, n: int, value: float) -> None:

@@ -77,12 +77,12 @@ def test_ppo_learners_inner_learner_checkpoints_through_the_daemon(daemon: Daemo
     )  # fmt: skip
     checkpointer = job.checkpointer
     try:
-        assert isinstance(checkpointer, RemoteCheckpointer) and checkpointer.run == "ppo.train"
+        assert isinstance(checkpointer, RemoteCheckpointer) and checkpointer.run == "ppo.train.checkpoints"
         train_step.assign(5)
         assert checkpointer.save(train_step, blocking=True).result(0) is not None
     finally:
         checkpointer.close(WAIT)
-    assert "registered run=ppo.train" in daemon.log()
+    assert "registered run=ppo.train.checkpoints" in daemon.log()
     newest = tf.train.latest_checkpoint(str(daemon.root / "ppo" / "train" / "checkpoints"))
     assert newest is not None and newest.endswith("ckpt-5")
     assert not (tmp_path / "ppo" / "train" / "checkpoints").exists()

@@ -234,7 +234,10 @@ def test_bad_ranges_and_missing_saves_get_their_status_and_the_daemon_keeps_serv
     past = pb.FileRange(path=data, offset=size - 10, length=11)
     assert _call(stub, run=RUN, export_dir=EXPORT_DIR, ranges=[past]) == grpc.StatusCode.INVALID_ARGUMENT
     assert _call(stub, run=RUN, export_dir="train/ckpt-6") == grpc.StatusCode.NOT_FOUND
-    assert _call(stub, run="rf-other", export_dir=EXPORT_DIR, folder=RUN) == grpc.StatusCode.NOT_FOUND
+    # By where it is: another run of the folder (a renamed job), or a reader naming no run, gets it.
+    assert _call(stub, run="rf-other", export_dir=EXPORT_DIR, folder=RUN) == grpc.StatusCode.OK
+    assert _call(stub, run="", export_dir=EXPORT_DIR, folder=RUN) == grpc.StatusCode.OK
+    assert _call(stub, run="", export_dir=EXPORT_DIR) == grpc.StatusCode.INVALID_ARGUMENT  # no folder, no run
     assert _call(stub, run=RUN, export_dir="../x") == grpc.StatusCode.INVALID_ARGUMENT
     last = pb.FileRange(path=data, offset=size - 10, length=10)
     assert _call(stub, run=RUN, export_dir=EXPORT_DIR, ranges=[last]) == grpc.StatusCode.OK

@@ -90,7 +90,8 @@ def test_metrics_status_and_verify_cover_the_training_checkpoint_kind(daemon: Da
     objects = _objects(seed=5)
     with RemoteCheckpointer("train", daemon.address, run="tc-ops", timeout=LIMIT, **objects) as ckpt:
         ckpt.save(1, blocking=True)
-        status = _cli("status", "--address", daemon.address, "--run", "tc-ops")
+        status = _cli("status", "--address", daemon.address, "--run", ckpt.run)
+        assert ckpt.run == "tc-ops.train"  # the job's checkpointer of "train" (checkpointd_client.streams)
         assert status.returncode == 0, status.stderr
         assert "tc-ops" in status.stdout and "step 1" in status.stdout
         ckpt.save(2, blocking=True)
@@ -111,8 +112,8 @@ def test_metrics_status_and_verify_cover_the_training_checkpoint_kind(daemon: Da
 
 def test_a_save_while_one_is_in_flight_is_skipped_and_a_blocking_one_waits_its_turn(daemon: Daemon) -> None:
     objects = _objects(seed=6)
-    run = "tc-lane"
-    with RemoteCheckpointer("train", daemon.address, run=run, timeout=LIMIT, **objects) as ckpt:
+    with RemoteCheckpointer("train", daemon.address, run="tc-lane", timeout=LIMIT, **objects) as ckpt:
+        run = ckpt.run
         # A save of the same run, accepted and then silent: the lane is busy for as long as the test says.
         state = client_training.describe(ckpt.checkpoint)
         header = pb.SaveHeader(

@@ -35,6 +35,9 @@ class RecordingSink:
     def save_failed(self, run: str, kind: str, seconds: float) -> None:
         self.calls.append(("failed", run, kind, seconds))
 
+    def save_cancelled(self, run: str, kind: str, seconds: float) -> None:
+        self.calls.append(("cancelled", run, kind, seconds))
+
     def in_flight_changed(self, delta: int) -> None:
         self.calls.append(("in_flight", delta))
 

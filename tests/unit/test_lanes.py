@@ -15,7 +15,13 @@ import pytest
 
 from checkpointd.core.lane import LaneState, SaveSpec, Skipped, Ticket, TicketState, Written
 from checkpointd.core.manifest import Manifest, VariableSpec
-from checkpointd.protocol.errors import DeadlineError, RunClosedError, RunNotFoundError, UnavailableError
+from checkpointd.protocol.errors import (
+    AlreadyExistsError,
+    DeadlineError,
+    RunClosedError,
+    RunNotFoundError,
+    UnavailableError,
+)
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.runs import Lanes
 
@@ -330,3 +336,36 @@ def test_the_open_runs_listed_are_capped() -> None:
         lanes.flush("nope")
     with pytest.raises(RunNotFoundError, match=r"open runs: none \("):
         Lanes().views("nope")
+
+
+# Claims: one open run per checkpoint dir of a folder.
+
+
+def test_a_second_run_claiming_an_open_runs_dir_is_refused_naming_the_holder(lanes: Lanes) -> None:
+    lanes.register("job.train", MANIFEST, "job", claim="train")
+    with pytest.raises(AlreadyExistsError, match=r"'train' of folder 'job' is written by run 'job.train'"):
+        lanes.register("old-name.train", MANIFEST, "job", claim="train")
+    with pytest.raises(RunNotFoundError):
+        lanes.claim("old-name.train")  # nothing registered
+    assert lanes.claim("job.train") == "train"
+
+
+def test_claims_of_other_dirs_or_folders_and_the_same_runs_again_are_taken(lanes: Lanes) -> None:
+    lanes.register("job.train", MANIFEST, "job", claim="train")
+    lanes.register("job.train.policy", MANIFEST, "job", claim="train/policy")
+    lanes.register("other.train", MANIFEST, "other", claim="train")
+    lanes.register("job.train", MANIFEST, "job", claim="train")  # a restarted trainer
+    assert [lanes.claim(r) for r in ("job.train", "job.train.policy", "other.train")] == [
+        "train",
+        "train/policy",
+        "train",
+    ]
+
+
+def test_a_closed_runs_claim_is_free_again(lanes: Lanes) -> None:
+    lanes.register("job.train", MANIFEST, "job", claim="train")
+    lanes.close("job.train", timeout=LIMIT)
+    lanes.register("renamed.train", MANIFEST, "job", claim="train")
+    assert lanes.claim("renamed.train") == "train"
+    with pytest.raises(AlreadyExistsError):
+        lanes.register("job.train", MANIFEST, "job", claim="train")  # reopening it now meets the new holder

@@ -39,6 +39,7 @@ class TicketState(enum.Enum):
     ACTIVE = "active"  # accepted: the lane's one save in flight
     WRITTEN = "written"
     FAILED = "failed"
+    CANCELLED = "cancelled"  # accepted, then its caller went away before it was written
     WITHDRAWN = "withdrawn"  # gave up while waiting; never accepted
 
 
@@ -71,6 +72,13 @@ class Failed:
     error: str
 
 
+@dataclass(frozen=True)
+class Cancelled:
+    """An accepted save whose caller went away (Ctrl-C, a cancelled call) before it was written: not a failure."""
+
+    reason: str
+
+
 @dataclass
 class Ticket:
     """One save request on a lane, from queueing or acceptance to its end."""
@@ -80,7 +88,7 @@ class Ticket:
     state: TicketState
     requested_at: float
     accepted_at: float | None = None
-    outcome: Written | Failed | None = None
+    outcome: Written | Failed | Cancelled | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,7 @@ class LaneStats:
     ok: int = 0
     skipped: int = 0
     failed: int = 0
+    cancelled: int = 0
     last_success: LastSuccess | None = None
     last_error: str = ""
 
@@ -166,7 +175,7 @@ class Lane:
         for _ in range(count):
             self.sink.save_skipped(self.run, kind.value)
 
-    def finish(self, ticket: Ticket, outcome: Written | Failed) -> Ticket | None:
+    def finish(self, ticket: Ticket, outcome: Written | Failed | Cancelled) -> Ticket | None:
         """Ends the in-flight save and starts the next queued one, if any.
 
         Returns:
@@ -185,6 +194,10 @@ class Lane:
                 ticket.spec.kind, outcome.path, ticket.spec.step, now, outcome.bytes_received, outcome.bytes_copied
             )
             self.sink.save_written(self.run, kind, outcome.bytes_written, duration, now)
+        elif isinstance(outcome, Cancelled):
+            ticket.state = TicketState.CANCELLED
+            self.stats.cancelled += 1
+            self.sink.save_cancelled(self.run, kind, duration)
         else:
             ticket.state = TicketState.FAILED
             self.stats.failed += 1

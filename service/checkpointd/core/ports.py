@@ -46,6 +46,9 @@ class MetricsSink(Protocol):
 
     def save_failed(self, run: str, kind: str, seconds: float) -> None: ...
 
+    def save_cancelled(self, run: str, kind: str, seconds: float) -> None:
+        """An accepted save's caller went away before it was written (no failure)."""
+
     def in_flight_changed(self, delta: int) -> None: ...
 
     def run_closed(self, run: str) -> None:
@@ -62,6 +65,9 @@ class NullSink:
         pass
 
     def save_failed(self, run: str, kind: str, seconds: float) -> None:
+        pass
+
+    def save_cancelled(self, run: str, kind: str, seconds: float) -> None:
         pass
 
     def in_flight_changed(self, delta: int) -> None:

@@ -23,6 +23,7 @@ CODES: dict[type[errors.CheckpointdError], grpc.StatusCode] = {
     errors.SaveFailedError: grpc.StatusCode.INTERNAL,
     errors.UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     errors.RunHeldError: grpc.StatusCode.ABORTED,
+    errors.AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
 }
 _ERRORS: dict[grpc.StatusCode, type[errors.CheckpointdError]] = {c: e for e, c in CODES.items()}
 

@@ -41,6 +41,10 @@ class UnauthenticatedError(CheckpointdError):
     """The caller's credentials are missing or wrong."""
 
 
+class AlreadyExistsError(CheckpointdError):
+    """What the request would create is another's: a checkpoint dir another open run of the folder claims."""
+
+
 class RunHeldError(CheckpointdError):
     """Another daemon holds the run's lease: it writes the run's saves until it lets go or the lease expires."""
 

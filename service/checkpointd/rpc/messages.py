@@ -163,6 +163,7 @@ def run_status(view: RunView) -> pb.RunStatus:
         saves_ok=stats.ok,
         saves_skipped=stats.skipped,
         saves_failed=stats.failed,
+        saves_cancelled=stats.cancelled,
         last_error=stats.last_error,
     )
     if view.in_flight is not None:

@@ -24,8 +24,8 @@ import grpc
 from checkpointd.core.ports import SavedFile
 from checkpointd.protocol import wire
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
-from checkpointd.protocol.kinds import to_wire
-from checkpointd.protocol.names import LEASE_WAIT_METADATA, TMP_PREFIX, check_run_name
+from checkpointd.protocol.kinds import SaveKind, to_wire
+from checkpointd.protocol.names import LEASE_WAIT_METADATA, TMP_PREFIX, check_export_dir, check_run_name
 from checkpointd.rpc import messages, upload
 from checkpointd.rpc.errors import grpc_errors
 from checkpointd.saves import catalog, restore, restore_files, restore_stage
@@ -129,6 +129,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 kind=messages.kind_from_pb(header.kind, "RegisterRun", optional=True),
                 timeout=context.time_remaining(),  # how long it may wait for another daemon's lease
                 on_lease_wait=lambda text: context.send_initial_metadata(((LEASE_WAIT_METADATA, text),)),
+                checkpoint_dir=header.checkpoint_dir if header.HasField("checkpoint_dir") else None,
             )
         finally:
             shutil.rmtree(staged, ignore_errors=True)
@@ -191,10 +192,20 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     @grpc_errors
     def GetLatest(self, request: pb.LatestRequest, context: grpc.ServicerContext) -> pb.LatestResponse:
-        run = check_run_name(request.run)
         kind = messages.kind_from_pb(request.kind, "GetLatest", optional=True)
-        folder = self._pipeline.folder(run, request.folder)
-        save = catalog.find_latest(self._pipeline.store, folder, run, kind)
+        if request.HasField("checkpoint_dir"):  # by where the checkpoints are, whichever run wrote them
+            run = _reader_run(request.run, request.folder, "GetLatest")
+            if kind is not None and kind is not SaveKind.TRAINING_CHECKPOINT:
+                raise InvalidRequestError(
+                    f"GetLatest: checkpoint_dir finds training checkpoints, not {kind.value} saves"
+                )
+            folder = self._pipeline.folder(run, request.folder)
+            directory = check_export_dir(request.checkpoint_dir).as_posix()
+            save = catalog.find_latest_in_dir(self._pipeline.store, folder, directory)
+        else:
+            run = check_run_name(request.run)
+            folder = self._pipeline.folder(run, request.folder)
+            save = catalog.find_latest(self._pipeline.store, folder, run, kind)
         checkpoints = self._pipeline.active_checkpoints(folder, save)
         return messages.latest_response(save, checkpoints, self._pipeline.store.location)
 
@@ -215,7 +226,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self, request: pb.RestoreFilesRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.RestoreFilesResponse | bytes]:
         """The header, then the chunks (serialized already: see add_restore_files_handler), or the staged files."""
-        run = check_run_name(request.run)
+        run = _reader_run(request.run, request.folder if request.export_dir else "", "RestoreFiles")
         folder = self._pipeline.folder(run, request.folder)
         store = self._pipeline.store
         asked = [(r.path, r.offset, r.length) for r in request.ranges]
@@ -248,3 +259,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             for piece in restore_files.pieces(store, plan):
                 yield _chunk_response(piece)
         restore_files.log_sent(run, plan, time.monotonic() - started)
+
+
+def _reader_run(run: str, folder: str, call: str) -> str:
+    """The request's run name, checked; "" allowed for a reader that names the folder (it registers nothing).
+
+    Raises:
+        InvalidRequestError: a bad run name, or none without a folder.
+    """
+    if run or not folder:
+        return check_run_name(run)
+    return ""

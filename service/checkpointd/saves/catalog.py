@@ -17,6 +17,7 @@ offers `holders(runs)` (one listing of the lease objects), else one
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,7 +44,25 @@ def find_latest(store: Store, folder: str, run: str, kind: SaveKind | None = Non
     Returns:
         The save, or None if the run has none (or its folder does not exist).
     """
-    saves = [s for s in store.committed(folder, run) if kind is None or s.kind is kind]
+    return _newest([s for s in store.committed(folder, run) if kind is None or s.kind is kind])
+
+
+def find_latest_in_dir(store: Store, folder: str, directory: str) -> CommittedSave | None:
+    """The newest committed training checkpoint in `folder`'s checkpoint dir `directory`, whichever run committed it.
+
+    As `tf.train.latest_checkpoint(dir)` finds it: restores go by where the
+    checkpoints are, so a renamed run (or a reader) finds the dir's.
+    """
+    return _newest(
+        [
+            s
+            for s in store.committed(folder, None)
+            if s.kind is SaveKind.TRAINING_CHECKPOINT and s.prefix and posixpath.dirname(s.export_dir) == directory
+        ]
+    )
+
+
+def _newest(saves: list[CommittedSave]) -> CommittedSave | None:
     # Not max(..., default=None): mypy infers the key's argument from the
     # Optional return type and rejects age.
     return max(saves, key=age) if saves else None

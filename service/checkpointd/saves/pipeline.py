@@ -44,7 +44,7 @@ from typing import Protocol
 
 from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec
 from checkpointd.core.config import ServeConfig
-from checkpointd.core.lane import Failed, SaveSpec, Skipped, Ticket, Written
+from checkpointd.core.lane import Cancelled, Failed, SaveSpec, Skipped, Ticket, Written
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.ports import (
     CommittedSave,
@@ -68,7 +68,7 @@ from checkpointd.protocol.errors import (
     describe,
 )
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.names import check_run_name
+from checkpointd.protocol.names import check_export_dir, check_run_name
 from checkpointd.saves import bases, writes
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs, directory_of
@@ -158,6 +158,7 @@ class SavePipeline:
         kind: SaveKind | None = None,
         timeout: float | None = None,
         on_lease_wait: Callable[[str], None] | None = None,
+        checkpoint_dir: str | None = None,
     ) -> Manifest:
         """Registers (or re-registers) a run from its uploaded policy template.
 
@@ -178,6 +179,8 @@ class SavePipeline:
                 at most `ServeConfig.register_wait_seconds`.
             on_lease_wait: called once, with a sentence for people, before it
                 waits for another daemon's lease (the servicer sends it on).
+            checkpoint_dir: a training run's checkpoint dir in `folder`,
+                which it alone writes while open; None: no claim.
 
         Raises:
             InvalidRequestError, LimitExceededError: the request is refused;
@@ -188,6 +191,7 @@ class SavePipeline:
         """
         run = check_run_name(run)
         folder = check_folder(folder) if folder else run
+        claim = _claimed_dir(run, kind, checkpoint_dir)
         if template_bytes > self._config.max_template_bytes:
             raise LimitExceededError(
                 f"template of {template_bytes} bytes exceeds the daemon's limit of "
@@ -204,7 +208,7 @@ class SavePipeline:
             manifest = fmt.register(run, receive_template(), variables, checkpoint_object_graph)
         except OSError as e:  # the state dir: unwritable, full, gone (logged as the call ends)
             raise SaveFailedError(f"run {run!r}: could not store its template: {describe(e)}") from e
-        self.lanes.register(run, manifest, folder)
+        self.lanes.register(run, manifest, folder, claim)
         self._skips.forget(run)  # a restarted trainer's first skip is logged as a first again
         self._run_kinds[run] = tuple(fmt.kinds)
         _LOGGER.info(
@@ -274,6 +278,13 @@ class SavePipeline:
                 f"run {run!r} was registered for {', '.join(k.value for k in kinds)} saves, not "
                 f"{request.kind.value}; register a run of its own for them"
             )
+        if request.kind is SaveKind.TRAINING_CHECKPOINT:
+            claim = self.lanes.claim(run)
+            if claim is not None and directory_of(request.export_dir) != claim:
+                raise InvalidRequestError(
+                    f"run {run!r} writes checkpoint dir {claim!r}, not {directory_of(request.export_dir)!r} "
+                    f"(export_dir {request.export_dir!r}): register a run of its own for another dir"
+                )
         fmt.check(
             manifest, request.variables, request.snapshot_bytes, request.numpy_state,
             self._config.max_snapshot_bytes, **_own(request),
@@ -306,7 +317,7 @@ class SavePipeline:
                 yield Decision(accepted=False, reason=decision.reason)
                 return
             self._phases.observe_phase(request.kind.value, "queue", time.monotonic() - asked)
-            yield from self._accepted(request, run, folder, manifest, decision, receive, release)
+            yield from self._accepted(request, run, folder, manifest, decision, receive, release, is_active)
 
     def count_local_skips(self, run: str, skips: Sequence[LocalSkip]) -> None:
         """Counts and logs saves of `run` its trainer skipped on its own.
@@ -343,10 +354,12 @@ class SavePipeline:
         ticket: Ticket,
         receive: Receiver,
         release: Callable[[], None],
+        is_active: Callable[[], bool],
     ) -> Iterator[Decision | Result]:
         kind = request.kind.value
         accepted = time.monotonic()
-        outcome: Written | Failed = Failed("the client went away during the save")
+        # Until it is written or fails: the caller stopped reading (gRPC closed this generator).
+        outcome: Written | Failed | Cancelled = Cancelled("the client went away during the save")
         transport = "none"  # until the snapshot has arrived
         segment = None
         base: bases.OpenBase | None = None
@@ -423,7 +436,9 @@ class SavePipeline:
             else:
                 self.retention.after_save(run, folder)
         except Exception as exc:
-            outcome = Failed(str(exc) or type(exc).__name__)
+            # A caller gone (Ctrl-C, a cancelled call) breaks the receive: that is no write failure.
+            error = str(exc) or type(exc).__name__
+            outcome = Failed(error) if is_active() else Cancelled(f"the client went away during the save ({error})")
             raise
         finally:
             if base is not None:
@@ -570,7 +585,9 @@ def check_folder(folder: str) -> str:
         ) from None
 
 
-def _log_outcome(request: SaveRequest, run: str, outcome: Written | Failed, seconds: float, transport: str) -> None:
+def _log_outcome(
+    request: SaveRequest, run: str, outcome: Written | Failed | Cancelled, seconds: float, transport: str
+) -> None:
     if isinstance(outcome, Written):
         # held=yes: the trainer decided it under the run's busy lock (no skip decision here).
         _LOGGER.info(
@@ -578,8 +595,31 @@ def _log_outcome(request: SaveRequest, run: str, outcome: Written | Failed, seco
             run, request.kind.value, request.export_dir, request.step, outcome.bytes_written,
             seconds, " held=yes" if request.trainer_decided is not None else "", transport,
         )  # fmt: skip
+    elif isinstance(outcome, Cancelled):
+        _LOGGER.info(
+            "cancelled run=%s kind=%s export_dir=%s step=%d duration=%.3fs: %s; nothing was written",
+            run, request.kind.value, request.export_dir, request.step, seconds, outcome.reason,
+        )  # fmt: skip
     else:
         _LOGGER.warning(
             "failed run=%s kind=%s export_dir=%s step=%d duration=%.3fs: %s",
             run, request.kind.value, request.export_dir, request.step, seconds, outcome.error,
         )  # fmt: skip
+
+
+def _claimed_dir(run: str, kind: SaveKind | None, checkpoint_dir: str | None) -> str | None:
+    """The checkpoint dir a registration claims, checked: a training run's, normalized; None: no claim.
+
+    Raises:
+        InvalidRequestError: a policy run names a dir, or the dir is not a valid export dir.
+    """
+    if checkpoint_dir is None:
+        return None
+    if kind is not SaveKind.TRAINING_CHECKPOINT:
+        raise InvalidRequestError(
+            f"run {run!r}: checkpoint_dir is for training checkpoint runs; a policy run names its dirs per save"
+        )
+    try:
+        return check_export_dir(checkpoint_dir).as_posix()
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"run {run!r}: checkpoint_dir {checkpoint_dir!r}: {e}") from None

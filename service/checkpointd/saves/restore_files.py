@@ -28,7 +28,7 @@ from checkpointd.core import chunk_record
 from checkpointd.core.crc_combine import combine
 from checkpointd.core.numpy_state import DIRECTORY as NUMPY_STATE_DIRECTORY
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveFiles, Store
-from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
+from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.wire import FILE_CHUNK_BYTES
 from checkpointd.saves import restore
 
@@ -86,24 +86,21 @@ def plan(
     Args:
         store: where the saves live.
         folder: the run's folder.
-        run: the run; the save's manifest must name it.
-        export_dir: the save; empty for the run's newest.
+        run: the run whose newest save serves when `export_dir` is empty.
+        export_dir: the save, whichever run committed it (restores go by
+            where the saves are); empty for the run's newest.
         asked: (path, offset, length) ranges, length 0 to the file's end;
             none: every file whole.
         header_only: send no ranges at all.
 
     Raises:
-        RunNotFoundError: no such committed save of the run.
+        RunNotFoundError: no such committed save (see `checkpointd.saves.restore.find`).
         InvalidRequestError: a bad export_dir, a range of no listed file or
             past its end, or a store that cannot send files.
     """
     if not isinstance(store, SaveFiles):
         raise InvalidRequestError(f"{store.describe()} cannot send a save's files; use Restore")
     save = restore.find(store, folder, run, export_dir)
-    if save.run != run:
-        raise RunNotFoundError(
-            f"the save at {save.export_dir!r} in folder {folder!r} is run {save.run!r}'s, not {run!r}'s"
-        )
     files = sorted(
         (f for f in store.files_of(save) if save.prefix or f.path.startswith(_POLICY_DIRS)),
         key=lambda f: (not f.path.endswith(".index"), f.path),

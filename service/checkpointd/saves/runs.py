@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from checkpointd.core.lane import (
+    Cancelled,
     Failed,
     Lane,
     LaneState,
@@ -41,7 +42,7 @@ from checkpointd.core.lane import (
 )
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.ports import Clock, MetricsSink, NullSink
-from checkpointd.protocol.errors import DeadlineError, RunClosedError, RunNotFoundError
+from checkpointd.protocol.errors import AlreadyExistsError, DeadlineError, RunClosedError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.shm import RunLock
 
@@ -73,6 +74,7 @@ class _Run:
     lane: Lane
     manifest: Manifest
     folder: str
+    claim: str | None = None  # the checkpoint dir of `folder` a training run writes (None: no claim)
     lock: RunLock | None = None  # the run's busy lock
     decided_ticket: Ticket | None = None  # the trainer-decided save in flight (its trainer holds the lock)
 
@@ -101,20 +103,56 @@ class Lanes:
         with self._cond:
             return len(self._runs)
 
-    def register(self, run: str, manifest: Manifest, folder: str | None = None) -> None:
-        """Adds a run, or gives an existing one a new manifest (and folder) and reopens it.
+    def register(self, run: str, manifest: Manifest, folder: str | None = None, claim: str | None = None) -> None:
+        """Adds a run, or gives an existing one a new manifest (and folder and claim) and reopens it.
 
-        `folder` is where the run's saves land under the root; None: the run's name.
+        Args:
+            run: the run.
+            manifest: what its saves must match.
+            folder: where the run's saves land under the root; None: the run's name.
+            claim: the checkpoint dir of the folder the run alone writes while
+                it is open (a training run's); None: none.
+
+        Raises:
+            AlreadyExistsError: another open run of the folder claims `claim`;
+                nothing changes.
         """
+        folder = folder or run
         with self._cond:
+            if claim is not None:
+                holder = self._claimant(folder, claim)
+                if holder is not None and holder != run:
+                    raise AlreadyExistsError(
+                        f"checkpoint dir {claim!r} of folder {folder!r} is written by run {holder!r}, which is "
+                        f"open on this daemon: one checkpointer per dir, as one CheckpointManager per dir. Give "
+                        f"this checkpointer another ckpt_dir, or close run {holder!r} first (`checkpointd close --run "
+                        f"{holder}`); to only read its checkpoints, use RemoteCheckpointer(..., read_only=True)"
+                    )
             entry = self._runs.get(run)
             if entry is None:
-                self._runs[run] = _Run(Lane(run, self._clock, self._sink), manifest, folder or run)
+                self._runs[run] = _Run(Lane(run, self._clock, self._sink), manifest, folder, claim)
             else:
                 entry.manifest = manifest
-                entry.folder = folder or run
+                entry.folder = folder
+                entry.claim = claim
                 entry.lane.reopen()
             self._cond.notify_all()
+
+    def _claimant(self, folder: str, claim: str) -> str | None:
+        """The open run that claims `claim` of `folder`, if any; the caller holds the lock."""
+        for name, entry in self._runs.items():
+            if entry.claim == claim and entry.folder == folder and entry.lane.state is not LaneState.CLOSED:
+                return name
+        return None
+
+    def claim(self, run: str) -> str | None:
+        """The checkpoint dir the run claims (None: none).
+
+        Raises:
+            RunNotFoundError: if the run was never registered.
+        """
+        with self._cond:
+            return self._get(run).claim
 
     def manifest(self, run: str) -> Manifest:
         """The run's manifest.
@@ -277,7 +315,7 @@ class Lanes:
         with self._cond:
             self._cond.notify_all()
 
-    def finish(self, run: str, ticket: Ticket, outcome: Written | Failed) -> None:
+    def finish(self, run: str, ticket: Ticket, outcome: Written | Failed | Cancelled) -> None:
         """Ends an accepted save; the next queued blocking save starts."""
         with self._cond:
             entry = self._runs[run]

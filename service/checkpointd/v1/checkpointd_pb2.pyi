@@ -42,20 +42,22 @@ class Chunk(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class RegisterRunHeader(_message.Message):
-    __slots__ = ("run", "variables", "checkpoint_object_graph", "template_bytes", "folder", "kind")
+    __slots__ = ("run", "variables", "checkpoint_object_graph", "template_bytes", "folder", "kind", "checkpoint_dir")
     RUN_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_OBJECT_GRAPH_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FOLDER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     run: str
     variables: _containers.RepeatedCompositeFieldContainer[Variable]
     checkpoint_object_graph: bytes
     template_bytes: int
     folder: str
     kind: SaveKind
-    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., checkpoint_object_graph: _Optional[bytes] = ..., template_bytes: _Optional[int] = ..., folder: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ...) -> None: ...
+    checkpoint_dir: str
+    def __init__(self, run: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., checkpoint_object_graph: _Optional[bytes] = ..., template_bytes: _Optional[int] = ..., folder: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
 
 class RegisterRunRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -326,7 +328,7 @@ class LastSuccess(_message.Message):
     def __init__(self, kind: _Optional[_Union[SaveKind, str]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run", "state", "in_flight", "saves_ok", "saves_skipped", "saves_failed", "last_success", "last_error")
+    __slots__ = ("run", "state", "in_flight", "saves_ok", "saves_skipped", "saves_failed", "last_success", "last_error", "saves_cancelled")
     RUN_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +337,7 @@ class RunStatus(_message.Message):
     SAVES_FAILED_FIELD_NUMBER: _ClassVar[int]
     LAST_SUCCESS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SAVES_CANCELLED_FIELD_NUMBER: _ClassVar[int]
     run: str
     state: str
     in_flight: InFlightSave
@@ -343,7 +346,8 @@ class RunStatus(_message.Message):
     saves_failed: int
     last_success: LastSuccess
     last_error: str
-    def __init__(self, run: _Optional[str] = ..., state: _Optional[str] = ..., in_flight: _Optional[_Union[InFlightSave, _Mapping]] = ..., saves_ok: _Optional[int] = ..., saves_skipped: _Optional[int] = ..., saves_failed: _Optional[int] = ..., last_success: _Optional[_Union[LastSuccess, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
+    saves_cancelled: int
+    def __init__(self, run: _Optional[str] = ..., state: _Optional[str] = ..., in_flight: _Optional[_Union[InFlightSave, _Mapping]] = ..., saves_ok: _Optional[int] = ..., saves_skipped: _Optional[int] = ..., saves_failed: _Optional[int] = ..., last_success: _Optional[_Union[LastSuccess, _Mapping]] = ..., last_error: _Optional[str] = ..., saves_cancelled: _Optional[int] = ...) -> None: ...
 
 class StoredRun(_message.Message):
     __slots__ = ("folder", "run", "saves", "kind", "export_dir", "step", "unix_seconds", "path", "lease_holder")
@@ -382,14 +386,16 @@ class StatusResponse(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., draining: bool = ..., stored_runs: _Optional[_Iterable[_Union[StoredRun, _Mapping]]] = ..., stored_truncated: bool = ..., stored_folders: _Optional[int] = ...) -> None: ...
 
 class LatestRequest(_message.Message):
-    __slots__ = ("run", "kind", "folder")
+    __slots__ = ("run", "kind", "folder", "checkpoint_dir")
     RUN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     FOLDER_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     run: str
     kind: SaveKind
     folder: str
-    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., folder: _Optional[str] = ...) -> None: ...
+    checkpoint_dir: str
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., folder: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
 
 class LatestResponse(_message.Message):
     __slots__ = ("found", "path", "export_dir", "step", "kind", "unix_seconds", "checkpoints")

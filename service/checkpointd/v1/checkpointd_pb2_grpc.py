@@ -103,7 +103,8 @@ class CheckpointServiceServicer(object):
         shared_memory_written) and half-closes. The daemon answers one
         SaveResult once the save is durable (fsynced and renamed into place)
         and ends the call OK, or ends it with an error status. Either way the
-        save is counted (saves_ok or saves_failed) and the lane is free.
+        save is counted (saves_ok or saves_failed, or saves_cancelled if the
+        client went away first) and the lane is free.
         A header with `held` (the client took the run's busy lock, see
         HeldSave) is accepted without a skip decision, or refused with a status.
         Errors before the decision (no decision sent; nothing written or
@@ -205,8 +206,9 @@ class CheckpointServiceServicer(object):
         and CRC32C from the save's manifest, then the asked ranges as Chunks
         (path = the file, offset within it). The run need not be registered:
         the save is found in the folder (RestoreFilesRequest.folder, else the
-        registered one, else the run's name) and must name the run in its
-        manifest. NOT_FOUND: no such committed save. INVALID_ARGUMENT: a bad
+        registered one, else the run's name); asked by its export_dir it may be
+        any run's save, else it is the run's newest. NOT_FOUND: no such
+        committed save. INVALID_ARGUMENT: a bad
         export_dir, or a range outside the files listed. The daemon does not
         check what it sends: a client checks each file it receives whole
         against its RestoreFile.crc32c before using it, and a partial range by
