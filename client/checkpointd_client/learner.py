@@ -209,19 +209,37 @@ def common_module(
         common = checkpointd_client.common_module(                       # after
             "localhost:7431", run="cartpole-dqn", root_dir=root_dir)
 
+    Its saves are durable once `flush()` returns, and at the latest when the
+    process exits (the upload threads finish first). Besides
+    `tf_agents.utils.common`'s names it has `checkpointers` (those it made,
+    in order), `flush(timeout=None)` and `close(timeout=None)`.
+
     Args:
         address, run, root_dir, **connection: as for `train_modules`.
 
     Returns:
         A stand-in for `tf_agents.utils.common`.
     """
+    made: list[RemoteCheckpointer] = []
 
     def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
-        return RemoteCheckpointer(
+        checkpointer = RemoteCheckpointer(
             ckpt_dir, address, run=run, root_dir=root_dir, max_to_keep=max_to_keep, **connection, **objects
         )
+        made.append(checkpointer)
+        return checkpointer
 
-    return _common_with(make)
+    def flush(timeout: float | None = None) -> None:
+        """Waits until every checkpoint the module's checkpointers started is durable."""
+        for checkpointer in made:
+            checkpointer.flush(timeout)
+
+    def close(timeout: float | None = None) -> None:
+        """Flushes and closes every checkpointer the module made."""
+        for checkpointer in made:
+            checkpointer.close(timeout)
+
+    return _Proxy(common, Checkpointer=make, checkpointers=made, flush=flush, close=close)
 
 
 def _learner_module(address: str, run: str, connection: dict[str, Any]) -> types.ModuleType:

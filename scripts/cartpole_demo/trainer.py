@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpointer = RemoteCheckpointer(
         "train",
         args.address,
-        run=f"{args.run}.train",
-        folder=args.run,
+        run=args.run,  # the job: its folder, and this checkpointer's run "<job>.train"
         max_to_keep=args.max_to_keep,
         agent=agent,
         replay_buffer=buffer,
