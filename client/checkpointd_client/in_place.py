@@ -131,5 +131,59 @@ def _release(fds: list[int]) -> None:
 
 
 def _links_dir() -> str:
+    """A new links dir, named after this process; the first one a process makes sweeps those of dead ones first."""
     usable = os.path.isdir(LINKS_PARENT) and os.access(LINKS_PARENT, os.W_OK)
-    return tempfile.mkdtemp(prefix=DIR_PREFIX, dir=LINKS_PARENT if usable else None)
+    parent = LINKS_PARENT if usable else tempfile.gettempdir()
+    if not _swept:
+        _swept.append(parent)
+        swept = sweep(parent)
+        if swept:
+            _LOGGER.info("removed %d in-place restore dirs of trainers gone without close() from %s", swept, parent)
+    return tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=parent)
+
+
+_swept: list[str] = []  # the parent swept by this process, once
+
+
+def sweep(parent: str) -> int:
+    """Removes the links dirs under `parent` whose process is gone (killed before `close()`); returns how many.
+
+    A dir is this user's and named `<DIR_PREFIX><pid>-...`; one of an older
+    client (no pid in its name) is its links' owner's, from their
+    `/proc/<pid>/fd/N` targets. A live process's, or one whose owner cannot
+    be told, is left alone.
+    """
+    removed = 0
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(DIR_PREFIX):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        pid = _owner(entry.path, entry.name[len(DIR_PREFIX) :])
+        if pid is not None and pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def _owner(path: str, rest: str) -> int | None:
+    """The pid that made the links dir at `path` (`rest`: its name after DIR_PREFIX), or None if it cannot be told."""
+    head = rest.split("-", 1)[0]
+    if head.isdigit() and "-" in rest:
+        return int(head)
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                parts = os.readlink(os.path.join(dirpath, name)).split("/")  # /proc/<pid>/fd/<n>
+            except OSError:
+                continue
+            if len(parts) == 5 and parts[1] == "proc" and parts[2].isdigit() and parts[3] == "fd":
+                return int(parts[2])
+    return None

@@ -18,8 +18,10 @@ from tests.integration.daemon import Daemon, wait_until
 RUN_SECONDS = 600  # one example run, on a loaded 2-core machine; a hang fails the test here
 
 
-def _run(root_dir: Path, iterations: int, daemon: Daemon | None = None, job: str = "") -> dict[str, object]:
-    args = [sys.executable, "-m", "tests.integration.example_proc", str(root_dir), str(iterations)]
+def _run(
+    root_dir: Path, iterations: int, daemon: Daemon | None = None, job: str = "", example: str = "v2"
+) -> dict[str, object]:
+    args = [sys.executable, "-m", "tests.integration.example_proc", example, str(root_dir), str(iterations)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     if daemon is not None:
         args += [daemon.address, job]
@@ -61,3 +63,31 @@ def test_the_dqn_v2_example_keeps_every_checkpoint_and_resumes_through_the_daemo
     # Retention (max_to_keep=1 for the replay buffer) runs off the save path: its deletions follow the commit.
     remote = daemon.root / job / "train"
     wait_until(lambda: _checkpoints(remote) == expected, f"the same checkpoints as in process: {expected}")
+
+
+def _saves(top: Path) -> list[str]:
+    """Every save under `top` TF-Agents writes (SavedModels, checkpoints, state files), relative, sorted."""
+    return sorted(
+        p.relative_to(top).as_posix()
+        for p in top.rglob("*")
+        if p.is_file() and (p.name in ("saved_model.pb", "checkpoint") or p.suffix == ".index")
+    )
+
+
+def test_the_learner_example_with_reverb_writes_its_policies_and_checkpoints_through_the_daemon(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    local = tmp_path / "in-process"
+    _run(local, 100, example="learner")
+    _run(local, 100, example="learner")
+    expected = _saves(local / "policies") + [f"train/{p}" for p in _saves(local / "train")]
+    assert "greedy_policy/saved_model.pb" in expected and "train/checkpoints/ckpt-200.index" in expected, expected
+
+    job = "dqn-learner-example"
+    _run(tmp_path / "remote", 100, daemon, job, example="learner")
+    _run(tmp_path / "remote", 100, daemon, job, example="learner")
+    ours = daemon.root / job
+    wait_until(
+        lambda: _saves(ours / "policies") + [f"train/{p}" for p in _saves(ours / "train")] == expected,
+        f"the same saves as in process: {expected}",
+    )
