@@ -387,10 +387,11 @@ def test_symlink_planted_after_the_accept_is_not_followed(daemon: Daemon, stub: 
     run_dir = daemon.root / run.name
     run_dir.mkdir(exist_ok=True)
     with RawSave(stub, pb.SaveRequest(header=run.header("later/policy"))) as call:
-        assert call.decision().accepted  # "later" does not exist yet: the path is fine
-        # The save is staged at its accept, in a "later" the daemon made: swap it for the symlink.
-        if (run_dir / "later").is_dir():
-            (run_dir / "later").rename(run_dir / "later-moved")
+        assert call.decision().accepted  # "later" did not exist: the path is fine
+        # The save was staged before its accept was answered, in a "later" the daemon made:
+        # swap that for a symlink leading out of the root.
+        assert (run_dir / "later").is_dir() and not (run_dir / "later").is_symlink()
+        (run_dir / "later").rename(run_dir / "later-moved")
         (run_dir / "later").symlink_to(outside, target_is_directory=True)
         call.send_chunks(run.chunks())
         call.half_close()

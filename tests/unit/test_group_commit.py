@@ -12,6 +12,7 @@ import pytest
 from checkpointd.core.ports import SaveMeta, Staged
 from checkpointd.durable import group_commit
 from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.storage import local, save_manifest
 from checkpointd.storage.local import LocalStore
 
@@ -166,13 +167,13 @@ def test_syncfs_of_a_real_dir_runs_and_a_missing_dir_raises(tmp_path: Path) -> N
 class CountingSync:
     """Counts syncs; checks at each that the save's files and manifest are there and the target is not yet."""
 
-    def __init__(self, staging: list[Path], target: Path) -> None:
-        self.states: list[tuple[bool, bool]] = []  # (manifest in staging, target published)
-        self._staging = staging
+    def __init__(self, target: Path) -> None:
+        self.states: list[tuple[bool, bool]] = []  # (manifest in a staging dir beside the target, target published)
         self._target = target
 
     def __call__(self) -> None:
-        manifest = any((s / save_manifest.MANIFEST_NAME).exists() for s in self._staging)
+        staged = self._target.parent.glob(f"{TMP_PREFIX}{self._target.name}-*")
+        manifest = any((s / save_manifest.MANIFEST_NAME).exists() for s in staged)
         self.states.append((manifest, self._target.exists()))
 
 
@@ -180,8 +181,7 @@ def test_a_small_save_is_committed_with_two_shared_syncs_its_files_first_then_it
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target = tmp_path / "root" / "run" / "save"
-    staged_dirs: list[Path] = []
-    recorder = CountingSync(staged_dirs, target)
+    recorder = CountingSync(target)
     monkeypatch.setattr(group_commit, "syncfs_of", lambda directory: recorder)
     fsyncs: list[object] = []
     monkeypatch.setattr(local.files, "fsync_dir", lambda path: fsyncs.append(path))
@@ -189,7 +189,6 @@ def test_a_small_save_is_committed_with_two_shared_syncs_its_files_first_then_it
     store = LocalStore(tmp_path / "root", group_commit=True)
     try:
         staging = store.stage(store.target("run", "save"))
-        staged_dirs.append(staging)
         (staging / "variables").mkdir()
         (staging / "variables" / "variables.index").write_bytes(b"index")
         meta = SaveMeta("run", SaveKind.CHECKPOINT, 3, "save")
@@ -205,7 +204,7 @@ def test_a_small_save_is_committed_with_two_shared_syncs_its_files_first_then_it
 
 
 def test_large_saves_and_unsynced_stores_keep_their_own_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    recorder = CountingSync([], tmp_path / "none")
+    recorder = CountingSync(tmp_path / "none")
     monkeypatch.setattr(group_commit, "syncfs_of", lambda directory: recorder)
     store = LocalStore(tmp_path / "root", group_commit=True)
     unsynced = LocalStore(tmp_path / "unsynced", group_commit=True, fsync=False)
@@ -257,7 +256,7 @@ def test_a_small_save_replacing_one_parks_the_old_tree_until_the_rename_is_durab
 def test_a_save_on_another_filesystem_than_the_root_keeps_its_own_fsyncs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    recorder = CountingSync([], tmp_path / "none")
+    recorder = CountingSync(tmp_path / "none")
     monkeypatch.setattr(group_commit, "syncfs_of", lambda directory: recorder)
     store = LocalStore(tmp_path / "root", group_commit=True)
     try:

@@ -95,10 +95,10 @@ def test_a_failed_second_rename_puts_the_old_tree_back(tmp_path: Path, monkeypat
     tmp = make(durable.make_temp_sibling(target), {"a.txt": "new"})
     real_rename = os.rename
 
-    def rename(src: os.PathLike[str], dst: os.PathLike[str]) -> None:
+    def rename(src: str, dst: str, **dir_fds: int) -> None:
         if Path(src) == tmp:
             raise OSError(28, "No space left on device", str(src))
-        real_rename(src, dst)
+        real_rename(src, dst, **dir_fds)
 
     monkeypatch.setattr(durable.files.os, "rename", rename)
     with pytest.raises(OSError, match="No space"):
@@ -146,30 +146,24 @@ def test_a_commit_fsyncs_every_file_and_dir_once_its_dir_after_the_manifest_all_
     staging = make(store.stage(target), {"saved_model.pb": "g", "variables/variables.index": "i"})
     (staging / "assets").mkdir()
     events: list[str] = []
-    opened: dict[int, str] = {}
-    real_open, real_close, real_rename = os.open, os.close, os.rename
+    real_staging = os.readlink(staging)  # the store hands out a path naming its open staging dir
+    real_rename = os.rename
 
-    def name(path: str | os.PathLike[str]) -> str:
-        return os.path.relpath(path, staging) if Path(path).is_relative_to(staging) else str(path)
+    def name(path: str) -> str:
+        return os.path.relpath(path, real_staging) if Path(path).is_relative_to(real_staging) else str(path)
 
-    def recording_open(path: str | os.PathLike[str], flags: int, *args: int) -> int:
-        fd = real_open(path, flags, *args)
-        opened[fd] = name(path)
-        return fd
+    def where(fd: int) -> str:  # what an fd is open on, named as the test names it
+        return name(os.readlink(f"/proc/self/fd/{fd}"))
 
-    def recording_close(fd: int) -> None:
-        opened.pop(fd, None)  # its number may be reused
-        real_close(fd)
+    def recording_rename(src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
+        shown = (
+            src if src_dir_fd is None or os.path.isabs(src) else os.readlink(f"/proc/self/fd/{src_dir_fd}") + "/" + src
+        )
+        events.append(f"rename {name(shown)}")
+        real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
-    def recording_rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        events.append(f"rename {name(src)}")
-        real_rename(src, dst)
-
-    monkeypatch.setattr(os, "open", recording_open)
-    monkeypatch.setattr(os, "close", recording_close)
     monkeypatch.setattr(os, "rename", recording_rename)
-    # The manifest is fsynced through the file object that wrote it, whose fd os.open did not make.
-    monkeypatch.setattr(os, "fsync", lambda fd: events.append(f"fsync {opened.get(fd, MANIFEST_NAME)}"))
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(f"fsync {where(fd)}"))
     meta = SaveMeta("run1", SaveKind.SAVED_MODEL, 3, "policy_3")
     try:
         store.commit(Staged(staging, 2, {"checkpointd": "0"}), target, meta)

@@ -22,6 +22,7 @@ import shutil
 import stat
 from pathlib import Path
 
+from checkpointd.durable import dirs
 from checkpointd.protocol.errors import SaveFailedError
 from checkpointd.protocol.names import OLD_PREFIX, SUFFIX_HEX_LEN, TMP_PREFIX
 
@@ -152,7 +153,13 @@ def remove_quietly(path: Path) -> None:
 
 
 def publish_dir(
-    tmp: Path | str, target: Path | str, *, fsync: bool = True, synced: bool = False, keep_old: bool = False
+    tmp: Path | str,
+    target: Path | str,
+    *,
+    fsync: bool = True,
+    synced: bool = False,
+    keep_old: bool = False,
+    dir_fd: int | None = None,
 ) -> Path | None:
     """Renames the finished tree `tmp` to `target`, replacing an old tree.
 
@@ -167,6 +174,9 @@ def publish_dir(
             return it, for the caller to delete once the rename is durable
             (a group commit, after its shared sync); `recover` deletes it
             after a crash.
+        dir_fd: the target's parent, held open (`checkpointd.durable.dirs`):
+            `tmp` and `target` are then names in it, and no path is looked
+            up again; a returned parked tree is a name in it too.
 
     Returns:
         The parked old tree if `keep_old` and there was one; else None.
@@ -175,40 +185,55 @@ def publish_dir(
         SaveFailedError: if `target` exists and is not a directory.
         OSError: if a rename or fsync fails; `tmp` is then left for the caller.
     """
-    # As text, with one lstat for the target's three checks (pathlib's cost more than the renames).
+    if dir_fd is not None:
+        return _publish_in(dir_fd, os.fspath(tmp), os.fspath(target), os.fspath(target), fsync, synced, keep_old)
+    # As text (pathlib's parsing cost more than the renames).
     where = os.fspath(_path(target))
     parent, name = os.path.split(where)
     parent = parent or "."
-    if fsync and not synced:
-        fsync_tree(_path(tmp))
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        mode: int | None = os.lstat(where).st_mode
+        old = _publish_in(fd, os.path.abspath(tmp), name, where, fsync, synced, keep_old)
+    finally:
+        os.close(fd)
+    return None if old is None else Path(parent, old)
+
+
+def _publish_in(fd: int, tmp: str, name: str, shown: str, fsync: bool, synced: bool, keep_old: bool) -> Path | None:
+    """`publish_dir` in the open dir `fd`: `tmp` a name in it (or an absolute path), `name` the target's."""
+    if fsync and not synced:
+        fsync_tree(Path(tmp if os.path.isabs(tmp) else os.path.join(f"/proc/self/fd/{fd}", tmp)))
+    try:
+        mode: int | None = os.lstat(name, dir_fd=fd).st_mode
     except (FileNotFoundError, NotADirectoryError):
-        mode = None  # absent (the rename says why if a parent is not a dir)
+        mode = None
     if mode is not None and not stat.S_ISDIR(mode):
         # A symlink to a directory is refused too: renaming over it would
         # replace the link, not the tree the user pointed it at.
         raise SaveFailedError(
-            f"cannot publish to {where}: it exists and is not a directory; " "move it away or choose another export_dir"
+            f"cannot publish to {shown}: it exists and is not a directory; move it away or choose another export_dir"
         )
     if mode is None:
-        os.rename(tmp, where)
+        os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
         if fsync:
-            fsync_dir(parent)
+            os.fsync(fd)
         return None
-    old = Path(parent, f"{OLD_PREFIX}{name}-{new_suffix()}")
-    os.rename(where, old)
+    old = f"{OLD_PREFIX}{name}-{new_suffix()}"
+    os.rename(name, old, src_dir_fd=fd, dst_dir_fd=fd)
     try:
-        os.rename(tmp, where)
+        os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
     except OSError:
         # Put the old tree back so a failed save leaves what was there.
-        os.rename(old, where)
+        os.rename(old, name, src_dir_fd=fd, dst_dir_fd=fd)
         raise
     if fsync:
-        fsync_dir(parent)
+        os.fsync(fd)
     if keep_old:
-        return old
-    remove_quietly(old)
+        return Path(old)
+    try:
+        shutil.rmtree(old, dir_fd=fd)
+    except OSError as e:
+        _LOGGER.warning("could not remove the replaced tree %s: %s", old, e)
     return None
 
 
@@ -245,34 +270,52 @@ def recover(root: Path) -> int:
         The number of entries deleted or renamed.
     """
     fixed = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+    if not os.path.isdir(root):
+        return fixed
+    # Through each dir's descriptor (os.fwalk): a component swapped for a
+    # symlink while this runs is never followed, nor anything deleted through it.
+    for dirpath, dirnames, filenames, dir_fd in os.fwalk(root, follow_symlinks=False):
         for name in filenames:
             if _split_suffixed(name, TMP_PREFIX) is not None:
                 _LOGGER.info("recover: deleting unfinished temp file %s", Path(dirpath, name))
-                Path(dirpath, name).unlink(missing_ok=True)
+                dirs.remove_quietly(dir_fd, name, dirpath)
                 fixed += 1
         keep = []
         for name in sorted(dirnames):
             entry = Path(dirpath, name)
-            if entry.is_symlink():
+            if _is_link(name, dir_fd):
                 continue
             if name.startswith(TMP_PREFIX):
                 _LOGGER.info("recover: deleting unfinished temp dir %s", entry)
-                remove_quietly(entry)
+                dirs.remove_quietly(dir_fd, name, dirpath)
                 fixed += 1
                 continue
             base = _split_old(name)
             if base is None:
                 keep.append(name)
                 continue
-            original = Path(dirpath, base)
-            if os.path.lexists(original):
+            if _exists(base, dir_fd):
                 _LOGGER.info("recover: deleting replaced tree %s", entry)
-                remove_quietly(entry)
+                dirs.remove_quietly(dir_fd, name, dirpath)
             else:
-                _LOGGER.warning("recover: restoring %s from %s", original, entry)
-                os.rename(entry, original)
+                _LOGGER.warning("recover: restoring %s from %s", Path(dirpath, base), entry)
+                os.rename(name, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 keep.append(base)
             fixed += 1
         dirnames[:] = keep
     return fixed
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except FileNotFoundError:
+        return True  # gone meanwhile: nothing to do there
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True

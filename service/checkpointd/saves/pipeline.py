@@ -384,19 +384,28 @@ class SavePipeline:
             incremental = request.incremental and bases.worth_a_base(parts)
             if incremental:  # through shared memory too: the daemon compares the chunks itself
                 base = bases.open_base(self.store, folder, request, self._local, self._bases, manifest.variables)
-            offer = _offer(base) if segment is None else None
-            yield Decision(accepted=True, segment=segment, lock_path=lock_path, base=offer)
             meta = SaveMeta(run, request.kind, request.step, request.export_dir)
             fmt = self.formats(request.kind)
-            # The save's files are open before its first byte arrives and are
+            # The save's files are open before the accept is answered, and are
             # written as the chunks land; no deletions in the folder meanwhile.
-            with (
-                self.retention.holding(folder),
-                writes.streamed(
-                    self.store, fmt, meta, manifest, self.store.target(folder, request.export_dir), parts,
-                    request.numpy_state, request.checkpoint,
-                ) as save,
-            ):  # fmt: skip
+            # Its place is bound there: a path changed after the accept is never
+            # followed (the Store holds the dirs open).
+            decision = Decision(
+                accepted=True, segment=segment, lock_path=lock_path, base=_offer(base) if segment is None else None
+            )
+            with contextlib.ExitStack() as opened:
+                try:
+                    opened.enter_context(self.retention.holding(folder))
+                    save = opened.enter_context(
+                        writes.streamed(
+                            self.store, fmt, meta, manifest, self.store.target(folder, request.export_dir), parts,
+                            request.numpy_state, request.checkpoint,
+                        )
+                    )  # fmt: skip
+                except Exception:
+                    yield decision  # accepted, and failed: the caller hears it as the save's result
+                    raise
+                yield decision
                 # A phase is timed when it ends, failed or not, as save_duration is.
                 transferred = _Once(lambda: self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted))
                 sink: SaveSink = _AtWriterPriority(save.sink, self._pool)

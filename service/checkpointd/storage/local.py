@@ -12,17 +12,21 @@ by `checkpointd.storage.prefix` instead of the dir rename. Stdlib only
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import functools
 import logging
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged
-from checkpointd.durable import files, writeback
+from checkpointd.durable import dirs, files, writeback
 from checkpointd.durable import group_commit as group_commit_
-from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
+from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.names import (
     RESERVED_PREFIX,
     RETIRED_PREFIX,
@@ -137,6 +141,8 @@ class LocalStore:
         # fsyncs a save's files while its manifest's CRCs read them back.
         self._syncer = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="fsync", initializer=thread_initializer)
         self._verified = local_files.Verified()  # committed files checked for RestoreFiles' same-host readers
+        self._lock = threading.Lock()
+        self._staged: dict[Path, _Staging] = {}  # by the staging path `stage` returned
 
     def describe(self) -> str:
         return str(self.root.resolve())
@@ -151,13 +157,85 @@ class LocalStore:
         return resolve_export_dir(self.root, folder, export_dir)
 
     def stage(self, target: PurePath) -> Path:
-        staging = files.make_temp_sibling(target if isinstance(target, Path) else Path(target))
+        # The target's parent is held open from here on (`checkpointd.durable.dirs`):
+        # every write, rename and delete of the save goes through it.
+        place, name = self._open_parent(os.fspath(target), create=True)
+        try:
+            tmp = f"{TMP_PREFIX}{name}-{files.new_suffix()}"
+            os.mkdir(tmp, dir_fd=place.fd)
+            staging_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=place.fd)
+        except BaseException:
+            if place.made:
+                dirs.remove_empty(place.base_fd, place.made)
+            place.close()
+            raise
+        staging = Path(dirs.fd_path(staging_fd))
+        with self._lock:
+            self._staged[staging] = _Staging(place, tmp, staging_fd)
         if self._fsync:
             writeback.mark_fsynced(staging)
         return staging
 
+    def _open_parent(self, path: str | PurePath, *, create: bool = False) -> tuple[dirs.HeldDir, str]:
+        """Opens the parent of `path` (a target this store resolved) without following a link below its run's folder.
+
+        Links already there are resolved first and must stay inside the root
+        (or the run's folder, if that is a link), as `resolve_export_dir`
+        checks them against the run's folder; from the open on,
+        a component swapped for a link or a file is refused, never followed.
+
+        Raises:
+            InvalidRequestError: a component is (now) a link leading out of
+                the run's folder, a file, or a link put there meanwhile.
+            OSError: the dir could not be opened or made.
+        """
+        path = os.path.abspath(path)
+        root = _real_root(os.fspath(self.root))
+        for given in (root, os.path.abspath(self.root)):  # made from the real root, or from the root as given
+            if path.startswith(given + os.sep):
+                path = os.path.join(root, path[len(given) + 1 :])
+                break
+        else:  # not below the root: a place a tool named itself (`writes.write_save`), taken as it is now
+            parent = os.path.realpath(os.path.dirname(path))
+            if create and not os.path.isdir(parent):
+                try:
+                    os.makedirs(parent, exist_ok=True)
+                except FileExistsError:  # mkdir's "File exists" for a parent that is a file: say what is wrong
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), parent) from None
+            return dirs.hold_below(parent, [], create=False), os.path.basename(path)
+        run = os.path.relpath(path, root).split(os.sep, 1)[0]
+        base = _real_run_dir(root, run) if os.path.islink(os.path.join(root, run)) else root
+        parent, name = os.path.split(path)
+        real_parent = os.path.realpath(parent)
+        below = os.path.relpath(real_parent, base)
+        if real_parent != base and not real_parent.startswith(base + os.sep):
+            raise InvalidRequestError(
+                f"{path} resolves outside its run's folder (through a symlink); nothing was written"
+            )
+        if create and base == root:
+            os.makedirs(root, exist_ok=True)  # the root is made if missing, with the first save
+        try:
+            return dirs.hold_below(base, [] if below == "." else below.split(os.sep), create=create), name
+        except dirs.Moved as e:
+            raise InvalidRequestError(
+                f"{path} changed while the daemon was using it ({e}); nothing was written there: "
+                "keep the run's folder free of links and files in the save's way, and save again"
+            ) from e
+
+    def _staging(self, staged: PurePath) -> _Staging | None:
+        with self._lock:
+            return self._staged.get(Path(staged))
+
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         target = target if isinstance(target, Path) else Path(target)
+        held = self._staging(staged.path)
+        if held is None:
+            raise SaveFailedError(f"{staged.path} was not staged by this store; nothing was committed")
+        if not dirs.same_dir(held.place.fd, os.path.dirname(target)):
+            raise InvalidRequestError(
+                f"the dir of {target} was moved or replaced while the save was written; nothing was committed: "
+                "leave the run's folder to the daemon while it saves, and save again"
+            )
         writeback.unmark_fsynced(staged.path)
         if (
             self._group is not None
@@ -165,7 +243,15 @@ class LocalStore:
             and staged.bytes_written < GROUP_COMMIT_BYTES
             and self._on_root_filesystem(staged.path)
         ):
-            return self._commit_in_group(staged, target, meta, self._group)
+            written = self._commit_in_group(staged, held, target, meta, self._group)
+        else:
+            written = self._commit_alone(staged, held, target, meta)
+        with self._lock:
+            del self._staged[Path(staged.path)]
+        held.close()
+        return written
+
+    def _commit_alone(self, staged: Staged, held: _Staging, target: Path, meta: SaveMeta) -> int:
         if staged.files_prefix is not None:  # named as they will be, so the manifest lists them so
             staged = prefix.rename_staged_save(staged, target.name)
         # The disk flushes the files and the dirs below the save's own (all
@@ -182,11 +268,11 @@ class LocalStore:
             if syncing is not None:
                 syncing.result()  # raises its OSError; the tree is not published
         if self._fsync:
-            files.fsync_dir(staged.path)
+            os.fsync(held.fd)
         if staged.files_prefix is not None:
-            prefix.publish(staged.path, target, fsync=self._fsync)
+            prefix.publish(staged.path, held.place.fd, held.name, target, fsync=self._fsync)
         else:
-            files.publish_dir(staged.path, target, fsync=self._fsync, synced=True)
+            files.publish_dir(held.name, target.name, fsync=self._fsync, synced=True, dir_fd=held.place.fd)
         return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
 
     def _on_root_filesystem(self, path: Path) -> bool:
@@ -200,7 +286,9 @@ class LocalStore:
         except OSError:
             return False
 
-    def _commit_in_group(self, staged: Staged, target: Path, meta: SaveMeta, group: group_commit_.GroupSync) -> int:
+    def _commit_in_group(
+        self, staged: Staged, held: _Staging, target: Path, meta: SaveMeta, group: group_commit_.GroupSync
+    ) -> int:
         """A small save's commit sharing its syncs with the saves committed beside it.
 
         The files and the manifest are written without a sync; the first
@@ -213,15 +301,23 @@ class LocalStore:
         """
         save_manifest.write_staged_manifest(staged, meta, fsync=False)
         group.barrier()
-        old = files.publish_dir(staged.path, target, fsync=False, keep_old=True)
+        old = files.publish_dir(held.name, target.name, fsync=False, keep_old=True, dir_fd=held.place.fd)
         group.barrier()
         if old is not None:
-            files.remove_quietly(old)
+            dirs.remove_quietly(held.place.fd, old.name, target.parent)
         return staged.bytes_written
 
     def discard(self, staged: Path) -> None:
         writeback.unmark_fsynced(staged)
-        files.remove_quietly(staged)
+        with self._lock:
+            held = self._staged.pop(Path(staged), None)
+        if held is None:
+            files.remove_quietly(staged)
+            return
+        dirs.remove_quietly(held.place.fd, held.name, staged)
+        if held.place.made:
+            dirs.remove_empty(held.place.base_fd, held.place.made)
+        held.close()
 
     def committed(self, folder: str, run: str | None) -> list[CommittedSave]:
         folder_dir = self._folder_dir(folder)
@@ -244,19 +340,29 @@ class LocalStore:
         return save
 
     def delete(self, save: CommittedSave) -> bool:
-        if save.prefix:
-            return prefix.delete(Path(save.path))
-        # Renamed away first (one step, so the save stops counting at once),
-        # then deleted; a crash in between leaves a temp dir `recover` removes.
         path = Path(save.path)
-        doomed = path.parent / f"{RETIRED_PREFIX}{path.name}-{files.new_suffix()}"
         try:
-            os.rename(path, doomed)
-        except OSError as e:
+            place, name = _open_listed_parent(save)
+        except (InvalidRequestError, OSError) as e:
             _LOGGER.warning("could not delete %s: %s", path, e)
             return False
-        files.remove_quietly(doomed)
-        return True
+        try:
+            if save.prefix:
+                return prefix.delete(path, place.fd)
+            # Renamed away first (one step, so the save stops counting at once),
+            # then deleted; a crash in between leaves a temp dir `recover` removes.
+            doomed = f"{RETIRED_PREFIX}{name}-{files.new_suffix()}"
+            try:
+                if stat.S_ISLNK(os.lstat(name, dir_fd=place.fd).st_mode):
+                    raise OSError(f"{path} is a symlink now, not the save")
+                os.rename(name, doomed, src_dir_fd=place.fd, dst_dir_fd=place.fd)
+            except OSError as e:
+                _LOGGER.warning("could not delete %s: %s", path, e)
+                return False
+            dirs.remove_quietly(place.fd, doomed, path.parent)
+            return True
+        finally:
+            place.close()
 
     def folders(self) -> list[str]:
         if not self.root.is_dir():
@@ -274,22 +380,31 @@ class LocalStore:
             return None
 
     def write_file(self, path: PurePath, data: bytes) -> None:
-        path = Path(path)
+        place, name = self._open_parent(os.fspath(path))
         # A temp sibling (removed by `recover` if a crash leaves it), fsynced,
         # then renamed over: readers see the old file or the new one.
-        tmp = path.parent / f"{TMP_PREFIX}{path.name}-{files.new_suffix()}"
+        tmp = f"{TMP_PREFIX}{name}-{files.new_suffix()}"
         try:
-            with open(tmp, "xb") as f:
-                f.write(data)
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=place.fd
+            )
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
                 if self._fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=place.fd, dst_dir_fd=place.fd)
+            if self._fsync:
+                os.fsync(place.fd)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=place.fd)
             raise
-        if self._fsync:
-            files.fsync_dir(path.parent)
+        finally:
+            place.close()
 
     # RestoreFiles (ports.SaveFiles).
 
@@ -313,6 +428,41 @@ class LocalStore:
     def _folder_dir(self, folder: str) -> Path:
         # Absolute and real, as resolve_export_dir makes save paths.
         return Path(os.path.realpath(self.root / check_run_name(folder)))
+
+
+def _open_listed_parent(save: CommittedSave) -> tuple[dirs.HeldDir, str]:
+    """Opens the dir of a save as it was listed (`committed`), following no link that is new since.
+
+    Its folder's real path was taken at the listing: it must still be its own
+    real path (no component swapped for a link since), and the export dir's
+    components below it are opened without following a link.
+
+    Raises:
+        InvalidRequestError: a component is a link, or not a dir, now.
+        OSError: a dir could not be opened (gone).
+    """
+    parts = save.export_dir.split("/")
+    path = os.fspath(save.path)
+    folder = path
+    for _ in parts:
+        folder = os.path.dirname(folder)
+    try:
+        return dirs.hold_below(dirs.open_real(folder), parts[:-1], create=False), parts[-1]
+    except dirs.Moved as e:
+        raise InvalidRequestError(f"{path} changed since it was listed ({e})") from e
+
+
+@dataclass
+class _Staging:
+    """A staged save's place, held open from its accept to its commit or discard."""
+
+    place: dirs.HeldDir  # the target's parent
+    name: str  # the staging dir's name in it
+    fd: int  # the staging dir
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.place.close()
 
 
 def _read(save_dir: Path, folder_dir: Path, *, is_prefix: bool = False) -> CommittedSave | None:

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from checkpointd.core.ports import CommittedSave, SavedFile
+from checkpointd.durable import dirs
 from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
 from checkpointd.protocol.wire import FILE_CHUNK_BYTES
 from checkpointd.storage import save_manifest
@@ -54,24 +55,43 @@ def read_ranges(save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> 
     Raises:
         SaveFailedError: a file is missing, unreadable, or shorter than asked.
     """
-    base = base_dir(save)
-    for path, offset, length in ranges:
+    # Through the save's dir as it was listed, opened once: a link put in its
+    # path since, or in place of one of its files, is never followed.
+    try:
+        base = dirs.open_real(os.fspath(base_dir(save)))
+    except (OSError, dirs.Moved) as e:
+        raise SaveFailedError(f"{save.export_dir!r}: cannot open its dir ({e})") from None
+    try:
+        for path, offset, length in ranges:
+            yield from _read_range(save, base, path, offset, length)
+    finally:
+        os.close(base)
+
+
+def _read_range(save: CommittedSave, base: int, path: str, offset: int, length: int) -> Iterator[bytes]:
+    parent, _, name = path.rpartition("/")
+    try:
+        where, _ = dirs.open_below(base, parent.split("/") if parent else [])
         try:
-            fd = os.open(base / path, os.O_RDONLY)
-        except OSError as e:
-            raise SaveFailedError(f"{save.export_dir!r}: cannot open {path} ({e.strerror})") from None
-        try:
-            end = offset + length
-            while offset < end:
-                data = os.pread(fd, min(FILE_CHUNK_BYTES, end - offset), offset)
-                if not data:
-                    raise SaveFailedError(f"{save.export_dir!r}: {path} ends at {offset}, before {end}")
-                yield data  # bytes: a chunk message takes them without another copy
-                offset += len(data)
-        except OSError as e:
-            raise SaveFailedError(f"{save.export_dir!r}: cannot read {path} ({e.strerror})") from None
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=where)
         finally:
-            os.close(fd)
+            os.close(where)
+    except (OSError, dirs.Moved) as e:
+        raise SaveFailedError(
+            f"{save.export_dir!r}: cannot open {path} ({getattr(e, 'strerror', None) or e})"
+        ) from None
+    try:
+        end = offset + length
+        while offset < end:
+            data = os.pread(fd, min(FILE_CHUNK_BYTES, end - offset), offset)
+            if not data:
+                raise SaveFailedError(f"{save.export_dir!r}: {path} ends at {offset}, before {end}")
+            yield data  # bytes: a chunk message takes them without another copy
+            offset += len(data)
+    except OSError as e:
+        raise SaveFailedError(f"{save.export_dir!r}: cannot read {path} ({e.strerror})") from None
+    finally:
+        os.close(fd)
 
 
 class Verified:

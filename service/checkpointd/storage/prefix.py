@@ -69,63 +69,82 @@ def rename_staged_save(staged: Staged, name: str) -> Staged:
     return dataclasses.replace(staged, known=known)
 
 
-def publish(staging: Path, target: Path, *, fsync: bool = True) -> None:
-    """Commits the staged prefix `target` (files and manifest in `staging`) into `target.parent`.
+def publish(staging: Path, parent_fd: int, staging_name: str, target: Path, *, fsync: bool = True) -> None:
+    """Commits the staged prefix `target` (files and manifest in `staging`) into the dir `parent_fd`.
 
-    `staging` must be inside `target.parent` and hold `<target.name>.*` and
-    the manifest (MANIFEST_NAME), nothing else; it is removed once empty.
+    Args:
+        staging: the staging dir's path (one that names it whatever its
+            parent's path has become: `checkpointd.durable.dirs.fd_path`).
+        parent_fd: the open dir the prefix is committed into, which holds
+            the staging dir as `staging_name`.
+        staging_name: the staging dir's name in `parent_fd`; it is removed
+            once empty.
+        target: the prefix's path, as checked (its parent is `parent_fd`):
+            its name is used, and the path is shown in the log.
+        fsync: whether to fsync the staged files and the dir after each step.
+
+    `staging` holds `<target.name>.*` and the manifest (MANIFEST_NAME), nothing else.
 
     Raises:
         OSError: a rename or fsync failed; what is left is described in the
             module docstring.
     """
-    parent = target.parent
     files = sorted(f for f in os.listdir(staging) if f != save_manifest.MANIFEST_NAME)
     if fsync:
         _fsync_tree(staging)
-    old = manifest_path(target)
-    if old.exists():
-        old.unlink()  # the old save stops counting before any of its files is replaced
+    old = manifest_path(target).name
+    try:
+        os.unlink(old, dir_fd=parent_fd)  # the old save stops counting before any of its files is replaced
+    except FileNotFoundError:
+        pass
+    else:
         _LOGGER.info("replacing the committed checkpoint %s", target)
         if fsync:
-            _fsync_dir(parent)
+            os.fsync(parent_fd)
     # Data shards before the index: a reader that finds the index finds its data.
     for entry in sorted(files, key=lambda f: f.endswith(".index")):
-        os.rename(staging / entry, parent / entry)
+        os.rename(staging / entry, entry, dst_dir_fd=parent_fd)
     if fsync:
-        _fsync_dir(parent)
-    os.rename(staging / save_manifest.MANIFEST_NAME, old)
+        os.fsync(parent_fd)
+    os.rename(staging / save_manifest.MANIFEST_NAME, old, dst_dir_fd=parent_fd)
     if fsync:
-        _fsync_dir(parent)
+        os.fsync(parent_fd)
     try:
-        staging.rmdir()
+        os.rmdir(staging_name, dir_fd=parent_fd)
     except OSError as e:
-        _LOGGER.warning("could not remove the empty staging dir %s: %s", staging, e)
+        _LOGGER.warning("could not remove the empty staging dir %s: %s", staging_name, e)
 
 
-def delete(prefix: Path) -> bool:
+def delete(prefix: Path, parent_fd: int) -> bool:
     """Deletes a committed prefix: its manifest first, then the files it lists.
+
+    Args:
+        prefix: the save's path (shown in logs; its name is used).
+        parent_fd: its dir, held open: nothing is looked up by path.
 
     Returns:
         False if the manifest could not be removed (the save still counts).
     """
+    parent = Path(f"/proc/self/fd/{parent_fd}")
+    manifest = manifest_path(prefix).name
     try:
-        listed = [e.path for e in save_manifest.read_manifest(prefix.parent, manifest_path(prefix).name)["files"]]
+        listed = [e.path for e in save_manifest.read_manifest(parent, manifest)["files"]]
     except save_manifest.ManifestError as e:
         _LOGGER.warning("could not read the manifest of %s to delete it: %s", prefix, e)
         listed = []
     try:
-        manifest_path(prefix).unlink()
+        os.unlink(manifest, dir_fd=parent_fd)
     except OSError as e:
         _LOGGER.warning("could not delete %s: %s", prefix, e)
         return False
     for rel in listed:
-        path = prefix.parent / rel
-        if path.name.startswith(prefix.name + "."):  # never another save's file
+        if "/" not in rel and rel.startswith(prefix.name + "."):  # never another save's file
             try:
-                path.unlink(missing_ok=True)
+                os.unlink(rel, dir_fd=parent_fd)
+            except FileNotFoundError:
+                pass
             except OSError as e:
-                _LOGGER.warning("could not remove %s: %s", path, e)
+                _LOGGER.warning("could not remove %s: %s", prefix.parent / rel, e)
     return True
 
 
