@@ -10,13 +10,10 @@ kind is one module and one line here.
 
 from __future__ import annotations
 
-import errno
 import functools
 import gc
 import logging
 import os
-import socket
-import sys
 import tempfile
 import threading
 import time
@@ -37,6 +34,7 @@ from checkpointd.protocol.errors import DeadlineError, RunNotFoundError, describ
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
+from checkpointd.rpc.bind import bind_error, bind_failure, bind_quietly, bracket
 from checkpointd.rpc.calls import OpenCalls
 from checkpointd.rpc.servicer import CheckpointServicer, add_restore_files_handler
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
@@ -188,16 +186,16 @@ class Server:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._grpc,
         )
-        address = f"{_bracket(config.host)}:{config.port}"
+        address = f"{bracket(config.host)}:{config.port}"
         credentials = auth.credentials
         grpc_server = self._grpc
-        self.port = _bind_quietly(
+        self.port = bind_quietly(
             lambda: grpc_server.add_insecure_port(address)
             if credentials is None
             else grpc_server.add_secure_port(address, credentials)
         )
         if self.port == 0:
-            raise _bind_error(config.host, config.port)
+            raise bind_error(config.host, config.port)
         self._grpc.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -205,7 +203,7 @@ class Server:
             try:
                 self._http, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.registry)
             except OSError as e:
-                raise _bind_failure(
+                raise bind_failure(
                     "/metrics", config.metrics_host, config.metrics_port, e,
                     ("--metrics-host", "--metrics-port"), "0 picks a free one, -1 turns /metrics off",
                 ) from None  # fmt: skip
@@ -458,68 +456,6 @@ def _preload_tensorflow() -> None:
     # walking them at every few thousand saves' allocations.
     gc.freeze()
     _LOGGER.info("TensorFlow loaded in %.1fs", time.monotonic() - started)
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _bind_failure(what: str, host: str, port: int, e: OSError, flags: tuple[str, str], port_help: str) -> OSError:
-    """A bind failure said with the flags that fix it and the OS's reason."""
-    host_flag, port_flag = flags
-    if isinstance(e, socket.gaierror):
-        return OSError(f"cannot resolve {host_flag} {host!r} for {what}: {e.strerror}")
-    reason = describe(e)
-    if e.errno == errno.EADDRINUSE:
-        reason += f": another process has port {port}; stop it, or choose another {port_flag} ({port_help})"
-    elif e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-        reason += f": {host} is not an address of this machine (check {host_flag})"
-    return OSError(f"cannot bind {what} to {_bracket(host)}:{port}: {reason}")
-
-
-def _bind_quietly(bind: Callable[[], int]) -> int:
-    """Runs gRPC's bind, returning its port (0 if it failed), without grpcio's own lines when it fails.
-
-    grpcio's C core writes its failure to fd 2 ("Failed to add port to
-    server", after absl's note on logging before InitializeLog), which says
-    less than the message the caller then makes (`_bind_error`). What fd 2
-    got meanwhile is kept and written out if the bind succeeded (other
-    threads' output included), and dropped with the failure.
-    """
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            port = bind()
-        except RuntimeError:  # grpcio raises where its docs say it returns 0
-            port = 0
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-        if port:
-            held.seek(0)
-            os.write(2, held.read())
-    return port
-
-
-def _bind_error(host: str, port: int) -> OSError:
-    """Why gRPC could not bind host:port; grpcio says only that it failed.
-
-    Resolves the host and binds a probe socket to each address, so the
-    message carries the OS's reason (address in use, cannot assign, no
-    such host); gRPC has already failed, so the probe takes nothing from it.
-    """
-    flags, port_help = ("--host", "--port"), "0 picks a free one"
-    try:
-        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, sockaddr in addresses:
-            with socket.socket(family, kind, proto) as probe:
-                probe.bind(sockaddr)
-    except OSError as e:
-        return _bind_failure("gRPC", host, port, e, flags, port_help)
-    return OSError(f"cannot bind gRPC to {_bracket(host)}:{port}: gRPC refused the address (check --host)")
 
 
 def _check_writable_dir(path: Path, what: str) -> None:
