@@ -14,6 +14,7 @@ import functools
 import gc
 import logging
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -89,8 +90,9 @@ class Server:
         self._auth = auth
         self.registry = registry or CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.lanes = Lanes(sink=self.metrics)
+        self.lanes = Lanes(sink=self.metrics, notice_window=config.notice_window_seconds)
         self.metrics.runs.set_function(self.lanes.count)
+        self.metrics.draining.set_function(lambda: float(self.lanes.draining))
         self._store = store
         self._owns_store = store is None  # made in start(), so closed in stop()
         self._formats = formats
@@ -222,19 +224,34 @@ class Server:
             _write_port(config.metrics_port_file, self.metrics_port)
 
     def stop(self, grace: float | None = None) -> bool:
-        """Drains: NOT_SERVING, refuse new saves, let accepted ones finish.
+        """The daemon on notice, then its drain (`checkpointd.core.notice`).
+
+        In order: new runs refused and health NOT_SERVING (load balancers send
+        no new trainers; the trainers connected keep their channels); the runs
+        registered here keep saving for --notice-window, or until each has sent
+        its save on notice or was closed; then every save is refused, the
+        accepted ones finish within the grace period, and every run lease is
+        released, so the runs' next daemons take them at once.
 
         Args:
-            grace: seconds accepted saves may take; default config.grace_seconds.
+            grace: seconds accepted saves may take after the window; default config.grace_seconds.
 
         Returns:
             True if every accepted save finished within the grace period.
         """
         grace = self.config.grace_seconds if grace is None else grace
-        # Refuse saves before health says NOT_SERVING: a client that sees
-        # NOT_SERVING can then rely on every later save being refused.
-        self.lanes.drain()
+        # Refuse new runs before health says NOT_SERVING: a client that sees
+        # NOT_SERVING can then rely on this daemon taking no run of its.
+        self.lanes.give_notice(f"daemon {socket.gethostname()} (pid {os.getpid()}, port {self.port})")
         self._health.enter_graceful_shutdown()
+        noticed = time.monotonic()
+        if self.config.notice_window_seconds:
+            ended = self.lanes.wait_window()
+            _LOGGER.info(
+                "notice window over after %.3fs (%s): refusing every save, draining", time.monotonic() - noticed,
+                ended.value,
+            )  # fmt: skip
+        self.lanes.drain()
         started = time.monotonic()
         try:
             self.lanes.flush(None, grace)

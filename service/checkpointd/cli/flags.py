@@ -35,7 +35,11 @@ def _typos(a: str, b: str) -> int:
 
 
 # ServeConfig fields whose flag is not spelled after them.
-_FLAG_OF_FIELD = {"upload_timeout_seconds": "--upload-timeout", "shm_root": "--shm-dir"}
+_FLAG_OF_FIELD = {
+    "upload_timeout_seconds": "--upload-timeout",
+    "shm_root": "--shm-dir",
+    "notice_window_seconds": "--notice-window",
+}
 
 
 def with_flags(message: str, serve: argparse.ArgumentParser) -> str:

@@ -183,10 +183,19 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     serve.add_argument("--metrics-port-file", type=Path, help="write the bound metrics port here once serving")
     serve.add_argument(
+        "--notice-window",
+        type=float,
+        default=_D.notice_window_seconds,
+        metavar="SECONDS",
+        help="on SIGTERM, keep taking saves of the runs registered here for up to this long (trainers stopped "
+        "with the daemon get their final save in) while refusing new runs, then drain; it ends early once every "
+        f"run has sent its save on notice or was closed; 0 = refuse every save at once (default: {_D.notice_window_seconds:g})",
+    )
+    serve.add_argument(
         "--grace-seconds",
         type=float,
         default=_D.grace_seconds,
-        help=f"on SIGTERM, time accepted saves get to finish (default: {_D.grace_seconds:g})",
+        help=f"on SIGTERM, time accepted saves get to finish after the notice window (default: {_D.grace_seconds:g})",
     )
     serve.add_argument(
         "--max-snapshot-bytes",
@@ -423,6 +432,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                 metrics_port_file=args.metrics_port_file,
                 grace_seconds=args.grace_seconds,
+                notice_window_seconds=args.notice_window,
                 max_snapshot_bytes=args.max_snapshot_bytes,
                 max_template_bytes=args.max_template_bytes,
                 max_workers=args.max_workers,
