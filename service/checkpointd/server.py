@@ -241,16 +241,13 @@ class Server:
         """
         grace = self.config.grace_seconds if grace is None else grace
         # Refuse new runs before health says NOT_SERVING: a client that sees
-        # NOT_SERVING can then rely on this daemon taking no run of its.
+        # NOT_SERVING can then rely on this daemon taking no new run.
         self.lanes.give_notice(f"daemon {socket.gethostname()} (pid {os.getpid()}, port {self.port})")
         self._health.enter_graceful_shutdown()
         noticed = time.monotonic()
         if self.config.notice_window_seconds:
-            ended = self.lanes.wait_window()
-            _LOGGER.info(
-                "notice window over after %.3fs (%s): refusing every save, draining", time.monotonic() - noticed,
-                ended.value,
-            )  # fmt: skip
+            ended = self.lanes.wait_window().value
+            _LOGGER.info("notice window over after %.3fs (%s): refusing every save", time.monotonic() - noticed, ended)
         self.lanes.drain()
         started = time.monotonic()
         try:
