@@ -163,3 +163,8 @@ def test_with_no_run_registered_the_window_ends_at_once() -> None:
     started = time.monotonic()
     assert lanes.wait_window() is WindowEnd.FINAL_SAVES_IN
     assert time.monotonic() - started < 1.0
+
+
+def test_waiting_for_a_window_before_the_notice_is_a_mistake_not_a_spin() -> None:
+    with pytest.raises(RuntimeError, match="before give_notice"):
+        Lanes(notice_window=LIMIT).wait_window()

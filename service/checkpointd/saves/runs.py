@@ -89,11 +89,7 @@ class Lanes:
     """The daemon's runs: register, begin/finish saves, flush, close, drain."""
 
     def __init__(self, clock: Clock = time.time, sink: MetricsSink | None = None, notice_window: float = 0.0) -> None:
-        """Args:
-        clock: Unix time, for the lanes' timestamps.
-        sink: counts saves.
-        notice_window: seconds the runs registered here keep saving after `give_notice`.
-        """
+        """`notice_window`: seconds the runs registered here keep saving after `give_notice`."""
         self._clock = clock
         self._sink = sink or NullSink()
         self._cond = threading.Condition()
@@ -417,8 +413,14 @@ class Lanes:
             return self._notice.left(time.monotonic())
 
     def wait_window(self) -> WindowEnd:
-        """Waits for the notice window to end (at most its length); returns why it ended."""
+        """Waits for the notice window to end (at most its length); returns why it ended.
+
+        Raises:
+            RuntimeError: no notice was given (there is no window to wait for).
+        """
         with self._cond:
+            if not self._notice.draining:
+                raise RuntimeError("wait_window() before give_notice()")
             while True:
                 now = time.monotonic()
                 end = self._notice.window_end(self._open_runs(), now)
@@ -430,8 +432,7 @@ class Lanes:
         """Refuses, before anything is received or leased, a registration the daemon on notice must not take.
 
         Raises:
-            UnavailableError: the daemon is on notice and the run is not open
-                here, or the daemon is draining; the message names the daemon.
+            UnavailableError: on notice and the run is not open here, or draining; it names the daemon.
         """
         with self._cond:
             self._check_register(run)
