@@ -97,6 +97,12 @@ class Metrics:
             "Runs registered on this daemon.",
             registry=registry,
         )
+        self.draining = Gauge(
+            "checkpointd_draining",
+            "1 from the daemon's notice (SIGTERM) until it exits: new runs refused, the runs registered here "
+            "saving for --notice-window, then every save refused while accepted ones finish; else 0.",
+            registry=registry,
+        )
         self.uploaded_bytes = Counter(
             "checkpointd_store_uploaded_bytes",
             "Bytes uploaded to the object store by committed saves (files and manifest), by kind.",

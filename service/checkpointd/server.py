@@ -10,13 +10,11 @@ kind is one module and one line here.
 
 from __future__ import annotations
 
-import errno
 import functools
 import gc
 import logging
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -37,6 +35,7 @@ from checkpointd.protocol.errors import DeadlineError, RunNotFoundError, describ
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
+from checkpointd.rpc.bind import bind_error, bind_failure, bind_quietly, bracket
 from checkpointd.rpc.calls import OpenCalls
 from checkpointd.rpc.servicer import CheckpointServicer, add_restore_files_handler
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
@@ -91,8 +90,9 @@ class Server:
         self._auth = auth
         self.registry = registry or CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.lanes = Lanes(sink=self.metrics)
+        self.lanes = Lanes(sink=self.metrics, notice_window=config.notice_window_seconds)
         self.metrics.runs.set_function(self.lanes.count)
+        self.metrics.draining.set_function(lambda: float(self.lanes.draining))
         self._store = store
         self._owns_store = store is None  # made in start(), so closed in stop()
         self._formats = formats
@@ -188,16 +188,16 @@ class Server:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._grpc,
         )
-        address = f"{_bracket(config.host)}:{config.port}"
+        address = f"{bracket(config.host)}:{config.port}"
         credentials = auth.credentials
         grpc_server = self._grpc
-        self.port = _bind_quietly(
+        self.port = bind_quietly(
             lambda: grpc_server.add_insecure_port(address)
             if credentials is None
             else grpc_server.add_secure_port(address, credentials)
         )
         if self.port == 0:
-            raise _bind_error(config.host, config.port)
+            raise bind_error(config.host, config.port)
         self._grpc.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -205,7 +205,7 @@ class Server:
             try:
                 self._http, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.registry)
             except OSError as e:
-                raise _bind_failure(
+                raise bind_failure(
                     "/metrics", config.metrics_host, config.metrics_port, e,
                     ("--metrics-host", "--metrics-port"), "0 picks a free one, -1 turns /metrics off",
                 ) from None  # fmt: skip
@@ -224,19 +224,31 @@ class Server:
             _write_port(config.metrics_port_file, self.metrics_port)
 
     def stop(self, grace: float | None = None) -> bool:
-        """Drains: NOT_SERVING, refuse new saves, let accepted ones finish.
+        """The daemon on notice, then its drain (`checkpointd.core.notice`).
+
+        In order: new runs refused and health NOT_SERVING (load balancers send
+        no new trainers; the trainers connected keep their channels); the runs
+        registered here keep saving for --notice-window, or until each has sent
+        its save on notice or was closed; then every save is refused, the
+        accepted ones finish within the grace period, and every run lease is
+        released, so the runs' next daemons take them at once.
 
         Args:
-            grace: seconds accepted saves may take; default config.grace_seconds.
+            grace: seconds accepted saves may take after the window; default config.grace_seconds.
 
         Returns:
             True if every accepted save finished within the grace period.
         """
         grace = self.config.grace_seconds if grace is None else grace
-        # Refuse saves before health says NOT_SERVING: a client that sees
-        # NOT_SERVING can then rely on every later save being refused.
-        self.lanes.drain()
+        # Refuse new runs before health says NOT_SERVING: a client that sees
+        # NOT_SERVING can then rely on this daemon taking no new run.
+        self.lanes.give_notice(f"daemon {socket.gethostname()} (pid {os.getpid()}, port {self.port})")
         self._health.enter_graceful_shutdown()
+        noticed = time.monotonic()
+        if self.config.notice_window_seconds:
+            ended = self.lanes.wait_window().value
+            _LOGGER.info("notice window over after %.3fs (%s): refusing every save", time.monotonic() - noticed, ended)
+        self.lanes.drain()
         started = time.monotonic()
         try:
             self.lanes.flush(None, grace)
@@ -458,68 +470,6 @@ def _preload_tensorflow() -> None:
     # walking them at every few thousand saves' allocations.
     gc.freeze()
     _LOGGER.info("TensorFlow loaded in %.1fs", time.monotonic() - started)
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _bind_failure(what: str, host: str, port: int, e: OSError, flags: tuple[str, str], port_help: str) -> OSError:
-    """A bind failure said with the flags that fix it and the OS's reason."""
-    host_flag, port_flag = flags
-    if isinstance(e, socket.gaierror):
-        return OSError(f"cannot resolve {host_flag} {host!r} for {what}: {e.strerror}")
-    reason = describe(e)
-    if e.errno == errno.EADDRINUSE:
-        reason += f": another process has port {port}; stop it, or choose another {port_flag} ({port_help})"
-    elif e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-        reason += f": {host} is not an address of this machine (check {host_flag})"
-    return OSError(f"cannot bind {what} to {_bracket(host)}:{port}: {reason}")
-
-
-def _bind_quietly(bind: Callable[[], int]) -> int:
-    """Runs gRPC's bind, returning its port (0 if it failed), without grpcio's own lines when it fails.
-
-    grpcio's C core writes its failure to fd 2 ("Failed to add port to
-    server", after absl's note on logging before InitializeLog), which says
-    less than the message the caller then makes (`_bind_error`). What fd 2
-    got meanwhile is kept and written out if the bind succeeded (other
-    threads' output included), and dropped with the failure.
-    """
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            port = bind()
-        except RuntimeError:  # grpcio raises where its docs say it returns 0
-            port = 0
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-        if port:
-            held.seek(0)
-            os.write(2, held.read())
-    return port
-
-
-def _bind_error(host: str, port: int) -> OSError:
-    """Why gRPC could not bind host:port; grpcio says only that it failed.
-
-    Resolves the host and binds a probe socket to each address, so the
-    message carries the OS's reason (address in use, cannot assign, no
-    such host); gRPC has already failed, so the probe takes nothing from it.
-    """
-    flags, port_help = ("--host", "--port"), "0 picks a free one"
-    try:
-        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, sockaddr in addresses:
-            with socket.socket(family, kind, proto) as probe:
-                probe.bind(sockaddr)
-    except OSError as e:
-        return _bind_failure("gRPC", host, port, e, flags, port_help)
-    return OSError(f"cannot bind gRPC to {_bracket(host)}:{port}: gRPC refused the address (check --host)")
 
 
 def _check_writable_dir(path: Path, what: str) -> None:

@@ -220,13 +220,19 @@ class Served:
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
+    """A server without a notice window: stop() refuses every save at once (test_notice.py has the window)."""
+    yield from serving(tmp_path, notice_window_seconds=0.0)
+
+
+def serving(tmp_path: Path, **config: Any) -> Iterator[Served]:
+    """Starts a Served with these ServeConfig fields; stops it when resumed."""
     store = FakeStore(tmp_path / "staging")
     fmt = FakeFormat(store.files)
-    config = ServeConfig(
+    serve = ServeConfig(
         root=tmp_path / "root", port=0, metrics_port=None, shm_root=None, fsync=False,
-        write_nice=0, grace_seconds=LIMIT, upload_timeout_seconds=LIMIT,
+        write_nice=0, grace_seconds=LIMIT, upload_timeout_seconds=LIMIT, **config,
     )  # fmt: skip
-    server = Server(config, store=store, formats=[fmt], auth=ServerAuth())
+    server = Server(serve, store=store, formats=[fmt], auth=ServerAuth())
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     up = Served(server, store, fmt, channel, Stub(channel))

@@ -342,7 +342,7 @@ def test_an_unknown_run_is_not_found_everywhere_but_get_latest(served: Served) -
 # Stop.
 
 
-def test_stop_refuses_new_saves_and_drains_the_accepted_one(up: Served) -> None:
+def test_stop_without_a_notice_window_refuses_new_saves_and_drains_the_accepted_one(up: Served) -> None:
     gate = up.store.hold_next_commit()
     call = raw(up, save_header(RUN, "draining", step=4))
     assert call.decision().accepted

@@ -53,7 +53,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         for name in ("a", "b"):
             config = ServeConfig(
                 root=tmp_path / name, port=0, metrics_port=None, shm_root=None, fsync=False,
-                write_nice=0, grace_seconds=LIMIT, upload_timeout_seconds=LIMIT,
+                write_nice=0, grace_seconds=LIMIT, upload_timeout_seconds=LIMIT, notice_window_seconds=0,
             )  # fmt: skip
             server = Server(config, store=store, formats=[FakeFormat(store.files)], auth=ServerAuth())
             up.servers.append(server)

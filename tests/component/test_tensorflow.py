@@ -34,7 +34,9 @@ from tests.component.raw import Stub, register, save_header, save_requests
 
 root = Path(tempfile.mkdtemp())
 store = FakeStore(root / "staging")
-config = ServeConfig(root=root / "root", port=0, metrics_port=None, shm_root=None, fsync=False, write_nice=0)
+config = ServeConfig(
+    root=root / "root", port=0, metrics_port=None, shm_root=None, fsync=False, write_nice=0, notice_window_seconds=0
+)
 server = Server(config, store=store, formats=[FakeFormat(store.files)], auth=ServerAuth())
 server.start()
 try:

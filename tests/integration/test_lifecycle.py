@@ -179,11 +179,13 @@ def test_reflection_lists_and_describes_the_service(daemon: Daemon) -> None:
     }
 
 
-# Shutdown: SIGTERM drains the save in flight, refuses new ones, exits 0.
+# Shutdown without a notice window: SIGTERM drains the save in flight, refuses new ones, exits 0.
 
 
-def test_sigterm_refuses_new_saves_finishes_the_accepted_one_and_exits_zero(fresh_daemon, saver) -> None:
-    daemon = fresh_daemon()
+def test_sigterm_without_a_notice_window_refuses_new_saves_finishes_the_accepted_one_and_exits_zero(
+    fresh_daemon, saver
+) -> None:
+    daemon = fresh_daemon("--notice-window", "0")  # test_notice.py has the window
     s = saver(daemon, "drain")
     s.train_step.assign(42)
     held = s.hold(pb.SAVED_MODEL, "accepted-before-sigterm")

@@ -64,6 +64,21 @@ def test_serve_options() -> None:
     assert level == "DEBUG"
 
 
+def test_notice_window_is_parsed_with_its_default_and_zero_is_the_old_behaviour() -> None:
+    assert serve().notice_window_seconds == ServeConfig().notice_window_seconds == 5.0
+    assert serve("--notice-window", "2.5").notice_window_seconds == 2.5
+    assert serve("--notice-window", "0").notice_window_seconds == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_bad_notice_window_names_its_flag(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as raised:
+        config_from_args(["serve", "--notice-window", value])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert "--notice-window must be >= 0 and finite" in err and "notice_window_seconds" not in err, err
+
+
 def test_metrics_port_minus_one_turns_metrics_off() -> None:
     assert serve("--metrics-port", "-1").metrics_port is None
 
@@ -244,7 +259,16 @@ def test_format_status_with_no_runs_and_draining() -> None:
     text = format_status(pb.StatusResponse(draining=True), now=NOW)
 
     assert "(no runs registered)" in text
-    assert "draining" in text
+    assert text.splitlines()[-1] == "daemon is draining: new saves are refused"
+
+
+def test_format_status_on_notice_says_which_saves_are_still_taken_and_for_how_long() -> None:
+    text = format_status(pb.StatusResponse(runs=status_reply().runs, draining=True, notice_seconds_left=3.21), now=NOW)
+
+    assert text.splitlines()[-1] == (
+        "daemon is draining (on notice): new runs are refused; saves of the runs above are taken for 3.2s more"
+    )
+    assert "draining" not in format_status(status_reply(), now=NOW)
 
 
 def test_upload_limits_parse_with_sizes_and_default_to_the_machine() -> None:

@@ -381,7 +381,7 @@ def test_compose_builds_the_dockerfile_from_the_repository_root(compose: dict[st
 def test_compose_gives_the_drain_time_to_finish(compose: dict[str, Any]) -> None:
     daemon = compose["services"]["checkpointd"]
     config = image_serve_config(daemon.get("command"))
-    assert _seconds(daemon["stop_grace_period"]) > config.grace_seconds
+    assert _seconds(daemon["stop_grace_period"]) > config.notice_window_seconds + config.grace_seconds
     published = {str(p).split(":")[-1] for p in daemon["ports"]}
     assert {str(config.port), str(config.metrics_port)} <= published
 
@@ -449,8 +449,10 @@ def test_k8s_probes_use_the_grpc_health_service(k8s: dict[str, dict[str, Any]]) 
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": config.port, "service": SERVICE}, probe
     liveness = container["livenessProbe"]
-    # A draining daemon is NOT_SERVING; liveness must not kill it mid-drain.
-    assert liveness["periodSeconds"] * liveness["failureThreshold"] > config.grace_seconds
+    # A daemon on notice and then draining is NOT_SERVING; liveness must not kill it.
+    assert (
+        liveness["periodSeconds"] * liveness["failureThreshold"] > config.notice_window_seconds + config.grace_seconds
+    )
 
 
 def test_k8s_flushes_before_stopping_within_the_grace_period(k8s: dict[str, dict[str, Any]]) -> None:
@@ -462,7 +464,8 @@ def test_k8s_flushes_before_stopping_within_the_grace_period(k8s: dict[str, dict
     assert isinstance(flush, OpsCommand) and flush.timeout is not None
     assert flush.address == f"127.0.0.1:{config.port}"
     grace = _pod(k8s)["terminationGracePeriodSeconds"]
-    assert grace > flush.timeout + config.grace_seconds
+    assert config.notice_window_seconds > 0  # trainers stopped with the daemon get their final save in
+    assert grace > flush.timeout + config.notice_window_seconds + config.grace_seconds
 
 
 def test_k8s_runs_one_daemon_on_its_claim_as_the_image_user(k8s: dict[str, dict[str, Any]]) -> None:
@@ -515,6 +518,10 @@ def test_exposed_daemons_are_configured_with_auth(k8s: dict[str, dict[str, Any]]
 
 
 # Kubernetes, a fleet: docker/k8s/fleet/, one daemon per node on one S3 bucket.
+
+# What a fleet daemon's exit may take to release its leases: the renewal
+# thread's join (up to 10 s, S3Leases.close) and a conditional PUT per run.
+LEASE_RELEASE_SECONDS = 15
 
 
 @pytest.fixture(scope="module")
@@ -585,11 +592,17 @@ def test_k8s_fleet_matches_the_deployments_probes_shutdown_and_user(
         assert container[probe] == _container(k8s)[probe], probe
         assert container[probe]["grpc"] == {"port": config.port, "service": SERVICE}, probe
     liveness = container["livenessProbe"]
-    assert liveness["periodSeconds"] * liveness["failureThreshold"] > config.grace_seconds
+    assert (
+        liveness["periodSeconds"] * liveness["failureThreshold"] > config.notice_window_seconds + config.grace_seconds
+    )
     flush, _ = config_from_args(container["lifecycle"]["preStop"]["exec"]["command"][1:])
     assert isinstance(flush, OpsCommand) and flush.name == "flush" and flush.timeout is not None
     assert flush.address == f"127.0.0.1:{config.port}"
-    assert pod["terminationGracePeriodSeconds"] > flush.timeout + config.grace_seconds
+    # After the preStop flush: the notice window, the drain, then the release of every run lease.
+    assert config.notice_window_seconds > 0
+    assert pod["terminationGracePeriodSeconds"] >= (
+        flush.timeout + config.notice_window_seconds + config.grace_seconds + LEASE_RELEASE_SECONDS
+    )
     assert pod["securityContext"] == _pod(k8s)["securityContext"]
     assert container["securityContext"] == _container(k8s)["securityContext"]
     assert fleet["DaemonSet"]["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 1
@@ -625,3 +638,38 @@ def test_k8s_fleet_is_exposed_with_the_deployments_tokens(
     assert str(config.token_file) == f"{mounts['tokens']}/{item['path']}"
     (env,) = [e for e in container["env"] if e["name"] == "CHECKPOINTD_TOKEN"]
     assert env["valueFrom"]["secretKeyRef"]["name"] == tokens
+
+
+# Kubernetes, a trainer: docker/k8s/trainer/, an example Job on the fleet.
+
+
+@pytest.fixture(scope="module")
+def trainer() -> dict[str, Any]:
+    (job,) = [doc for doc in yaml.safe_load_all((DOCKER / "k8s" / "trainer" / "job.yaml").read_text()) if doc]
+    assert job["kind"] == "Job"
+    return dict(job)
+
+
+def test_k8s_trainer_dials_its_nodes_daemon_with_a_token_the_daemon_accepts(
+    trainer: dict[str, Any], fleet: dict[str, dict[str, Any]], k8s: dict[str, dict[str, Any]]
+) -> None:
+    pod = trainer["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    service = fleet["Service"]
+    (port,) = service["spec"]["ports"]
+    assert env["CHECKPOINTD_ADDRESS"]["value"] == f"{service['metadata']['name']}.$(POD_NAMESPACE).svc:{port['port']}"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    (volume,) = pod["volumes"]
+    secret = k8s["Secret"]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    (item,) = volume["secret"]["items"]
+    assert secret["stringData"][item["key"]] in secret["stringData"]["tokens"].split()
+
+
+def test_k8s_trainer_gets_its_notice_as_sigterm_with_time_for_its_final_save(trainer: dict[str, Any]) -> None:
+    pod = trainer["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    # A preStop would run before SIGTERM and push the final save past the window of a daemon stopped with it.
+    assert "preStop" not in container.get("lifecycle", {})
+    assert pod["terminationGracePeriodSeconds"] >= 30  # Kubernetes' default, which the final save's wait fits in

@@ -191,7 +191,12 @@ def format_status(reply: pb.StatusResponse, now: float | None = None) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows]
     if not reply.runs:
         lines.append("(no runs registered)")
-    if reply.draining:
+    if reply.draining and reply.notice_seconds_left > 0:
+        lines.append(
+            f"daemon is draining (on notice): new runs are refused; saves of the runs above are taken for "
+            f"{reply.notice_seconds_left:.1f}s more"
+        )
+    elif reply.draining:
         lines.append("daemon is draining: new saves are refused")
     return "\n".join(lines)
 

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd import __version__
+from checkpointd.cli.flags import unrecognized, with_flags
 from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_SHM_ROOT, ServeConfig
 from checkpointd.protocol.address import DEFAULT_PORT, AddressError, check_address
 
@@ -184,10 +183,19 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     serve.add_argument("--metrics-port-file", type=Path, help="write the bound metrics port here once serving")
     serve.add_argument(
+        "--notice-window",
+        type=float,
+        default=_D.notice_window_seconds,
+        metavar="SECONDS",
+        help="on SIGTERM, keep taking saves of the runs registered here for up to this long (trainers stopped "
+        "with the daemon get their final save in) while refusing new runs, then drain; it ends early once every "
+        f"run has sent its save on notice or was closed; 0 = refuse every save at once (default: {_D.notice_window_seconds:g})",
+    )
+    serve.add_argument(
         "--grace-seconds",
         type=float,
         default=_D.grace_seconds,
-        help=f"on SIGTERM, time accepted saves get to finish (default: {_D.grace_seconds:g})",
+        help=f"on SIGTERM, time accepted saves get to finish after the notice window (default: {_D.grace_seconds:g})",
     )
     serve.add_argument(
         "--max-snapshot-bytes",
@@ -395,7 +403,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
     # the flag meant), not the top-level one's, which knows no command's flags.
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        commands[args.command].error(_unrecognized(unknown, commands[args.command]))
+        commands[args.command].error(unrecognized(unknown, commands[args.command]))
     if args.command == "serve":
         s3_root = args.root.startswith("s3://")
         if not args.root.strip():
@@ -424,6 +432,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                 metrics_port_file=args.metrics_port_file,
                 grace_seconds=args.grace_seconds,
+                notice_window_seconds=args.notice_window,
                 max_snapshot_bytes=args.max_snapshot_bytes,
                 max_template_bytes=args.max_template_bytes,
                 max_workers=args.max_workers,
@@ -443,7 +452,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 shm_root=None if args.no_shm else (args.shm_dir or DEFAULT_SHM_ROOT),
             )
         except ValueError as exc:
-            commands["serve"].error(_with_flags(str(exc), commands["serve"]))
+            commands["serve"].error(with_flags(str(exc), commands["serve"]))
         return config, args.log_level
     if args.command == "verify":
         return VerifyCommand(
@@ -470,54 +479,3 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
         token_file=args.token_file, stored=getattr(args, "stored", False),
     )  # fmt: skip
     return command, "WARNING"
-
-
-def _unrecognized(unknown: Sequence[str], command: argparse.ArgumentParser) -> str:
-    """argparse's "unrecognized arguments", with the command's flag each mistyped one is closest to."""
-    known = [o for action in command._actions for o in action.option_strings if o.startswith("--")]  # noqa: SLF001
-    guesses = []
-    for arg in unknown:
-        flag = arg.split("=", 1)[0]
-        if flag.startswith("--"):
-            # Fewest typos first (a swapped pair counts as one: --prot is --port), then likeness.
-            ranked = sorted(known, key=lambda o: (_typos(flag, o), -difflib.SequenceMatcher(None, flag, o).ratio()))
-            if ranked and _typos(flag, ranked[0]) <= max(1, len(flag) // 4):
-                guesses.append(f"{flag}: did you mean {ranked[0]}?")
-    hint = f" ({'; '.join(guesses)})" if guesses else ""
-    return f"unrecognized arguments: {' '.join(unknown)}{hint}"
-
-
-def _typos(a: str, b: str) -> int:
-    """Edits from `a` to `b`: insertions, deletions, substitutions and swaps of neighbours (optimal string alignment)."""
-    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
-    for i in range(1, len(a) + 1):
-        for j in range(1, len(b) + 1):
-            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
-            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
-    return d[len(a)][len(b)]
-
-
-# ServeConfig fields whose flag is not spelled after them.
-_FLAG_OF_FIELD = {"upload_timeout_seconds": "--upload-timeout", "shm_root": "--shm-dir"}
-
-
-def _with_flags(message: str, serve: argparse.ArgumentParser) -> str:
-    """A ServeConfig error, with the flags a user typed instead of the config's field names.
-
-    The config is validated once, in the core, which knows no flags; here each
-    field it names (`keep_last`, `tls_cert`) becomes its flag (`--keep-last`).
-    """
-    flags = dict(_FLAG_OF_FIELD)
-    for action in serve._actions:  # noqa: SLF001 - argparse offers no public list
-        longs = [o for o in action.option_strings if o.startswith("--")]
-        if longs:
-            flags.setdefault(action.dest, longs[0])
-
-    def flag(match: re.Match[str]) -> str:
-        return flags.get(match[0], match[0])
-
-    # Fields with an underscore anywhere; one-word fields (port, host) only
-    # where they start the message, so plain words stay words.
-    message = re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", flag, message)
-    return re.sub(r"^[a-z]+\b", flag, message)

@@ -1,7 +1,10 @@
 """`checkpointd serve`: start the daemon, drain it on SIGTERM or SIGINT.
 
-The first SIGTERM or SIGINT drains: health NOT_SERVING, new saves refused,
-accepted ones finish within --grace-seconds, exit 0 (1 if some did not). A
+The first SIGTERM or SIGINT puts the daemon on notice, then drains: health
+NOT_SERVING and new runs refused at once; the runs registered here keep saving
+for --notice-window (their trainers' final saves); then new saves refused,
+accepted ones finish within --grace-seconds, the run leases are released,
+exit 0 (1 if some did not). A
 second one during the drain stops at once: the unfinished saves are logged
 and abandoned (their temp dirs are left for the next start's recovery; no
 export dir is torn), every open call's caller gets UNAVAILABLE saying so,
@@ -74,8 +77,9 @@ def _serve(config: ServeConfig) -> int:
             return 2
         first = signals.next()
         _LOGGER.info(
-            "%s: shutting down, draining accepted saves (grace %.0fs); SIGTERM or SIGINT again stops at once",
-            signal.Signals(first).name, config.grace_seconds,
+            "%s: on notice: new runs refused, the runs registered here keep saving for up to %gs; then draining "
+            "accepted saves (grace %.0fs); SIGTERM or SIGINT again stops at once",
+            signal.Signals(first).name, config.notice_window_seconds, config.grace_seconds,
         )  # fmt: skip
         started = time.monotonic()
         outcome: list[bool] = []

@@ -44,7 +44,13 @@ class ServeConfig:
         metrics_port: /metrics port; 0 picks a free one, None disables it.
         port_file: if set, the bound gRPC port is written there once serving.
         metrics_port_file: likewise for the metrics port.
-        grace_seconds: on SIGTERM, how long accepted saves may take to finish.
+        notice_window_seconds: on SIGTERM, how long the daemon keeps taking
+            saves of the runs registered on it (their trainers' final saves,
+            when a node is drained) while refusing new runs, before it refuses
+            every save and drains; it ends early once each open run has sent
+            its save on notice or was closed. 0: refuse every save at once.
+        grace_seconds: on SIGTERM, how long accepted saves may take to finish,
+            counted from the end of the notice window.
         max_snapshot_bytes: largest snapshot one save may carry.
         max_template_bytes: largest template a run may register.
         max_workers: gRPC handler threads (each open save or wait holds one).
@@ -86,6 +92,7 @@ class ServeConfig:
     metrics_port: int | None = DEFAULT_METRICS_PORT
     port_file: Path | None = None
     metrics_port_file: Path | None = None
+    notice_window_seconds: float = 5.0
     grace_seconds: float = 60.0
     max_snapshot_bytes: int = 8 * GiB
     max_template_bytes: int = 16 * GiB
@@ -122,6 +129,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be in 0..65535, got {value}")
         if not 0 <= self.grace_seconds < math.inf:  # NaN would wait forever, inf overflows the wait
             raise ValueError(f"grace_seconds must be >= 0 and finite, got {self.grace_seconds}")
+        if not 0 <= self.notice_window_seconds < math.inf:
+            raise ValueError(f"notice_window_seconds must be >= 0 and finite, got {self.notice_window_seconds}")
         for name in ("max_snapshot_bytes", "max_template_bytes", "max_workers", "max_concurrent_uploads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

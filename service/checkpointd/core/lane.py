@@ -49,6 +49,7 @@ class SaveSpec:
     export_dir: str
     blocking: bool = False
     step: int = -1
+    on_notice: bool = False  # a trainer's last save before it stops (SaveHeader.on_notice)
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         trainer_decided=held,
         local_skips=local_skips(header.local_skips, "Save"),
         incremental=header.incremental,
+        on_notice=header.on_notice,
     )
 
 

@@ -176,19 +176,24 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         if not request.stored:
             runs = [messages.run_status(view) for view in self._lanes.views(request.run or None)]
-            return pb.StatusResponse(runs=runs, draining=self._lanes.draining)
+            return self._status(runs)
         run = check_run_name(request.run) if request.run else None
         try:
             views = self._lanes.views(run)
         except RunNotFoundError:
             views = []  # not registered here, but the store may hold its saves
-        response = pb.StatusResponse(runs=[messages.run_status(v) for v in views], draining=self._lanes.draining)
+        response = self._status([messages.run_status(v) for v in views])
         # One run: its folder only (as GetLatest searches); else every folder.
         folders = None if run is None else [self._pipeline.folder(run)]
         leases = getattr(self._pipeline, "leases", None)  # a fleet's store has leases
         found = catalog.stored_runs(self._pipeline.store, leases, folders=folders, run=run)
         messages.add_stored_runs(response, found, self._pipeline.store.location)
         return response
+
+    def _status(self, runs: Sequence[pb.RunStatus]) -> pb.StatusResponse:
+        return pb.StatusResponse(
+            runs=runs, draining=self._lanes.draining, notice_seconds_left=self._lanes.notice_left()
+        )
 
     @grpc_errors
     def GetLatest(self, request: pb.LatestRequest, context: grpc.ServicerContext) -> pb.LatestResponse:

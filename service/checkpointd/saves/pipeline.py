@@ -186,10 +186,13 @@ class SavePipeline:
             InvalidRequestError, LimitExceededError: the request is refused;
                 nothing is registered.
             RunHeldError: another daemon still holds the run's lease.
-            UnavailableError: the store holding the leases cannot be reached.
+            UnavailableError: the store holding the leases cannot be reached,
+                or the daemon is draining (on notice, it takes only the runs
+                registered on it).
             SaveFailedError: the template could not be stored (the OS's reason).
         """
         run = check_run_name(run)
+        self.lanes.check_register(run)  # a daemon on notice takes no new run: before its lease or template
         folder = check_folder(folder) if folder else run
         claim = _claimed_dir(run, kind, checkpoint_dir)
         if template_bytes > self._config.max_template_bytes:
@@ -302,7 +305,7 @@ class SavePipeline:
         # Reserved before the lane decides: past a limit the request is refused
         # like bad input, before anything is allocated or counted.
         with self._budget.reserve(request.snapshot_bytes, run) as release:
-            spec = SaveSpec(request.kind, request.export_dir, request.blocking, request.step)
+            spec = SaveSpec(request.kind, request.export_dir, request.blocking, request.step, request.on_notice)
             asked = time.monotonic()
             decision = self.lanes.begin(
                 run,

@@ -42,6 +42,8 @@ class SaveRequest:
     local_skips: tuple[LocalSkip, ...] = ()
     # The trainer can send unchanged chunks as references to a base save.
     incremental: bool = False
+    # The trainer's last save before it stops: a daemon on notice needs no more of its window for the run.
+    on_notice: bool = False
 
 
 @dataclass(frozen=True)

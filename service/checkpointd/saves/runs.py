@@ -3,8 +3,8 @@
 The core `Lane` decides (accept, queue, skip); this module makes callers wait
 for those decisions with deadlines, and never holds the lock while a save is
 received or written. Lock discipline: `_cond` guards `_runs`, every lane in
-it, and `_draining`; it is released by `wait`, and notified whenever a lane
-changes state.
+it, and `_notice` (the daemon's phase, `checkpointd.core.notice`); it is
+released by `wait`, and notified whenever a lane or the phase changes state.
 
 Busy locks (`checkpointd.saves.shm.RunLock`, when the daemon has shared
 memory): the daemon holds a run's lock from the accept of each save it
@@ -41,6 +41,7 @@ from checkpointd.core.lane import (
     Written,
 )
 from checkpointd.core.manifest import Manifest
+from checkpointd.core.notice import Notice, WindowEnd
 from checkpointd.core.ports import Clock, MetricsSink, NullSink
 from checkpointd.protocol.errors import AlreadyExistsError, DeadlineError, RunClosedError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
@@ -87,16 +88,23 @@ class _Run:
 class Lanes:
     """The daemon's runs: register, begin/finish saves, flush, close, drain."""
 
-    def __init__(self, clock: Clock = time.time, sink: MetricsSink | None = None) -> None:
+    def __init__(self, clock: Clock = time.time, sink: MetricsSink | None = None, notice_window: float = 0.0) -> None:
+        """`notice_window`: seconds the runs registered here keep saving after `give_notice`."""
         self._clock = clock
         self._sink = sink or NullSink()
         self._cond = threading.Condition()
         self._runs: dict[str, _Run] = {}
-        self._draining = False
+        self._notice = Notice(notice_window)
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        """True from the notice on: new runs are refused (and every save once the window is over)."""
+        return self._notice.draining
+
+    @property
+    def _draining(self) -> bool:
+        """Every save is refused (the window is over); the caller holds the lock."""
+        return self._notice.refuses_saves
 
     def count(self) -> int:
         """How many runs are registered."""
@@ -116,9 +124,12 @@ class Lanes:
         Raises:
             AlreadyExistsError: another open run of the folder claims `claim`;
                 nothing changes.
+            UnavailableError: the daemon is on notice and the run is not open
+                here, or the daemon is draining.
         """
         folder = folder or run
         with self._cond:
+            self._check_register(run)
             if claim is not None:
                 holder = self._claimant(folder, claim)
                 if holder is not None and holder != run:
@@ -238,6 +249,9 @@ class Lanes:
                     self._unlock_idle(entry)
                     raise
                 break
+            if isinstance(decision, Ticket) and spec.on_notice:
+                self._notice.final_save(run)  # accepted or queued: it is drained
+                self._cond.notify_all()
             if isinstance(decision, Skipped) or decision.state is TicketState.ACTIVE:
                 return decision
             while decision.state is TicketState.WAITING:
@@ -273,6 +287,9 @@ class Lanes:
         ticket = lane.request(spec, draining=self._draining)
         assert isinstance(ticket, Ticket) and ticket.state is TicketState.ACTIVE
         entry.decided_ticket = ticket
+        if spec.on_notice:
+            self._notice.final_save(run)
+            self._cond.notify_all()
         return ticket
 
     def _wait_poll(
@@ -374,8 +391,58 @@ class Lanes:
     def drain(self) -> None:
         """Refuses every new save from now on (the daemon is shutting down)."""
         with self._cond:
-            self._draining = True
+            self._notice.drain()
             self._cond.notify_all()
+
+    # The daemon on notice (checkpointd.core.notice).
+
+    def give_notice(self, daemon: str) -> None:
+        """The daemon was told to stop: new runs are refused, the runs registered here keep saving for the window.
+
+        Args:
+            daemon: how refusals name this daemon (host, pid, port).
+        """
+        with self._cond:
+            self._notice.daemon = daemon
+            self._notice.give(time.monotonic())
+            self._cond.notify_all()
+
+    def notice_left(self) -> float:
+        """Seconds left of the notice window (0 outside it)."""
+        with self._cond:
+            return self._notice.left(time.monotonic())
+
+    def wait_window(self) -> WindowEnd:
+        """Waits for the notice window to end (at most its length); returns why it ended.
+
+        Raises:
+            RuntimeError: no notice was given (there is no window to wait for).
+        """
+        with self._cond:
+            if not self._notice.draining:
+                raise RuntimeError("wait_window() before give_notice()")
+            while True:
+                now = time.monotonic()
+                end = self._notice.window_end(self._open_runs(), now)
+                if end is not None:
+                    return end
+                self._cond.wait(self._notice.left(now))  # woken by a save on notice or a close
+
+    def check_register(self, run: str) -> None:
+        """Refuses, before anything is received or leased, a registration the daemon on notice must not take.
+
+        Raises:
+            UnavailableError: on notice and the run is not open here, or draining; it names the daemon.
+        """
+        with self._cond:
+            self._check_register(run)
+
+    def _check_register(self, run: str) -> None:
+        entry = self._runs.get(run)
+        self._notice.check_register(run, entry is not None and entry.lane.state is LaneState.OPEN)
+
+    def _open_runs(self) -> list[str]:
+        return [name for name, entry in self._runs.items() if entry.lane.state is LaneState.OPEN]
 
     def views(self, run: str | None = None) -> list[RunView]:
         """Copies of the runs' state, for status."""

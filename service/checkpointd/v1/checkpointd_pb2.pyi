@@ -376,18 +376,20 @@ class StoredRun(_message.Message):
     def __init__(self, folder: _Optional[str] = ..., run: _Optional[str] = ..., saves: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., step: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., path: _Optional[str] = ..., lease_holder: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("runs", "draining", "stored_runs", "stored_truncated", "stored_folders")
+    __slots__ = ("runs", "draining", "stored_runs", "stored_truncated", "stored_folders", "notice_seconds_left")
     RUNS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     STORED_RUNS_FIELD_NUMBER: _ClassVar[int]
     STORED_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     STORED_FOLDERS_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
     draining: bool
     stored_runs: _containers.RepeatedCompositeFieldContainer[StoredRun]
     stored_truncated: bool
     stored_folders: int
-    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., draining: bool = ..., stored_runs: _Optional[_Iterable[_Union[StoredRun, _Mapping]]] = ..., stored_truncated: bool = ..., stored_folders: _Optional[int] = ...) -> None: ...
+    notice_seconds_left: float
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., draining: bool = ..., stored_runs: _Optional[_Iterable[_Union[StoredRun, _Mapping]]] = ..., stored_truncated: bool = ..., stored_folders: _Optional[int] = ..., notice_seconds_left: _Optional[float] = ...) -> None: ...
 
 class LatestRequest(_message.Message):
     __slots__ = ("run", "kind", "folder", "checkpoint_dir")

@@ -86,7 +86,9 @@ class CheckpointServiceServicer(object):
         "waiting up to N s for the lease of run R held by host H, pid P,
         renewed S s ago" (ASCII; the daemon logs the same at INFO). A client
         may show it while the call goes on; a call that did not wait carries
-        no such key.
+        no such key. A draining daemon (StatusResponse.draining) refuses the
+        registration of a run not registered on it with UNAVAILABLE, naming
+        itself, before the template is read: register on another daemon.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
