@@ -42,6 +42,10 @@ class SaveRequest:
     local_skips: tuple[LocalSkip, ...] = ()
     # The trainer can send unchanged chunks as references to a base save.
     incremental: bool = False
+    # The trainer's last snapshot before it is stopped (blocking: never skipped),
+    # and when its notice came by its clock (0: unknown).
+    on_notice: bool = False
+    notice_unix_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
