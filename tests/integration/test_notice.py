@@ -8,6 +8,7 @@ newest committed checkpoint on the daemon's disk (read by TensorFlow).
 
 from __future__ import annotations
 
+import math
 import queue
 import re
 import signal
@@ -18,8 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import tensorflow as tf
 
+import checkpointd_client
+from checkpointd_client import RemoteCheckpointer
+from tests.integration import dqn
 from tests.integration.daemon import Daemon
 from tests.integration.scrape import Metrics
 
@@ -220,3 +225,42 @@ def test_a_second_sigterm_during_the_save_on_notice_ends_the_trainer_at_once(
     assert took < 5.0
     assert any("a second SIGTERM during the save on notice" in line for line in trainer.err)
     assert not any(SAVED.search(line) for line in trainer.err)
+
+
+def test_preempted_saves_the_step_reached_returns_the_outcome_and_the_process_goes_on(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    run = "notice-call"
+    original = signal.getsignal(signal.SIGTERM)
+    trainer = dqn.build(seed=2)
+    checkpointer = RemoteCheckpointer("train", daemon.address, run=run, timeout=WAIT, agent=trainer.agent,
+                                      train_step=trainer.train_step)  # fmt: skip
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not original  # SIGTERM saves on notice now
+        iterator = iter(trainer.dataset_fn())
+        for _ in range(3):
+            experience, _ = next(iterator)
+            trainer.agent.train(experience)
+
+        [outcome] = checkpointd_client.preempted()
+        [again] = checkpointd_client.preempted()  # nothing trained since: that save is not sent again
+    finally:
+        checkpointer.close(WAIT)
+    assert (outcome.run, outcome.step, outcome.saved, outcome.lost) == (f"{run}.train", 3, True, "")
+    assert again.saved and again.step == 3
+    directory = daemon.root / run / "train"
+    assert _newest(directory) == (str(directory / "ckpt-3"), 3)
+    saved = [line for line in daemon.log().splitlines() if f"saved run={run}.train " in line]
+    assert len(saved) == 1 and "on_notice=yes" in saved[0]
+    assert signal.getsignal(signal.SIGTERM) is original  # closed: the handler before it is back
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("save_on_notice", "yes"), ("save_on_notice", None), ("notice_deadline", 0), ("notice_deadline", math.inf),
+     ("notice_deadline", "25")],
+)  # fmt: skip
+def test_a_bad_notice_argument_is_refused_at_construction_naming_it(argument: str, value: object) -> None:
+    step = tf.Variable(0, dtype=tf.int64)
+    with pytest.raises(ValueError, match=f"^{argument} must be"):  # before any call to the (absent) daemon
+        RemoteCheckpointer("train", "127.0.0.1:1", run="bad-notice", train_step=step, **{argument: value})
