@@ -228,6 +228,8 @@ class _Watch:
                 return
             signal.signal(signal.SIGTERM, _on_sigterm)
             self.previous, self.installed = previous, True
+            if self.machine.state is State.ENDED:  # a notice was handled and the process went on: watch anew
+                self.machine = NoticeMachine()
         _LOGGER.debug("run %s: SIGTERM saves on notice (chained to %r)", saver.run, previous)
 
     def leave(self, saver: NoticeSaver) -> None:
@@ -320,6 +322,8 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         _save_then_end(signum, frame)
     elif action is Action.DEFER:
         _LOGGER.info("SIGTERM inside a checkpointd_client call: the save on notice follows when it returns")
+    else:  # handled already and still installed (the previous handler went on): SIGTERM is that handler's
+        _end(signum, frame)
 
 
 def _save_then_end(signum: int, frame: Any) -> None:

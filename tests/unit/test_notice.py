@@ -208,3 +208,17 @@ def test_a_checkpointer_made_on_another_thread_installs_nothing_says_so_and_is_s
     assert any("made in thread 'builder'" in r.getMessage() and "preempted()" in r.getMessage() for r in caplog.records)
 
     assert [o.run for o in notice.preempted()] == ["a"]
+
+
+def test_after_a_notice_the_process_went_on_from_a_checkpointer_made_later_saves_on_the_next_sigterm(
+    watch: list[str],
+) -> None:
+    users = signal.getsignal(signal.SIGTERM)
+    notice.join(FakeCheckpointer("a", watch))
+    _sigterm()  # the user's handler returns: the process goes on
+    assert signal.getsignal(signal.SIGTERM) is users
+
+    notice.join(FakeCheckpointer("b", watch))  # installs again, chained to the user's
+    _sigterm()
+
+    assert watch == ["save a", "user's handler SIGTERM", "save a", "save b", "user's handler SIGTERM"]
