@@ -302,6 +302,11 @@ class RemoteCheckpointer:
         return self._read_only
 
     @property
+    def notice_deadline(self) -> float:
+        """Seconds from a notice within which the save on notice must be durable."""
+        return self._notice_deadline
+
+    @property
     def ckpt_dir(self) -> str:
         return self._dir
 

@@ -75,6 +75,7 @@ from typing import Any, Protocol, TypeVar
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE = 25.0  # seconds from the notice: Kubernetes' 30 s grace, less room to exit
+BACKSTOP_GRACE = 3.0  # seconds past the longest deadline before the backstop ends the process (see _Watch)
 NOTICE_OPTIONS = ("save_on_notice", "notice_deadline")
 """The keywords of a checkpointer's save on notice, as the Learner and common_module swaps pass them on."""
 
@@ -141,6 +142,10 @@ class NoticeSaver(Protocol):
     @property
     def run(self) -> str: ...
 
+    @property
+    def notice_deadline(self) -> float:
+        """Seconds from the notice within which its save must be durable."""
+
     def _save_on_notice(self, notice: Notice) -> NoticeOutcome:
         """Saves the step reached as a save on notice, within the checkpointer's deadline; never raises."""
 
@@ -203,6 +208,8 @@ class _Watch:
         self.depth = 0  # client calls the main thread is inside; only the main thread changes it
         self.installed = False
         self.previous: _Handler = None
+        self.overdue = False  # the backstop sent the SIGTERM that ends the process
+        self._wake: int | None = None  # the backstop's pipe, written by the handler (a write takes no lock)
 
     def join(self, saver: NoticeSaver) -> None:
         """Watches `saver`; installs the handler if this is the main thread and it is not installed."""
@@ -230,6 +237,7 @@ class _Watch:
             self.previous, self.installed = previous, True
             if self.machine.state is State.ENDED:  # a notice was handled and the process went on: watch anew
                 self.machine = NoticeMachine()
+            self._start_backstop()
         _LOGGER.debug("run %s: SIGTERM saves on notice (chained to %r)", saver.run, previous)
 
     def leave(self, saver: NoticeSaver) -> None:
@@ -241,13 +249,63 @@ class _Watch:
             if signal.getsignal(signal.SIGTERM) is _on_sigterm:
                 signal.signal(signal.SIGTERM, self.previous if self.previous is not None else signal.SIG_DFL)
             self.installed, self.previous = False, None
+            self._stop_backstop()
 
     def give_back(self) -> _Handler:
         """Puts the previous SIGTERM handler back; returns it (the handler is on the main thread)."""
         previous = self.previous if self.previous is not None else signal.SIG_DFL
         signal.signal(signal.SIGTERM, previous)
         self.installed, self.previous = False, None
+        self._stop_backstop()
         return previous
+
+    # The backstop: a notice ends the process by its deadline even if the save cannot start or end.
+    #
+    # A main thread that stays inside a client call (a flush or close without
+    # a timeout, a daemon that does not answer) would hold the deferred save,
+    # and the process would no longer end on SIGTERM. A thread started with
+    # the handler waits on a pipe; the handler writes to it (no lock, so no
+    # thread is started from a handler), and if the notice has not ended
+    # `BACKSTOP_GRACE` seconds past the longest deadline it sends the process
+    # SIGTERM again, which ends it at once.
+
+    def _start_backstop(self) -> None:
+        read, self._wake = os.pipe()
+        os.set_blocking(self._wake, False)
+        threading.Thread(target=self._backstop, args=(read,), name="checkpointd-notice-backstop", daemon=True).start()
+
+    def _stop_backstop(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            os.close(wake)  # the backstop reads the end of the pipe and ends
+
+    def noticed(self) -> None:
+        """Tells the backstop a notice came; from the handler."""
+        wake = self._wake
+        if wake is not None:
+            try:
+                os.write(wake, b"n")
+            except OSError:  # full (it was told already) or closed: nothing to add
+                pass
+
+    def _backstop(self, read: int) -> None:
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            while pipe.read(1):
+                machine, notice = self.machine, self.machine.notice
+                if notice is None:
+                    continue
+                longest = max((s.notice_deadline for s in self.savers), default=0.0)
+                time.sleep(max(0.0, notice.monotonic + longest + BACKSTOP_GRACE - time.monotonic()))
+                if machine is self.machine and machine.state in (State.PENDING, State.SAVING):
+                    _LOGGER.error(
+                        "the save on notice has not ended %.1f s after the notice (%s); ending the process, as a "
+                        "second SIGTERM does: what was not durable is lost",
+                        time.monotonic() - notice.monotonic,
+                        "the main thread is still inside a checkpointd_client call"
+                        if machine.state is State.PENDING else "the save still runs",
+                    )  # fmt: skip
+                    self.overdue = True
+                    os.kill(os.getpid(), signal.SIGTERM)
 
 
 _WATCH = _Watch()
@@ -316,6 +374,8 @@ def _save_all(notice: Notice) -> list[NoticeOutcome]:
 def _on_sigterm(signum: int, frame: Any) -> None:
     notice = Notice.now()
     action = _WATCH.machine.signalled(_WATCH.depth > 0, notice)
+    if action in (Action.SAVE, Action.DEFER):
+        _WATCH.noticed()
     if action is Action.END_NOW:
         _end_now(signum)
     elif action is Action.SAVE:
@@ -352,6 +412,7 @@ def _end(signum: int, frame: Any) -> None:
 
 def _end_now(signum: int) -> None:
     """A second notice while the first is handled: the default action, at once."""
-    _LOGGER.error("a second SIGTERM during the save on notice: ending at once; that save is lost")
+    if not _WATCH.overdue:
+        _LOGGER.error("a second SIGTERM during the save on notice: ending at once; that save is lost")
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)

@@ -72,10 +72,13 @@ def test_the_outcome_line_says_the_step_and_either_the_time_to_durable_or_what_w
 class FakeCheckpointer:
     """Records its saves on notice; `during` runs inside the save (a second signal, say)."""
 
-    def __init__(self, run: str, events: list[str], during: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, run: str, events: list[str], during: Callable[[], None] = lambda: None, deadline: float = LIMIT
+    ) -> None:
         self.run = run
         self.events = events
         self.during = during
+        self.notice_deadline = deadline
         self.notices: list[Notice] = []
 
     def _save_on_notice(self, on_notice: Notice) -> NoticeOutcome:
@@ -89,7 +92,8 @@ class FakeCheckpointer:
 def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """A fresh watch, with a user's SIGTERM handler installed first; yields the events, in order."""
     events: list[str] = []
-    monkeypatch.setattr(notice, "_WATCH", notice._Watch())  # noqa: SLF001 - a fresh process-wide watch
+    fresh = notice._Watch()  # noqa: SLF001 - a fresh process-wide watch
+    monkeypatch.setattr(notice, "_WATCH", fresh)
     original = signal.getsignal(signal.SIGTERM)
 
     def users(signum: int, frame: Any) -> None:
@@ -99,6 +103,7 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     try:
         yield events
     finally:
+        fresh._stop_backstop()  # noqa: SLF001 - its thread ends with the test
         signal.signal(signal.SIGTERM, original)
 
 
@@ -222,3 +227,32 @@ def test_after_a_notice_the_process_went_on_from_a_checkpointer_made_later_saves
     _sigterm()
 
     assert watch == ["save a", "user's handler SIGTERM", "save a", "save b", "user's handler SIGTERM"]
+
+
+def test_a_notice_held_inside_a_client_call_past_its_deadline_is_ended_by_the_backstop(
+    watch: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ended: list[int] = []
+    released = threading.Event()
+
+    def end_now(signum: int) -> None:  # instead of the default action, which ends pytest
+        ended.append(signum)
+        released.set()
+
+    monkeypatch.setattr(notice, "_end_now", end_now)
+    monkeypatch.setattr(notice, "BACKSTOP_GRACE", 0.0)
+    notice.join(FakeCheckpointer("a", watch, deadline=0.1))
+
+    @notice.client_call
+    def stuck() -> None:
+        _sigterm()
+        assert released.wait(LIMIT)  # a call that would not return by the deadline: the backstop's SIGTERM ends it
+        watch.append("call returned")
+
+    with caplog.at_level(logging.ERROR, logger=notice.__name__):
+        stuck()
+
+    assert ended == [signal.SIGTERM]
+    [record] = [r for r in caplog.records if "has not ended" in r.getMessage()]
+    assert "the main thread is still inside a checkpointd_client call" in record.getMessage()
+    assert watch[0] == "call returned"  # what follows happens only because the fake did not end the process
