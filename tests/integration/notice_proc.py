@@ -16,6 +16,9 @@ way the SIGTERM it is sent ends it.
 - `in-flight`: `loop` whose save at step 3 is not waited for, and whose
   checkpoint holds a Python state that sends this process SIGTERM while that
   save describes it: the notice lands inside the client's save call.
+- `flush`: `loop` that at step 5 prints `flushing`, waits for a line on
+  stdin, prints `flush called` and calls `flush()` (the test stops the
+  daemon first, so the call does not return).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 OWN_HANDLER_EXIT = 7
 SAVED_AT = 3
+FLUSH_AT = 5
 TIMEOUT = 120.0
 
 
@@ -80,6 +84,12 @@ def loop(mode: str, address: str, run: str, deadline: float) -> int:
         trainer.agent.train(experience)
         step = int(trainer.train_step.numpy())
         print(f"step {step}", flush=True)
+        if step == FLUSH_AT and mode == "flush":
+            print("flushing", flush=True)
+            sys.stdin.readline()
+            print("flush called", flush=True)
+            checkpointer.flush()
+            print("flushed", flush=True)
         if step == SAVED_AT:
             if mode == "in-flight":
                 tripwire.armed = True

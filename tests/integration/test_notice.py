@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import checkpointd_client
-from checkpointd_client import RemoteCheckpointer
+from checkpointd_client import RemoteCheckpointer, notice
 from tests.integration import dqn
 from tests.integration.daemon import Daemon
 from tests.integration.scrape import Metrics
@@ -39,7 +39,7 @@ class Trainer:
     def __init__(self, mode: str, address: str, run: str, root_dir: Path, deadline: float = 25.0) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.notice_proc", mode, address, run, str(deadline), str(root_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.out: list[str] = []
         self.err: list[str] = []
@@ -225,6 +225,34 @@ def test_a_second_sigterm_during_the_save_on_notice_ends_the_trainer_at_once(
     assert took < 5.0
     assert any("a second SIGTERM during the save on notice" in line for line in trainer.err)
     assert not any(SAVED.search(line) for line in trainer.err)
+
+
+def test_a_notice_during_a_flush_to_a_daemon_that_does_not_answer_ends_the_trainer_by_its_deadline(
+    fresh_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    # The notice lands inside flush(), a client call: the save on notice waits
+    # for it to return, and the backstop ends the process if it does not
+    # (unit-tested in test_notice); either way the trainer is gone by then.
+    daemon = fresh_daemon()
+    deadline = 3.0
+    trainer = Trainer("flush", daemon.address, "notice-stuck", tmp_path, deadline=deadline)
+    try:
+        trainer.wait_for("out", lambda line: line == "flushing", "the flush at step 5")
+        daemon.proc.send_signal(signal.SIGSTOP)  # the flush (120 s timeout) then waits for an answer
+        trainer.proc.stdin.write("go\n")  # type: ignore[union-attr]
+        trainer.proc.stdin.flush()  # type: ignore[union-attr]
+        trainer.wait_for("out", lambda line: line == "flush called", "the flush call")
+        trainer.signal()
+        noticed = time.monotonic()
+        status = trainer.ended(timeout=60.0)
+        took = time.monotonic() - noticed
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        trainer.kill()
+    assert status == -signal.SIGTERM
+    assert took < deadline + notice.BACKSTOP_GRACE + 3.0  # not the flush's 120 s
+    assert "flushed" not in trainer.out
+    assert any("has not ended" in line or "not saved" in line for line in trainer.err), "\n".join(trainer.err[-20:])
 
 
 def test_preempted_saves_the_step_reached_returns_the_outcome_and_the_process_goes_on(
