@@ -45,8 +45,13 @@ that thread between steps; and a step written as many eager ops (an
 optimizer's update without `tf.function`) may be caught between two of them,
 as any Python handler would catch it (TF-Agents' Learner and examples wrap
 their train step in a function). Python locks the interrupted code holds
-outside this client are the remaining risk of saving from a handler; a
-second SIGTERM or the scheduler's SIGKILL still ends the process.
+outside this client are the remaining risk of saving from a handler.
+
+Whatever holds the save up (a main thread that stays inside a client call,
+a daemon that does not answer, such a lock), the process ends by the
+notice's deadline: a backstop thread, told of the notice through a pipe,
+sends SIGTERM again `BACKSTOP_GRACE` seconds past the longest deadline if
+the notice has not ended, and that ends the process at once (see `_Watch`).
 
 Schedulers that announce a preemption otherwise (a preStop hook, a file or
 metadata watcher, a cloud maintenance event) call `preempted()`, which saves
