@@ -71,7 +71,9 @@ def loop(mode: str, address: str, run: str, deadline: float) -> int:
     if mode == "own-handler":
 
         def own(signum: int, frame: Any) -> None:
-            print(f"own handler ran at step {int(trainer.train_step.numpy())}", flush=True)
+            # os.write, not print: the signal may have interrupted a print to stdout,
+            # and the buffered writer refuses a reentrant call.
+            os.write(1, f"own handler ran at step {int(trainer.train_step.numpy())}\n".encode())
             sys.exit(OWN_HANDLER_EXIT)
 
         signal.signal(signal.SIGTERM, own)
