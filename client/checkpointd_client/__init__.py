@@ -29,6 +29,7 @@ from checkpointd.protocol.kinds import SaveKind
 if TYPE_CHECKING:
     from checkpointd_client.checkpointer import RemoteCheckpointer
     from checkpointd_client.learner import RemoteLearner, common_module, ppo_learner_module, train_modules
+    from checkpointd_client.notice import NoticeOutcome, preempted
     from checkpointd_client.restore import LatestSave
     from checkpointd_client.saver import RemotePolicySaver
     from checkpointd_client.ticket import SaveCounts, SaveResult, SaveTicket
@@ -42,6 +43,8 @@ _LAZY = {
     "ppo_learner_module": "checkpointd_client.learner",
     "train_modules": "checkpointd_client.learner",
     "LatestSave": "checkpointd_client.restore",
+    "NoticeOutcome": "checkpointd_client.notice",
+    "preempted": "checkpointd_client.notice",
     "RemotePolicySaver": "checkpointd_client.saver",
     "SaveCounts": "checkpointd_client.ticket",
     "SaveResult": "checkpointd_client.ticket",
@@ -57,6 +60,7 @@ __all__ = [
     "InvalidRequestError",
     "LatestSave",
     "LimitExceededError",
+    "NoticeOutcome",
     "RemoteCheckpointer",
     "RemoteLearner",
     "RemotePolicySaver",
@@ -74,6 +78,7 @@ __all__ = [
     "common_module",
     "credentials",
     "ppo_learner_module",
+    "preempted",
     "train_modules",
 ]
 

@@ -25,14 +25,21 @@ is saved and how it is put back.
 The connection, busy accounting, flush, close and what a non-blocking save
 does when the daemon cannot take it are the session's
 (`checkpointd_client.session`): the Learner's interval saves never stop
-training. Lock discipline: the session's lock guards `_spare` and
-`_segment`, and is never held across an RPC or a TF call.
+training. Lock discipline: the session's lock guards `_spare`,
+`_segment` and `_durable_step`, and is never held across an RPC or a TF call.
+
+By default a checkpointer also saves on notice: on SIGTERM it saves the
+step reached, blocking, waits until it is durable within `notice_deadline`,
+and lets the process end as SIGTERM would have. Where and when that
+snapshot is taken (never inside this client's own calls) is
+`checkpointd_client.notice`'s to say; the save is `_save_on_notice` here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -45,10 +52,11 @@ from checkpointd.protocol.errors import CheckpointdError, InvalidRequestError, R
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import checkpoint_restore, shm, streams, tf_checkpoint
+from checkpointd_client import checkpoint_restore, notice, shm, streams, tf_checkpoint
 from checkpointd_client.connection import ConnectionOptions
+from checkpointd_client.notice import Notice, NoticeOutcome, client_call
 from checkpointd_client.outage import survivable
-from checkpointd_client.session import DaemonSession
+from checkpointd_client.session import DaemonSession, time_left
 from checkpointd_client.stream import SaveStream
 from checkpointd_client.ticket import SaveCounts, SaveTicket
 
@@ -56,6 +64,9 @@ _LOGGER = logging.getLogger(__name__)
 
 # tf.train.Checkpoint's own child, restored with the objects given.
 _SAVE_COUNTER = "save_counter"
+# The objects whose value is the step a save on notice is named by, as TF-Agents names them.
+_STEP_NAMES = ("global_step", "train_step", "step")
+_NOTICE_POLL = 0.005  # seconds between looks at the save in flight that a save on notice waits for
 
 
 class RemoteCheckpointManager:
@@ -108,8 +119,11 @@ class RemoteCheckpointer:
     A drop-in for `tf_agents.utils.common.Checkpointer(ckpt_dir, max_to_keep,
     **objects)`: the same properties and methods, `save()` returning a
     `SaveTicket`, plus the connection options `RemotePolicySaver` takes.
+    By default it also saves on notice: on SIGTERM, the step reached, durable
+    before the process ends (`checkpointd_client.notice`).
     """
 
+    @client_call
     def __init__(
         self,
         ckpt_dir: str | os.PathLike[str],
@@ -128,6 +142,8 @@ class RemoteCheckpointer:
         incremental: bool = True,
         root_dir: str | os.PathLike[str] | None = None,
         read_only: bool = False,
+        save_on_notice: bool = True,
+        notice_deadline: float = notice.DEFAULT_DEADLINE,
         **objects: Any,
     ) -> None:
         """Registers the run and restores the dir's newest checkpoint, as Checkpointer's constructor does.
@@ -160,11 +176,20 @@ class RemoteCheckpointer:
             read_only: restore only (an evaluation job, a notebook): no run
                 is registered, held or closed, so the trainer writing the dir
                 keeps saving; `save()` raises RunClosedError.
+            save_on_notice: on SIGTERM (and `checkpointd_client.preempted()`),
+                save the step reached, blocking, and wait until it is durable
+                before the process ends as SIGTERM ends it; the handler is
+                chained to the one installed before. The step is the
+                `global_step`, `train_step` or `step` object, else an
+                agent's `train_step_counter`. False: no save on notice.
+            notice_deadline: seconds from the notice within which that save
+                must be durable (default 25: Kubernetes gives 30).
 
         Raises:
             ValueError: an invalid run, folder, ckpt_dir (absolute, or leaving
                 the folder), max_to_keep, keep_checkpoint_every_n_hours,
-                root_dir, timeout or token option, each named.
+                root_dir, timeout or token option, save_on_notice or
+                notice_deadline, each named.
             AlreadyExistsError: another open run on the daemon writes this
                 folder's ckpt_dir (another job of the same folder, or an
                 older name of this one): see the message for what to change.
@@ -196,10 +221,12 @@ class RemoteCheckpointer:
             ("shared_memory", shared_memory),
             ("incremental", incremental),
             ("read_only", read_only),
+            ("save_on_notice", save_on_notice),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"{argument} must be True or False, got {value!r}")
         self._read_only = read_only
+        self._notice_deadline = notice.check_deadline(notice_deadline)
         connection = ConnectionOptions(
             chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
             token_file=token_file, shared_memory=shared_memory,
@@ -207,6 +234,9 @@ class RemoteCheckpointer:
         self._keep_hours = keep_checkpoint_every_n_hours
         self._checkpoint = tf.train.Checkpoint(**objects)
         self._objects = tuple(objects)
+        self._step = _step_variable(objects)
+        self._last_ticket: SaveTicket | None = None  # of the last save call
+        self._durable_step: int | None = None  # of the dir's newest checkpoint known durable
         self._daemon = DaemonSession(address, self._run, connection, owner="checkpointer", upload_threads=2)
         self._use_shm = shared_memory
         self._incremental = incremental
@@ -222,6 +252,7 @@ class RemoteCheckpointer:
             if latest is not None:
                 _LOGGER.info("run %s: checkpoint available: %s (step %d)", self._run, latest.path, latest.step)
                 self._load_status = self._restore(latest.export_dir)
+                self._durable_step = latest.step
             else:
                 _LOGGER.info("run %s: no checkpoint available in %r", self._run, self._dir)
                 self._load_status = self._checkpoint.restore(None)
@@ -229,6 +260,9 @@ class RemoteCheckpointer:
             self._daemon.shutdown(self._release)
             raise
         self._checkpoint_exists = latest is not None
+        self._on_notice = save_on_notice and not read_only
+        if self._on_notice:
+            notice.join(self)
 
     # Checkpointer's surface.
 
@@ -268,6 +302,11 @@ class RemoteCheckpointer:
         return self._read_only
 
     @property
+    def notice_deadline(self) -> float:
+        """Seconds from a notice within which the save on notice must be durable."""
+        return self._notice_deadline
+
+    @property
     def ckpt_dir(self) -> str:
         return self._dir
 
@@ -278,6 +317,7 @@ class RemoteCheckpointer:
 
     # Saving.
 
+    @client_call
     def save(self, global_step: Any, blocking: bool = False) -> SaveTicket:
         """Saves every object as `<ckpt_dir>/ckpt-<global_step>` on the daemon.
 
@@ -312,6 +352,10 @@ class RemoteCheckpointer:
         """
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be a bool, saw {type(blocking)!r} (CheckpointOptions are not taken)")
+        return self._save(global_step, blocking)
+
+    def _save(self, global_step: Any, blocking: bool, on_notice: Notice | None = None) -> SaveTicket:
+        """`save()`; `on_notice`: a save on notice, within the notice's deadline."""
         if self._read_only:
             raise RunClosedError(
                 f"the checkpointer of {self._dir!r} in folder {self._folder!r} is read-only (read_only=True): "
@@ -328,10 +372,11 @@ class RemoteCheckpointer:
                 raise ValueError(str(e)) from None
             daemon.last_step = step
             ticket = daemon.ticket(export_dir, SaveKind.TRAINING_CHECKPOINT, step)
+            self._last_ticket = ticket
             if not blocking and daemon.fail_fast(ticket):
                 return ticket
             try:
-                handed_off = self._save_now(ticket, blocking)
+                handed_off = self._save_now(ticket, blocking, on_notice)
             except CheckpointdError as e:
                 if blocking or not survivable(e) or ticket.done():
                     raise
@@ -341,14 +386,14 @@ class RemoteCheckpointer:
             if not handed_off:
                 daemon.release()
 
-    def _save_now(self, ticket: SaveTicket, blocking: bool) -> bool:
+    def _save_now(self, ticket: SaveTicket, blocking: bool, on_notice: Notice | None = None) -> bool:
         """Asks the daemon, copies and uploads; True if an upload thread took the save over."""
         counter = self._checkpoint.save_counter
         counter.assign_add(1)  # as CheckpointManager.save does, before the write
         try:
             state = tf_checkpoint.describe(self._checkpoint)
             self._daemon.before_trying()
-            stream, offer, base = self._decide(ticket, state, blocking)
+            stream, offer, base = self._decide(ticket, state, blocking, on_notice=on_notice)
         except BaseException:
             counter.assign_sub(1)  # refused before a decision: nothing was saved
             raise
@@ -362,7 +407,7 @@ class RemoteCheckpointer:
             stream.close()
             raise
         self._checkpoint_exists = True
-        resend = self._resender(ticket, state, parts) if base is not None else None
+        resend = self._resender(ticket, state, parts, on_notice) if base is not None else None
         if blocking:
             self._upload(stream, requests, ticket, state, spare, resend)
             ticket.result()
@@ -371,10 +416,16 @@ class RemoteCheckpointer:
         return True
 
     def _decide(
-        self, ticket: SaveTicket, state: tf_checkpoint.TrainingState, blocking: bool, incremental: bool = True
+        self,
+        ticket: SaveTicket,
+        state: tf_checkpoint.TrainingState,
+        blocking: bool,
+        incremental: bool = True,
+        on_notice: Notice | None = None,
     ) -> tuple[SaveStream, pb.SharedMemory | None, pb.IncrementalBase | None]:
         """Opens the Save call and reads the decision; registers again once on NOT_FOUND.
 
+        A save on notice is marked so, and its call ends by the notice's deadline.
         Returns the call, and the shared memory and base its accept offered.
         """
         header = pb.SaveHeader(
@@ -387,11 +438,17 @@ class RemoteCheckpointer:
             shared_memory=self._use_shm,
             training_checkpoint=state.to_proto(self._max_to_keep, self._keep_hours),
             incremental=self._incremental and incremental,
+            on_notice=on_notice is not None,
+            notice_unix_seconds=on_notice.unix_seconds if on_notice is not None else 0.0,
         )
         daemon = self._daemon
+        timeout = daemon.timeout
+        if on_notice is not None:
+            left = time_left(on_notice.monotonic + self._notice_deadline) or 0.0
+            timeout = left if timeout is None else min(timeout, left)
 
         def attempt() -> tuple[SaveStream, pb.SaveDecision]:
-            stream = SaveStream(daemon.save_stub, header, daemon.timeout)
+            stream = SaveStream(daemon.save_stub, header, timeout)
             try:
                 return stream, stream.decision()
             except BaseException:
@@ -438,12 +495,12 @@ class RemoteCheckpointer:
         return wire.save_request_chunks(parts, self._daemon.chunk_bytes), buffers, parts
 
     def _resender(
-        self, ticket: SaveTicket, state: tf_checkpoint.TrainingState, parts: list[Any]
+        self, ticket: SaveTicket, state: tf_checkpoint.TrainingState, parts: list[Any], on_notice: Notice | None
     ) -> Callable[[], tuple[SaveStream, Iterable[bytes]]]:
         """Opens the save again, blocking and not incremental, to send `parts` in full (see SaveStream.finish)."""
 
         def resend() -> tuple[SaveStream, Iterable[bytes]]:
-            stream, _, _ = self._decide(ticket, state, blocking=True, incremental=False)
+            stream, _, _ = self._decide(ticket, state, blocking=True, incremental=False, on_notice=on_notice)
             return stream, wire.save_request_chunks(parts, self._daemon.chunk_bytes)
 
         return resend
@@ -458,15 +515,62 @@ class RemoteCheckpointer:
         resend: Callable[[], tuple[SaveStream, Iterable[bytes]]] | None = None,
     ) -> None:
         stream.finish(ticket, requests, self._run, resend=resend)
-        if spare is not None and ticket.done() and ticket.exception(0) is None:
-            with self._daemon.lock:  # gRPC has let go of every chunk: the next save may reuse them
-                self._spare = (state.layout, spare)
+        if ticket.done() and ticket.exception(0) is None:
+            with self._daemon.lock:
+                self._durable_step = max(ticket.step, self._durable_step or 0)
+                if spare is not None:  # gRPC has let go of every chunk: the next save may reuse them
+                    self._spare = (state.layout, spare)
 
     def _upload_then_release(self, *args: Any) -> None:
         try:
             self._upload(*args)
         finally:
             self._daemon.release()
+
+    # The save on notice (`checkpointd_client.notice` calls it at a safe point of the main thread).
+
+    def _save_on_notice(self, on_notice: Notice) -> NoticeOutcome:
+        """Saves the step reached as a save on notice and waits until it is durable, by the deadline; never raises.
+
+        A save of that step already made by this checkpointer (in flight, or
+        durable) is waited for instead of sending another.
+        """
+        deadline = on_notice.monotonic + self._notice_deadline
+        step: int | None = None
+        try:
+            # Eager even inside a tf.function's trace, and unseen by a gradient tape.
+            with tf.init_scope():
+                if self._step is None:
+                    return NoticeOutcome(
+                        self._run, None, False,
+                        lost="none of its objects is a step (global_step, train_step, step, or an agent's "
+                        f"train_step_counter), which names a checkpoint; {self._lost(None)}",
+                    )  # fmt: skip
+                step = int(self._step.numpy())
+                last = self._last_ticket
+                if last is not None and last.step == step and not last.skipped:
+                    _wait_unlocked(last, deadline)
+                    if last._error is None:  # noqa: SLF001 - read once ended, without the ticket's lock
+                        return self._durable(step, on_notice)
+                    # That one failed: the save on notice sends its own.
+                ticket = self._save(step, True, on_notice)
+                ticket.result(time_left(deadline))
+        except Exception as e:  # noqa: BLE001 - the outcome reports it
+            return NoticeOutcome(self._run, step, False, lost=f"{type(e).__name__}: {e}; {self._lost(step)}")
+        return self._durable(step, on_notice)
+
+    def _durable(self, step: int, on_notice: Notice) -> NoticeOutcome:
+        return NoticeOutcome(self._run, step, True, durable_ms=(time.monotonic() - on_notice.monotonic) * 1000)
+
+    def _lost(self, step: int | None) -> str:
+        """What is not in a durable checkpoint if the save on notice is not made."""
+        with self._daemon.lock:
+            durable = self._durable_step
+        if durable is None:
+            return f"lost: every step (no durable checkpoint in {self._dir!r})"
+        if step is None:
+            return f"lost: the steps after step {durable}, the newest durable checkpoint"
+        return f"lost: the {step - durable} step(s) after step {durable}, the newest durable checkpoint"
 
     # Registration and restore.
 
@@ -476,6 +580,7 @@ class RemoteCheckpointer:
         )
         self._daemon.register_run(iter([pb.RegisterRunRequest(header=header)]), f"registering run {self._run!r}")
 
+    @client_call
     def _latest(self) -> _Latest | None:
         """The newest checkpoint in this dir of the folder, whichever run committed it (as latest_checkpoint(dir))."""
         request = pb.LatestRequest(
@@ -494,6 +599,7 @@ class RemoteCheckpointer:
 
     # Flush and close.
 
+    @client_call
     def flush(self, timeout: float | None = None) -> None:
         """Waits until this checkpointer's saves have ended, then until the daemon's run is idle.
 
@@ -505,16 +611,19 @@ class RemoteCheckpointer:
         """
         self._daemon.flush(timeout, registered=not self._read_only)
 
+    @client_call
     def close(self, timeout: float | None = None) -> None:
         """Flushes, closes the run on the daemon and the channel; idempotent.
 
         Restored checkpoints' local copies are deleted: objects created after
-        this are not restored any more.
+        this are not restored any more, and it no longer saves on notice.
 
         Raises:
             DeadlineError: if the saves did not end in time.
             CheckpointdError: a subclass for another status the daemon answered.
         """
+        if self._on_notice:
+            notice.leave(self)
         self._daemon.close(timeout, self.flush, lambda: not self._read_only, self._release)
 
     def _release(self) -> None:
@@ -532,6 +641,28 @@ class RemoteCheckpointer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _wait_unlocked(ticket: SaveTicket, deadline: float) -> None:
+    """Waits until `ticket` ends by looking, not on its lock: the notice may have interrupted a wait holding that lock.
+
+    Raises:
+        TimeoutError: it has not ended by `deadline` (monotonic).
+    """
+    while not ticket.done():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the save of step {ticket.step} in flight did not end by the notice's deadline")
+        time.sleep(_NOTICE_POLL)
+
+
+def _step_variable(objects: dict[str, Any]) -> tf.Variable | None:
+    """The integer scalar variable that is the training step: by its name, else an agent's counter."""
+    candidates = [objects.get(name) for name in _STEP_NAMES]
+    candidates += [getattr(o, "train_step_counter", None) for o in objects.values()]
+    for candidate in candidates:
+        if isinstance(candidate, tf.Variable) and candidate.dtype.is_integer and candidate.shape.rank == 0:
+            return candidate
+    return None
 
 
 def _checked_max_to_keep(max_to_keep: Any) -> int | None:

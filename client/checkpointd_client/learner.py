@@ -46,6 +46,7 @@ from tf_agents.utils import common
 
 from checkpointd_client.checkpointer import RemoteCheckpointer
 from checkpointd_client.connection import CONNECTION_OPTIONS
+from checkpointd_client.notice import NOTICE_OPTIONS
 from checkpointd_client.streams import relative_to
 from checkpointd_client.trigger import POLICY_CONNECTION_OPTIONS, RemotePolicySavedModelTrigger
 
@@ -66,14 +67,16 @@ class RemoteLearner(tf_learner.Learner):
     """`tf_agents.train.Learner` whose checkpoints go through checkpointd (see the module docstring).
 
     Takes Learner's arguments, plus the daemon's address, the job's `run`
-    and RemoteCheckpointer's connection options. Restores on construction as
-    Learner does; `checkpointer` is its RemoteCheckpointer (tickets, flush).
+    and RemoteCheckpointer's connection and notice options (`save_on_notice`,
+    `notice_deadline`). Restores on construction as Learner does;
+    `checkpointer` is its RemoteCheckpointer (tickets, flush), which by
+    default saves the step reached on SIGTERM, also inside `run()`.
     """
 
     def __init__(
         self, root_dir: str, train_step: Any, agent: Any, *args: Any, address: str, run: str, **kwargs: Any
     ) -> None:
-        connection = {k: kwargs.pop(k) for k in CONNECTION_OPTIONS if k in kwargs}
+        connection = {k: kwargs.pop(k) for k in (*CONNECTION_OPTIONS, *NOTICE_OPTIONS) if k in kwargs}
         made: list[RemoteCheckpointer] = []
 
         def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
@@ -136,7 +139,8 @@ def train_modules(
             same paths under `<root>/<run>/` on the daemon. None: paths must
             already be relative.
         **connection: RemoteCheckpointer's and RemotePolicySaver's
-            connection options (channel_credentials, timeout, token, ...).
+            connection options (channel_credentials, timeout, token, ...),
+            and the Learner checkpointer's `save_on_notice` and `notice_deadline`.
 
     Returns:
         Stand-ins for `tf_agents.train.learner` and `tf_agents.train.triggers`.
@@ -210,7 +214,9 @@ def common_module(
             "localhost:7431", run="cartpole-dqn", root_dir=root_dir)
 
     Its saves are durable once `flush()` returns, and at the latest when the
-    process exits (the upload threads finish first). Besides
+    process exits (the upload threads finish first). On SIGTERM each
+    Checkpointer saves the step reached before the process ends
+    (`save_on_notice=False` among the options turns that off). Besides
     `tf_agents.utils.common`'s names it has `checkpointers` (those it made,
     in order), `flush(timeout=None)` and `close(timeout=None)`.
 

@@ -33,6 +33,7 @@ from checkpointd_client import restore as restore_lib
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.facade import PolicySaverFacade
 from checkpointd_client.local_decision import LocalDecisionPath
+from checkpointd_client.notice import client_call
 from checkpointd_client.policy_saves import PolicySaves
 from checkpointd_client.session import DaemonSession, LocalSkips
 from checkpointd_client.ticket import SaveCounts, SaveTicket
@@ -53,6 +54,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
     again and re-registers on its own (see `checkpointd_client.session`).
     """
 
+    @client_call
     def __init__(
         self,
         policy: tf_policy.TFPolicy,
@@ -184,6 +186,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
 
     # Saving.
 
+    @client_call
     def save(
         self,
         export_dir: str,
@@ -247,6 +250,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         template_options = options_lib.template_options(options) or tf.saved_model.SaveOptions()
         return self._save(export_dir, SaveKind.SAVED_MODEL, blocking, template_options=template_options)
 
+    @client_call
     def save_checkpoint(
         self,
         export_dir: str,
@@ -276,6 +280,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
 
     # Restoring (a restarted trainer).
 
+    @client_call
     def latest(self, kind: SaveKind | None = None) -> restore_lib.LatestSave | None:
         """The run's newest committed save on the daemon, or None if it has none.
 
@@ -293,6 +298,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         self._daemon.check_open()
         return restore_lib.latest(self._daemon, kind, self._folder)
 
+    @client_call
     def restore(self, export_dir: str | None = None) -> restore_lib.LatestSave:
         """Assigns a committed save's values into the live policy, train_step and metadata.
 
@@ -325,6 +331,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
 
     # Registration.
 
+    @client_call
     def register(self) -> None:
         """Exports the template and registers the run now, not at the first save.
 
@@ -339,6 +346,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
 
     # Flush and close.
 
+    @client_call
     def flush(self, timeout: float | None = None) -> None:
         """Waits until this saver's saves have ended, then until the daemon's run is idle.
 
@@ -352,6 +360,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         """
         self._daemon.flush(timeout, self._bindings is not None, self._local_skips)
 
+    @client_call
     def close(self, timeout: float | None = None) -> None:
         """Flushes, closes the run on the daemon and the channel; idempotent.
 

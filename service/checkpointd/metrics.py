@@ -31,6 +31,10 @@ PHASES = ("queue", "transfer", "write", "upload")
 TRANSPORTS = ("grpc", "shm")
 # From a 5k-parameter checkpoint (a few ms) to a multi-GB SavedModel (minutes).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# An accepted save on notice ends like any accepted save (never skipped).
+PREEMPTION_OUTCOMES = ("ok", "failed", "cancelled")
+# Notice to durable must fit a grace period: Kubernetes' default is 30 s.
+NOTICE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 25, 30, 60)
 
 
 class Metrics:
@@ -140,6 +144,21 @@ class Metrics:
             ["kind"],
             registry=registry,
         )
+        self.preemption_saves = Counter(
+            "checkpointd_preemption_saves_total",
+            "Accepted saves on notice (a trainer's last snapshot before it is stopped) by outcome: "
+            "ok, failed, cancelled (the trainer went away first).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.notice_to_durable = Histogram(
+            "checkpointd_preemption_notice_to_durable_seconds",
+            "Seconds from a trainer's notice (its clock) to its save on notice durable here (this clock).",
+            buckets=NOTICE_BUCKETS,
+            registry=registry,
+        )
+        for outcome in PREEMPTION_OUTCOMES:
+            self.preemption_saves.labels(outcome)
         for kind in KINDS:
             self.payload_received.labels(kind)
             self.payload_copied.labels(kind)
@@ -208,6 +227,18 @@ class Metrics:
         """Counts one committed save's payload: bytes received, and bytes copied from its base."""
         self._child(self.payload_received, kind).inc(received)
         self._child(self.payload_copied, kind).inc(copied)
+
+    def preemption_save(self, outcome: str, notice_to_durable: float | None) -> None:
+        """Counts one accepted save on notice; observes notice to durable if it was written and the notice's time is known.
+
+        Raises:
+            ValueError: an outcome not in PREEMPTION_OUTCOMES (labels stay bounded).
+        """
+        if outcome not in PREEMPTION_OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r} of a save on notice; expected one of {PREEMPTION_OUTCOMES}")
+        self._child(self.preemption_saves, outcome).inc()
+        if notice_to_durable is not None:
+            self.notice_to_durable.observe(notice_to_durable)
 
     def store_uploaded(self, kind: str, seconds: float, nbytes: int) -> None:
         """One commit's upload to the object store: phase "upload", and its bytes."""

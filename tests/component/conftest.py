@@ -27,7 +27,7 @@ import pytest
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.lane import LaneStats
 from checkpointd.core.manifest import Manifest, VariableSpec
-from checkpointd.core.ports import Leases
+from checkpointd.core.ports import Leases, PhaseSink
 from checkpointd.core.retention import RetentionPolicy
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.rpc.auth import ServerAuth
@@ -166,6 +166,7 @@ def make_rig(tmp_path: Path) -> Iterator[MakeRig]:
         max_staging_bytes: int = 64 * MiB,
         retention: RetentionPolicy | None = None,
         leases: Leases | None = None,
+        phases: PhaseSink | None = None,
         **config: Any,
     ) -> Rig:
         where = tmp_path / f"rig{len(rigs)}"
@@ -179,7 +180,9 @@ def make_rig(tmp_path: Path) -> Iterator[MakeRig]:
         kept = Retention(store, retention or RetentionPolicy())
         kept.start()
         pool = WriterPool()
-        pipeline = SavePipeline(serve, lanes, store, Formats(fmt), pool, budget=budget, retention=kept, leases=leases)
+        pipeline = SavePipeline(
+            serve, lanes, store, Formats(fmt), pool, budget=budget, retention=kept, leases=leases, phases=phases
+        )
         rig = Rig(pipeline, lanes, store, fmt, sink, budget, kept, pool, where / "templates")
         rigs.append(rig)
         return rig

@@ -12,11 +12,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
 from checkpointd.core.lane import LaneState
 from checkpointd.core.manifest import VariableSpec
+from checkpointd.core.ports import NullPhases
 from checkpointd.core.retention import RetentionPolicy
 from checkpointd.protocol.errors import (
     ChecksumError,
@@ -29,8 +31,10 @@ from checkpointd.protocol.errors import (
     SaveFailedError,
     UnavailableError,
 )
-from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.kinds import SaveKind, to_wire
+from checkpointd.rpc import messages
 from checkpointd.saves.pipeline import Decision, Result
+from checkpointd.v1 import checkpointd_pb2 as pb
 from tests.component.conftest import SNAPSHOT_BYTES, VARIABLES, MakeRig, Rig, request, snapshot
 from tests.component.fakes import LIMIT, SNAPSHOT_FILE, FakeStore, Upload
 
@@ -521,3 +525,53 @@ def test_the_writer_pool_runs_work_inline_on_a_thread_at_its_priority_and_elsewh
         assert after[0] < 7
     finally:
         pool.close()
+
+
+# Saves on notice: a trainer's last snapshot before it is stopped.
+
+
+def test_a_save_on_notice_is_never_skipped_and_is_counted_with_its_notice_to_durable_time(
+    make_rig: MakeRig,
+) -> None:
+    phases = _Preemptions()
+    rig = make_rig(phases=phases)
+    rig.register("a")
+    held, gate = rig.hold(request("held", step=1))
+    # Sent without blocking: on_notice alone makes it wait its turn, as the header's contract says.
+    header = pb.SaveHeader(run="a", kind=to_wire(SaveKind.SAVED_MODEL), export_dir="last", step=2, on_notice=True,
+                           notice_unix_seconds=time.time() - 2.0)  # fmt: skip
+    last = messages.save_request(header)
+    assert last.blocking and last.on_notice
+    queued = threading.Event()
+
+    def is_active() -> bool:
+        queued.set()  # first asked once the save is queued, before it waits
+        return True
+
+    waiter = rig.in_background(replace(last, variables=VARIABLES, snapshot_bytes=SNAPSHOT_BYTES), is_active=is_active)
+    assert queued.wait(LIMIT)
+    assert rig.view().waiting == 1  # queued behind the save in flight, not skipped
+    gate.release()
+    held.result(LIMIT)
+    (accepted, result) = waiter.result(LIMIT)
+
+    assert accepted == ACCEPTED and isinstance(result, Result) and result.step == 2
+    [(outcome, seconds)] = phases.saves  # the save held in flight was no save on notice
+    assert outcome == "ok" and seconds is not None and 2.0 <= seconds < 2.0 + LIMIT
+
+
+class _Preemptions(NullPhases):
+    """Records the saves on notice the pipeline reports."""
+
+    def __init__(self) -> None:
+        self.saves: list[tuple[str, float | None]] = []
+
+    def preemption_save(self, outcome: str, notice_to_durable: float | None) -> None:
+        self.saves.append((outcome, notice_to_durable))
+
+
+def test_a_save_on_notice_cannot_claim_the_trainers_busy_lock() -> None:
+    header = pb.SaveHeader(run="a", kind=to_wire(SaveKind.SAVED_MODEL), export_dir="last", on_notice=True,
+                           held=pb.HeldSave(segment_path="/dev/shm/s", lock_path="/dev/shm/l"))  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="held is for non-blocking saves only"):
+        messages.save_request(header)

@@ -1,222 +1,294 @@
-"""A daemon on notice, as real `checkpointd serve` processes: SIGTERM while trainers still hold runs.
+"""A preempted trainer loses nothing: SIGTERM to a real trainer process saves the step it reached.
 
-On a local root: the runs registered before the SIGTERM still save within
---notice-window (a RemotePolicySaver's ordinary blocking save, and a save on
-notice sent raw, as the client's notice handler sends it), a new run is
-refused UNAVAILABLE naming the daemon, `checkpointd status` says the daemon
-is on notice, and the daemon exits 0 as soon as no run can still send a
-final save. On a bucket (radosgw): daemon A, on notice, takes its run's final
-save and releases the run's lease as it exits, so daemon B, whose
-registration of the run started at A's SIGTERM, holds it well under the
-lease's ttl.
+Each test runs `tests.integration.notice_proc` against a real daemon, waits
+until it prints the step it must pass, sends SIGTERM, and reads what is
+left: how the process ended, its one "preempted at step N" line, and the
+newest committed checkpoint on the daemon's disk (read by TensorFlow).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import math
+import queue
 import re
-import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 import tensorflow as tf
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from checkpointd.protocol import wire
-from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import CheckpointdError, RemotePolicySaver, UnavailableError
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.raw import RawSave, Stub, Template, export_template, register, saver_header
-from tests.integration.rgw import Rgw
+import checkpointd_client
+from checkpointd_client import RemoteCheckpointer, notice
+from tests.integration import dqn
+from tests.integration.daemon import Daemon
+from tests.integration.scrape import Metrics
 
-TIMEOUT = 60.0
-SERVICE = "checkpointd.v1.CheckpointService"
-CHECKPOINTD = str(Path(sys.executable).with_name("checkpointd"))
-# Longer than any of these tests may take on notice: a daemon that exits
-# sooner ended its window early, because no run could still send a final save.
-WINDOW = 60.0
-S3_TTL = 30.0  # the default --lease-seconds: what a daemon without a release would make the next one wait
+WAIT = 120.0  # seconds: a trainer's start (TensorFlow's import) and every wait here are bounded by it
+SAVED = re.compile(r"run (\S+): preempted at step (\d+): saved, durable in (\d+) ms")
+STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"
 
 
-def on_notice(daemon: Daemon) -> float:
-    """SIGTERM; returns once health says NOT_SERVING (the notice was given), with the monotonic time of the signal."""
-    with daemon.channel() as channel:
-        watch = health_pb2_grpc.HealthStub(channel).Watch(
-            health_pb2.HealthCheckRequest(service=SERVICE), timeout=TIMEOUT
-        )
-        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-        sent = time.monotonic()
-        daemon.proc.send_signal(signal.SIGTERM)
-        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-        watch.cancel()
-    return sent
+class Trainer:
+    """A notice_proc subprocess; its stdout and stderr lines are read as they come."""
 
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CHECKPOINTD, *args], capture_output=True, text=True, timeout=TIMEOUT, check=False)
-
-
-@pytest.fixture
-def savers() -> Iterator[list[RemotePolicySaver]]:
-    made: list[RemotePolicySaver] = []
-    yield made
-    for saver in made:
-        with contextlib.suppress(CheckpointdError):  # the daemon is gone by now: UNAVAILABLE
-            saver.close(timeout=5)
-
-
-def policy_saver(daemon: Daemon, run: str, train_step: tf.Variable, made: list[RemotePolicySaver]) -> RemotePolicySaver:
-    saver = RemotePolicySaver(
-        policies.build(policies.q()), daemon.address, run=run, train_step=train_step, timeout=TIMEOUT
-    )
-    made.append(saver)
-    return saver
-
-
-def test_on_notice_a_held_run_saves_and_commits_a_new_run_is_refused_and_the_daemon_exits_0_at_its_final_save(
-    fresh_daemon, savers: list[RemotePolicySaver]
-) -> None:
-    daemon = fresh_daemon("--notice-window", str(WINDOW))
-    step = tf.Variable(41, dtype=tf.int64)
-    held = policy_saver(daemon, "held", step, savers)
-    held.register()
-    sent = on_notice(daemon)
-
-    with pytest.raises(UnavailableError) as refused:
-        policy_saver(daemon, "newcomer", tf.Variable(0, dtype=tf.int64), savers).register()
-    message = str(refused.value)
-    assert (
-        f"pid {daemon.proc.pid}, port {daemon.port}" in message
-        and "register run 'newcomer' on another daemon" in message
-    )
-
-    # The trainer's saves of its held run still land: an ordinary blocking save...
-    result = held.save("before-notice-save", blocking=True).result(TIMEOUT)
-    assert result.path == str(daemon.root / "held" / "before-notice-save") and result.step == 41
-    # ...and its save on notice (the last snapshot, as the client's notice handler sends it).
-    step.assign(42)
-    header, snap = saver_header(held, step, "final")
-    header.blocking, header.on_notice, header.notice_unix_seconds = True, True, time.time()
-    with daemon.channel() as channel, RawSave(Stub(channel), pb.SaveRequest(header=header)) as final:
-        assert final.decision().accepted
-        final_result = final.finish(list(wire.chunks(snap.parts(), 1 << 20)))
-    assert final_result.step == 42
-
-    assert daemon.proc.wait(TIMEOUT) == 0
-    assert time.monotonic() - sent < WINDOW  # every open run sent its save on notice: the window ended early
-    loaded = tf.saved_model.load(final_result.path)
-    assert int(loaded.get_train_step().numpy()) == 42
-    reader = tf.train.load_checkpoint(str(Path(final_result.path) / "variables" / "variables"))
-    for key, array in zip(snap.keys, snap.arrays, strict=True):
-        np.testing.assert_array_equal(reader.get_tensor(key), array)
-    assert sorted(p.name for p in (daemon.root / "held").iterdir()) == ["before-notice-save", "final"]
-    log = daemon.log()
-    assert re.search(r"notice window over after [\d.]+s \(every run registered here has sent its save on notice", log)
-    assert "Traceback" not in log
-
-
-def test_checkpointd_status_shows_the_daemon_on_notice_and_closing_its_last_run_ends_the_window(
-    fresh_daemon, savers: list[RemotePolicySaver]
-) -> None:
-    daemon = fresh_daemon("--notice-window", str(WINDOW))
-    saver = policy_saver(daemon, "watched", tf.Variable(3, dtype=tf.int64), savers)
-    saver.save("first", blocking=True).result(TIMEOUT)
-    sent = on_notice(daemon)
-
-    shown = cli("status", "--address", daemon.address)
-    assert shown.returncode == 0, shown.stderr
-    (line,) = [line for line in shown.stdout.splitlines() if line.startswith("daemon is draining")]
-    seconds = float(re.fullmatch(r".*saves of the runs above are taken for ([\d.]+)s more", line)[1])  # type: ignore[index]
-    assert 0 < seconds <= WINDOW
-    assert "watched" in shown.stdout
-    as_json = json.loads(cli("status", "--address", daemon.address, "--json").stdout)
-    assert as_json["draining"] is True and 0 < as_json["notice_seconds_left"] <= WINDOW
-
-    closed = cli("close", "--address", daemon.address, "--run", "watched", "--timeout", "30")
-    assert closed.returncode == 0, closed.stderr
-    assert daemon.proc.wait(TIMEOUT) == 0  # no open run is left to send a final save
-    assert time.monotonic() - sent < WINDOW
-    assert "notice window over" in daemon.log() and "or was closed" in daemon.log()
-
-
-# On a bucket: the next daemon takes the run at once.
-
-
-@pytest.fixture
-def fleet(rgw: Rgw, tmp_path: Path) -> Iterator[tuple[list[Daemon], str]]:
-    prefix = f"notice-{secrets.token_hex(4)}"
-    daemons: list[Daemon] = []
-
-    def start(n: int) -> Daemon:
-        return start_daemon(
-            f"s3://{rgw.bucket}/{prefix}",  # type: ignore[arg-type]  # passed to --root as str(root)
-            tmp_path / f"log{n}",
-            "--work-dir", str(tmp_path / f"work{n}"),
-            "--s3-endpoint-url", rgw.endpoint, "--s3-region", "us-east-1",
-            "--lease-seconds", str(S3_TTL), "--notice-window", str(WINDOW), "--no-shm",
-            env=rgw.daemon_env(),
+    def __init__(self, mode: str, address: str, run: str, root_dir: Path, deadline: float = 25.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.notice_proc", mode, address, run, str(deadline), str(root_dir)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._lines: queue.Queue[tuple[str, str]] = queue.Queue()
+        for name, stream, into in (("out", self.proc.stdout, self.out), ("err", self.proc.stderr, self.err)):
+            threading.Thread(target=self._pump, args=(name, stream, into), daemon=True).start()
 
-    try:
-        with ThreadPoolExecutor(2) as pool:  # each loads TensorFlow for seconds
-            daemons.extend(pool.map(start, range(2)))
-        yield daemons, prefix
-    finally:
-        for d in daemons:
-            if d.proc.poll() is None:
-                d.proc.kill()
-                d.proc.wait()
+    def _pump(self, name: str, stream: object, into: list[str]) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            into.append(line.rstrip("\n"))
+            self._lines.put((name, line.rstrip("\n")))
+        self.proc.wait()
+        self._lines.put((name, ""))  # the stream ended
+
+    def wait_for(self, name: str, found: Callable[[str], bool], what: str, timeout: float = WAIT) -> str:
+        """The first line on `name` ("out" or "err") for which `found` holds; fails after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                stream, line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {what} within {timeout} s; stderr:\n" + "\n".join(self.err[-40:])) from None
+            if stream == name and not line and self.proc.poll() is not None:
+                raise AssertionError(
+                    f"the trainer ended ({self.proc.returncode}) before {what}; stderr:\n" + "\n".join(self.err[-40:])
+                )
+            if stream == name and found(line):
+                return line
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(signum)
+
+    def ended(self, timeout: float = WAIT) -> int:
+        """Its exit status (negative: killed by that signal); fails if it runs on after `timeout`."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the trainer still runs {timeout} s on; stderr:\n" + "\n".join(self.err[-40:])
+            ) from None
+
+    def steps(self) -> list[int]:
+        return [int(line.split()[1]) for line in self.out if line.startswith("step ")]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
-    return export_template(policies.build(policies.q(hidden=(4,))), tmp_path_factory.mktemp("template"))
+def _newest(directory: Path) -> tuple[str, int]:
+    """The newest committed checkpoint's prefix in `directory`, and the train step it holds."""
+    newest = tf.train.latest_checkpoint(str(directory))
+    assert newest is not None, f"no checkpoint in {directory}"
+    return newest, int(tf.train.load_checkpoint(newest).get_tensor(STEP_KEY))
 
 
-def _writer_pid(rgw: Rgw, prefix: str, run: str, export_dir: str) -> int:
-    client: Any = rgw.client()
-    body = client.get_object(Bucket=rgw.bucket, Key=f"{prefix}/{run}/{export_dir}/checkpointd.manifest.json")
-    return int(str(json.loads(body["Body"].read())["writer"]).rsplit("-", 2)[1])
+def _saved_line(trainer: Trainer) -> tuple[int, int]:
+    """The step and milliseconds of the trainer's one "preempted at step N: saved" line."""
+    found = [m for m in map(SAVED.search, trainer.err) if m]
+    assert len(found) == 1, "\n".join(trainer.err[-40:])
+    return int(found[0].group(2)), int(found[0].group(3))
 
 
-def test_a_daemon_on_notice_hands_its_run_to_the_next_daemon_well_under_the_lease_ttl(
-    rgw: Rgw, fleet: tuple[list[Daemon], str], template: Template, capsys: pytest.CaptureFixture[str]
+def test_sigterm_in_a_plain_training_loop_saves_the_step_reached_before_the_process_ends(
+    daemon: Daemon, tmp_path: Path
 ) -> None:
-    (a, b), prefix = fleet
-    with a.channel() as to_a, b.channel() as to_b, ThreadPoolExecutor(1) as pool:
-        on_a, on_b = Stub(to_a), Stub(to_b)
-        run = register(on_a, "moving", template)
-        sent = on_notice(a)
-        # The trainer's replacement registers on B at once; B waits inside the call for A's lease.
-        taken = pool.submit(lambda: (register(on_b, "moving", template), time.monotonic()))
-        # Meanwhile the trainer's save on notice still lands through A, which holds the run.
-        with RawSave(on_a, pb.SaveRequest(header=run.header("final", blocking=True, on_notice=True))) as final:
-            assert final.decision().accepted
-            assert final.finish(run.chunks()).bytes_written > 0
-        assert a.proc.wait(TIMEOUT) == 0
-        exited = time.monotonic()
-        run_b, registered = taken.result(TIMEOUT)  # succeeded: no RunHeldError
-        with RawSave(on_b, pb.SaveRequest(header=run_b.header("after", blocking=True))) as after:
-            assert after.decision().accepted
-            assert after.finish(run_b.chunks()).bytes_written > 0
+    run = "notice-loop"
+    before = Metrics(daemon.metrics_url)("checkpointd_preemption_saves_total", outcome="ok")
+    trainer = Trainer("loop", daemon.address, run, tmp_path)
+    try:
+        trainer.wait_for("out", lambda line: line == "step 6", "step 6")  # past its one save, at step 3
+        trainer.signal()
+        status = trainer.ended()
+    finally:
+        trainer.kill()
+    assert status == -signal.SIGTERM  # ended as SIGTERM ends a process without a handler
+    step, _ = _saved_line(trainer)
+    reached = trainer.steps()[-1]
+    # The handler ran between two train steps: after the last one printed, or
+    # after the next one returned and before its print.
+    assert step in (reached, reached + 1)
+    assert _newest(daemon.root / run / "train") == (str(daemon.root / run / "train" / f"ckpt-{step}"), step)
+    saved = [line for line in daemon.log().splitlines() if f"saved run={run}.train " in line]
+    assert any(f"step={step} " in line and "on_notice=yes" in line for line in saved)
+    metrics = Metrics(daemon.metrics_url)
+    assert metrics("checkpointd_preemption_saves_total", outcome="ok") == before + 1
+    assert metrics("checkpointd_preemption_notice_to_durable_seconds_count") >= 1
 
-    after_sigterm = registered - sent
-    with capsys.disabled():
-        print(
-            f"\nB took the run {after_sigterm:.2f}s after A's SIGTERM; A exited {exited - sent:.2f}s after it (ttl {S3_TTL:g}s)"
-        )
-    assert after_sigterm < S3_TTL / 2, after_sigterm  # released, not expired
-    assert registered - exited < 2.0  # at the latest B's next look at the lease (every 0.5 s) after A's exit
-    assert _writer_pid(rgw, prefix, "moving", "final") == a.proc.pid
-    assert _writer_pid(rgw, prefix, "moving", "after") == b.proc.pid
-    assert re.search(r"lease: released run=moving \(the daemon is stopping\)", a.log()), a.log()
+
+def test_sigterm_inside_learner_run_saves_the_step_reached(daemon: Daemon, tmp_path: Path) -> None:
+    run = "notice-learner"
+    trainer = Trainer("learner", daemon.address, run, tmp_path / "root_dir")
+    try:
+        trainer.wait_for("out", lambda line: line == "step 7", "step 7")
+        trainer.signal()
+        status = trainer.ended()
+    finally:
+        trainer.kill()
+    assert status == -signal.SIGTERM
+    step, _ = _saved_line(trainer)
+    reached = trainer.steps()[-1]
+    assert step in (reached, reached + 1)
+    directory = daemon.root / run / "train" / "checkpoints"
+    assert _newest(directory) == (str(directory / f"ckpt-{step}"), step)
+
+
+def test_a_users_own_sigterm_handler_still_runs_after_the_save_on_notice(daemon: Daemon, tmp_path: Path) -> None:
+    run = "notice-own-handler"
+    trainer = Trainer("own-handler", daemon.address, run, tmp_path)
+    try:
+        trainer.wait_for("out", lambda line: line == "step 5", "step 5")
+        trainer.signal()
+        status = trainer.ended()
+    finally:
+        trainer.kill()
+    assert status == 7  # the script's handler's sys.exit(7): its behaviour, not the default's
+    step, _ = _saved_line(trainer)
+    assert f"own handler ran at step {step}" in trainer.out  # after the save, at the same step
+    assert _newest(daemon.root / run / "train") == (str(daemon.root / run / "train" / f"ckpt-{step}"), step)
+
+
+def test_sigterm_during_a_save_call_is_saved_when_the_call_returns_waiting_for_the_save_in_flight(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    run = "notice-in-flight"
+    trainer = Trainer("in-flight", daemon.address, run, tmp_path)
+    try:
+        status = trainer.ended()  # the trainer sends itself SIGTERM inside its save at step 3
+    finally:
+        trainer.kill()
+    assert status == -signal.SIGTERM
+    assert any("SIGTERM inside a checkpointd_client call" in line for line in trainer.err)
+    assert _saved_line(trainer)[0] == 3
+    assert "save call returned" not in trainer.out  # the process ended as the call returned
+    assert _newest(daemon.root / run / "train") == (str(daemon.root / run / "train" / "ckpt-3"), 3)
+    # The save in flight was the step reached: waited for, not sent again.
+    assert not any("on_notice=yes" in line and f"run={run}." in line for line in daemon.log().splitlines())
+
+
+def test_with_the_daemon_down_the_trainer_exits_within_its_deadline_and_says_what_was_lost(
+    fresh_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    daemon = fresh_daemon()
+    deadline = 5.0
+    trainer = Trainer("loop", daemon.address, "notice-down", tmp_path, deadline=deadline)
+    try:
+        trainer.wait_for("out", lambda line: line == "step 5", "step 5")
+        daemon.proc.kill()
+        daemon.proc.wait()
+        trainer.signal()
+        noticed = time.monotonic()
+        status = trainer.ended()
+        took = time.monotonic() - noticed
+    finally:
+        trainer.kill()
+    assert status == -signal.SIGTERM
+    assert took < deadline + 3.0  # the deadline, and the stream's own grace past it
+    [line] = [line for line in trainer.err if "preempted at step" in line]
+    step = int(re.search(r"preempted at step (\d+): not saved: ", line).group(1))  # type: ignore[union-attr]
+    assert f"lost: the {step - 3} step(s) after step 3, the newest durable checkpoint" in line
+    assert "UnavailableError" in line
+
+
+def test_a_second_sigterm_during_the_save_on_notice_ends_the_trainer_at_once(
+    fresh_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    daemon = fresh_daemon()
+    trainer = Trainer("loop", daemon.address, "notice-twice", tmp_path, deadline=60.0)
+    try:
+        trainer.wait_for("out", lambda line: line == "step 5", "step 5")
+        daemon.proc.send_signal(signal.SIGSTOP)  # the save on notice then waits for an answer
+        trainer.signal()
+        trainer.wait_for("err", lambda line: "SIGTERM: saving" in line, "the save on notice's start")
+        trainer.signal()
+        second = time.monotonic()
+        status = trainer.ended(timeout=10.0)  # not the 60 s deadline
+        took = time.monotonic() - second
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        trainer.kill()
+    assert status == -signal.SIGTERM
+    assert took < 5.0
+    assert any("a second SIGTERM during the save on notice" in line for line in trainer.err)
+    assert not any(SAVED.search(line) for line in trainer.err)
+
+
+def test_a_notice_during_a_flush_to_a_daemon_that_does_not_answer_ends_the_trainer_by_its_deadline(
+    fresh_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    # The notice lands inside flush(), a client call: the save on notice waits
+    # for it to return, and the backstop ends the process if it does not
+    # (unit-tested in test_notice); either way the trainer is gone by then.
+    daemon = fresh_daemon()
+    deadline = 3.0
+    trainer = Trainer("flush", daemon.address, "notice-stuck", tmp_path, deadline=deadline)
+    try:
+        trainer.wait_for("out", lambda line: line == "flushing", "the flush at step 5")
+        daemon.proc.send_signal(signal.SIGSTOP)  # the flush (120 s timeout) then waits for an answer
+        trainer.proc.stdin.write("go\n")  # type: ignore[union-attr]
+        trainer.proc.stdin.flush()  # type: ignore[union-attr]
+        trainer.wait_for("out", lambda line: line == "flush called", "the flush call")
+        trainer.signal()
+        noticed = time.monotonic()
+        status = trainer.ended(timeout=60.0)
+        took = time.monotonic() - noticed
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        trainer.kill()
+    assert status == -signal.SIGTERM
+    assert took < deadline + notice.BACKSTOP_GRACE + 3.0  # not the flush's 120 s
+    assert "flushed" not in trainer.out
+    assert any("has not ended" in line or "not saved" in line for line in trainer.err), "\n".join(trainer.err[-20:])
+
+
+def test_preempted_saves_the_step_reached_returns_the_outcome_and_the_process_goes_on(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    run = "notice-call"
+    original = signal.getsignal(signal.SIGTERM)
+    trainer = dqn.build(seed=2)
+    checkpointer = RemoteCheckpointer("train", daemon.address, run=run, timeout=WAIT, agent=trainer.agent,
+                                      train_step=trainer.train_step)  # fmt: skip
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not original  # SIGTERM saves on notice now
+        iterator = iter(trainer.dataset_fn())
+        for _ in range(3):
+            experience, _ = next(iterator)
+            trainer.agent.train(experience)
+
+        [outcome] = checkpointd_client.preempted()
+        [again] = checkpointd_client.preempted()  # nothing trained since: that save is not sent again
+    finally:
+        checkpointer.close(WAIT)
+    assert (outcome.run, outcome.step, outcome.saved, outcome.lost) == (f"{run}.train", 3, True, "")
+    assert again.saved and again.step == 3
+    directory = daemon.root / run / "train"
+    assert _newest(directory) == (str(directory / "ckpt-3"), 3)
+    saved = [line for line in daemon.log().splitlines() if f"saved run={run}.train " in line]
+    assert len(saved) == 1 and "on_notice=yes" in saved[0]
+    assert signal.getsignal(signal.SIGTERM) is original  # closed: the handler before it is back
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("save_on_notice", "yes"), ("save_on_notice", None), ("notice_deadline", 0), ("notice_deadline", math.inf),
+     ("notice_deadline", "25")],
+)  # fmt: skip
+def test_a_bad_notice_argument_is_refused_at_construction_naming_it(argument: str, value: object) -> None:
+    step = tf.Variable(0, dtype=tf.int64)
+    with pytest.raises(ValueError, match=f"^{argument} must be"):  # before any call to the (absent) daemon
+        RemoteCheckpointer("train", "127.0.0.1:1", run="bad-notice", train_step=step, **{argument: value})

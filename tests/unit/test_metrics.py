@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from checkpointd.metrics import KINDS, OUTCOMES, PHASES, Metrics
+from checkpointd.metrics import KINDS, OUTCOMES, PHASES, PREEMPTION_OUTCOMES, Metrics
 
 # Upper bound on an HTTP round trip to the local endpoint; reached only on failure.
 LIMIT = 5.0
@@ -231,3 +231,21 @@ def test_payload_bytes_received_and_copied_are_counted_by_kind(registry: Collect
     assert sample(registry, "checkpointd_payload_received_bytes_total", kind="training_checkpoint") == 1100
     assert sample(registry, "checkpointd_payload_copied_bytes_total", kind="training_checkpoint") == 900
     assert sample(registry, "checkpointd_payload_copied_bytes_total", kind="saved_model") == 0
+
+
+def test_saves_on_notice_are_counted_by_outcome_and_timed_from_notice_to_durable(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    for outcome in PREEMPTION_OUTCOMES:
+        assert sample(registry, "checkpointd_preemption_saves_total", outcome=outcome) == 0
+    metrics.preemption_save("ok", 0.3)
+    metrics.preemption_save("ok", None)  # the trainer did not say when its notice came
+    metrics.preemption_save("failed", None)
+
+    assert sample(registry, "checkpointd_preemption_saves_total", outcome="ok") == 2
+    assert sample(registry, "checkpointd_preemption_saves_total", outcome="failed") == 1
+    assert sample(registry, "checkpointd_preemption_notice_to_durable_seconds_count") == 1
+    assert sample(registry, "checkpointd_preemption_notice_to_durable_seconds_bucket", le="0.5") == 1
+    assert sample(registry, "checkpointd_preemption_notice_to_durable_seconds_bucket", le="0.25") == 0
+    with pytest.raises(ValueError, match="unknown outcome 'skipped'"):
+        metrics.preemption_save("skipped", None)  # a save on notice is never skipped

@@ -1,170 +1,258 @@
-"""The daemon on notice: the pure phases (`core.notice`), then Lanes waiting out the window with real threads.
+"""The save on notice without TensorFlow: its state machine, and its SIGTERM handler in this process.
 
-Times given to `Notice` are plain numbers; the Lanes tests bound every wait
-with LIMIT, so a failing test ends instead of hanging.
+The handler tests send this process a real SIGTERM with a fresh watch and a
+Python handler installed first (the "user's"), so the notice ends in that
+handler, never in the default action; checkpointers are fakes that record
+when they are asked to save.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+import logging
+import math
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from checkpointd.core.lane import SaveSpec, Ticket, TicketState, Written
-from checkpointd.core.manifest import Manifest, VariableSpec
-from checkpointd.core.notice import Notice, Phase, WindowEnd
-from checkpointd.protocol.errors import UnavailableError
-from checkpointd.protocol.kinds import SaveKind
-from checkpointd.saves.runs import Lanes
+from checkpointd_client import notice
+from checkpointd_client.notice import Action, Notice, NoticeMachine, NoticeOutcome, State
 
-LIMIT = 5.0
-MANIFEST = Manifest((VariableSpec("w", "w/.ATTRIBUTES/VARIABLE_VALUE", "float32", (2, 3)),))
-DAEMON = "daemon node-a (pid 7, port 7431)"
+LIMIT = 10.0
 
 
-def spec(export_dir: str = "policy", *, blocking: bool = False, on_notice: bool = False) -> SaveSpec:
-    return SaveSpec(SaveKind.SAVED_MODEL, export_dir, blocking=blocking, step=1, on_notice=on_notice)
+# The state machine.
 
 
-# The phases, pure.
+def test_a_notice_outside_the_client_saves_at_once_and_a_second_one_ends_the_process() -> None:
+    machine = NoticeMachine()
+    first = Notice(100.0, 5.0)
+    assert machine.signalled(inside_client=False, notice=first) is Action.SAVE
+    assert (machine.state, machine.notice) == (State.SAVING, first)
+    assert machine.signalled(inside_client=False, notice=Notice(101.0, 6.0)) is Action.END_NOW
+    assert machine.notice == first  # the first notice's time is the one the save reports
+    machine.saved()
+    assert machine.state is State.ENDED
+    assert machine.signalled(inside_client=False, notice=first) is Action.NONE
 
 
-def test_notice_opens_the_window_then_drain_ends_it() -> None:
-    notice = Notice(5.0, DAEMON)
-    assert (notice.phase, notice.draining, notice.refuses_saves, notice.left(100.0)) == (Phase.SERVING, False, False, 0)
-    notice.give(100.0)
-    assert (notice.phase, notice.draining, notice.refuses_saves) == (Phase.ON_NOTICE, True, False)
-    assert notice.left(101.5) == 3.5
-    notice.give(104.0)  # a second notice does not move the window
-    assert notice.left(104.0) == 1.0
-    notice.drain()
-    assert (notice.phase, notice.refuses_saves, notice.left(101.0)) == (Phase.DRAINING, True, 0)
+def test_a_notice_inside_a_client_call_waits_for_it_to_return() -> None:
+    machine = NoticeMachine()
+    assert machine.left_client() is Action.NONE  # no notice: leaving a call does nothing
+    assert machine.signalled(inside_client=True, notice=Notice(100.0, 5.0)) is Action.DEFER
+    assert machine.state is State.PENDING
+    assert machine.signalled(inside_client=True, notice=Notice(101.0, 6.0)) is Action.END_NOW  # even while waiting
+    assert machine.left_client() is Action.SAVE
+    assert machine.state is State.SAVING
+    assert machine.left_client() is Action.NONE  # the save's own client calls return: no second save
 
 
-def test_a_zero_window_drains_at_once() -> None:
-    notice = Notice(0.0)
-    notice.give(100.0)
-    assert notice.phase is Phase.DRAINING and notice.refuses_saves
-    assert notice.window_end(["a"], 100.0) is WindowEnd.NO_WINDOW
+@pytest.mark.parametrize("bad", [0, -1.0, math.inf, math.nan, True, "25", None])
+def test_a_deadline_must_be_a_finite_positive_number_of_seconds(bad: object) -> None:
+    with pytest.raises(ValueError, match="notice_deadline must be a finite number of seconds > 0"):
+        notice.check_deadline(bad)
+    assert notice.check_deadline(2) == 2.0
 
 
-@pytest.mark.parametrize("window", [-1.0, float("inf"), float("nan")])
-def test_a_window_must_be_finite_and_not_negative(window: float) -> None:
-    with pytest.raises(ValueError, match="notice window"):
-        Notice(window)
+def test_the_outcome_line_says_the_step_and_either_the_time_to_durable_or_what_was_lost() -> None:
+    saved = NoticeOutcome("job.train", 57, True, durable_ms=412.4)
+    assert saved.line() == "run job.train: preempted at step 57: saved, durable in 412 ms"
+    lost = NoticeOutcome("job.train", 57, False, lost="UnavailableError: down; lost: the 17 step(s) after step 40")
+    assert lost.line() == (
+        "run job.train: preempted at step 57: not saved: UnavailableError: down; lost: the 17 step(s) after step 40"
+    )
 
 
-def test_the_window_lasts_while_an_open_run_may_still_send_its_final_save() -> None:
-    notice = Notice(5.0)
-    assert notice.window_end(["a"], 0.0) is None  # serving: no window to end
-    notice.give(100.0)
-    assert notice.window_end(["a", "b"], 101.0) is None
-    notice.final_save("a")
-    assert notice.window_end(["a", "b"], 101.0) is None  # b has not sent one
-    assert notice.window_end(["a", "b"], 105.0) is WindowEnd.ELAPSED
-    notice.final_save("b")
-    assert notice.window_end(["a", "b"], 101.0) is WindowEnd.FINAL_SAVES_IN
-    assert notice.window_end([], 100.0) is WindowEnd.FINAL_SAVES_IN  # nothing registered: nothing to wait for
+# The handler, with a real SIGTERM.
 
 
-def test_a_final_save_before_the_notice_does_not_count() -> None:
-    notice = Notice(5.0)
-    notice.final_save("a")  # a trainer told to stop before the daemon was
-    notice.give(100.0)
-    assert notice.window_end(["a"], 101.0) is None
+class FakeCheckpointer:
+    """Records its saves on notice; `during` runs inside the save (a second signal, say)."""
 
+    def __init__(
+        self, run: str, events: list[str], during: Callable[[], None] = lambda: None, deadline: float = LIMIT
+    ) -> None:
+        self.run = run
+        self.events = events
+        self.during = during
+        self.notice_deadline = deadline
+        self.notices: list[Notice] = []
 
-def test_registration_on_notice_only_of_runs_open_here_and_none_once_draining() -> None:
-    notice = Notice(5.0, DAEMON)
-    notice.check_register("new", open_here=False)  # serving: anything
-    notice.give(100.0)
-    notice.check_register("held", open_here=True)  # a trainer registering its run again
-    with pytest.raises(UnavailableError) as refused:
-        notice.check_register("new", open_here=False)
-    message = str(refused.value)
-    assert DAEMON in message and "takes no new runs" in message and "register run 'new' on another daemon" in message
-    notice.drain()
-    with pytest.raises(UnavailableError, match="no runs or saves any more"):
-        notice.check_register("held", open_here=True)
-
-
-# Lanes: the window with real threads.
+    def _save_on_notice(self, on_notice: Notice) -> NoticeOutcome:
+        self.events.append(f"save {self.run}")
+        self.notices.append(on_notice)
+        self.during()
+        return NoticeOutcome(self.run, 3, True, durable_ms=1.0)
 
 
 @pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=2)
-    yield pool
-    pool.shutdown(wait=True, cancel_futures=True)
+def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """A fresh watch, with a user's SIGTERM handler installed first; yields the events, in order."""
+    events: list[str] = []
+    fresh = notice._Watch()  # noqa: SLF001 - a fresh process-wide watch
+    monkeypatch.setattr(notice, "_WATCH", fresh)
+    original = signal.getsignal(signal.SIGTERM)
+
+    def users(signum: int, frame: Any) -> None:
+        events.append(f"user's handler {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, users)
+    try:
+        yield events
+    finally:
+        fresh._stop_backstop()  # noqa: SLF001 - its thread ends with the test
+        signal.signal(signal.SIGTERM, original)
 
 
-def noticed(window: float, *runs: str) -> Lanes:
-    lanes = Lanes(notice_window=window)
-    for run in runs:
-        lanes.register(run, MANIFEST)
-    lanes.give_notice(DAEMON)
-    return lanes
+def _sigterm() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+    _between_bytecodes()
 
 
-def test_on_notice_a_held_runs_saves_are_taken_a_new_run_is_refused_and_after_the_window_every_save() -> None:
-    lanes = noticed(LIMIT, "held")
-    assert lanes.draining and 0 < lanes.notice_left() <= LIMIT
-    first = lanes.begin("held", spec("ordinary"))  # an ordinary save of a held run: still taken
-    assert isinstance(first, Ticket) and first.state is TicketState.ACTIVE
-    lanes.finish("held", first, Written("p", 1))
-    lanes.register("held", MANIFEST)  # registering a held run again
-    with pytest.raises(UnavailableError, match=DAEMON.replace("(", r"\(").replace(")", r"\)")):
-        lanes.register("new", MANIFEST)
-    with pytest.raises(UnavailableError):
-        lanes.check_register("new")
-    lanes.drain()
-    assert lanes.notice_left() == 0
-    with pytest.raises(UnavailableError, match="shutting down"):
-        lanes.begin("held", spec("late", blocking=True))
+def _between_bytecodes() -> None:
+    """A call: Python runs pending signal handlers at the latest here."""
 
 
-def test_the_window_ends_once_every_open_run_sent_its_save_on_notice(pool: ThreadPoolExecutor) -> None:
-    lanes = noticed(LIMIT, "a", "b")
-    waiting = pool.submit(lanes.wait_window)
-    final = lanes.begin("a", spec("final-a", blocking=True, on_notice=True))
-    assert isinstance(final, Ticket)
-    with pytest.raises(TimeoutError):
-        waiting.result(timeout=0.05)  # b may still send one
-    lanes.close("b", timeout=0)  # b's trainer closed its run instead
-    assert waiting.result(timeout=LIMIT) is WindowEnd.FINAL_SAVES_IN
-    assert lanes.views("a")[0].in_flight is not None  # the final save is still drained after the window
-    lanes.finish("a", final, Written("p", 1))
+def test_sigterm_saves_every_watched_checkpointer_then_runs_the_users_handler_and_gives_it_sigterm_back(
+    watch: list[str],
+) -> None:
+    users = signal.getsignal(signal.SIGTERM)
+    first, second = FakeCheckpointer("a", watch), FakeCheckpointer("b", watch)
+    notice.join(first)
+    notice.join(second)
+    assert signal.getsignal(signal.SIGTERM) is not users  # installed, chained to the user's
+
+    _sigterm()
+
+    assert watch == ["save a", "save b", "user's handler SIGTERM"]
+    assert first.notices == second.notices  # one notice, one time
+    assert signal.getsignal(signal.SIGTERM) is users  # a later SIGTERM is the user's alone
 
 
-def test_a_queued_save_on_notice_counts_as_in(pool: ThreadPoolExecutor) -> None:
-    lanes = noticed(LIMIT, "a")
-    busy = lanes.begin("a", spec("busy"))
-    assert isinstance(busy, Ticket)
-    queued = pool.submit(lanes.begin, "a", spec("final", blocking=True, on_notice=True), timeout=LIMIT)
-    assert lanes.wait_window() is WindowEnd.FINAL_SAVES_IN  # queued behind busy, so drained with it
-    lanes.drain()
-    lanes.finish("a", busy, Written("p", 1))
-    ticket = queued.result(timeout=LIMIT)
-    assert isinstance(ticket, Ticket) and ticket.state is TicketState.ACTIVE  # started though draining
-    lanes.finish("a", ticket, Written("p", 1))
+def test_sigterm_inside_a_client_call_is_saved_when_the_outermost_call_returns(watch: list[str]) -> None:
+    notice.join(FakeCheckpointer("a", watch))
+
+    @notice.client_call
+    def call(inner: bool) -> None:
+        if inner:
+            call(inner=False)  # nested: the outermost one's return saves
+            watch.append("inner call returned")
+            return
+        _sigterm()
+        watch.append("signalled inside the call")
+
+    call(inner=True)
+
+    assert watch == ["signalled inside the call", "inner call returned", "save a", "user's handler SIGTERM"]
 
 
-def test_without_final_saves_the_window_lasts_its_length() -> None:
-    lanes = noticed(0.3, "quiet")
-    started = time.monotonic()
-    assert lanes.wait_window() is WindowEnd.ELAPSED
-    assert 0.29 <= time.monotonic() - started < LIMIT
+def test_a_second_sigterm_during_the_save_ends_at_once(watch: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    ended: list[int] = []
+    monkeypatch.setattr(notice, "_end_now", ended.append)  # instead of the default action, which ends pytest
+    notice.join(FakeCheckpointer("a", watch, during=_sigterm))
+
+    _sigterm()
+
+    assert ended == [signal.SIGTERM]
+    assert watch == ["save a", "user's handler SIGTERM"]  # the first notice's end goes on only because of the fake
 
 
-def test_with_no_run_registered_the_window_ends_at_once() -> None:
-    lanes = noticed(LIMIT)
-    started = time.monotonic()
-    assert lanes.wait_window() is WindowEnd.FINAL_SAVES_IN
-    assert time.monotonic() - started < 1.0
+def test_preempted_saves_every_watched_checkpointer_and_returns_what_happened_without_ending(
+    watch: list[str],
+) -> None:
+    notice.join(FakeCheckpointer("a", watch))
+    installed = signal.getsignal(signal.SIGTERM)
+
+    outcomes = notice.preempted()
+
+    assert [(o.run, o.saved) for o in outcomes] == [("a", True)]
+    assert watch == ["save a"]  # the user's handler did not run: the process goes on
+    assert signal.getsignal(signal.SIGTERM) is installed  # and SIGTERM still saves
 
 
-def test_waiting_for_a_window_before_the_notice_is_a_mistake_not_a_spin() -> None:
-    with pytest.raises(RuntimeError, match="before give_notice"):
-        Lanes(notice_window=LIMIT).wait_window()
+def test_preempted_inside_a_client_call_on_the_main_thread_is_refused(watch: list[str]) -> None:
+    notice.join(FakeCheckpointer("a", watch))
+
+    @notice.client_call
+    def call() -> None:
+        notice.preempted()
+
+    with pytest.raises(RuntimeError, match="inside a checkpointd_client call on the main thread"):
+        call()
+    assert watch == []
+
+
+def test_the_last_checkpointer_to_leave_gives_the_previous_handler_back(watch: list[str]) -> None:
+    users = signal.getsignal(signal.SIGTERM)
+    first, second = FakeCheckpointer("a", watch), FakeCheckpointer("b", watch)
+    notice.join(first)
+    notice.join(second)
+    notice.leave(first)
+    assert signal.getsignal(signal.SIGTERM) is not users
+    notice.leave(second)
+    assert signal.getsignal(signal.SIGTERM) is users
+
+    _sigterm()
+
+    assert watch == ["user's handler SIGTERM"]  # nothing watched: no save
+
+
+def test_a_checkpointer_made_on_another_thread_installs_nothing_says_so_and_is_saved_by_preempted(
+    watch: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    users = signal.getsignal(signal.SIGTERM)
+    fake = FakeCheckpointer("a", watch)
+    with caplog.at_level(logging.WARNING, logger=notice.__name__):
+        thread = threading.Thread(target=notice.join, args=(fake,), name="builder")
+        thread.start()
+        thread.join(LIMIT)
+    assert signal.getsignal(signal.SIGTERM) is users
+    assert any("made in thread 'builder'" in r.getMessage() and "preempted()" in r.getMessage() for r in caplog.records)
+
+    assert [o.run for o in notice.preempted()] == ["a"]
+
+
+def test_after_a_notice_the_process_went_on_from_a_checkpointer_made_later_saves_on_the_next_sigterm(
+    watch: list[str],
+) -> None:
+    users = signal.getsignal(signal.SIGTERM)
+    notice.join(FakeCheckpointer("a", watch))
+    _sigterm()  # the user's handler returns: the process goes on
+    assert signal.getsignal(signal.SIGTERM) is users
+
+    notice.join(FakeCheckpointer("b", watch))  # installs again, chained to the user's
+    _sigterm()
+
+    assert watch == ["save a", "user's handler SIGTERM", "save a", "save b", "user's handler SIGTERM"]
+
+
+def test_a_notice_held_inside_a_client_call_past_its_deadline_is_ended_by_the_backstop(
+    watch: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ended: list[int] = []
+    released = threading.Event()
+
+    def end_now(signum: int) -> None:  # instead of the default action, which ends pytest
+        ended.append(signum)
+        released.set()
+
+    monkeypatch.setattr(notice, "_end_now", end_now)
+    monkeypatch.setattr(notice, "BACKSTOP_GRACE", 0.0)
+    notice.join(FakeCheckpointer("a", watch, deadline=0.1))
+
+    @notice.client_call
+    def stuck() -> None:
+        _sigterm()
+        assert released.wait(LIMIT)  # a call that would not return by the deadline: the backstop's SIGTERM ends it
+        watch.append("call returned")
+
+    with caplog.at_level(logging.ERROR, logger=notice.__name__):
+        stuck()
+
+    assert ended == [signal.SIGTERM]
+    [record] = [r for r in caplog.records if "has not ended" in r.getMessage()]
+    assert "the main thread is still inside a checkpointd_client call" in record.getMessage()
+    assert watch[0] == "call returned"  # what follows happens only because the fake did not end the process

@@ -87,6 +87,9 @@ class PhaseSink(Protocol):
     def payload_bytes(self, kind: str, received: int, copied: int) -> None:
         """Counts one committed save's payload: bytes received, and bytes copied from its base."""
 
+    def preemption_save(self, outcome: str, notice_to_durable: float | None) -> None:
+        """Counts one accepted save on notice by outcome; `notice_to_durable`: seconds, if written and known."""
+
 
 class NullPhases:
     """A PhaseSink that records nothing."""
@@ -98,6 +101,9 @@ class NullPhases:
         pass
 
     def payload_bytes(self, kind: str, received: int, copied: int) -> None:
+        pass
+
+    def preemption_save(self, outcome: str, notice_to_durable: float | None) -> None:
         pass
 
 

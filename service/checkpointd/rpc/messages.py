@@ -74,8 +74,9 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         # The header names the checkpoint's dir; the save is its prefix ckpt-<step> there.
         export_dir = checkpoint_prefix(header.export_dir, header.step)
     held = None
+    blocking = header.blocking or header.on_notice  # a save on notice is never skipped
     if header.HasField("held"):
-        if header.blocking:
+        if blocking:
             raise InvalidRequestError("Save: held is for non-blocking saves only; send a blocking save without it")
         if not header.held.segment_path or not header.held.lock_path:
             raise InvalidRequestError("Save: held needs the segment_path and lock_path the daemon offered")
@@ -84,7 +85,7 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         run=header.run,
         kind=kind,
         export_dir=export_dir,
-        blocking=header.blocking,
+        blocking=blocking,
         step=header.step,
         variables=tuple(variable_from_pb(v) for v in header.variables),
         snapshot_bytes=header.snapshot_bytes,
@@ -95,6 +96,7 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         local_skips=local_skips(header.local_skips, "Save"),
         incremental=header.incremental,
         on_notice=header.on_notice,
+        notice_unix_seconds=header.notice_unix_seconds if header.on_notice else 0.0,
     )
 
 

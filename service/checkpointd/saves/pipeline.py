@@ -461,6 +461,8 @@ class SavePipeline:
             self.lanes.finish(run, ticket, outcome)
             seconds = time.time() - (ticket.accepted_at or time.time())
             _log_outcome(request, run, outcome, seconds, transport)
+            if request.on_notice:
+                self._phases.preemption_save(*_notice_outcome(request, outcome))
         assert isinstance(outcome, Written)
         yield Result(
             outcome.path, outcome.bytes_written, seconds, request.step, request.kind,
@@ -603,9 +605,10 @@ def _log_outcome(
     if isinstance(outcome, Written):
         # held=yes: the trainer decided it under the run's busy lock (no skip decision here).
         _LOGGER.info(
-            "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs%s transport=%s",
+            "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs%s%s transport=%s",
             run, request.kind.value, request.export_dir, request.step, outcome.bytes_written,
-            seconds, " held=yes" if request.trainer_decided is not None else "", transport,
+            seconds, " held=yes" if request.trainer_decided is not None else "",
+            " on_notice=yes" if request.on_notice else "", transport,
         )  # fmt: skip
     elif isinstance(outcome, Cancelled):
         _LOGGER.info(
@@ -617,6 +620,15 @@ def _log_outcome(
             "failed run=%s kind=%s export_dir=%s step=%d duration=%.3fs: %s",
             run, request.kind.value, request.export_dir, request.step, seconds, outcome.error,
         )  # fmt: skip
+
+
+def _notice_outcome(request: SaveRequest, outcome: Written | Failed | Cancelled) -> tuple[str, float | None]:
+    """A save on notice's outcome label, and seconds from its notice to durable (None: not written, or unknown)."""
+    if not isinstance(outcome, Written):
+        return ("failed" if isinstance(outcome, Failed) else "cancelled"), None
+    if request.notice_unix_seconds <= 0:
+        return "ok", None
+    return "ok", max(0.0, time.time() - request.notice_unix_seconds)  # two hosts' clocks: never negative
 
 
 def _claimed_dir(run: str, kind: SaveKind | None, checkpoint_dir: str | None) -> str | None:

@@ -42,8 +42,11 @@ class SaveRequest:
     local_skips: tuple[LocalSkip, ...] = ()
     # The trainer can send unchanged chunks as references to a base save.
     incremental: bool = False
-    # The trainer's last save before it stops: a daemon on notice needs no more of its window for the run.
+    # The trainer's last snapshot before it is stopped (blocking: never skipped; a
+    # daemon on notice needs no more of its window for the run), and when its
+    # notice came by its clock (0: unknown).
     on_notice: bool = False
+    notice_unix_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
