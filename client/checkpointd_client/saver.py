@@ -162,6 +162,8 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         self._run = streams.POLICY_RUNS.take(self._address, folder or job, job, policy)
         self._daemon.run = self._run
         self._policy_runs_key = (self._address, folder or job, self._run)
+        if folder is None and self._run != job:  # a run of its own, in the job's folder, as streams says
+            self._folder = job
         weakref.finalize(self, streams.POLICY_RUNS.release, *self._policy_runs_key, policy)
         self._register_lock = threading.Lock()
         self._bindings: snapshot.Bindings | None = None

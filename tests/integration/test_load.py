@@ -1,6 +1,7 @@
 """Load: many trainers saving through one real daemon at once, for a bounded time.
 
-16 trainers with a run each and 4 more sharing one run, each a thread with its
+16 trainers with a job each and 4 more sharing one job (one folder, and a
+daemon run per saver, as the client names them), each a thread with its
 own TF-Agents policy and its own RemotePolicySaver, save in a loop: give the
 policy new values and a distinct train step, save (non-blocking; every 10th
 blocking), alternating SavedModels and checkpoints. For `CHECKPOINTD_LOAD_SECONDS`
@@ -59,7 +60,8 @@ RSS_EVERY = 0.1  # seconds between /proc samples
 class Record:
     """One save call: what the trainer asked for and the values it had at the call."""
 
-    run: str
+    run: str  # the saver's daemon run
+    folder: str
     kind: SaveKind
     export_dir: str
     step: int
@@ -74,7 +76,8 @@ class Trainer:
     """A training loop of its own: a policy, a train step and a RemotePolicySaver."""
 
     name: str
-    run: str
+    run: str  # the saver's daemon run
+    folder: str
     index: int
     saver: RemotePolicySaver
     policy: object
@@ -110,7 +113,7 @@ class Trainer:
                 if ticket.skipped:
                     expected = {}  # nothing to check on disk; keep memory flat
                 self.records.append(
-                    Record(self.run, kind, export_dir, step, expected, checkpoint_keys, ticket, seconds)
+                    Record(self.run, self.folder, kind, export_dir, step, expected, checkpoint_keys, ticket, seconds)
                 )
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
@@ -167,11 +170,11 @@ def trainers(load_daemon: Daemon) -> Iterator[list[Trainer]]:
             policy = policies.build(policies.q(hidden=(8,)))
             train_step = tf.Variable(0, dtype=tf.int64)
             saver = RemotePolicySaver(policy, load_daemon.address, run=run, train_step=train_step, timeout=TIMEOUT)
-            made.append(Trainer(f"t{i:02d}", run, i + 1, saver, policy, train_step))
+            made.append(Trainer(f"t{i:02d}", saver.run, saver.folder, i + 1, saver, policy, train_step))
             saver.register()  # the template export stays out of the timed loop
         yield made
     finally:
-        for t in made:  # closes the runs; the shared run is closed by its first saver
+        for t in made:  # closes the runs
             with contextlib.suppress(CheckpointdError):
                 t.saver.close(timeout=60)
 
@@ -233,7 +236,7 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
         result = r.ticket.result(timeout=0)
         results.append(result)
         assert result.step == r.step and result.kind is r.kind, (r.export_dir, result)
-        path = daemon.root / r.run / r.export_dir
+        path = daemon.root / r.folder / r.export_dir
         assert result.path == str(path)
         reader = tf.train.load_checkpoint(str(path / "variables" / "variables"))
         stored = {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
@@ -242,7 +245,7 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
             np.testing.assert_array_equal(stored[name], value, err_msg=f"{path}: {name}")
     saved_models = [r for r in accepted if r.kind is SaveKind.SAVED_MODEL]
     for r in random.Random(0).sample(saved_models, min(SAVED_MODEL_SAMPLE, len(saved_models))):
-        loaded = tf.saved_model.load(str(daemon.root / r.run / r.export_dir))
+        loaded = tf.saved_model.load(str(daemon.root / r.folder / r.export_dir))
         assert int(loaded.get_train_step()) == r.step
         for i, variable in enumerate(loaded.model_variables):
             key = f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE"
@@ -259,7 +262,7 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
         "save_calls": len(records),
         "accepted": len(accepted),
         "skipped": len(records) - len(accepted),
-        "skipped_on_shared_run": sum(r.ticket.skipped for r in records if r.run == SHARED_RUN),
+        "skipped_in_shared_job": sum(r.ticket.skipped for r in records if r.folder == SHARED_RUN),
         "saved_models": len(saved_models),
         "checkpoints": len(accepted) - len(saved_models),
         "throughput_saves_per_s": round(len(accepted) / drained_seconds, 2),

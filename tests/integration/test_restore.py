@@ -175,7 +175,7 @@ def test_restore_refuses_unknown_runs_missing_saves_and_saves_of_another_policy(
     )
     before = policies.values(wider)
     with pytest.raises(InvalidRequestError) as raised:
-        second.restore()
+        second.restore("ckpt")  # by location: the save another run of the job committed
     assert repr(offending) in str(raised.value)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(policies.values(wider), before, strict=True))
 

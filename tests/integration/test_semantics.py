@@ -300,7 +300,7 @@ def test_a_restarted_trainer_registers_the_run_again_and_saves(env: Env) -> None
     restarted = policies.build(policies.q(hidden=(8,)))  # new process: new variables
     policies.perturb(restarted, seed=21)
     second, _ = env.saver("sem-restart", policy=restarted, step=6)
-    second.save("after", blocking=True)
+    second.save("after", blocking=True).result(TIMEOUT)
 
     after = env.run_dir("sem-restart") / "after"
     assert saved_step(after) == 6

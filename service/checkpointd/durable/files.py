@@ -160,6 +160,7 @@ def publish_dir(
     synced: bool = False,
     keep_old: bool = False,
     dir_fd: int | None = None,
+    shown: str | None = None,
 ) -> Path | None:
     """Renames the finished tree `tmp` to `target`, replacing an old tree.
 
@@ -177,6 +178,7 @@ def publish_dir(
         dir_fd: the target's parent, held open (`checkpointd.durable.dirs`):
             `tmp` and `target` are then names in it, and no path is looked
             up again; a returned parked tree is a name in it too.
+        shown: the target's path for messages, with `dir_fd`.
 
     Returns:
         The parked old tree if `keep_old` and there was one; else None.
@@ -186,7 +188,8 @@ def publish_dir(
         OSError: if a rename or fsync fails; `tmp` is then left for the caller.
     """
     if dir_fd is not None:
-        return _publish_in(dir_fd, os.fspath(tmp), os.fspath(target), os.fspath(target), fsync, synced, keep_old)
+        name = os.fspath(target)
+        return _publish_in(dir_fd, os.fspath(tmp), name, shown or name, fsync, synced, keep_old)
     # As text (pathlib's parsing cost more than the renames).
     where = os.fspath(_path(target))
     parent, name = os.path.split(where)

@@ -272,7 +272,9 @@ class LocalStore:
         if staged.files_prefix is not None:
             prefix.publish(staged.path, held.place.fd, held.name, target, fsync=self._fsync)
         else:
-            files.publish_dir(held.name, target.name, fsync=self._fsync, synced=True, dir_fd=held.place.fd)
+            files.publish_dir(
+                held.name, target.name, fsync=self._fsync, synced=True, dir_fd=held.place.fd, shown=str(target)
+            )
         return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
 
     def _on_root_filesystem(self, path: Path) -> bool:
@@ -301,7 +303,9 @@ class LocalStore:
         """
         save_manifest.write_staged_manifest(staged, meta, fsync=False)
         group.barrier()
-        old = files.publish_dir(held.name, target.name, fsync=False, keep_old=True, dir_fd=held.place.fd)
+        old = files.publish_dir(
+            held.name, target.name, fsync=False, keep_old=True, dir_fd=held.place.fd, shown=str(target)
+        )
         group.barrier()
         if old is not None:
             dirs.remove_quietly(held.place.fd, old.name, target.parent)
