@@ -641,12 +641,14 @@ def _break_training(header: pb.SaveHeader, draw: Callable) -> bool:
     what = draw(st.sampled_from(_TRAINING_MUTATIONS))
     t = header.training_checkpoint
     i = draw(st.integers(0, len(t.tensors) - 1)) if t.tensors else 0
+    # Sizes are uint64 and mutations stack (an earlier one may have set a
+    # size near 0 or 2**64), so every sum is clamped into the field's range.
     if what == "drop-tensor" and t.tensors:
-        header.snapshot_bytes -= t.tensors[i].nbytes
+        header.snapshot_bytes = _u64(header.snapshot_bytes - t.tensors[i].nbytes)
         del t.tensors[i]
     elif what == "add-tensor":
         t.tensors.add(checkpoint_key=draw(st.text(max_size=30)), dtype="float32", shape=[1], nbytes=4)
-        header.snapshot_bytes += 4
+        header.snapshot_bytes = _u64(header.snapshot_bytes + 4)
     elif what == "rename" and t.tensors:
         t.tensors[i].checkpoint_key = draw(st.one_of(st.text(max_size=30), st.just(t.tensors[-1].checkpoint_key)))
     elif what == "dtype" and t.tensors:
@@ -669,7 +671,7 @@ def _break_training(header: pb.SaveHeader, draw: Callable) -> bool:
     elif what == "py-state-numeric" and t.tensors:
         s = t.tensors[-1]
         if s.dtype == "string":
-            header.snapshot_bytes += 4 - s.nbytes
+            header.snapshot_bytes = _u64(header.snapshot_bytes + 4 - s.nbytes)
             s.dtype, s.nbytes = "float32", 4
             s.shape[:] = [1]
     elif what == "snapshot_bytes":
