@@ -21,9 +21,17 @@ from google.protobuf import message as pb_message
 from hypothesis import strategies as st
 
 from checkpointd.v1 import checkpointd_pb2 as pb
+from tests.integration.fuzz_incremental import (
+    BIG_DIRS,
+    held_scenarios,
+    incremental_scenarios,
+    shared_memory_scenarios,
+)
+from tests.integration.fuzz_restores import read_scenarios, restore_files_scenarios
 from tests.integration.fuzz_saves import local_skip_scenarios, mutate_variables, save_scenarios, training_scenarios
 from tests.integration.fuzz_world import (
     BAD_NAMES,
+    BIG_TRAINING,
     CLOSABLE,
     CLOSED,
     COUNTED,
@@ -32,10 +40,12 @@ from tests.integration.fuzz_world import (
     MAIN,
     MAIN_FOLDER,
     MAIN_FOLDERED,
+    MAIN_TRAINING,
     MAX_TEMPLATE,
     REG_POOL,
     SIZES,
     TIMEOUTS,
+    TRAINING_DIRS,
     TRICK_EXPORT_DIRS,
     UNKNOWN,
     Code,
@@ -47,6 +57,38 @@ from tests.integration.fuzz_world import (
     random_message,
     u64,
 )
+
+RPCS = ("Save", "RegisterRun", "Flush", "GetStatus", "GetLatest", "Restore", "RestoreFiles", "CloseRun")
+# Registered by the fixture; random registrations go elsewhere.
+FIXED_RUNS = (MAIN, MAIN_FOLDERED, CLOSED, *CLOSABLE, MAIN_TRAINING, BIG_TRAINING)
+
+
+@st.composite
+def training_register_scenarios(draw: Callable, world: World) -> Scenario:
+    """RegisterRun of a training run: its folder and the checkpoint dir it claims, maybe with what it must not carry."""
+    header = pb.RegisterRunHeader(
+        run=draw(st.one_of(st.sampled_from(REG_POOL), names(REG_POOL))),
+        kind=pb.TRAINING_CHECKPOINT,
+        folder=draw(st.one_of(st.just(""), st.sampled_from([MAIN_TRAINING, BIG_TRAINING]), names())),
+    )
+    if draw(st.booleans()):
+        header.checkpoint_dir = draw(st.one_of(st.sampled_from(TRAINING_DIRS + BIG_DIRS), export_dirs(world)))
+    extra = draw(st.sampled_from(["none", "none", "none", "variables", "template_bytes", "chunk", "graph"]))
+    chunks = []
+    if extra == "variables":
+        header.variables.extend(world.variables[:1])
+    elif extra == "template_bytes":
+        header.template_bytes = draw(st.sampled_from([1, 7, MAX_TEMPLATE]))  # past it: RESOURCE_EXHAUSTED first
+    elif extra == "graph":
+        header.checkpoint_object_graph = draw(st.binary(min_size=1, max_size=32))
+    elif extra == "chunk":
+        chunks.append(pb.RegisterRunRequest(chunk=crc_chunk(b"x", 0, "saved_model.pb")))
+    requests = [pb.RegisterRunRequest(header=header), *chunks]  # a message copies the header
+    scenario = Scenario(f"register-training/{extra}", "RegisterRun", requests)
+    if extra != "none":
+        scenario.exact = Code.INVALID_ARGUMENT
+    scenario.also = frozenset({Code.ALREADY_EXISTS})  # another open run of the folder claims the dir
+    return scenario
 
 
 @st.composite
@@ -169,7 +211,7 @@ def _file_under_a_file(paths: Sequence[str]) -> bool:
 
 @st.composite
 def random_proto_scenarios(draw: Callable, world: World) -> Scenario:
-    rpc = draw(st.sampled_from(["Save", "RegisterRun", "Flush", "GetStatus", "GetLatest", "Restore", "CloseRun"]))
+    rpc = draw(st.sampled_from(RPCS))
     if rpc == "Save":
         payload = draw(st.lists(random_message(pb.SaveRequest, 3), max_size=5))
     elif rpc == "RegisterRun":
@@ -183,11 +225,19 @@ def random_proto_scenarios(draw: Callable, world: World) -> Scenario:
             "GetStatus": pb.StatusRequest,
             "GetLatest": pb.LatestRequest,
             "Restore": pb.RestoreRequest,
+            "RestoreFiles": pb.RestoreFilesRequest,
         }[rpc]
-        payload = draw(random_message(cls, 1))
+        payload = draw(random_message(cls, 2))
     for message in payload if isinstance(payload, list) else [payload]:
         _uncounted_skip_reports(message)
-    return Scenario(f"random-proto/{rpc}", rpc, payload)
+        if isinstance(message, pb.RegisterRunRequest) and message.header.run in FIXED_RUNS:
+            # A random header may register a training run (it needs nothing
+            # else): never over one of the runs the other scenarios rely on.
+            message.header.run = REG_POOL[0]
+    scenario = Scenario(f"random-proto/{rpc}", rpc, payload)
+    if rpc == "RegisterRun":
+        scenario.also = frozenset({Code.ALREADY_EXISTS})  # a training run's checkpoint dir, claimed
+    return scenario
 
 
 def _uncounted_skip_reports(message: pb_message.Message) -> None:
@@ -233,7 +283,7 @@ def unary_scenarios(draw: Callable, world: World) -> Scenario:
 
 @st.composite
 def raw_scenarios(draw: Callable, world: World) -> Scenario:
-    method = draw(st.sampled_from(["Save", "RegisterRun", "Flush", "GetStatus", "CloseRun"]))
+    method = draw(st.sampled_from(RPCS))
     streaming = method in ("Save", "RegisterRun")
     payload = draw(st.lists(st.binary(max_size=96), min_size=1, max_size=4 if streaming else 1))
     request_cls = {
@@ -242,6 +292,9 @@ def raw_scenarios(draw: Callable, world: World) -> Scenario:
         "Flush": pb.FlushRequest,
         "GetStatus": pb.StatusRequest,
         "CloseRun": pb.CloseRunRequest,
+        "GetLatest": pb.LatestRequest,
+        "Restore": pb.RestoreRequest,
+        "RestoreFiles": pb.RestoreFilesRequest,
     }[method]
     scenario = Scenario(f"raw-bytes/{method}", f"raw:{method}", payload)
     undecodable = []
@@ -279,5 +332,13 @@ def scenarios(world: World) -> st.SearchStrategy[Scenario]:
         raw_scenarios(world),
         overlap_scenarios(world),
         local_skip_scenarios(world),
+        incremental_scenarios(world),
+        incremental_scenarios(world),
+        shared_memory_scenarios(world),
+        held_scenarios(world),
+        restore_files_scenarios(world),
+        restore_files_scenarios(world),
+        read_scenarios(world),
+        training_register_scenarios(world),
         st.builds(lambda: Scenario("save/cancel-mid-upload", "cancel", None)),
     )

@@ -45,7 +45,9 @@ REG_POOL = ("fz-r0", "fz-r1", "fz-r2")  # what fuzzed RegisterRun calls may regi
 UNKNOWN = ("fz-never", "x", "A" * 128)
 # A training run (RegisterRun kind TRAINING_CHECKPOINT): its saves carry their own tensors.
 MAIN_TRAINING = "fz-t"
-COUNTED = (MAIN, MAIN_FOLDERED, MAIN_TRAINING)  # the runs whose counts the fuzz checks at the end
+# A training run whose saves are one chunk: incremental saves get a base (fuzz_incremental.py).
+BIG_TRAINING = "fz-big"
+COUNTED = (MAIN, MAIN_FOLDERED, MAIN_TRAINING, BIG_TRAINING)  # the runs whose counts the fuzz checks at the end
 SKIP_REPORT_VARIANTS = (
     "save-good",
     "save-bad-export-dir",
@@ -246,6 +248,8 @@ class Scenario:
             saves_skipped, as the contract says: a Save's once its header
             decodes and names a registered run, refused or not; a Flush's once
             its run is registered, before the wait.
+        also: codes beyond the errors table's usual ones this request may
+            get (ALREADY_EXISTS for a claimed checkpoint dir).
     """
 
     def __init__(
@@ -263,6 +267,7 @@ class Scenario:
         self.internal, self.exact, self.expect_ok_path = internal, exact, expect_ok_path
         self.known_bug = known_bug
         self.reported_skips = reported_skips
+        self.also: frozenset[Code] = frozenset()
 
     def __repr__(self) -> str:
         return f"Scenario({self.category}, {self.rpc}: {describe(self.payload)})"

@@ -10,34 +10,50 @@ symlinks, files where a directory should be), unknown and closed runs,
 garbage chunk data, random protobuf field combinations and undecodable wire
 bytes; and training checkpoints (a TRAINING_CHECKPOINT run, `fz-t`) whose
 tensor lists, object graphs, dtypes, sizes, steps and retention knobs are
-broken the same way. After every request:
+broken the same way. Every RPC and request message of the contract is sent:
+RestoreFiles (real and broken ranges, file names and sizes, header only,
+staged on the daemon's host), Restore, GetLatest by checkpoint dir, GetStatus
+of the store, incremental saves (SameChunks runs against the base an accept
+offers, on a training run `fz-big` of exactly one chunk, and without one),
+shared-memory saves into the offered segment, saves decided under the run's
+busy lock (HeldSave), saves on notice, reported local skips, training runs
+registered with a claimed checkpoint dir, and random messages of every
+request type. After every request:
 - the daemon process is alive and the call ended with a code from the
   errors table (or OK); INTERNAL only where the table documents it and the
-  test can show why (see `Scenario.internal`), never UNKNOWN;
+  test can show why (see `Scenario.internal`), never UNKNOWN; an answer that
+  ends OK is checked against its own header (restored chunks are the asked
+  ranges with good CRC32Cs, files sent whole match the manifest's CRC32C,
+  staged files are there at full size and gone once the call ends);
 - nothing exists under the root except the daemon's `.checkpointd/` state,
   the planted fixtures, and the export dirs of saves that ended OK (and their
   parents); the daemon's staging dir is empty; the directory a planted
   symlink points to, outside the root, is empty; nothing appeared beside
   the root.
-At the end: the per-run counts in GetStatus equal what the fuzzer saw
-(refusals before the decision count as nothing), every export dir the fuzzer
+At the end: the per-run counts in GetStatus (ok, skipped, failed,
+cancelled) equal what the fuzzer saw: refusals before the decision count as
+nothing, except the local skips a request reports, which count once its
+header decodes for a registered run (see `Scenario.reported_skips`); every export dir the fuzzer
 last wrote passes `checkpointd verify` with the step it sent, health is
 SERVING and a good save still works.
 
-What is sent, and the oracles, are in fuzz_requests.py; this module sends it
-and judges the answers. Targeted tests below cover what the fuzz cannot do
-quickly (stalled uploads) and the product bugs it found, now fixed (a short
+What is sent, and the oracles, are in fuzz_world.py, fuzz_saves.py,
+fuzz_incremental.py, fuzz_restores.py and fuzz_requests.py (the mix);
+fuzz_harness.py and fuzz_sequences.py send it and judge the answers.
+Targeted tests below cover what the fuzz cannot do quickly (stalled uploads) and the product bugs it found, now fixed (a short
 template data file, a template file under another file, huge Flush/CloseRun
 timeouts: each was INTERNAL and is INVALID_ARGUMENT or a wait now; the fuzz
 fails if one of those inputs gets INTERNAL again).
 
-The default run is derandomized (CI reproducible): 600 examples, ~630 requests,
-~15 s on an idle 2-core box. Long mode, 10,000 examples:
+The default run is derandomized (CI reproducible): 600 examples, ~620 requests,
+~10 s of requests after ~15 s building the template on a 2-core box. Long mode, 10,000 examples:
 `CHECKPOINTD_FUZZ_EXAMPLES=10000 pytest tests/integration/test_fuzz.py -k fuzzed -s`
 (it prints the requests sent, the histogram of codes, crashes and wall time);
 add `CHECKPOINTD_FUZZ_SEED=N` for a fresh random sequence instead of the
 derandomized one (what found the export dir names too long for the daemon's
-temp dirs).
+temp dirs). `test_the_generator_draws_every_example_without_failing` draws the
+same examples with no daemon, so a strategy that fails on a seed shows in
+seconds.
 """
 
 from __future__ import annotations
@@ -62,7 +78,9 @@ from tests.integration.daemon import Daemon, start_daemon
 from tests.integration.disk import listing
 from tests.integration.fuzz_harness import RPC_TIMEOUT, Fuzzer, Stub, good_header, good_save, hold, plant, register
 from tests.integration.fuzz_requests import scenarios
+from tests.integration.fuzz_sequences import SEQUENCES
 from tests.integration.fuzz_world import (
+    BIG_TRAINING,
     CLOSABLE,
     CLOSED,
     DATA_FILE,
@@ -133,12 +151,13 @@ def fuzzer(fuzz_daemon: Daemon, world: World) -> Iterator[Fuzzer]:
         for run in (MAIN, CLOSED, *CLOSABLE):
             register(stub, run, world)
         register(stub, MAIN_FOLDERED, world, folder=MAIN_FOLDER)
-        training = pb.RegisterRunHeader(run=MAIN_TRAINING, kind=pb.TRAINING_CHECKPOINT)
-        stub.RegisterRun(iter([pb.RegisterRunRequest(header=training)]), timeout=RPC_TIMEOUT)
+        for run in (MAIN_TRAINING, BIG_TRAINING):
+            training = pb.RegisterRunHeader(run=run, kind=pb.TRAINING_CHECKPOINT)
+            stub.RegisterRun(iter([pb.RegisterRunRequest(header=training)]), timeout=RPC_TIMEOUT)
         stub.CloseRun(pb.CloseRunRequest(run=CLOSED), timeout=RPC_TIMEOUT)
         good_save(stub, world, "p0")  # so "p0/..." tricks meet a real save's files
         plant(world)
-        fuzzer = Fuzzer(fuzz_daemon, world, channel)
+        fuzzer = Fuzzer(fuzz_daemon, world, channel, SEQUENCES)
         fuzzer.accepted_ok[str(world.root / MAIN / "p0")] = world.step
         fuzzer.seen[MAIN][0] += 1
         yield fuzzer
@@ -180,6 +199,8 @@ def test_fuzzed_requests_never_crash_leak_or_answer_outside_the_table(fuzzer: Fu
         "cancelled_by_client": fuzzer.cancelled_by_client,
         "saves_seen": fuzzer.seen,
         "export_dirs_written": len(fuzzer.accepted_ok),
+        "staged_restores": fuzzer.staged_restores,
+        "incremental_saves_with_a_base": fuzzer.based_saves,
         "daemon_alive": fuzzer.daemon.proc.poll() is None,
         "stray_files": 0,
         "slowest_call": fuzzer.slowest,
