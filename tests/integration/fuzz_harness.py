@@ -261,6 +261,11 @@ class Fuzzer:
         accepted = set(self.accepted_ok)
         parents = {str(p) for ok in [*accepted, *self.accepted_prefixes] for p in Path(ok).parents}
         prefix_dirs = {str(Path(p).parent) for p in self.accepted_prefixes}
+        # Nothing committed goes away unless a later save replaced it (then it left these maps).
+        lost = [p for p in accepted if not os.path.isdir(p)]
+        lost += [p for p in self.accepted_prefixes if not os.path.isfile(p + ".index")]
+        lost += [d for d in prefix_dirs if not os.path.isfile(os.path.join(d, "checkpoint"))]
+        assert not lost, f"committed saves gone after {scenario!r}: {lost[:5]}"
         stray = []
         for dirpath, dirnames, filenames in os.walk(root):
             if dirpath == str(root):
