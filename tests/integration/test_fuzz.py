@@ -10,34 +10,50 @@ symlinks, files where a directory should be), unknown and closed runs,
 garbage chunk data, random protobuf field combinations and undecodable wire
 bytes; and training checkpoints (a TRAINING_CHECKPOINT run, `fz-t`) whose
 tensor lists, object graphs, dtypes, sizes, steps and retention knobs are
-broken the same way. After every request:
+broken the same way. Every RPC and request message of the contract is sent:
+RestoreFiles (real and broken ranges, file names and sizes, header only,
+staged on the daemon's host), Restore, GetLatest by checkpoint dir, GetStatus
+of the store, incremental saves (SameChunks runs against the base an accept
+offers, on a training run `fz-big` of exactly one chunk, and without one),
+shared-memory saves into the offered segment, saves decided under the run's
+busy lock (HeldSave), saves on notice, reported local skips, training runs
+registered with a claimed checkpoint dir, and random messages of every
+request type. After every request:
 - the daemon process is alive and the call ended with a code from the
   errors table (or OK); INTERNAL only where the table documents it and the
-  test can show why (see `Scenario.internal`), never UNKNOWN;
+  test can show why (see `Scenario.internal`), never UNKNOWN; an answer that
+  ends OK is checked against its own header (restored chunks are the asked
+  ranges with good CRC32Cs, files sent whole match the manifest's CRC32C,
+  staged files are there at full size and gone once the call ends);
 - nothing exists under the root except the daemon's `.checkpointd/` state,
   the planted fixtures, and the export dirs of saves that ended OK (and their
   parents); the daemon's staging dir is empty; the directory a planted
   symlink points to, outside the root, is empty; nothing appeared beside
   the root.
-At the end: the per-run counts in GetStatus equal what the fuzzer saw
-(refusals before the decision count as nothing), every export dir the fuzzer
+At the end: the per-run counts in GetStatus (ok, skipped, failed,
+cancelled) equal what the fuzzer saw: refusals before the decision count as
+nothing, except the local skips a request reports, which count once its
+header decodes for a registered run (see `Scenario.reported_skips`); every export dir the fuzzer
 last wrote passes `checkpointd verify` with the step it sent, health is
 SERVING and a good save still works.
 
-What is sent, and the oracles, are in fuzz_requests.py; this module sends it
-and judges the answers. Targeted tests below cover what the fuzz cannot do
-quickly (stalled uploads) and the product bugs it found, now fixed (a short
+What is sent, and the oracles, are in fuzz_world.py, fuzz_saves.py,
+fuzz_incremental.py, fuzz_restores.py and fuzz_requests.py (the mix);
+fuzz_harness.py and fuzz_sequences.py send it and judge the answers.
+Targeted tests below cover what the fuzz cannot do quickly (stalled uploads) and the product bugs it found, now fixed (a short
 template data file, a template file under another file, huge Flush/CloseRun
 timeouts: each was INTERNAL and is INVALID_ARGUMENT or a wait now; the fuzz
 fails if one of those inputs gets INTERNAL again).
 
-The default run is derandomized (CI reproducible): 600 examples, ~630 requests,
-~15 s on an idle 2-core box. Long mode, 10,000 examples:
+The default run is derandomized (CI reproducible): 600 examples, ~620 requests,
+~10 s of requests after ~15 s building the template on a 2-core box. Long mode, 10,000 examples:
 `CHECKPOINTD_FUZZ_EXAMPLES=10000 pytest tests/integration/test_fuzz.py -k fuzzed -s`
 (it prints the requests sent, the histogram of codes, crashes and wall time);
 add `CHECKPOINTD_FUZZ_SEED=N` for a fresh random sequence instead of the
 derandomized one (what found the export dir names too long for the daemon's
-temp dirs).
+temp dirs). `test_the_generator_draws_every_example_without_failing` draws the
+same examples with no daemon, so a strategy that fails on a seed shows in
+seconds.
 """
 
 from __future__ import annotations
@@ -46,25 +62,25 @@ import collections
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from checkpointd.protocol import wire
 from checkpointd.storage import save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import snapshot
 from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon, wait_until
+from tests.integration.daemon import Daemon, start_daemon
 from tests.integration.disk import listing
-from tests.integration.fuzz_requests import (
+from tests.integration.fuzz_harness import RPC_TIMEOUT, Fuzzer, Stub, good_header, good_save, hold, plant, register
+from tests.integration.fuzz_requests import scenarios
+from tests.integration.fuzz_sequences import SEQUENCES
+from tests.integration.fuzz_world import (
+    BIG_TRAINING,
     CLOSABLE,
     CLOSED,
     DATA_FILE,
@@ -75,420 +91,20 @@ from tests.integration.fuzz_requests import (
     MAIN_TRAINING,
     MAX_SNAPSHOT,
     MAX_TEMPLATE,
-    PLANTED_DIRS,
-    PLANTED_FILES,
-    PLANTED_LINKS,
     Code,
     Scenario,
     World,
     crc_chunk,
     numpy_graph,
-    scenarios,
 )
-from tests.integration.raw import RawSave, counts, export_template, run_status
-
-Stub = checkpointd_pb2_grpc.CheckpointServiceStub
+from tests.integration.raw import counts, export_template
 
 EXAMPLES = int(os.environ.get("CHECKPOINTD_FUZZ_EXAMPLES") or 600)
 # Unset: derandomized, the same examples every run (CI). Set: a fresh random
 # sequence from that seed, which the summary prints so a finding can be rerun.
 SEED = os.environ.get("CHECKPOINTD_FUZZ_SEED") or None
-RPC_TIMEOUT = 30.0  # per call; the daemon answers every fuzz request long before
 UPLOAD_TIMEOUT = 5  # --upload-timeout: a stalled upload frees its lane after this
 CHUNK_BYTES = 128  # several snapshot chunks, so order and truncation can be broken
-SERVICE = "checkpointd.v1.CheckpointService"
-
-# The errors table (checkpointd.protocol.codes.CODES) minus what fuzzing cannot reach
-# legitimately: UNAVAILABLE (draining), UNAUTHENTICATED (no tokens here),
-# INTERNAL (allowed per scenario only, with a reason).
-TABLE = frozenset(
-    {
-        Code.OK,
-        Code.INVALID_ARGUMENT,
-        Code.NOT_FOUND,
-        Code.DATA_LOSS,
-        Code.RESOURCE_EXHAUSTED,
-        Code.FAILED_PRECONDITION,
-        Code.DEADLINE_EXCEEDED,
-    }
-)
-
-
-@dataclass
-class Outcome:
-    code: Code
-    details: str = ""
-    decision: pb.SaveDecision | None = None
-    result: pb.SaveResult | None = None
-    seconds: float = 0.0
-
-
-# --- Sending scenarios and judging the answers ---
-
-
-class Fuzzer:
-    """Sends scenarios to the daemon, checks every answer and the disk, keeps the tally."""
-
-    def __init__(self, daemon: Daemon, world: World, channel: grpc.Channel) -> None:
-        self.daemon = daemon
-        self.world = world
-        self.channel = channel
-        self.stub = Stub(channel)
-        self.requests = 0
-        self.codes: collections.Counter[str] = collections.Counter()
-        self.by_category: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self.internal: collections.Counter[str] = collections.Counter()
-        self.cancelled_by_client = 0
-        self.known_bugs: collections.Counter[str] = collections.Counter()
-        self.accepted_ok: dict[str, int] = {}  # export dir path -> step of its last good save
-        # What the fuzzer saw for the main runs: ok, skipped, failed.
-        self.seen = {MAIN: [0, 0, 0], MAIN_FOLDERED: [0, 0, 0], MAIN_TRAINING: [0, 0, 0]}
-        # Training checkpoints written, by real prefix (their files share dirs).
-        self.accepted_prefixes: dict[str, int] = {}
-        self.planted = planted_paths(world)
-        self.beside_root = sorted(p.name for p in world.root.parent.iterdir())
-        self.slowest = (0.0, "")
-        self.registered = {MAIN, MAIN_FOLDERED, CLOSED, *CLOSABLE}  # runs with templates
-
-    # Calls.
-
-    def _record(self, scenario: Scenario, outcome: Outcome) -> None:
-        self.requests += 1
-        self.codes[outcome.code.name] += 1
-        self.by_category[scenario.category.split("/")[0]][outcome.code.name] += 1
-        if outcome.seconds > self.slowest[0]:
-            self.slowest = (outcome.seconds, scenario.category)
-
-    def _save(self, requests: Sequence[pb.SaveRequest]) -> Outcome:
-        started = time.monotonic()
-        decision = result = None
-        try:
-            for response in self.stub.Save(iter(requests), timeout=RPC_TIMEOUT):
-                item = response.WhichOneof("item")
-                if item == "decision":
-                    assert decision is None, "two decisions in one call"
-                    decision = response.decision
-                else:
-                    assert (
-                        item == "result" and decision is not None and decision.accepted
-                    ), f"a {item} without an accept: {response}"
-                    assert result is None, "two results in one call"
-                    result = response.result
-            return Outcome(Code.OK, "", decision, result, time.monotonic() - started)
-        except grpc.RpcError as e:
-            return Outcome(e.code(), e.details() or "", decision, None, time.monotonic() - started)
-
-    def _unary(self, method: Callable, request: Any, streaming: bool = False) -> Outcome:
-        started = time.monotonic()
-        try:
-            if streaming:
-                list(method(request, timeout=RPC_TIMEOUT))
-            else:
-                method(request, timeout=RPC_TIMEOUT)
-            return Outcome(Code.OK, seconds=time.monotonic() - started)
-        except grpc.RpcError as e:
-            return Outcome(e.code(), e.details() or "", seconds=time.monotonic() - started)
-
-    def _raw(self, method: str, payload: list[bytes]) -> Outcome:
-        path = f"/{SERVICE}/{method}"
-        started = time.monotonic()
-        try:
-            if method in ("Save",):
-                list(self.channel.stream_stream(path)(iter(payload), timeout=RPC_TIMEOUT))
-            elif method == "RegisterRun":
-                self.channel.stream_unary(path)(iter(payload), timeout=RPC_TIMEOUT)
-            else:
-                self.channel.unary_unary(path)(payload[0], timeout=RPC_TIMEOUT)
-            return Outcome(Code.OK, seconds=time.monotonic() - started)
-        except grpc.RpcError as e:
-            return Outcome(e.code(), e.details() or "", seconds=time.monotonic() - started)
-
-    def run(self, scenario: Scenario) -> None:
-        if scenario.rpc == "overlap":
-            self._overlap(scenario)
-        elif scenario.rpc == "cancel":
-            self._cancel_mid_upload(scenario)
-        else:
-            outcome = self._send(scenario)
-            self._judge(scenario, outcome)
-        self.check_disk(scenario)
-        self._reopen_closed()
-
-    def _send(self, scenario: Scenario) -> Outcome:
-        rpc = scenario.rpc
-        if rpc.startswith("raw:"):
-            return self._raw(rpc[4:], scenario.payload)
-        if rpc == "Save":
-            return self._save(scenario.payload)
-        if rpc == "RegisterRun":
-            return self._unary(self.stub.RegisterRun, iter(scenario.payload))
-        if rpc == "Restore":
-            return self._unary(self.stub.Restore, scenario.payload, streaming=True)
-        return self._unary(getattr(self.stub, rpc), scenario.payload)
-
-    def _judge(self, scenario: Scenario, outcome: Outcome) -> None:
-        self._record(scenario, outcome)
-        where = f"{scenario.category}: {outcome.code.name} {outcome.details!r}"
-        assert self.daemon.proc.poll() is None, f"the daemon died ({where}):\n{self.daemon.log()[-3000:]}"
-        assert outcome.code is not Code.UNKNOWN, where
-        assert outcome.seconds < RPC_TIMEOUT - 1, f"the daemon did not answer in time: {where}"
-        if outcome.code is Code.INTERNAL:
-            assert scenario.internal, f"INTERNAL without a reason: {where}\n{scenario!r}"
-            self.internal[scenario.internal] += 1
-        else:
-            assert outcome.code in TABLE, where
-        if scenario.exact is not None:
-            assert outcome.code is scenario.exact, f"expected {scenario.exact.name}; {where}\n{scenario!r}"
-        if scenario.rpc == "RegisterRun" and outcome.code is Code.OK:
-            self.registered.add(scenario.payload[0].header.run)
-        if scenario.rpc != "Save":
-            return
-        # A Save ends OK only as a skip (no result) or a written save (a result).
-        d, r = outcome.decision, outcome.result
-        if outcome.code is Code.OK:
-            assert d is not None and (r is not None) == d.accepted, where
-        header = next((m.header for m in scenario.payload[:1] if m.WhichOneof("item") == "header"), None)
-        run = header.run if header is not None else None
-        if run in self.seen and d is not None:
-            slot = 1 if not d.accepted else (0 if r is not None else 2)
-            self.seen[run][slot] += 1
-        if r is not None and r.kind == pb.TRAINING_CHECKPOINT:
-            assert Path(r.path + ".index").is_file() and Path(r.path).is_relative_to(self.world.root), r.path
-            assert r.step == header.step, r
-            self.accepted_prefixes[os.path.realpath(r.path)] = header.step
-        elif r is not None:
-            assert Path(r.path).is_dir() and Path(r.path).is_relative_to(self.world.root), r.path
-            assert r.step == header.step and r.duration_seconds >= 0, r
-            # Kept by real path: a save through a planted in-folder link
-            # ("insidelink/x") lands inside another save ("p0").
-            real = os.path.realpath(r.path)
-            # A save replaces whole what lay at or under its path.
-            for p in [p for p in self.accepted_ok if Path(p).is_relative_to(real)]:
-                del self.accepted_ok[p]
-            self.accepted_ok[real] = header.step
-        if scenario.expect_ok_path is not None:
-            assert r is not None and r.path == scenario.expect_ok_path, where
-
-    def _held(self, export_dir: str) -> tuple[RawSave, pb.SaveHeader]:
-        """A save of the main run, accepted and then silent: the run's lane is busy."""
-        header = good_header(self.world, MAIN, export_dir)
-        return hold(self.stub, header), header
-
-    def _end_held(self, scenario: Scenario, call: RawSave, header: pb.SaveHeader, ending: str) -> None:
-        chunks = list(self.world.good_chunks)
-        if ending == "bad-crc":
-            broken = chunks[1]
-            chunks[1] = pb.Chunk(offset=broken.offset, data=broken.data, crc32c=broken.crc32c ^ 1)
-        elif ending == "truncate":
-            chunks = chunks[:-1]
-        call.send_chunks(chunks)
-        if ending == "cancel":
-            call.cancel()
-            self._cancelled()
-            return
-        call.half_close()
-        started = time.monotonic()
-        accepted = pb.SaveDecision(accepted=True)
-        try:
-            result = call.result()
-            outcome = Outcome(Code.OK, "", accepted, result, time.monotonic() - started)
-        except grpc.RpcError as e:
-            outcome = Outcome(e.code(), e.details() or "", accepted, None, time.monotonic() - started)
-        held = Scenario(scenario.category + "/held", "Save", [pb.SaveRequest(header=header)])
-        held.exact = {"good": Code.OK, "bad-crc": Code.DATA_LOSS, "truncate": Code.INVALID_ARGUMENT}[ending]
-        if held.exact is Code.OK:
-            held.expect_ok_path = str(self.world.root / MAIN / header.export_dir)
-        self._judge(held, outcome)
-
-    def _overlap(self, scenario: Scenario) -> None:
-        second, ending, timeout, export_dir = scenario.payload
-        call, header = self._held(export_dir)
-        try:
-            probe = Scenario(scenario.category, "Save", [])
-            if second in ("skip", "checkpoint-skip", "blocking-deadline"):
-                h = good_header(self.world, MAIN, "p2")
-                h.kind = pb.CHECKPOINT if second == "checkpoint-skip" else pb.SAVED_MODEL
-                h.blocking = second == "blocking-deadline"
-                chunks = [pb.SaveRequest(chunk=c) for c in self.world.good_chunks]
-                probe.payload = [pb.SaveRequest(header=h), *chunks]
-                if second == "blocking-deadline":
-                    # Waits behind the held save until its own deadline passes.
-                    started = time.monotonic()
-                    try:
-                        list(self.stub.Save(iter(probe.payload), timeout=0.3))
-                        outcome = Outcome(Code.OK)
-                    except grpc.RpcError as e:
-                        outcome = Outcome(e.code(), e.details() or "")
-                    outcome.seconds = time.monotonic() - started
-                    probe.exact = Code.DEADLINE_EXCEEDED
-                    # The client's deadline can fire before the daemon withdraws
-                    # the waiter; ending the held save first would start it.
-                    wait_until(
-                        lambda: run_status(self.stub, MAIN).in_flight.waiting == 0,
-                        "the blocking save gave up its place",
-                        RPC_TIMEOUT,
-                    )
-                else:
-                    outcome = self._save(probe.payload)
-                    probe.exact = Code.OK
-                    assert outcome.decision is not None and not outcome.decision.accepted, outcome
-                self._judge(probe, outcome)
-            elif second in ("flush-run", "flush-all"):
-                probe.rpc = "Flush"
-                run = MAIN if second == "flush-run" else ""
-                probe.payload = pb.FlushRequest(run=run, timeout_seconds=timeout)
-                outcome = self._unary(self.stub.Flush, probe.payload)
-                probe.exact = Code.DEADLINE_EXCEEDED
-                self._judge(probe, outcome)
-            else:
-                probe.rpc = "GetStatus"
-                assert run_status(self.stub, MAIN).in_flight.export_dir == export_dir
-                self._judge(probe, Outcome(Code.OK))
-        finally:
-            self._end_held(scenario, call, header, ending)
-
-    def _cancel_mid_upload(self, scenario: Scenario) -> None:
-        call, _ = self._held("p1")
-        call.send_chunks(self.world.good_chunks[:2])
-        call.cancel()
-        self._cancelled()
-
-    def _cancelled(self) -> None:
-        """Tallies a save this client cancelled after its accept, then waits out its end."""
-        self.requests += 1
-        self.codes["CANCELLED(by the client)"] += 1
-        self.cancelled_by_client += 1
-        self.seen[MAIN][2] += 1  # accepted, never written: the daemon counts it failed
-        self.flush_main()
-
-    def flush_main(self) -> None:
-        """Waits (bounded) until the main run is idle again, e.g. after a cancel."""
-        self.stub.Flush(pb.FlushRequest(run=MAIN, timeout_seconds=RPC_TIMEOUT), timeout=RPC_TIMEOUT + 5)
-
-    def _reopen_closed(self) -> None:
-        for status in self.stub.GetStatus(pb.StatusRequest(), timeout=RPC_TIMEOUT).runs:
-            if status.run in CLOSABLE and status.state == "closed":
-                register(self.stub, status.run, self.world)
-
-    # The disk.
-
-    def check_disk(self, scenario: Scenario) -> None:
-        root = self.world.root
-        accepted = set(self.accepted_ok)
-        parents = {str(p) for ok in [*accepted, *self.accepted_prefixes] for p in Path(ok).parents}
-        prefix_dirs = {str(Path(p).parent) for p in self.accepted_prefixes}
-        stray = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            if dirpath == str(root):
-                dirnames[:] = [d for d in dirnames if d != ".checkpointd"]  # the daemon's own
-            for name in dirnames + filenames:
-                path = os.path.join(dirpath, name)
-                if Path(path) in self.planted or path in parents:
-                    continue
-                # A training checkpoint's files, and its dir's state file.
-                if any(path.startswith(p + ".") for p in self.accepted_prefixes):
-                    continue
-                if name == "checkpoint" and dirpath in prefix_dirs:
-                    continue
-                # Inside an accepted save: the path or one of its parents is accepted.
-                if path in accepted or any(str(p) in accepted for p in Path(path).parents):
-                    continue
-                stray.append(path)
-        assert not stray, f"written outside accepted saves: {stray[:10]}\n{scenario!r}"
-        state = root / ".checkpointd"
-        assert not any((state / "staging").iterdir()), f"staging left behind after {scenario.category}"
-        assert {p.name for p in state.iterdir()} <= {"templates", "staging", "daemon.lock"}, list(state.iterdir())
-        templates = {p.name for p in (state / "templates").iterdir()}
-        assert templates <= self.registered, templates - self.registered
-        assert listing(self.world.outside) == {}, f"wrote outside the root after {scenario.category}"
-        assert sorted(p.name for p in root.parent.iterdir()) == self.beside_root, scenario.category
-
-    def final_checks(self) -> None:
-        """Counts, verify, health and a good save, after the whole fuzz."""
-        self.stub.Flush(pb.FlushRequest(timeout_seconds=RPC_TIMEOUT), timeout=RPC_TIMEOUT + 5)
-        for run, (ok, skipped, failed) in self.seen.items():
-            (status,) = self.stub.GetStatus(pb.StatusRequest(run=run), timeout=RPC_TIMEOUT).runs
-            assert (status.saves_ok, status.saves_skipped, status.saves_failed) == (
-                ok,
-                skipped,
-                failed,
-            ), f"{run}: daemon counts {status} != fuzzer saw ok={ok} skipped={skipped} failed={failed}"
-        # Every save that is still whole on disk passes verify with the step it was sent.
-        for path, step in self.accepted_ok.items():
-            if any(Path(other).is_relative_to(path) and other != path for other in self.accepted_ok):
-                continue  # a later save inside it replaced one of its dirs
-            report = save_manifest.verify_dir(Path(path))
-            assert report.ok and report.step == step, report
-        # Every training checkpoint verifies, and each dir's state file names exactly its committed ones.
-        for prefix, step in self.accepted_prefixes.items():
-            report = save_manifest.verify_prefix(Path(prefix))
-            assert report.ok and report.step == step, report
-        for directory in {Path(p).parent for p in self.accepted_prefixes}:
-            committed = {
-                p.name[: -len(save_manifest.PREFIX_MANIFEST_SUFFIX)]
-                for p in directory.glob("*" + save_manifest.PREFIX_MANIFEST_SUFFIX)
-            }
-            listed = (directory / "checkpoint").read_text().count("all_model_checkpoint_paths")
-            assert committed == {Path(p).name for p in self.accepted_prefixes if Path(p).parent == directory}
-            assert listed == len(committed), (directory, listed, committed)
-        assert_serving(self.daemon, self.stub, self.world)
-
-
-def planted_paths(world: World) -> set[Path]:
-    run_dir = world.root / MAIN
-    return {run_dir} | {run_dir / p for p in (*PLANTED_DIRS, *PLANTED_LINKS, *PLANTED_FILES)}
-
-
-def plant(world: World) -> None:
-    run_dir = world.root / MAIN
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for d in PLANTED_DIRS:
-        (run_dir / d).mkdir()
-    for f in PLANTED_FILES:
-        (run_dir / f).write_bytes(b"not a save")
-    for name, target in PLANTED_LINKS.items():
-        os.symlink(world.fill(target), run_dir / name)
-
-
-def register(stub: Stub, run: str, world: World, folder: str = "") -> None:
-    header = pb.RegisterRunHeader(
-        run=run,
-        variables=world.variables,
-        checkpoint_object_graph=world.graph,
-        template_bytes=world.template_bytes,
-        folder=folder,
-    )
-    chunks = [pb.RegisterRunRequest(chunk=c) for c in world.template_chunks]
-    requests = [pb.RegisterRunRequest(header=header), *chunks]
-    reply = stub.RegisterRun(iter(requests), timeout=RPC_TIMEOUT)
-    assert reply.snapshot_bytes == world.nbytes
-
-
-def good_save(stub: Stub, world: World, export_dir: str, run: str = MAIN) -> pb.SaveResult:
-    header = pb.SaveHeader(
-        run=run,
-        kind=pb.SAVED_MODEL,
-        export_dir=export_dir,
-        step=world.step,
-        variables=world.variables,
-        snapshot_bytes=world.nbytes,
-    )
-    requests = [pb.SaveRequest(header=header)] + [pb.SaveRequest(chunk=c) for c in world.good_chunks]
-    decision, result = list(stub.Save(iter(requests), timeout=RPC_TIMEOUT))
-    assert decision.decision.accepted and result.WhichOneof("item") == "result"
-    return result.result
-
-
-def assert_serving(daemon: Daemon, stub: Stub, world: World) -> None:
-    """The daemon is alive, health is SERVING, and a good save is written and verifies."""
-    assert daemon.proc.poll() is None
-    reply = health_pb2_grpc.HealthStub(grpc.insecure_channel(daemon.address)).Check(
-        health_pb2.HealthCheckRequest(service=SERVICE), timeout=RPC_TIMEOUT
-    )
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    result = good_save(stub, world, "after-fuzz", run=MAIN_FOLDERED)
-    assert result.path == str(world.root / MAIN_FOLDER / "after-fuzz")
-    assert save_manifest.verify_dir(Path(result.path)).ok
 
 
 # --- Fixtures ---
@@ -535,12 +151,13 @@ def fuzzer(fuzz_daemon: Daemon, world: World) -> Iterator[Fuzzer]:
         for run in (MAIN, CLOSED, *CLOSABLE):
             register(stub, run, world)
         register(stub, MAIN_FOLDERED, world, folder=MAIN_FOLDER)
-        training = pb.RegisterRunHeader(run=MAIN_TRAINING, kind=pb.TRAINING_CHECKPOINT)
-        stub.RegisterRun(iter([pb.RegisterRunRequest(header=training)]), timeout=RPC_TIMEOUT)
+        for run in (MAIN_TRAINING, BIG_TRAINING):
+            training = pb.RegisterRunHeader(run=run, kind=pb.TRAINING_CHECKPOINT)
+            stub.RegisterRun(iter([pb.RegisterRunRequest(header=training)]), timeout=RPC_TIMEOUT)
         stub.CloseRun(pb.CloseRunRequest(run=CLOSED), timeout=RPC_TIMEOUT)
         good_save(stub, world, "p0")  # so "p0/..." tricks meet a real save's files
         plant(world)
-        fuzzer = Fuzzer(fuzz_daemon, world, channel)
+        fuzzer = Fuzzer(fuzz_daemon, world, channel, SEQUENCES)
         fuzzer.accepted_ok[str(world.root / MAIN / "p0")] = world.step
         fuzzer.seen[MAIN][0] += 1
         yield fuzzer
@@ -582,6 +199,8 @@ def test_fuzzed_requests_never_crash_leak_or_answer_outside_the_table(fuzzer: Fu
         "cancelled_by_client": fuzzer.cancelled_by_client,
         "saves_seen": fuzzer.seen,
         "export_dirs_written": len(fuzzer.accepted_ok),
+        "staged_restores": fuzzer.staged_restores,
+        "incremental_saves_with_a_base": fuzzer.based_saves,
         "daemon_alive": fuzzer.daemon.proc.poll() is None,
         "stray_files": 0,
         "slowest_call": fuzzer.slowest,
@@ -592,26 +211,33 @@ def test_fuzzed_requests_never_crash_leak_or_answer_outside_the_table(fuzzer: Fu
     assert "UNKNOWN" not in fuzzer.codes
 
 
-# --- Targeted: what the fuzz cannot do quickly, and the bugs it found ---
+def test_the_generator_draws_every_example_without_failing(world: World) -> None:
+    """The strategies alone, no daemon: a mutation that leaves a field's range fails here, not mid-fuzz.
 
+    Drawing is cheap, so this draws as many examples as the fuzz (more with
+    CHECKPOINTD_FUZZ_EXAMPLES) from the same seed, and every seed must draw.
+    """
+    drawn: collections.Counter[str] = collections.Counter()
 
-def good_header(world: World, run: str, export_dir: str) -> pb.SaveHeader:
-    return pb.SaveHeader(
-        run=run,
-        kind=pb.SAVED_MODEL,
-        export_dir=export_dir,
-        step=world.step,
-        variables=world.variables,
-        snapshot_bytes=world.nbytes,
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=SEED is None,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
     )
+    @given(scenarios(world))
+    def draw(scenario: Scenario) -> None:
+        drawn[scenario.category.split("/")[0]] += 1
+
+    if SEED is not None:
+        draw = seed(int(SEED))(draw)
+    draw()
+    assert sum(drawn.values()) == EXAMPLES, drawn
 
 
-def hold(stub: Stub, header: pb.SaveHeader) -> RawSave:
-    """Opens a Save, sends `header` and waits for the accept; the lane stays busy."""
-    call = RawSave(stub, pb.SaveRequest(header=header))
-    decision = call.decision()
-    assert decision.accepted, f"the lane was not idle: {decision.reason}"
-    return call
+# --- Targeted: what the fuzz cannot do quickly, and the bugs it found ---
 
 
 def test_stalled_uploads_are_cut_off_by_the_upload_timeout_and_free_their_lanes(

@@ -1,4 +1,5 @@
-"""restore_files.cut: a data file's ranges cut into whole recorded chunks, each with the CRC32C the save recorded.
+"""restore_files.cut: a data file's ranges cut into whole recorded chunks, each with the CRC32C the save recorded;
+and restore_files.plan's check of the asked ranges against the save's files.
 
 The record is built as chunk_record.record writes it, over bytes held here,
 so each piece's CRC32C can be checked against the bytes it covers.
@@ -14,8 +15,9 @@ import pytest
 
 from checkpointd.core import chunk_record
 from checkpointd.core.ports import CommittedSave, SavedFile
+from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.saves.restore_files import cut
+from checkpointd.saves.restore_files import cut, plan
 
 CB = 10  # the record's chunk size, small so a few bytes hold many chunks
 LIMIT = 25  # the largest piece: two whole chunks fit, three do not
@@ -92,3 +94,38 @@ def test_other_files_and_saves_without_a_record_are_cut_at_the_limit() -> None:
     ]  # fmt: skip
     bare = CommittedSave(save.path, save.export_dir, save.run, save.kind, save.step, 0.0, prefix=True)
     assert all(crc is None for *_, crc in cut(bare, files, [(DATA_FILE, 0, len(DATA))], LIMIT))
+
+
+class _Files:
+    """A store holding one committed save with `files` (SaveFiles, and committed_at for restore.find)."""
+
+    def __init__(self, save: CommittedSave, files: list[SavedFile]) -> None:
+        self.save, self.files = save, files
+
+    def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
+        return self.save
+
+    def describe(self) -> str:
+        return "files"
+
+    def files_of(self, save: CommittedSave) -> list[SavedFile]:
+        return self.files
+
+    def local_dir(self, save: CommittedSave) -> None:
+        return None
+
+    def verified(self, save: CommittedSave, files: object) -> dict[str, tuple[int, int, int]]:
+        return {}
+
+    def read_ranges(self, save: CommittedSave, ranges: object) -> list[bytes]:
+        raise AssertionError("plan reads nothing")
+
+
+@pytest.mark.parametrize("offset", [len(DATA) + 1, len(DATA) + 600])
+def test_a_range_to_the_end_of_a_file_starting_past_its_end_is_invalid(offset: int) -> None:
+    """Length 0 is "to the end": from past the end that was a negative length, and INTERNAL (found by the fuzz)."""
+    store = _Files(*_save())
+    with pytest.raises(InvalidRequestError, match="past the end"):
+        plan(store, "f", "run", "ckpt-4", [(DATA_FILE, offset, 0)], header_only=False)  # type: ignore[arg-type]
+    at_the_end = plan(store, "f", "run", "ckpt-4", [(DATA_FILE, len(DATA), 0)], header_only=False)  # type: ignore[arg-type]
+    assert at_the_end.ranges == ((DATA_FILE, len(DATA), 0),)  # nothing left to send: an empty range

@@ -220,6 +220,23 @@ def test_save_dirs_are_found_recursively_skipping_daemon_dirs(root: Path) -> Non
     assert save_manifest.find_save_dirs(root / "runA" / "policy_1" / MANIFEST) == [root / "runA" / "policy_1"]
 
 
+def test_a_dir_named_like_the_manifest_is_searched_and_not_taken_for_one(tmp_path: Path) -> None:
+    """A training run may write its checkpoints in a dir named checkpointd.manifest.json (a valid
+    export dir component). Its parent is then no save, and the checkpoints in both are found: the daemon's dir state files, GetLatest and retention read them through these searches
+    (found by the fuzz: such a dir's checkpoints got no `checkpoint` state file, and its parent's
+    went unseen)."""
+    folder = tmp_path / "fz-t"
+    inner = folder / "p0" / MANIFEST
+    inner.mkdir(parents=True)
+    for directory, name in ((folder / "p0", "ckpt-2"), (inner, "ckpt-43")):
+        (directory / f"{name}.index").write_bytes(b"i")
+        (directory / f"{name}{save_manifest.PREFIX_MANIFEST_SUFFIX}").write_text("{}")
+
+    assert set(save_manifest.find_prefixes(folder)) == {folder / "p0" / "ckpt-2", inner / "ckpt-43"}
+    assert save_manifest.find_prefixes(inner) == [inner / "ckpt-43"]
+    assert save_manifest.find_save_dirs(folder) == []
+
+
 def test_cli_prints_ok_and_failed_per_dir_and_exits_1(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(root)]) == 1
     out, err = capsys.readouterr()

@@ -117,7 +117,8 @@ def plan(
             raise InvalidRequestError(
                 f"RestoreFiles: {save.export_dir!r} has no file {path!r} to send; it has {sorted(by_path)}"
             )
-        length = length or file.size - offset
+        # Length 0 is "to the end": from past the end that would be a negative length.
+        length = length or max(file.size - offset, 0)
         if offset + length > file.size:
             raise InvalidRequestError(
                 f"RestoreFiles: the range at {offset} of {length} bytes runs past the end of {path!r} "

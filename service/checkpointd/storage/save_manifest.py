@@ -393,6 +393,12 @@ def _verdict(passed: Report, problems: list[str]) -> Report:
     return passed
 
 
+def _holds_a_manifest(path: Path) -> bool:
+    # A file: a dir of that name is a valid export dir component (a training
+    # checkpoint dir may be called so), not a manifest.
+    return (path / MANIFEST_NAME).is_file()
+
+
 def _looks_like_a_save(path: Path) -> bool:
     return (path / "saved_model.pb").is_file() or (path / "variables" / "variables.index").is_file()
 
@@ -408,7 +414,7 @@ def find_save_dirs(path: Path) -> list[Path]:
     path = Path(path)
     if path.name == MANIFEST_NAME and path.is_file():
         return [path.parent]
-    if (path / MANIFEST_NAME).exists() or _looks_like_a_save(path):
+    if _holds_a_manifest(path) or _looks_like_a_save(path):
         return [path]
     found: list[Path] = []
     for dirpath, dirnames, _ in os.walk(path):
@@ -418,7 +424,7 @@ def find_save_dirs(path: Path) -> list[Path]:
             child = Path(dirpath, name)
             if name.startswith(_RESERVED_PREFIX) or child.is_symlink():
                 continue
-            if (child / MANIFEST_NAME).exists() or _looks_like_a_save(child):
+            if _holds_a_manifest(child) or _looks_like_a_save(child):
                 found.append(child)
             else:
                 keep.append(name)
@@ -441,7 +447,7 @@ def find_prefixes(path: Path, *, orphans: bool = False) -> list[Path]:
     # "." and "/" have no name, so no manifest can sit beside them: search them as dirs.
     if path.name and path.with_name(path.name + PREFIX_MANIFEST_SUFFIX).is_file():
         return [path]
-    if not path.is_dir() or (path / MANIFEST_NAME).exists() or _looks_like_a_save(path):
+    if not path.is_dir() or _holds_a_manifest(path) or _looks_like_a_save(path):
         return []
     found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(path):
@@ -450,7 +456,7 @@ def find_prefixes(path: Path, *, orphans: bool = False) -> list[Path]:
             for d in dirnames
             if not d.startswith(_RESERVED_PREFIX)
             and not os.path.islink(os.path.join(dirpath, d))
-            and not (Path(dirpath, d) / MANIFEST_NAME).exists()
+            and not _holds_a_manifest(Path(dirpath, d))
             and not _looks_like_a_save(Path(dirpath, d))
         )
         names = {f[: -len(PREFIX_MANIFEST_SUFFIX)] for f in filenames if f.endswith(PREFIX_MANIFEST_SUFFIX)}
