@@ -137,6 +137,7 @@ class SavePipeline:
         self._skips = SkipLog(_LOGGER)
         # The kinds each registered run takes: its registering format's.
         self._run_kinds: dict[str, tuple[SaveKind, ...]] = {}
+        self._registering: dict[str, str] = {}  # run -> the folder its registration names, while it waits for the lease
         self._bases = bases.Newest()  # each checkpoint dir's newest save: an incremental save's base
         self._local = not isinstance(store, StreamingStore)  # an object store's saves are not files here
 
@@ -201,9 +202,13 @@ class SavePipeline:
                 f"{self._config.max_template_bytes} (--max-template-bytes)"
             )
         started = time.monotonic()
-        self.leases.hold(
-            run, started + self._lease_wait(timeout), waiting=on_lease_wait
-        )  # before anything of the run is stored
+        self._registering[run] = folder  # a takeover's retention (on the lease) tidies this folder
+        try:
+            self.leases.hold(
+                run, started + self._lease_wait(timeout), waiting=on_lease_wait
+            )  # before anything of the run is stored
+        finally:
+            self._registering.pop(run, None)
         # A policy run's template goes to the format of policy saves; a
         # training run's (empty) registration to the training format.
         fmt = self.formats(kind or SaveKind.SAVED_MODEL)
@@ -229,9 +234,12 @@ class SavePipeline:
         return wait
 
     def folder(self, run: str, asked: str = "") -> str:
-        """The folder to search: the one asked for, else the registered one, else the run's name."""
+        """The folder to search: the one asked for, else the registered one (or the one a registration
+        waiting for the run's lease names), else the run's name."""
         if asked:
             return check_folder(asked)
+        if run in self._registering:
+            return self._registering.get(run, run)
         try:
             return self.lanes.folder(run)
         except RunNotFoundError:
