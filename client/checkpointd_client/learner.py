@@ -48,6 +48,7 @@ from checkpointd_client.checkpointer import RemoteCheckpointer
 from checkpointd_client.connection import CONNECTION_OPTIONS
 from checkpointd_client.notice import NOTICE_OPTIONS
 from checkpointd_client.streams import relative_to
+from checkpointd_client.ticket import SaveTicket
 from checkpointd_client.trigger import POLICY_CONNECTION_OPTIONS, RemotePolicySavedModelTrigger
 
 # Learner builds its Checkpointer through `tf_agents.train.learner.common`,
@@ -229,7 +230,7 @@ def common_module(
     made: list[RemoteCheckpointer] = []
 
     def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
-        checkpointer = RemoteCheckpointer(
+        checkpointer = _EveryCheckpoint(
             ckpt_dir, address, run=run, root_dir=root_dir, max_to_keep=max_to_keep, **connection, **objects
         )
         made.append(checkpointer)
@@ -246,6 +247,25 @@ def common_module(
             checkpointer.close(timeout)
 
     return _Proxy(common, Checkpointer=make, checkpointers=made, flush=flush, close=close)
+
+
+class _EveryCheckpoint(RemoteCheckpointer):
+    """`common.Checkpointer`'s stand-in: it writes every checkpoint the in-process one would.
+
+    `common.Checkpointer.save` returns once the checkpoint is written, so a
+    script loses none. Here a save goes on in the background, and one that
+    comes while this checkpointer's previous save is still in flight (a
+    slow disk, a loaded machine, intervals a few steps apart) waits for it
+    and then saves, as the in-process one would have been writing all along,
+    instead of being skipped. Training stalls only then. The snapshot is
+    the call's either way: the training thread is in this call meanwhile.
+    """
+
+    def save(self, global_step: Any, blocking: bool = False) -> SaveTicket:
+        ticket = super().save(global_step, blocking=blocking)
+        if ticket.skipped and not blocking:
+            return super().save(global_step, blocking=True)
+        return ticket
 
 
 def _learner_module(address: str, run: str, connection: dict[str, Any]) -> types.ModuleType:

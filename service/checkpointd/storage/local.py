@@ -197,11 +197,8 @@ class LocalStore:
                 break
         else:  # not below the root: a place a tool named itself (`writes.write_save`), taken as it is now
             parent = os.path.realpath(os.path.dirname(path))
-            if create and not os.path.isdir(parent):
-                try:
-                    os.makedirs(parent, exist_ok=True)
-                except FileExistsError:  # mkdir's "File exists" for a parent that is a file: say what is wrong
-                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), parent) from None
+            if create:
+                _make_dirs(parent)
             return dirs.hold_below(parent, [], create=False), os.path.basename(path)
         run = os.path.relpath(path, root).split(os.sep, 1)[0]
         base = _real_run_dir(root, run) if os.path.islink(os.path.join(root, run)) else root
@@ -213,7 +210,7 @@ class LocalStore:
                 f"{path} resolves outside its run's folder (through a symlink); nothing was written"
             )
         if create and base == root:
-            os.makedirs(root, exist_ok=True)  # the root is made if missing, with the first save
+            _make_dirs(root)  # the root is made if missing, with the first save
         try:
             return dirs.hold_below(base, [] if below == "." else below.split(os.sep), create=create), name
         except dirs.Moved as e:
@@ -432,6 +429,16 @@ class LocalStore:
     def _folder_dir(self, folder: str) -> Path:
         # Absolute and real, as resolve_export_dir makes save paths.
         return Path(os.path.realpath(self.root / check_run_name(folder)))
+
+
+def _make_dirs(path: str) -> None:
+    """`os.makedirs(path)` if missing; a file in the way is NotADirectoryError, not mkdir's "File exists"."""
+    if os.path.isdir(path):
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from None
 
 
 def _open_listed_parent(save: CommittedSave) -> tuple[dirs.HeldDir, str]:
