@@ -1,5 +1,9 @@
 """The demo (`scripts/demo.sh`), both modes, checked against what the daemons committed.
 
+The local mode preempts its trainer with SIGTERM: it must say the trainer
+saved the step it reached on notice and that the new trainer resumed there,
+0 steps lost. The fleet mode SIGKILLs the trainer and daemon A together.
+
 The demo runs with fewer steps than its default (the flags it documents:
 `--steps`, `--save-every`, `--kill-at`) and without its install
 (`CHECKPOINTD_DEMO_NO_INSTALL=1`: the suite runs in the installed venv).
@@ -81,6 +85,20 @@ def _claims(out: str) -> tuple[int, int, int]:
     return int(killed[1]), int(resumed[1]), int(resumed[2])
 
 
+def _notice_claims(out: str) -> tuple[int, int, int, int]:
+    """What the local demo printed: the step at its SIGTERM, the step saved on notice, resumed at, steps lost."""
+    sent = re.search(r"^preempted: SIGTERM to trainer 1 at step (\d+)", out, re.M)
+    saved = re.search(
+        r'^trainer 1 logged "run cartpole-dqn\.train: preempted at step (\d+): saved, durable in \d+ ms", '
+        r"then ended by the SIGTERM$",
+        out,
+        re.M,
+    )
+    resumed = re.search(r"resumed at step (\d+), (\d+) steps lost", out)
+    assert sent and saved and resumed, out
+    return int(sent[1]), int(saved[1]), int(resumed[1]), int(resumed[2])
+
+
 def _check_resume(killed: int, resumed: int, lost: int, committed: set[int]) -> None:
     assert 0 < resumed <= killed and lost == killed - resumed
     assert committed and resumed == max(committed), (resumed, sorted(committed))
@@ -133,13 +151,18 @@ def _pids(out: str) -> list[int]:
     return [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
 
 
-def test_local_demo_resumes_a_killed_trainer_at_the_newest_committed_checkpoint(tmp_path: Path) -> None:
+def test_local_demo_resumes_a_trainer_preempted_with_sigterm_at_the_step_it_reached(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     train = root / RUN / "train"
     code, out, err, at_resume = _demo("--root", str(root), *SMALL, committed=lambda _: _local_committed(train))
     assert code == 0, out + err
-    killed, resumed, lost = _claims(out)
-    _check_resume(killed, resumed, lost, at_resume)
+    sent, saved, resumed, lost = _notice_claims(out)
+    # SIGTERM came at --kill-at; the save on notice holds the step reached when the trainer took it (the
+    # daemon counted it), and trainer 2 starts there, from the newest committed checkpoint: nothing lost.
+    assert 250 <= sent <= saved < 400, out
+    assert resumed == saved and lost == 0, out
+    _check_resume(saved, resumed, lost, at_resume)
+    assert "saves on notice: 1 ok, 0 failed, 0 cancelled" in out
 
     state = tf.train.get_checkpoint_state(str(train))
     assert state is not None
