@@ -5,7 +5,7 @@
 # (scripts/demo.py says what it prints).
 #
 #   scripts/demo.sh            # one daemon on ./demo/checkpoints; no root needed
-#   scripts/demo.sh --fleet    # two daemons on a local S3 server (radosgw); needs root for Ceph
+#   scripts/demo.sh --fleet    # three daemons on a local S3 server (radosgw); needs root for Ceph
 #
 # Installs first (scripts/install.sh; CHECKPOINTD_DEMO_NO_INSTALL=1 skips it).
 # Other arguments go to scripts/demo.py (--steps, --save-every, --kill-at, ...).
