@@ -3,16 +3,20 @@
 Local mode (default): starts `checkpointd serve` on a local root, starts a
 TF-Agents DQN trainer (scripts/cartpole_demo/trainer.py) that saves its whole
 state (agent, replay buffer, train step, metrics) with `RemoteCheckpointer` and
-its policies with `RemotePolicySavedModelTrigger`, SIGKILLs it part way (a
-preemption), starts a new trainer that resumes from the daemon and finishes,
-then prints what happened from the daemon's own /metrics and the newest
-policy's CartPole return.
+its policies with `RemotePolicySavedModelTrigger`, preempts it part way with
+SIGTERM (the notice Kubernetes and spot VMs give: the trainer saves the step it
+reached and exits), starts a new trainer that resumes from the daemon at that
+step (0 steps lost) and finishes, then prints what happened from the daemon's
+own /metrics and the newest policy's CartPole return.
 
 Fleet mode (`--fleet`, needs root for Ceph's packages): a local radosgw
-(scripts/rgw.sh), two daemons on one s3:// root, the trainer on daemon A;
-A and the trainer SIGKILLed together; a new trainer on daemon B, which takes
-the run when A's lease expires and restores it; then `checkpointd status
---stored` and `checkpointd verify s3://...`.
+(scripts/rgw.sh), three daemons on one s3:// root, the trainer on daemon A;
+node A drained (the trainer and A get SIGTERM: the trainer's save on notice
+goes through A, which releases the run as it exits) and a new trainer on
+daemon B takes the run at once, 0 steps lost; then node B lost (B and its
+trainer SIGKILLed) and a third trainer on daemon C takes the run when B's
+lease expires; then `checkpointd status --stored` and `checkpointd verify
+s3://...`.
 
 The demo does not import TensorFlow; the trainers do. Everything it starts is
 stopped at the end, also on Ctrl-C. Exit 0 on success, 1 if a step failed,
@@ -34,6 +38,7 @@ from types import FrameType
 
 from cartpole_demo import procs
 from cartpole_demo.fleet import run_fleet
+from cartpole_demo.preempt import Job
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -42,55 +47,13 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def preempt_and_resume(
-    args: argparse.Namespace,
-    first: procs.Daemon,
-    second: procs.Daemon,
-    logs: Path,
-    cleanup: list[Callable[[], object]],
-    evaluate: Path | None = None,
-) -> tuple[procs.Trainer, int, int]:
-    """Trains on `first`, SIGKILLs the trainer (and `first` too if it is not `second`), resumes on `second`.
-
-    Returns:
-        The finished second trainer, the step the first reached, and the step the second resumed at.
-    """
-    common = ["--run", args.run, "--steps", str(args.steps), "--save-every", str(args.save_every)]
-    trainer = procs.Trainer.start(["--address", first.address, *common], logs / "trainer-1.log")
-    cleanup.append(trainer.kill)
-    trainer.wait_for("restored")
-    print(f"trainer 1 (pid {trainer.proc.pid}): training on daemon {first.name} toward step {args.steps}")
-    trainer.wait_for("step", lambda t: t.step >= args.kill_at and bool(t.saved))
-    trainer.kill()
-    if first is not second:
-        first.kill()
-    killed = time.monotonic()
-    nodes = f" and daemon {first.name} (pid {first.proc.pid})" if first is not second else ""
-    print(f"preempted: SIGKILLed trainer 1 at step {trainer.step}{nodes}")
-
-    if first is not second:
-        print(f"trainer 2 starting on daemon {second.name}, which takes the run once A's lease expires ...", flush=True)
-    extra = ["--evaluate", str(evaluate)] if evaluate is not None else []
-    resumed = procs.Trainer.start(["--address", second.address, *common, *extra], logs / "trainer-2.log")
-    cleanup.append(resumed.kill)
-    step, restore_seconds, process_seconds = resumed.wait_for("restored")
-    took = time.monotonic() - killed
-    print(
-        f"trainer 2 (pid {resumed.proc.pid}) on daemon {second.name}: resumed at step {step}, "
-        f"{trainer.step - int(step)} steps lost; {took:.1f} s from the kill to restored "
-        f"(process start {float(process_seconds) - float(restore_seconds):.1f} s, "
-        f"restore from the daemon {float(restore_seconds):.2f} s)"
-    )
-    (done,) = resumed.wait_for("done")
-    print(f"trainer 2: finished at step {done}, every save durable")
-    return resumed, trainer.step, int(step)
-
-
 def _print_metrics(daemon: procs.Daemon) -> None:
     m = procs.scrape(daemon.metrics_url)
     print(
         f"daemon {daemon.name}'s {daemon.metrics_url}: {m['accepted']:.0f} saves accepted, {m['skipped']:.0f} skipped, "
-        f"{m['written']:.0f} written ({m['written_bytes'] / (1 << 20):,.1f} MiB), {m['failed']:.0f} failed"
+        f"{m['written']:.0f} written ({m['written_bytes'] / (1 << 20):,.1f} MiB), {m['failed']:.0f} failed; "
+        f"saves on notice: {m['notice_ok']:.0f} ok, {m['notice_failed']:.0f} failed, "
+        f"{m['notice_cancelled']:.0f} cancelled"
     )
 
 
@@ -103,7 +66,12 @@ def run_local(args: argparse.Namespace, cleanup: list[Callable[[], object]]) -> 
     print(
         f"daemon A (pid {daemon.proc.pid}): gRPC {daemon.address}, metrics {daemon.metrics_url}, root {procs.shown(root)}"
     )
-    resumed, _, _ = preempt_and_resume(args, daemon, daemon, base / "logs", cleanup, evaluate=root)
+    job = Job(args, base / "logs", cleanup)
+    trainer = job.train(daemon)
+    trainer.wait_for("step", lambda t: t.step >= args.kill_at and bool(t.saved))
+    job.preempt(trainer, daemon, notice=True)
+    resumed, _ = job.resume(daemon, ["--evaluate", str(root)])
+    job.finish(resumed)
     score, checkpoint = resumed.wait_for("return")
     resumed.proc.wait(60)
     _print_metrics(daemon)
@@ -125,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10000, help="train steps in all")
     parser.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints")
     parser.add_argument(
-        "--kill-at", type=int, help="the step at which to SIGKILL the trainer (default: 55%% of --steps)"
+        "--kill-at",
+        type=int,
+        help="the step at which the trainer gets SIGTERM (with --fleet: node A drained; node B is lost halfway from "
+        "there to --steps) (default: 55%% of --steps)",
     )
     parser.add_argument("--run", default="cartpole-dqn")
     parser.add_argument("--lease-seconds", type=float, default=5.0, help="fleet mode's run lease")
@@ -140,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     cleanup: list[Callable[[], object]] = []
     started = time.monotonic()
     try:
-        code = run_fleet(args, cleanup, preempt_and_resume) if args.fleet else run_local(args, cleanup)
+        code = run_fleet(args, cleanup) if args.fleet else run_local(args, cleanup)
         print(f"demo done in {time.monotonic() - started:.0f} s")
         return code
     except procs.DemoError as e:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The main job: a TF-Agents DQN trainer on CartPole that saves its whole state
-# through checkpointd, is SIGKILLed part way (a preemption) and resumed from
-# the daemon by a new process (scripts/demo.py says what it prints).
+# through checkpointd, is preempted part way with SIGTERM (it saves the step it
+# reached and exits) and resumed from the daemon by a new process at that step
+# (scripts/demo.py says what it prints).
 #
 #   scripts/demo.sh            # one daemon on ./demo/checkpoints; no root needed
-#   scripts/demo.sh --fleet    # two daemons on a local S3 server (radosgw); needs root for Ceph
+#   scripts/demo.sh --fleet    # three daemons on a local S3 server (radosgw); needs root for Ceph
 #
 # Installs first (scripts/install.sh; CHECKPOINTD_DEMO_NO_INSTALL=1 skips it).
 # Other arguments go to scripts/demo.py (--steps, --save-every, --kill-at, ...).

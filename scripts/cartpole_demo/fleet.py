@@ -1,11 +1,15 @@
-"""`scripts/demo.sh --fleet`: a run moved to another node's daemon through the bucket.
+"""`scripts/demo.sh --fleet`: a run moved to another node's daemon through the bucket, twice.
 
 A local radosgw (scripts/rgw.sh, which installs Ceph's packages when run as
-root), a bucket, two daemons on one s3:// root (each its own --work-dir and
-ports, a short --lease-seconds so the move is quick), the trainer on daemon
-A; A and its trainer SIGKILLed together (a node lost); a new trainer on
-daemon B, which takes the run when A's lease expires and restores it from
-the bucket; then `checkpointd status --stored` and `checkpointd verify`.
+root), a bucket, three daemons on one s3:// root (each its own --work-dir and
+ports, a short --lease-seconds so the second move is quick), the trainer on
+daemon A. Node A is drained: the trainer and daemon A get SIGTERM together;
+the trainer saves the step it reached through A, which takes that save,
+drains and releases its run leases as it exits, so a new trainer on daemon
+B takes the run at once and resumes at that step (0 steps lost). Then node
+B is lost: B and its trainer are SIGKILLed together; a third trainer on
+daemon C takes the run when B's lease expires and resumes from the newest
+committed save. Then `checkpointd status --stored` and `checkpointd verify`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cartpole_demo import procs
+from cartpole_demo.preempt import Job
 
 RGW = Path(__file__).resolve().parents[1] / "rgw.sh"
 BUCKET = "checkpointd-demo"
@@ -68,7 +73,7 @@ def _cli(args: list[str]) -> int:
     return proc.returncode
 
 
-def run_fleet(args: argparse.Namespace, cleanup: list[Callable[[], object]], preempt_and_resume: Callable) -> int:
+def run_fleet(args: argparse.Namespace, cleanup: list[Callable[[], object]]) -> int:
     """The fleet mode's steps; returns the exit code (0 when status and verify succeed)."""
     base = args.dir.resolve()
     env = _start_rgw(base / "rgw", cleanup)
@@ -78,9 +83,9 @@ def run_fleet(args: argparse.Namespace, cleanup: list[Callable[[], object]], pre
             os.environ[name] = value  # the daemons' and the CLI's credentials
     _create_bucket(endpoint)
     root = f"s3://{BUCKET}/ckpt"
-    print(f"S3 at {endpoint}, bucket {BUCKET} created; both daemons on {root}")
+    print(f"S3 at {endpoint}, bucket {BUCKET} created; every daemon on {root}")
     daemons = []
-    for name in ("A", "B"):
+    for name in ("A", "B", "C"):
         work = base / f"node-{name.lower()}"
         shutil.rmtree(work, ignore_errors=True)
         daemon = procs.start_daemon(
@@ -92,13 +97,21 @@ def run_fleet(args: argparse.Namespace, cleanup: list[Callable[[], object]], pre
         cleanup.append(daemon.stop)
         daemons.append(daemon)
         print(f"daemon {name} (pid {daemon.proc.pid}): gRPC {daemon.address}, work dir {procs.shown(work / 'work')}")
-    a, b = daemons
-    preempt_and_resume(args, a, b, base / "logs", cleanup)
+    a, b, c = daemons
+    job = Job(args, base / "logs", cleanup)
+    trainer = job.train(a)
+    trainer.wait_for("step", lambda t: t.step >= args.kill_at and bool(t.saved))
+    job.preempt(trainer, a, notice=True, node=True)
+    trainer, resumed = job.resume(b)
+    lose_at = (args.kill_at + args.steps) // 2  # once it saved again on B
+    trainer.wait_for("step", lambda t: t.step >= lose_at and any(s > resumed for s in t.saved))
+    job.preempt(trainer, b, notice=False, node=True)
+    trainer, _ = job.resume(c)
+    job.finish(trainer)
     codes = [
-        _cli(["status", "--stored", "--address", b.address]),
+        _cli(["status", "--stored", "--address", c.address]),
         _cli(["verify", root, "--s3-endpoint-url", endpoint]),
     ]
-    print(
-        f"daemon B stopped (exit {b.stop()}); logs in {procs.shown(base / 'logs')}, {procs.shown(a.log)} and {procs.shown(b.log)}"
-    )
+    logs = ", ".join(procs.shown(d.log) for d in daemons)
+    print(f"daemon C stopped (exit {c.stop()}); logs in {procs.shown(base / 'logs')}, {logs}")
     return 0 if not any(codes) else 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -93,13 +94,15 @@ def scrape(metrics_url: str) -> dict[str, float]:
 
     Returns:
         accepted (saves the daemon took: written, failed or still in flight),
-        skipped, written, failed, and written_bytes.
+        skipped, written, failed, written_bytes, and of the saves on notice
+        notice_ok, notice_failed, notice_cancelled.
     """
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     totals = {"written": 0.0, "skipped": 0.0, "failed": 0.0, "in_flight": 0.0, "written_bytes": 0.0}
+    totals.update(notice_ok=0.0, notice_failed=0.0, notice_cancelled=0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "checkpointd_saves_total":
@@ -110,6 +113,8 @@ def scrape(metrics_url: str) -> dict[str, float]:
                 totals["in_flight"] += sample.value
             elif sample.name == "checkpointd_written_bytes_total":
                 totals["written_bytes"] += sample.value
+            elif sample.name == "checkpointd_preemption_saves_total":
+                totals["notice_" + sample.labels.get("outcome", "")] = sample.value
     totals["accepted"] = totals["written"] + totals["failed"] + totals["in_flight"]
     return totals
 
@@ -120,6 +125,7 @@ class Trainer:
 
     proc: subprocess.Popen[str]
     log: Path
+    log_start: int = 0  # where this trainer's lines begin in `log` (appended to by every demo run)
     step: int = 0
     saved: list[int] = field(default_factory=list)
     _lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
@@ -127,6 +133,7 @@ class Trainer:
     @classmethod
     def start(cls, args: Sequence[str], log: Path) -> Trainer:
         log.parent.mkdir(parents=True, exist_ok=True)
+        log_start = log.stat().st_size if log.exists() else 0
         with open(log, "a") as err:
             proc = subprocess.Popen(
                 [sys.executable, str(TRAINER), *args],
@@ -135,7 +142,7 @@ class Trainer:
                 text=True,
                 start_new_session=True,
             )
-        trainer = cls(proc, log)
+        trainer = cls(proc, log, log_start)
         threading.Thread(target=trainer._read, args=(proc.stdout,), daemon=True).start()
         return trainer
 
@@ -164,8 +171,38 @@ class Trainer:
             if fields[0] == kind and until(self):
                 return fields[1:]
 
+    def notice(self, seconds: float = 60) -> int:
+        """SIGTERM, as a preemption announced (Kubernetes, a spot VM) sends; waits until the trainer exits.
+
+        Reads what the trainer said until then (`step` is its last step line).
+
+        Returns:
+            Its exit code (-15: ended by the SIGTERM, as a process without a handler is).
+
+        Raises:
+            DemoError: it did not exit within `seconds`.
+        """
+        os.kill(self.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise DemoError(f"the trainer did not exit {seconds:.0f} s after SIGTERM; see {self.log}") from None
+            if line is None:
+                return self.proc.wait()
+            fields = line.split()
+            if fields[0] == "step":
+                self.step = int(fields[1])
+
+    def logged(self, pattern: str) -> re.Match[str] | None:
+        """The first match of `pattern` in what this trainer wrote to its log (stderr)."""
+        with open(self.log, errors="replace") as log:
+            log.seek(self.log_start)
+            return re.search(pattern, log.read(), re.MULTILINE)
+
     def kill(self) -> None:
-        """SIGKILL, as a preemption does: no cleanup in the trainer."""
+        """SIGKILL, as a preemption without notice does: no cleanup in the trainer."""
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()

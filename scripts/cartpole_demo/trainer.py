@@ -7,8 +7,13 @@ from the daemon, as `common.Checkpointer` restores from its dir) and a
 `RemotePolicySavedModelTrigger`, and trains up to `--steps`, saving the
 training state every `--save-every` steps without waiting for the disk.
 
+On SIGTERM (a preemption announced) the `RemoteCheckpointer` saves the step
+reached before the process ends (its default, `save_on_notice=True`) and logs
+"run R: preempted at step N: saved, durable in X ms"; the trainer's log goes
+to stderr, which the demo keeps in a file.
+
 It talks to the demo on stdout in lines starting with `@` (the demo reads
-them; TensorFlow's own output goes to stderr, which the demo logs):
+them; TensorFlow's own output goes to stderr too):
 `@restored STEP SECONDS`, `@step STEP`, `@saved STEP accepted|skipped`,
 `@done STEP`, and with `--evaluate`, `@return RETURN CHECKPOINT`.
 
@@ -18,6 +23,7 @@ Usage: python scripts/cartpole_demo/trainer.py --address HOST:PORT --run RUN --s
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -42,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         "--evaluate", type=Path, help="the daemon's local root: play one episode with the newest policy"
     )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import tensorflow as tf
     from tf_agents.agents.dqn import dqn_agent

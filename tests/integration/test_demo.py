@@ -1,5 +1,12 @@
 """The demo (`scripts/demo.sh`), both modes, checked against what the daemons committed.
 
+A preemption with notice (SIGTERM: the local mode's, and the fleet mode's
+node A drained) must show the trainer saving the step it reached and the
+next trainer resuming there, 0 steps lost; in the fleet mode daemon B takes
+the run as drained daemon A exits, without waiting out A's lease. A node lost
+(the fleet mode's B, SIGKILLed with its trainer) loses the steps since the
+newest committed save, where the next trainer, on daemon C, resumes.
+
 The demo runs with fewer steps than its default (the flags it documents:
 `--steps`, `--save-every`, `--kill-at`) and without its install
 (`CHECKPOINTD_DEMO_NO_INSTALL=1`: the suite runs in the installed venv).
@@ -46,23 +53,23 @@ def _env() -> dict[str, str]:
     return {**os.environ, "CHECKPOINTD_DEMO_NO_INSTALL": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 
 
-def _demo(*args: str, committed: Callable[[str], set[int]] | None = None) -> tuple[int, str, str, set[int]]:
-    """Runs the demo to its end; returns its exit code, stdout, stderr and `committed(stdout so far)`.
+def _demo(*args: str, committed: Callable[[str], set[int]]) -> tuple[int, str, str, list[set[int]]]:
+    """Runs the demo to its end; returns its exit code, stdout, stderr and `committed(stdout so far)` at each resume.
 
-    `committed` is called as soon as the demo prints that trainer 2 resumed
-    (before trainer 2's first save is due): the steps committed then.
+    `committed` is called as soon as the demo prints that a trainer resumed
+    (before its first save is due): the steps committed then.
     """
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([str(DEMO), *args], stdout=subprocess.PIPE, stderr=err, text=True, env=_env(), cwd=REPO)
         timer = threading.Timer(LIMIT, proc.kill)  # a hung demo fails the test instead of hanging the suite
         timer.start()
-        out, snapshot = "", set()
+        out, snapshots = "", []
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 out += line
-                if committed is not None and "resumed at step" in line:
-                    snapshot = committed(out)
+                if "resumed at step" in line:
+                    snapshots.append(committed(out))
             code = proc.wait()
         finally:
             timer.cancel()
@@ -70,15 +77,32 @@ def _demo(*args: str, committed: Callable[[str], set[int]] | None = None) -> tup
                 proc.kill()
                 proc.wait()
         err.seek(0)
-        return code, out, err.read(), snapshot
+        return code, out, err.read(), snapshots
 
 
-def _claims(out: str) -> tuple[int, int, int]:
-    """What the demo printed: the step the killed trainer reached, the step resumed at, the steps lost."""
-    killed = re.search(r"SIGKILLed trainer 1 at step (\d+)", out)
-    resumed = re.search(r"resumed at step (\d+), (\d+) steps lost", out)
-    assert killed and resumed, out
-    return int(killed[1]), int(resumed[1]), int(resumed[2])
+def _resume_claims(out: str, trainer: int) -> tuple[str, int, int, float]:
+    """What the demo printed of trainer N's resume: on which daemon, the step, the steps lost, its restore seconds."""
+    resumed = re.search(
+        rf"^trainer {trainer} \(pid \d+\) on daemon (\w+): resumed at step (\d+), (\d+) steps lost; .*"
+        r"restore from the daemon ([\d.]+) s\)$",
+        out,
+        re.M,
+    )
+    assert resumed, out
+    return resumed[1], int(resumed[2]), int(resumed[3]), float(resumed[4])
+
+
+def _notice_claims(out: str, told: str) -> tuple[int, int]:
+    """What the demo printed of trainer 1's preemption with notice: the step at its SIGTERM, the step it saved."""
+    sent = re.search(rf"^{told}: SIGTERM to trainer 1 at step (\d+)", out, re.M)
+    saved = re.search(
+        r'^trainer 1 logged "run cartpole-dqn\.train: preempted at step (\d+): saved, durable in \d+ ms", '
+        r"then ended by the SIGTERM$",
+        out,
+        re.M,
+    )
+    assert sent and saved, out
+    return int(sent[1]), int(saved[1])
 
 
 def _check_resume(killed: int, resumed: int, lost: int, committed: set[int]) -> None:
@@ -100,7 +124,7 @@ def _bucket_committed(rgw_dir: Path, out: str) -> set[int]:
     """The same in the demo's bucket, read with the keys of its radosgw (rgw.sh keeps its env in DIR/env)."""
     import boto3
 
-    endpoint = re.search(r"^S3 at (\S+), bucket (\S+) created; both daemons on s3://\S+?/(\S+)$", out, re.M)
+    endpoint = re.search(r"^S3 at (\S+), bucket (\S+) created; every daemon on s3://\S+?/(\S+)$", out, re.M)
     assert endpoint, out
     env = dict(line.split("=", 1) for line in (rgw_dir / "env").read_text().splitlines() if "=" in line)
     client = boto3.client(
@@ -133,13 +157,21 @@ def _pids(out: str) -> list[int]:
     return [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
 
 
-def test_local_demo_resumes_a_killed_trainer_at_the_newest_committed_checkpoint(tmp_path: Path) -> None:
+def test_local_demo_resumes_a_trainer_preempted_with_sigterm_at_the_step_it_reached(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     train = root / RUN / "train"
-    code, out, err, at_resume = _demo("--root", str(root), *SMALL, committed=lambda _: _local_committed(train))
+    code, out, err, at_resumes = _demo("--root", str(root), *SMALL, committed=lambda _: _local_committed(train))
     assert code == 0, out + err
-    killed, resumed, lost = _claims(out)
-    _check_resume(killed, resumed, lost, at_resume)
+    (at_resume,) = at_resumes
+    sent, saved = _notice_claims(out, "preempted")
+    daemon, resumed, lost, _ = _resume_claims(out, 2)
+    assert daemon == "A", out
+    # SIGTERM came at --kill-at; the save on notice holds the step reached when the trainer took it (the
+    # daemon counted it), and trainer 2 starts there, from the newest committed checkpoint: nothing lost.
+    assert 250 <= sent <= saved < 400, out
+    assert resumed == saved and lost == 0, out
+    _check_resume(saved, resumed, lost, at_resume)
+    assert "saves on notice: 1 ok, 0 failed, 0 cancelled" in out
 
     state = tf.train.get_checkpoint_state(str(train))
     assert state is not None
@@ -197,19 +229,37 @@ def test_ctrl_c_stops_everything_the_demo_started(tmp_path: Path) -> None:
     assert all(_gone(p) for p in pids), pids
 
 
-def test_fleet_demo_moves_the_run_to_daemon_b_which_resumes_it_from_the_bucket(tmp_path: Path) -> None:
+def test_fleet_demo_drains_node_a_with_nothing_lost_then_loses_node_b(tmp_path: Path) -> None:
     rgw_dir = tmp_path / "fleet" / "rgw"
-    code, out, err, at_resume = _demo(
-        "--fleet", "--dir", str(tmp_path / "fleet"), "--lease-seconds", "3", *SMALL,
+    lease = 10.0  # what B would wait for A's run without the drain's release, and what C waits for B's
+    code, out, err, at_resumes = _demo(
+        "--fleet", "--dir", str(tmp_path / "fleet"), "--lease-seconds", f"{lease:g}", *SMALL,
         committed=lambda so_far: _bucket_committed(rgw_dir, so_far),
     )  # fmt: skip
     if code == _CANNOT_INSTALL_CEPH:
         pytest.skip(f"no S3 server for the fleet demo: {err.strip()}")
     assert code == 0, out + err
-    killed, resumed, lost = _claims(out)
-    _check_resume(killed, resumed, lost, at_resume)
-    assert re.search(r"SIGKILLed trainer 1 at step \d+ and daemon A", out)
-    assert re.search(r"trainer 2 \(pid \d+\) on daemon B: resumed at step", out)
+    on_b, on_c = at_resumes
+
+    # Node A drained: trainer 1 saves on notice through A, A drains and releases the run as it exits,
+    # and B takes it at once (no lease wait in its restore), resuming at that step.
+    sent, saved = _notice_claims(out, "node A drained")
+    assert 250 <= sent <= saved < 400, out
+    drained = r"^daemon A: took the save on notice, drained, released its run leases and exited \(exit 0\)"
+    assert re.search(drained, out, re.M), out
+    daemon, resumed, lost, restore = _resume_claims(out, 2)
+    assert (daemon, resumed, lost) == ("B", saved, 0), out
+    _check_resume(saved, resumed, lost, on_b)
+    assert restore < lease, out
+
+    # Node B lost: trainer 3 on C resumes from the newest committed save, once B's lease expired.
+    killed = re.search(r"^preempted: SIGKILLed trainer 2 at step (\d+) and daemon B \(pid \d+\)$", out, re.M)
+    assert killed, out
+    daemon, resumed_on_c, lost, _ = _resume_claims(out, 3)
+    assert daemon == "C", out
+    _check_resume(int(killed[1]), resumed_on_c, lost, on_c)
+    assert resumed_on_c >= resumed, out
+
     # What is in the bucket at the end, as checkpointd verify read it back.
     committed = {
         int(m[1])
@@ -218,10 +268,10 @@ def test_fleet_demo_moves_the_run_to_daemon_b_which_resumes_it_from_the_bucket(t
         )
     }
     assert re.search(r"^  (\d+) OK, 0 FAILED$", out, re.M), out
-    assert resumed in committed and max(committed) == 400, out
+    assert {resumed, resumed_on_c} <= committed and max(committed) == 400, out
     stored = re.search(r"^  cartpole-dqn\.train +cartpole-dqn +training_checkpoint train/ckpt-400 +400 ", out, re.M)
     assert stored, out
-    assert "daemon B stopped (exit 0)" in out
+    assert "daemon C stopped (exit 0)" in out
     assert all(_gone(pid) for pid in _pids(out)), out
     assert _rgw_stopped(tmp_path / "fleet" / "rgw")
 

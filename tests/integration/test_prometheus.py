@@ -78,7 +78,7 @@ def test_prometheus_config_is_valid() -> None:
 
 
 def test_alert_rules_are_valid() -> None:
-    assert "5 rules found" in _ok(promtool("check", "rules", "alerts.yml"))
+    assert "6 rules found" in _ok(promtool("check", "rules", "alerts.yml"))
 
 
 def test_alert_rule_unit_tests_pass() -> None:
@@ -325,6 +325,7 @@ def test_the_failed_save_fires_its_alert_and_nothing_else_fires(scenario: Scenar
         "CheckpointdSaveFailed",
         "CheckpointdDown",
         "CheckpointdLeaseLost",
+        "CheckpointdPreemptionSaveFailed",
     }
     assert all(r["health"] in ("ok", "unknown") for r in rules.values()), rules
 

@@ -160,6 +160,11 @@ def test_dashboard_shows_what_an_operator_watches(dashboard: dict[str, Any]) -> 
     assert uses("rate(checkpointd_store_uploaded_bytes_total")
     assert uses("checkpointd_leases_held", "by (instance)")
     assert uses("increase(checkpointd_leases_lost_total", "by (instance)")
+    # Preemptions: saves on notice by outcome, notice to durable, and the daemons draining.
+    assert uses("rate(checkpointd_preemption_saves_total", "by (outcome)")
+    for q in ("0.5", "0.99"):
+        assert uses(f"histogram_quantile({q}", "checkpointd_preemption_notice_to_durable_seconds_bucket", "le")
+    assert uses("sum(checkpointd_draining")
 
 
 def test_every_query_follows_the_daemon_variable_over_a_fleet(dashboard: dict[str, Any]) -> None:
@@ -209,6 +214,7 @@ def test_every_alert_says_what_to_do_and_uses_exported_metrics() -> None:
         "CheckpointdSaveFailed",
         "CheckpointdDown",
         "CheckpointdLeaseLost",
+        "CheckpointdPreemptionSaveFailed",
     }
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
