@@ -30,7 +30,7 @@ not reported to the daemon as its `local_skips`, which it counts as skipped
 saves (the skip-ratio alert): with a save after every step nearly every call
 is skipped by design, and that is not a save lost.
 
-Nothing here imports TensorFlow; the checkpointer makes the tickets.
+Nothing here imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd_client.ticket import SaveTicket
 
 DEFAULT_BUDGET = 0.05  # of training time: a save after every step slows training by at most 5 %
 CONTINUOUS_OPTIONS = ("continuous", "budget")
@@ -143,6 +148,41 @@ class SaveBudget:
             else:
                 self._spent += stall
             self._left_at = now
+
+
+class NotSavedTicket(SaveTicket):
+    """The skipped ticket of a call that did not save; its step is read when first asked.
+
+    Reading a step variable costs more than the decision itself (tens of
+    microseconds), so a call that does not save does not read it: `step`
+    and `export_dir` are those of `global_step` when first asked (an int
+    given is that int; a variable, its value then).
+    """
+
+    def __init__(self, global_step: Any, export_dir: Callable[[int], str], kind: SaveKind, reason: str) -> None:
+        super().__init__("", kind, -1)
+        self._global_step: Any = global_step
+        self._name = export_dir
+        self._skip(reason)
+
+    def _read(self) -> None:
+        if self._global_step is not None:
+            step = int(np.asarray(self._global_step))
+            self._step, self._export_dir, self._global_step = step, self._name(step), None
+
+    @property
+    def step(self) -> int:
+        self._read()
+        return self._step
+
+    @property
+    def export_dir(self) -> str:
+        self._read()
+        return self._export_dir
+
+    def __repr__(self) -> str:
+        self._read()
+        return super().__repr__()
 
 
 class _Ticket(Protocol):
