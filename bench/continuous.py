@@ -71,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             metrics=metric_utils.MetricsGroup(metrics, "train_metrics"),
         )  # fmt: skip
 
-        def window(saving: bool) -> tuple[float, float, int]:
-            """Steps/s of one window; with `saving`, also the seconds in calls that did not save, and their count."""
-            steps, skipped_seconds, skipped = 0, 0.0, 0
+        def window(saving: bool) -> tuple[float, float, int, float]:
+            """Steps/s of one window; with `saving`, the seconds in calls that did not save, their count, and
+            the share of the window spent in save()."""
+            steps, skipped_seconds, skipped, in_save = 0, 0.0, 0, 0.0
             start = time.perf_counter()
             while True:
                 collect()
@@ -82,25 +83,29 @@ def main(argv: list[str] | None = None) -> int:
                 if saving:
                     entered = time.perf_counter()
                     ticket = checkpointer.save(train_step)
+                    took = time.perf_counter() - entered
+                    in_save += took
                     if ticket.skipped:
-                        skipped_seconds += time.perf_counter() - entered
+                        skipped_seconds += took
                         skipped += 1
                 elapsed = time.perf_counter() - start
                 if elapsed >= args.window:
-                    return steps / elapsed, skipped_seconds, skipped
+                    return steps / elapsed, skipped_seconds, skipped, in_save / elapsed
 
         window(False)  # warm-up: traces, the first save's description of the graph
         window(True)
         before = checkpointer.decisions
         rates: dict[str, list[float]] = {"none": [], "continuous": []}
-        skip_seconds, skips = 0.0, 0
+        skip_seconds, skips, shares = 0.0, 0, []
         for rep in range(args.reps):
             rates["none"].append(window(False)[0])
-            rate, seconds, count = window(True)
+            rate, seconds, count, share = window(True)
             rates["continuous"].append(rate)
             skip_seconds, skips = skip_seconds + seconds, skips + count
+            shares.append(share)
             print(f"round {rep + 1}/{args.reps}: no saves {rates['none'][-1]:.1f} steps/s, "
-                  f"save() every step {rate:.1f} steps/s", flush=True)  # fmt: skip
+                  f"save() every step {rate:.1f} steps/s ({share * 100:.1f} % of the window in save())",
+                  flush=True)  # fmt: skip
         after = checkpointer.decisions
         checkpointer.close()
         assert before is not None and after is not None
@@ -116,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{after.skipped_by_budget - before.skipped_by_budget} skipped by the budget, "
               f"{after.skipped_busy - before.skipped_busy} skipped busy; "
               f"a call that did not save: {skip_seconds / max(skips, 1) * 1e6:.0f} us mean")  # fmt: skip
-        print(f"durable checkpoints: {checkpointer.counts}")
+        print(f"time in save(): {statistics.median(shares) * 100:.1f} % of the window (median; budget "
+              f"{args.budget * 100:g} %); durable checkpoints: {checkpointer.counts}")  # fmt: skip
     finally:
         daemon.terminate()
     return 0

@@ -38,7 +38,7 @@ def main() -> None:
             threading.Event().wait(seconds)  # the disk's time
             real_fsync(fd)
 
-        os.fsync = slow_fsync
+        os.fsync = slow_fsync  # type: ignore[assignment]
 
     def slowed(directory):  # type: ignore[no-untyped-def]
         sync = real(directory)
