@@ -58,6 +58,7 @@ from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import checkpoint_restore, notice, shm, streams, tf_checkpoint
+from checkpointd_client.checkpoint_manager import Latest, RemoteCheckpointManager, checked_max_to_keep
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.continuous import DEFAULT_BUDGET, ContinuousSaves, Decisions, NotSavedTicket, check_budget
 from checkpointd_client.notice import Notice, NoticeOutcome, client_call
@@ -73,50 +74,6 @@ _SAVE_COUNTER = "save_counter"
 # The objects whose value is the step a save on notice is named by, as TF-Agents names them.
 _STEP_NAMES = ("global_step", "train_step", "step")
 _NOTICE_POLL = 0.005  # seconds between looks at the save in flight that a save on notice waits for
-
-
-class RemoteCheckpointManager:
-    """What `Checkpointer.manager` offers, answered by the daemon (`tf.train.CheckpointManager`'s view).
-
-    Paths are the daemon's: `<root>/<folder>/<ckpt_dir>/ckpt-<step>`.
-    """
-
-    def __init__(self, owner: RemoteCheckpointer) -> None:
-        self._owner = owner
-
-    @property
-    def directory(self) -> str:
-        """The checkpoint dir, relative to the run's folder on the daemon."""
-        return self._owner.ckpt_dir
-
-    @property
-    def checkpoint(self) -> tf.train.Checkpoint:
-        return self._owner.checkpoint
-
-    @property
-    def latest_checkpoint(self) -> str | None:
-        """The newest committed checkpoint's prefix on the daemon's host, or None."""
-        latest = self._owner._latest()  # noqa: SLF001 - the owner's RPC
-        return latest.path if latest is not None else None
-
-    @property
-    def checkpoints(self) -> list[str]:
-        """The active set's prefixes on the daemon's host, oldest first (CheckpointManager.checkpoints)."""
-        latest = self._owner._latest()  # noqa: SLF001
-        if latest is None:
-            return []
-        base = latest.path[: -len(latest.export_dir)] if latest.path.endswith(latest.export_dir) else ""
-        return [base + c for c in latest.checkpoints]
-
-
-class _Latest:
-    """A LatestResponse for this checkpointer's dir."""
-
-    def __init__(self, response: pb.LatestResponse) -> None:
-        self.path = response.path
-        self.export_dir = response.export_dir
-        self.step = response.step
-        self.checkpoints = list(response.checkpoints)
 
 
 class RemoteCheckpointer:
@@ -228,7 +185,7 @@ class RemoteCheckpointer:
             ) from None
         self._folder = folder if folder is not None else job
         self._run = streams.checkpointer_run(job, self._dir)
-        self._max_to_keep = _checked_max_to_keep(max_to_keep)
+        self._max_to_keep = checked_max_to_keep(max_to_keep)
         if keep_checkpoint_every_n_hours is not None and not (
             isinstance(keep_checkpoint_every_n_hours, int | float)
             and not isinstance(keep_checkpoint_every_n_hours, bool)
@@ -643,14 +600,14 @@ class RemoteCheckpointer:
         self._daemon.register_run(iter([pb.RegisterRunRequest(header=header)]), f"registering run {self._run!r}")
 
     @client_call
-    def _latest(self) -> _Latest | None:
+    def _latest(self) -> Latest | None:
         """The newest checkpoint in this dir of the folder, whichever run committed it (as latest_checkpoint(dir))."""
         request = pb.LatestRequest(
             run=self._run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), folder=self._folder, checkpoint_dir=self._dir
         )
         with self._daemon.calling(f"looking up the newest checkpoint in {self._dir!r} of folder {self._folder!r}"):
             response = self._daemon.stub.GetLatest(request, timeout=self._daemon.timeout)
-        return _Latest(response) if response.found else None
+        return Latest(response) if response.found else None
 
     def _restore(self, export_dir: str) -> Any:
         children = {*self._objects, _SAVE_COUNTER}
@@ -734,19 +691,3 @@ def _step_variable(objects: dict[str, Any]) -> tf.Variable | None:
         if isinstance(candidate, tf.Variable) and candidate.dtype.is_integer and candidate.shape.rank == 0:
             return candidate
     return None
-
-
-def _checked_max_to_keep(max_to_keep: Any) -> int | None:
-    """`max_to_keep` as the wire carries it (uint32); more than that keeps all, as None does.
-
-    Raises:
-        ValueError: not a positive int or None.
-    """
-    if max_to_keep is None:
-        return None
-    if not isinstance(max_to_keep, int | np.integer) or isinstance(max_to_keep, bool) or max_to_keep < 1:
-        raise ValueError(f"max_to_keep must be a positive int or None (keep all), got {max_to_keep!r}")
-    return int(max_to_keep) if max_to_keep <= _MOST_KEPT else None
-
-
-_MOST_KEPT = 2**32 - 1  # TrainingCheckpoint.max_to_keep is a uint32
