@@ -189,6 +189,10 @@ class _Ticket(Protocol):
     @property
     def skipped(self) -> bool: ...
 
+    def done(self) -> bool: ...
+
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
 
 T = TypeVar("T", bound=_Ticket)
 
@@ -224,8 +228,10 @@ class ContinuousSaves:
                 self._set_pending(global_step)
                 return skip(global_step, REASONS[choice])
             ticket = save(global_step, blocking)
-            # Skipped by the daemon (another saver's save of the run in flight): still the last call not saved.
-            self._set_pending(global_step if ticket.skipped else None)
+            # Skipped by the daemon (another saver's save of the run in flight), or failed
+            # at once (the daemon unreachable: the outage's rule): still the last call not saved.
+            failed = ticket.done() and ticket.exception(0) is not None
+            self._set_pending(global_step if ticket.skipped or failed else None)
             return ticket
         finally:
             self._budget.leave(choice, entered)

@@ -133,6 +133,13 @@ class _Ticket:
     step: object
     skipped: bool = False
     reason: str = ""
+    error: BaseException | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self.error
 
 
 def test_the_last_call_not_saved_is_pending_until_a_save_comes_after_it() -> None:
@@ -170,8 +177,13 @@ def test_the_last_call_not_saved_is_pending_until_a_save_comes_after_it() -> Non
     assert saves.decisions == Decisions(saved=2, skipped_by_budget=2, skipped_busy=1)
 
 
-def test_a_save_the_daemon_skipped_stays_pending() -> None:
-    saves = ContinuousSaves(0.05, FakeClock(0.0))
+def test_a_save_the_daemon_skipped_or_that_failed_at_once_stays_pending() -> None:
+    clock = FakeClock(0.0)
+    saves = ContinuousSaves(0.05, clock)
     ticket = saves.save(7, False, False, lambda s, b: _Ticket(s, True), lambda s, r: _Ticket(s, True))
     assert ticket.skipped
     assert saves.take_pending() == 7
+    clock.advance(1.0)
+    down = _Ticket(8, error=ConnectionError("the daemon is unreachable"))
+    assert saves.save(8, False, False, lambda s, b: down, lambda s, r: _Ticket(s, True)) is down
+    assert saves.take_pending() == 8
