@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import tensorflow as tf
 from tf_agents.utils import common
 
@@ -39,6 +40,7 @@ class Loop:
     in_save: float = 0.0  # seconds inside save()
     saved_stalls: list[float] = field(default_factory=list)
     elapsed: float = 0.0
+    flushed: str | None = None  # the newest checkpoint once flush() returned
 
 
 def _train_saving_every_step(
@@ -88,7 +90,9 @@ def _run(
     try:
         loop = _train_saving_every_step(state, checkpointer, steps, least_saves)
         want = training_state.values(state.objects)
-        checkpointer.close()  # saves the last call if it was not saved
+        checkpointer.flush()  # saves the last call if it was not saved
+        loop.flushed = tf.train.latest_checkpoint(str(daemon.root / run / "train"))
+        checkpointer.close()
     except BaseException:
         checkpointer.close(timeout=TIMEOUT)
         raise
@@ -117,11 +121,12 @@ def test_a_save_after_every_step_stays_within_the_budget_and_the_last_step_is_re
     assert decisions.saved == len(loop.saved_stalls)
     assert 3 <= decisions.saved <= loop.steps // 4  # it saves repeatedly, and far from every step
     _assert_within_budget(loop)
-    # Budget skips are the checkpointer's own: the daemon saw the saves only, plus close()'s save of the last call.
+    # Budget skips are the checkpointer's own: the daemon saw the saves only, plus flush()'s save of the last call.
     counts = checkpointer.counts
     assert counts.failed == 0
     assert counts.durable in (decisions.saved, decisions.saved + 1)
     directory = daemon.root / run / "train"
+    assert loop.flushed == str(directory / f"ckpt-{loop.steps}")
     assert tf.train.latest_checkpoint(str(directory)) == str(directory / f"ckpt-{loop.steps}")
     assert _restored(daemon, run) == want
 
@@ -149,3 +154,19 @@ def test_against_a_slowed_disk_saves_get_rarer_and_the_budget_holds(tmp_path: Pa
         assert _restored(daemon, run) == want
     finally:
         daemon.terminate()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"continuous": True, "budget": 0.0}, r"^budget must be"),
+        ({"continuous": True, "budget": 1.0}, r"^budget must be"),
+        ({"continuous": True, "budget": "5%"}, r"^budget must be"),
+        ({"budget": 0.1}, r"^budget=0.1 applies to continuous saves: pass continuous=True too"),
+        ({"continuous": 1}, r"^continuous must be True or False"),
+    ],
+)
+def test_a_bad_budget_or_continuous_is_refused_naming_it_before_any_call(options: dict, message: str) -> None:
+    # Port 1 answers nothing: a refusal that dialled first would be an UnavailableError.
+    with pytest.raises(ValueError, match=message):
+        RemoteCheckpointer("train", "127.0.0.1:1", run="bad-budget", w=tf.Variable(1.0), **options)
