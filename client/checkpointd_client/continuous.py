@@ -49,8 +49,6 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client.ticket import SaveTicket
 
 DEFAULT_BUDGET = 0.05  # of training time: a save after every step slows training by at most 5 %
-CONTINUOUS_OPTIONS = ("continuous", "budget")
-"""A checkpointer's continuous-save keywords."""
 
 
 class Choice(enum.Enum):

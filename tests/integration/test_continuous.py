@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 from tf_agents.utils import common
 
+import checkpointd_client
 from checkpointd_client import RemoteCheckpointer
 from tests.integration import training_state
 from tests.integration.daemon import Daemon, start_daemon
@@ -170,3 +171,23 @@ def test_a_bad_budget_or_continuous_is_refused_naming_it_before_any_call(options
     # Port 1 answers nothing: a refusal that dialled first would be an UnavailableError.
     with pytest.raises(ValueError, match=message):
         RemoteCheckpointer("train", "127.0.0.1:1", run="bad-budget", w=tf.Variable(1.0), **options)
+
+
+def test_a_notice_after_calls_the_budget_skipped_saves_the_step_reached(daemon: Daemon) -> None:
+    run = "continuous-notice"
+    state = training_state.build(seed=0)
+    state.collect(64)
+    checkpointer = RemoteCheckpointer(
+        "train", daemon.address, run=run, timeout=TIMEOUT, continuous=True, **state.objects
+    )  # saves on notice by default
+    try:
+        # The first call saves; the next ones are skipped until training pays for it.
+        _train_saving_every_step(state, checkpointer, steps=5, least_saves=0)
+        decisions = checkpointer.decisions
+        assert decisions is not None and decisions.saved < 5
+        [outcome] = checkpointd_client.preempted()
+    finally:
+        checkpointer.close(TIMEOUT)
+    assert (outcome.step, outcome.saved) == (5, True)
+    directory = daemon.root / run / "train"
+    assert tf.train.latest_checkpoint(str(directory)) == str(directory / "ckpt-5")
