@@ -651,8 +651,10 @@ class RemoteCheckpointer:
         if self._on_notice:
             notice.leave(self)
         deadline = deadline_after(timeout if timeout is not None else self._daemon.timeout)
-        self._save_pending()  # before the run closes: close() saves the last call not saved
-        self._daemon.close(time_left(deadline), self.flush, lambda: not self._read_only, self._release)
+        try:
+            self._save_pending()  # before the run closes: close() saves the last call not saved
+        finally:  # closed even if that save failed: saves raise RunClosedError from here on
+            self._daemon.close(time_left(deadline), self.flush, lambda: not self._read_only, self._release)
 
     def _release(self) -> None:
         """Deletes restored copies (lets go of files held in place), drops the spare snapshot

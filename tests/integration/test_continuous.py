@@ -10,8 +10,10 @@ budget skipped it, and a fresh trainer restores the last step's state.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import tensorflow as tf
 from tf_agents.utils import common
 
 import checkpointd_client
-from checkpointd_client import RemoteCheckpointer
+from checkpointd_client import CheckpointdError, RemoteCheckpointer, RunClosedError
 from tests.integration import training_state
 from tests.integration.daemon import Daemon, start_daemon
 
@@ -190,4 +192,33 @@ def test_a_notice_after_calls_the_budget_skipped_saves_the_step_reached(daemon: 
         checkpointer.close(TIMEOUT)
     assert (outcome.step, outcome.saved) == (5, True)
     directory = daemon.root / run / "train"
+    assert tf.train.latest_checkpoint(str(directory)) == str(directory / "ckpt-5")
+
+
+def test_close_with_the_daemon_gone_raises_and_still_closes_with_the_last_call_unsaved(
+    fresh_daemon: Callable[..., Daemon],
+) -> None:
+    daemon = fresh_daemon()
+    state = training_state.build(seed=0)
+    state.collect(64)
+    checkpointer = RemoteCheckpointer(
+        "train", daemon.address, run="continuous-gone", timeout=10.0, continuous=True, save_on_notice=False,
+        **state.objects,
+    )  # fmt: skip
+    try:
+        _train_saving_every_step(state, checkpointer, steps=5, least_saves=0)
+        decisions = checkpointer.decisions
+        assert decisions is not None and decisions.saved < 5  # the last call is not saved yet
+        checkpointer.flush()  # saves it: the daemon has step 5
+        _train_saving_every_step(state, checkpointer, steps=1, least_saves=0)
+        daemon.proc.kill()
+        daemon.proc.wait()
+        with pytest.raises(CheckpointdError):
+            checkpointer.close()  # step 6 cannot be saved, nor the run closed
+        with pytest.raises(RunClosedError):
+            checkpointer.save(state.global_step)  # closed all the same
+    finally:
+        with contextlib.suppress(CheckpointdError):  # a close that failed tries its flush again: it fails again
+            checkpointer.close(timeout=1.0)
+    directory = daemon.root / "continuous-gone" / "train"
     assert tf.train.latest_checkpoint(str(directory)) == str(directory / "ckpt-5")
