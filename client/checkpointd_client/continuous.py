@@ -23,7 +23,8 @@ rule (`SaveBudget`):
 A blocking save always saves (its stall counts, so the continuous saves after
 it wait for training to pay for it). The last call that did not save is never
 lost to this rule: `flush()`, `close()` and a save on notice save it first
-(`ContinuousSaves.take_pending`).
+(`ContinuousSaves.take_pending`); so is a call whose save the daemon skipped
+or that failed at once (an outage's fail-fast).
 
 The decisions are counted (`Decisions`), on the checkpointer only: they are
 not reported to the daemon as its `local_skips`, which it counts as skipped
@@ -48,7 +49,9 @@ import numpy as np
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client.ticket import SaveTicket
 
-DEFAULT_BUDGET = 0.05  # of training time: a save after every step slows training by at most 5 %
+# Of training time, what the training thread may spend in save(). The upload thread's and the
+# daemon's work are not counted: they slow training only where they share its cores.
+DEFAULT_BUDGET = 0.05
 
 
 class Choice(enum.Enum):
