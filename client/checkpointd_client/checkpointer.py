@@ -33,6 +33,11 @@ step reached, blocking, waits until it is durable within `notice_deadline`,
 and lets the process end as SIGTERM would have. Where and when that
 snapshot is taken (never inside this client's own calls) is
 `checkpointd_client.notice`'s to say; the save is `_save_on_notice` here.
+
+With `continuous=True`, `save()` may be called after every step: each call
+decides locally whether it saves, within a budget of training time
+(`checkpointd_client.continuous`), and the last call not saved is saved by
+flush(), close() or a save on notice.
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import checkpoint_restore, notice, shm, streams, tf_checkpoint
+from checkpointd_client.checkpoint_manager import Latest, RemoteCheckpointManager, checked_max_to_keep
 from checkpointd_client.connection import ConnectionOptions
+from checkpointd_client.continuous import DEFAULT_BUDGET, ContinuousSaves, Decisions, NotSavedTicket, check_budget
 from checkpointd_client.notice import Notice, NoticeOutcome, client_call
 from checkpointd_client.outage import survivable
-from checkpointd_client.session import DaemonSession, time_left
+from checkpointd_client.session import DaemonSession, deadline_after, time_left
 from checkpointd_client.stream import SaveStream
 from checkpointd_client.ticket import SaveCounts, SaveTicket
 
@@ -69,50 +76,6 @@ _STEP_NAMES = ("global_step", "train_step", "step")
 _NOTICE_POLL = 0.005  # seconds between looks at the save in flight that a save on notice waits for
 
 
-class RemoteCheckpointManager:
-    """What `Checkpointer.manager` offers, answered by the daemon (`tf.train.CheckpointManager`'s view).
-
-    Paths are the daemon's: `<root>/<folder>/<ckpt_dir>/ckpt-<step>`.
-    """
-
-    def __init__(self, owner: RemoteCheckpointer) -> None:
-        self._owner = owner
-
-    @property
-    def directory(self) -> str:
-        """The checkpoint dir, relative to the run's folder on the daemon."""
-        return self._owner.ckpt_dir
-
-    @property
-    def checkpoint(self) -> tf.train.Checkpoint:
-        return self._owner.checkpoint
-
-    @property
-    def latest_checkpoint(self) -> str | None:
-        """The newest committed checkpoint's prefix on the daemon's host, or None."""
-        latest = self._owner._latest()  # noqa: SLF001 - the owner's RPC
-        return latest.path if latest is not None else None
-
-    @property
-    def checkpoints(self) -> list[str]:
-        """The active set's prefixes on the daemon's host, oldest first (CheckpointManager.checkpoints)."""
-        latest = self._owner._latest()  # noqa: SLF001
-        if latest is None:
-            return []
-        base = latest.path[: -len(latest.export_dir)] if latest.path.endswith(latest.export_dir) else ""
-        return [base + c for c in latest.checkpoints]
-
-
-class _Latest:
-    """A LatestResponse for this checkpointer's dir."""
-
-    def __init__(self, response: pb.LatestResponse) -> None:
-        self.path = response.path
-        self.export_dir = response.export_dir
-        self.step = response.step
-        self.checkpoints = list(response.checkpoints)
-
-
 class RemoteCheckpointer:
     """Saves and restores a `tf.train.Checkpoint(**objects)` through a checkpointd daemon.
 
@@ -120,7 +83,9 @@ class RemoteCheckpointer:
     **objects)`: the same properties and methods, `save()` returning a
     `SaveTicket`, plus the connection options `RemotePolicySaver` takes.
     By default it also saves on notice: on SIGTERM, the step reached, durable
-    before the process ends (`checkpointd_client.notice`).
+    before the process ends (`checkpointd_client.notice`). With
+    `continuous=True`, `save()` may be called after every step and saves
+    within a budget of training time (`checkpointd_client.continuous`).
     """
 
     @client_call
@@ -144,6 +109,8 @@ class RemoteCheckpointer:
         read_only: bool = False,
         save_on_notice: bool = True,
         notice_deadline: float = notice.DEFAULT_DEADLINE,
+        continuous: bool = False,
+        budget: float = DEFAULT_BUDGET,
         **objects: Any,
     ) -> None:
         """Registers the run and restores the dir's newest checkpoint, as Checkpointer's constructor does.
@@ -184,12 +151,23 @@ class RemoteCheckpointer:
                 agent's `train_step_counter`. False: no save on notice.
             notice_deadline: seconds from the notice within which that save
                 must be durable (default 25: Kubernetes gives 30).
+            continuous: `save()` may be called after every step: each
+                non-blocking call decides locally (no RPC, no snapshot)
+                whether it saves, so that checkpointing costs at most
+                `budget` of training time, and saves as often as that and
+                the previous save allow; a call that does not save returns
+                a skipped ticket and is counted in `decisions`. flush(),
+                close() and a save on notice save the last call not saved.
+                False (default): every call saves, as Checkpointer's does.
+            budget: the fraction of training time continuous saves may
+                cost (the time the training thread spends in save()), 0 < budget < 1;
+                only with `continuous=True`.
 
         Raises:
             ValueError: an invalid run, folder, ckpt_dir (absolute, or leaving
                 the folder), max_to_keep, keep_checkpoint_every_n_hours,
-                root_dir, timeout or token option, save_on_notice or
-                notice_deadline, each named.
+                root_dir, timeout or token option, save_on_notice,
+                notice_deadline, continuous or budget, each named.
             AlreadyExistsError: another open run on the daemon writes this
                 folder's ckpt_dir (another job of the same folder, or an
                 older name of this one): see the message for what to change.
@@ -207,7 +185,7 @@ class RemoteCheckpointer:
             ) from None
         self._folder = folder if folder is not None else job
         self._run = streams.checkpointer_run(job, self._dir)
-        self._max_to_keep = _checked_max_to_keep(max_to_keep)
+        self._max_to_keep = checked_max_to_keep(max_to_keep)
         if keep_checkpoint_every_n_hours is not None and not (
             isinstance(keep_checkpoint_every_n_hours, int | float)
             and not isinstance(keep_checkpoint_every_n_hours, bool)
@@ -222,11 +200,16 @@ class RemoteCheckpointer:
             ("incremental", incremental),
             ("read_only", read_only),
             ("save_on_notice", save_on_notice),
+            ("continuous", continuous),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"{argument} must be True or False, got {value!r}")
         self._read_only = read_only
         self._notice_deadline = notice.check_deadline(notice_deadline)
+        if not continuous and budget != DEFAULT_BUDGET:
+            raise ValueError(f"budget={budget!r} applies to continuous saves: pass continuous=True too")
+        # A read-only checkpointer's save() raises, whatever the budget.
+        self._continuous = ContinuousSaves(check_budget(budget)) if continuous and not read_only else None
         connection = ConnectionOptions(
             chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
             token_file=token_file, shared_memory=shared_memory,
@@ -294,6 +277,12 @@ class RemoteCheckpointer:
         return self._daemon.counts
 
     @property
+    def decisions(self) -> Decisions | None:
+        """How the `save()` calls of a continuous checkpointer decided (saved, skipped_by_budget,
+        skipped_busy); None unless `continuous=True`."""
+        return self._continuous.decisions if self._continuous is not None else None
+
+    @property
     def folder(self) -> str:
         return self._folder
 
@@ -352,7 +341,38 @@ class RemoteCheckpointer:
         """
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be a bool, saw {type(blocking)!r} (CheckpointOptions are not taken)")
-        return self._save(global_step, blocking)
+        continuous = self._continuous
+        if continuous is None:
+            return self._save(global_step, blocking)
+        self._daemon.check_open()  # a closed checkpointer raises, whatever the budget decides
+        # busy: a save of this checkpointer in flight (uploading or in another thread's call).
+        return continuous.save(global_step, blocking, self._daemon.busy > 0, self._save, self._not_saved)
+
+    def _not_saved(self, global_step: Any, reason: str) -> SaveTicket:
+        """A continuous call that does not save: a skipped ticket, counted in `decisions`, not `counts`."""
+        ticket = NotSavedTicket(global_step, self._name_of, SaveKind.TRAINING_CHECKPOINT, reason)
+        self._last_ticket = ticket
+        return ticket
+
+    def _name_of(self, step: int) -> str:
+        """`<ckpt_dir>/ckpt-<step>`; ValueError for a negative step."""
+        try:
+            return checkpoint_prefix(self._dir, step)
+        except InvalidRequestError as e:
+            raise ValueError(str(e)) from None
+
+    def _save_pending(self) -> None:
+        """Saves the last continuous call not saved (unless a save came after it), blocking: flush and close."""
+        if self._continuous is None or self._daemon.closing:
+            return
+        global_step = self._continuous.take_pending()
+        if global_step is None:
+            return
+        try:
+            self._save(global_step, blocking=True)
+        except BaseException:
+            self._continuous.put_back(global_step)
+            raise
 
     def _save(self, global_step: Any, blocking: bool, on_notice: Notice | None = None) -> SaveTicket:
         """`save()`; `on_notice`: a save on notice, within the notice's deadline."""
@@ -366,10 +386,7 @@ class RemoteCheckpointer:
         handed_off = False
         try:
             step = int(np.asarray(global_step))
-            try:
-                export_dir = checkpoint_prefix(self._dir, step)
-            except InvalidRequestError as e:
-                raise ValueError(str(e)) from None
+            export_dir = self._name_of(step)
             daemon.last_step = step
             ticket = daemon.ticket(export_dir, SaveKind.TRAINING_CHECKPOINT, step)
             self._last_ticket = ticket
@@ -537,16 +554,18 @@ class RemoteCheckpointer:
         """
         deadline = on_notice.monotonic + self._notice_deadline
         step: int | None = None
+        # The last continuous call not saved: saved now (its step, if no object names one).
+        pending = self._continuous.take_pending() if self._continuous is not None else None
         try:
             # Eager even inside a tf.function's trace, and unseen by a gradient tape.
             with tf.init_scope():
-                if self._step is None:
+                if self._step is None and pending is None:
                     return NoticeOutcome(
                         self._run, None, False,
                         lost="none of its objects is a step (global_step, train_step, step, or an agent's "
                         f"train_step_counter), which names a checkpoint; {self._lost(None)}",
                     )  # fmt: skip
-                step = int(self._step.numpy())
+                step = int(self._step.numpy() if self._step is not None else np.asarray(pending))
                 last = self._last_ticket
                 if last is not None and last.step == step and not last.skipped:
                     _wait_unlocked(last, deadline)
@@ -581,14 +600,14 @@ class RemoteCheckpointer:
         self._daemon.register_run(iter([pb.RegisterRunRequest(header=header)]), f"registering run {self._run!r}")
 
     @client_call
-    def _latest(self) -> _Latest | None:
+    def _latest(self) -> Latest | None:
         """The newest checkpoint in this dir of the folder, whichever run committed it (as latest_checkpoint(dir))."""
         request = pb.LatestRequest(
             run=self._run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), folder=self._folder, checkpoint_dir=self._dir
         )
         with self._daemon.calling(f"looking up the newest checkpoint in {self._dir!r} of folder {self._folder!r}"):
             response = self._daemon.stub.GetLatest(request, timeout=self._daemon.timeout)
-        return _Latest(response) if response.found else None
+        return Latest(response) if response.found else None
 
     def _restore(self, export_dir: str) -> Any:
         children = {*self._objects, _SAVE_COUNTER}
@@ -603,17 +622,24 @@ class RemoteCheckpointer:
     def flush(self, timeout: float | None = None) -> None:
         """Waits until this checkpointer's saves have ended, then until the daemon's run is idle.
 
+        A continuous checkpointer first saves the last call it did not save
+        (blocking: within the checkpointer's timeout).
+
         Raises:
             DeadlineError: if they did not end within `timeout` (None: the
                 checkpointer's timeout).
             CheckpointdError: another status the daemon answered
                 (UnavailableError, naming the address, if it cannot be reached).
         """
-        self._daemon.flush(timeout, registered=not self._read_only)
+        deadline = deadline_after(timeout if timeout is not None else self._daemon.timeout)
+        self._save_pending()
+        self._daemon.flush(time_left(deadline), registered=not self._read_only)
 
     @client_call
     def close(self, timeout: float | None = None) -> None:
         """Flushes, closes the run on the daemon and the channel; idempotent.
+
+        A continuous checkpointer first saves the last call it did not save.
 
         Restored checkpoints' local copies are deleted: objects created after
         this are not restored any more, and it no longer saves on notice.
@@ -624,7 +650,11 @@ class RemoteCheckpointer:
         """
         if self._on_notice:
             notice.leave(self)
-        self._daemon.close(timeout, self.flush, lambda: not self._read_only, self._release)
+        deadline = deadline_after(timeout if timeout is not None else self._daemon.timeout)
+        try:
+            self._save_pending()  # before the run closes: close() saves the last call not saved
+        finally:  # closed even if that save failed: saves raise RunClosedError from here on
+            self._daemon.close(time_left(deadline), self.flush, lambda: not self._read_only, self._release)
 
     def _release(self) -> None:
         """Deletes restored copies (lets go of files held in place), drops the spare snapshot
@@ -663,19 +693,3 @@ def _step_variable(objects: dict[str, Any]) -> tf.Variable | None:
         if isinstance(candidate, tf.Variable) and candidate.dtype.is_integer and candidate.shape.rank == 0:
             return candidate
     return None
-
-
-def _checked_max_to_keep(max_to_keep: Any) -> int | None:
-    """`max_to_keep` as the wire carries it (uint32); more than that keeps all, as None does.
-
-    Raises:
-        ValueError: not a positive int or None.
-    """
-    if max_to_keep is None:
-        return None
-    if not isinstance(max_to_keep, int | np.integer) or isinstance(max_to_keep, bool) or max_to_keep < 1:
-        raise ValueError(f"max_to_keep must be a positive int or None (keep all), got {max_to_keep!r}")
-    return int(max_to_keep) if max_to_keep <= _MOST_KEPT else None
-
-
-_MOST_KEPT = 2**32 - 1  # TrainingCheckpoint.max_to_keep is a uint32

@@ -8,10 +8,15 @@ windows a kill can land in: its files and manifest written in the staging
 dir, the first sync pending (`batched`); the staging dir renamed into
 place, the second sync pending (`published`). The daemon's code is not
 changed; only the time its syncs take.
+
+`python -m tests.integration.slow_sync SECONDS --fsync -- ...` also makes
+every `os.fsync` wait SECONDS first: a slowed disk for the saves that are
+not group-committed (a training checkpoint's files, each fsynced).
 """
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 import threading
@@ -20,10 +25,20 @@ from checkpointd.durable import group_commit
 
 
 def main() -> None:
-    seconds, sep, command = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    seconds, args = float(sys.argv[1]), sys.argv[2:]
+    fsync = args[:1] == ["--fsync"]
+    sep, command = args[fsync], args[fsync + 1 :]
     if sep != "--" or command[1:2] != ["-m"]:
-        raise SystemExit("usage: python -m tests.integration.slow_sync SECONDS -- python -m MODULE ARGS...")
+        raise SystemExit("usage: python -m tests.integration.slow_sync SECONDS [--fsync] -- python -m MODULE ARGS...")
     real = group_commit.syncfs_of
+    if fsync:
+        real_fsync = os.fsync
+
+        def slow_fsync(fd: int) -> None:
+            threading.Event().wait(seconds)  # the disk's time
+            real_fsync(fd)
+
+        os.fsync = slow_fsync  # type: ignore[assignment]
 
     def slowed(directory):  # type: ignore[no-untyped-def]
         sync = real(directory)

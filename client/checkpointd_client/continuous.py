@@ -1,0 +1,254 @@
+"""Continuous saves: `save()` after every step, each call deciding locally whether it saves, within a budget.
+
+A checkpointer made with `continuous=True` may be called after every train
+step. Each call decides here, without an RPC and without a snapshot, whether
+it saves; one that does not returns a skipped ticket in microseconds. The
+rule (`SaveBudget`):
+
+- The cost of a save is the time the training thread spent inside `save()`
+  (the snapshot and the hand-over to the daemon), read with
+  `time.perf_counter`; the calls that decided not to save cost their few
+  microseconds too. Training time is the wall time between calls, outside
+  `save()`.
+- After a save that cost `s`, the next save waits until the training done
+  since it is at least `s / budget` (the calls in between added to `s`), so
+  every interval from one save to the next spends at most `budget` of its
+  training on checkpointing, whatever a save costs: slow saves get rarer.
+  Only the newest save's cost is not yet paid for by training after it.
+- Within the budget, a call saves unless this checkpointer's previous save
+  is still in flight (the daemon would skip it anyway): as often as the
+  previous save allows. A slow disk keeps saves in flight longer, so they
+  get rarer too, and training does not wait for them.
+
+A blocking save always saves (its stall counts, so the continuous saves after
+it wait for training to pay for it). The last call that did not save is never
+lost to this rule: `flush()`, `close()` and a save on notice save it first
+(`ContinuousSaves.take_pending`); so is a call whose save the daemon skipped
+or that failed at once (an outage's fail-fast).
+
+The decisions are counted (`Decisions`), on the checkpointer only: they are
+not reported to the daemon as its `local_skips`, which it counts as skipped
+saves (the skip-ratio alert): with a save after every step nearly every call
+is skipped by design, and that is not a save lost.
+
+Nothing here imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd_client.ticket import SaveTicket
+
+# Of training time, what the training thread may spend in save(). The upload thread's and the
+# daemon's work are not counted: they slow training only where they share its cores.
+DEFAULT_BUDGET = 0.05
+
+
+class Choice(enum.Enum):
+    """What one `save()` call of a continuous checkpointer does."""
+
+    SAVE = "saved"
+    SKIP_BUDGET = "skipped_by_budget"
+    SKIP_BUSY = "skipped_busy"
+
+
+REASONS = {
+    Choice.SKIP_BUDGET: "within the checkpointing budget: the last save is not yet paid for by training",
+    Choice.SKIP_BUSY: "this checkpointer's previous save is still in flight",
+}
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """How a continuous checkpointer's `save()` calls decided so far.
+
+    Attributes:
+        saved: calls that went to the daemon (their ends are in `counts`).
+        skipped_by_budget: calls that did not save to keep within the budget.
+        skipped_busy: calls within the budget that did not save because the
+            previous save was still in flight.
+    """
+
+    saved: int = 0
+    skipped_by_budget: int = 0
+    skipped_busy: int = 0
+
+
+def check_budget(budget: Any) -> float:
+    """`budget`, checked: a fraction of training time, 0 < budget < 1.
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if not isinstance(budget, int | float) or isinstance(budget, bool) or not 0 < budget < 1 or math.isnan(budget):
+        raise ValueError(
+            f"budget must be the fraction of training time checkpointing may cost, 0 < budget < 1 "
+            f"(e.g. 0.05 for 5 %), got {budget!r}"
+        )
+    return float(budget)
+
+
+class SaveBudget:
+    """The decision of each call (see the module docstring); `clock` is seconds, monotonic. Thread-safe."""
+
+    def __init__(self, budget: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._budget = check_budget(budget)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._left_at: float | None = None  # when the last call returned
+        self._spent = 0.0  # seconds in save() since the last save began, that save included
+        self._trained = 0.0  # seconds of training since the last save returned
+        self._counts = dict.fromkeys(Choice, 0)
+
+    @property
+    def budget(self) -> float:
+        return self._budget
+
+    @property
+    def decisions(self) -> Decisions:
+        with self._lock:
+            return Decisions(*(self._counts[c] for c in Choice))
+
+    def enter(self, in_flight: bool, forced: bool = False) -> tuple[Choice, float]:
+        """Decides a call at its start; returns the choice and the time it began (for `leave`).
+
+        Args:
+            in_flight: this checkpointer's previous save has not ended.
+            forced: a save that never waits for the budget (blocking).
+        """
+        with self._lock:
+            now = self._clock()
+            if self._left_at is not None:
+                self._trained += max(0.0, now - self._left_at)
+            if forced:
+                choice = Choice.SAVE
+            elif self._spent > self._budget * self._trained:
+                choice = Choice.SKIP_BUDGET
+            else:
+                choice = Choice.SKIP_BUSY if in_flight else Choice.SAVE
+            self._counts[choice] += 1
+            return choice, now
+
+    def leave(self, choice: Choice, entered: float) -> None:
+        """Counts the call's time in save() against the budget, once it returns (or raises)."""
+        with self._lock:
+            now = self._clock()
+            stall = max(0.0, now - entered)
+            if choice is Choice.SAVE:  # a new interval: this save is paid for by the training after it
+                self._spent, self._trained = stall, 0.0
+            else:
+                self._spent += stall
+            self._left_at = now
+
+
+class NotSavedTicket(SaveTicket):
+    """The skipped ticket of a call that did not save; its step is read when first asked.
+
+    Reading a step variable costs more than the decision itself (tens of
+    microseconds), so a call that does not save does not read it: `step`
+    and `export_dir` are those of `global_step` when first asked (an int
+    given is that int; a variable, its value then).
+    """
+
+    def __init__(self, global_step: Any, export_dir: Callable[[int], str], kind: SaveKind, reason: str) -> None:
+        super().__init__("", kind, -1)
+        self._global_step: Any = global_step
+        self._name = export_dir
+        self._skip(reason)
+
+    def _read(self) -> None:
+        if self._global_step is not None:
+            step = int(np.asarray(self._global_step))
+            self._step, self._export_dir, self._global_step = step, self._name(step), None
+
+    @property
+    def step(self) -> int:
+        self._read()
+        return self._step
+
+    @property
+    def export_dir(self) -> str:
+        self._read()
+        return self._export_dir
+
+    def __repr__(self) -> str:
+        self._read()
+        return super().__repr__()
+
+
+class _Ticket(Protocol):
+    @property
+    def skipped(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
+
+T = TypeVar("T", bound=_Ticket)
+
+
+class ContinuousSaves:
+    """What `continuous=True` adds to a checkpointer's `save()`: the decision, its count, the last call not saved."""
+
+    def __init__(self, budget: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._budget = SaveBudget(budget, clock)
+        self._lock = threading.Lock()
+        self._pending: Any = None  # the global_step of the last call that did not save, if no save came after
+
+    @property
+    def budget(self) -> float:
+        return self._budget.budget
+
+    @property
+    def decisions(self) -> Decisions:
+        return self._budget.decisions
+
+    def save(
+        self,
+        global_step: Any,
+        blocking: bool,
+        in_flight: bool,
+        save: Callable[[Any, bool], T],
+        skip: Callable[[Any, str], T],
+    ) -> T:
+        """One `save()` call: `save(global_step, blocking)` if it saves, else `skip(global_step, reason)`."""
+        choice, entered = self._budget.enter(in_flight, forced=blocking)
+        try:
+            if choice is not Choice.SAVE:
+                self._set_pending(global_step)
+                return skip(global_step, REASONS[choice])
+            ticket = save(global_step, blocking)
+            # Skipped by the daemon (another saver's save of the run in flight), or failed
+            # at once (the daemon unreachable: the outage's rule): still the last call not saved.
+            failed = ticket.done() and ticket.exception(0) is not None
+            self._set_pending(global_step if ticket.skipped or failed else None)
+            return ticket
+        finally:
+            self._budget.leave(choice, entered)
+
+    def take_pending(self) -> Any:
+        """The global_step of the last call that did not save (None if a save came after it), now taken."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            return pending
+
+    def put_back(self, global_step: Any) -> None:
+        """A taken pending save that did not happen, unless a newer call is pending."""
+        with self._lock:
+            if self._pending is None:
+                self._pending = global_step
+
+    def _set_pending(self, global_step: Any) -> None:
+        with self._lock:
+            self._pending = global_step

@@ -1,0 +1,189 @@
+"""Continuous saves' decision with a fake clock: the budget holds, slow saves get rarer, never two in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from checkpointd_client.continuous import Choice, ContinuousSaves, Decisions, SaveBudget, check_budget
+from tests.unit.conftest import FakeClock
+
+
+@dataclass
+class Loop:
+    """A training loop calling save() after every step, against a fake clock.
+
+    A save's stall is `save_cost` seconds; it stays in flight for `flight`
+    seconds of the clock after its call returns (the daemon's write).
+    """
+
+    budget: SaveBudget
+    clock: FakeClock
+    step_seconds: float
+    save_cost: float
+    flight: float = 0.0
+    skip_cost: float = 2e-6
+    in_flight_until: float = -1.0
+    trained: float = 0.0
+    in_save: float = 0.0
+    saves_at: list[float] = field(default_factory=list)
+    overlaps: int = 0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.clock.advance(self.step_seconds)
+            self.trained += self.step_seconds
+            start = self.clock.now
+            busy = self.clock.now < self.in_flight_until
+            choice, entered = self.budget.enter(busy)
+            if choice is Choice.SAVE:
+                self.overlaps += busy
+                self.saves_at.append(start)
+                self.clock.advance(self.save_cost)
+                self.in_flight_until = self.clock.now + self.flight
+            else:
+                self.clock.advance(self.skip_cost)
+            self.budget.leave(choice, entered)
+            self.in_save += self.clock.now - start
+
+
+def _loop(budget: float = 0.05, *, step_seconds: float, save_cost: float, flight: float = 0.0) -> Loop:
+    clock = FakeClock(0.0)
+    return Loop(SaveBudget(budget, clock), clock, step_seconds, save_cost, flight)
+
+
+@pytest.mark.parametrize("save_cost", [0.001, 0.01, 0.1, 1.0])
+@pytest.mark.parametrize("budget", [0.01, 0.05, 0.2])
+def test_time_in_save_stays_within_the_budget_of_training_time_plus_one_save(budget: float, save_cost: float) -> None:
+    loop = _loop(budget, step_seconds=0.003, save_cost=save_cost)
+    loop.run(50_000)
+    assert loop.in_save <= budget * loop.trained + save_cost + 1e-9
+    assert len(loop.saves_at) >= 2  # it does save, repeatedly
+    # Not far under it either: a save as soon as the budget allows, give or take a step per interval.
+    per_interval = save_cost / budget + 0.003 + save_cost
+    assert len(loop.saves_at) >= 0.9 * loop.clock.now / per_interval
+
+
+def test_slower_saves_are_rarer_and_cost_the_same_share() -> None:
+    fast = _loop(step_seconds=0.003, save_cost=0.002)
+    slow = _loop(step_seconds=0.003, save_cost=0.02)
+    fast.run(20_000)
+    slow.run(20_000)
+    assert len(slow.saves_at) * 5 < len(fast.saves_at)
+    for loop in (fast, slow):
+        assert loop.in_save / loop.trained == pytest.approx(0.05, rel=0.25)
+
+
+def test_the_first_call_saves_and_the_next_waits_for_its_cost_over_the_budget_in_training() -> None:
+    clock = FakeClock(0.0)
+    budget = SaveBudget(0.05, clock)
+    choice, entered = budget.enter(False)
+    assert choice is Choice.SAVE
+    clock.advance(0.010)  # the save's stall: 0.2 s of training pays for it
+    budget.leave(choice, entered)
+    clock.advance(0.19)
+    choice, entered = budget.enter(False)
+    assert choice is Choice.SKIP_BUDGET
+    budget.leave(choice, entered)
+    clock.advance(0.011)
+    choice, entered = budget.enter(False)
+    assert choice is Choice.SAVE
+    budget.leave(choice, entered)
+
+
+def test_never_two_in_flight_a_save_within_budget_waits_for_the_previous_to_end() -> None:
+    # Saves cheap on the training thread but long in flight (a slowed disk): the
+    # budget would allow one every 20 ms, the disk one every 500 ms.
+    loop = _loop(step_seconds=0.003, save_cost=0.001, flight=0.5)
+    loop.run(10_000)
+    assert loop.overlaps == 0
+    gaps = [b - a for a, b in zip(loop.saves_at, loop.saves_at[1:], strict=False)]
+    assert min(gaps) >= 0.5
+    assert max(gaps) <= 0.5 + 2 * 0.003 + 0.001  # the first step after it ends
+    decisions = loop.budget.decisions
+    assert decisions.skipped_busy > decisions.skipped_by_budget > 0
+    assert decisions.saved == len(loop.saves_at)
+    assert sum(vars(decisions).values()) == 10_000
+
+
+def test_a_blocking_save_always_saves_and_its_stall_is_paid_by_the_training_after_it() -> None:
+    clock = FakeClock(0.0)
+    budget = SaveBudget(0.05, clock)
+    choice, entered = budget.enter(in_flight=True, forced=True)
+    assert choice is Choice.SAVE
+    clock.advance(1.0)  # waited its turn, then for durable
+    budget.leave(choice, entered)
+    clock.advance(19.0)
+    assert budget.enter(False)[0] is Choice.SKIP_BUDGET
+    budget.leave(Choice.SKIP_BUDGET, clock.now)
+    clock.advance(1.0)
+    assert budget.enter(False)[0] is Choice.SAVE
+    assert budget.decisions == Decisions(saved=2, skipped_by_budget=1, skipped_busy=0)
+
+
+@pytest.mark.parametrize("bad", [0, 1, -0.1, 1.5, float("nan"), float("inf"), True, "0.05", None])
+def test_a_budget_outside_0_to_1_is_refused_naming_the_argument(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"^budget must be"):
+        check_budget(bad)
+
+
+@dataclass
+class _Ticket:
+    step: object
+    skipped: bool = False
+    reason: str = ""
+    error: BaseException | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self.error
+
+
+def test_the_last_call_not_saved_is_pending_until_a_save_comes_after_it() -> None:
+    clock = FakeClock(0.0)
+    saves = ContinuousSaves(0.05, clock)
+    made: list[object] = []
+
+    def save(step: object, blocking: bool) -> _Ticket:
+        made.append(step)
+        clock.advance(0.01)
+        return _Ticket(step)
+
+    def skip(step: object, reason: str) -> _Ticket:
+        return _Ticket(step, True, reason)
+
+    assert not saves.save(1, False, False, save, skip).skipped
+    assert saves.take_pending() is None
+    clock.advance(0.003)
+    ticket = saves.save(2, False, False, save, skip)
+    assert ticket.skipped and "budget" in ticket.reason
+    clock.advance(0.003)
+    assert saves.save(3, False, False, save, skip).skipped
+    assert made == [1]
+    assert saves.take_pending() == 3  # the newest call not saved, once
+    assert saves.take_pending() is None
+    saves.put_back(3)
+    clock.advance(1.0)
+    ticket = saves.save(4, False, True, save, skip)  # within the budget, but the previous is in flight
+    assert ticket.skipped and "in flight" in ticket.reason
+    saves.put_back(3)  # older than the pending one: dropped
+    assert saves.take_pending() == 4
+    clock.advance(1.0)
+    saves.save(5, False, False, save, skip)
+    assert saves.take_pending() is None
+    assert saves.decisions == Decisions(saved=2, skipped_by_budget=2, skipped_busy=1)
+
+
+def test_a_save_the_daemon_skipped_or_that_failed_at_once_stays_pending() -> None:
+    clock = FakeClock(0.0)
+    saves = ContinuousSaves(0.05, clock)
+    ticket = saves.save(7, False, False, lambda s, b: _Ticket(s, True), lambda s, r: _Ticket(s, True))
+    assert ticket.skipped
+    assert saves.take_pending() == 7
+    clock.advance(1.0)
+    down = _Ticket(8, error=ConnectionError("the daemon is unreachable"))
+    assert saves.save(8, False, False, lambda s, b: down, lambda s, r: _Ticket(s, True)) is down
+    assert saves.take_pending() == 8
