@@ -143,7 +143,8 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             metadata=metadata,
         )
         job = streams.job_name(run, folder)
-        self._folder = folder
+        # The job's folder, also when this saver's run is `<job>.<policy's name>` (streams.PolicyRuns).
+        self._folder = folder if folder is not None else job
         connection = ConnectionOptions(
             chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
             token_file=token_file, shared_memory=shared_memory,
@@ -157,10 +158,13 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         self._daemon = DaemonSession(address, job, connection, owner="saver", upload_threads=4)
         self._address = self._daemon.address
         # Another policy's open saver of the job in this process has a run of its own (streams.PolicyRuns).
-        self._run = streams.POLICY_RUNS.take(self._address, folder or job, job, policy)
+        self._run = streams.POLICY_RUNS.take(self._address, self._folder, job, policy)
         self._daemon.run = self._run
-        self._policy_runs_key = (self._address, folder or job, self._run)
-        weakref.finalize(self, streams.POLICY_RUNS.release, *self._policy_runs_key, policy)
+        # Lets go of the run's name at close(), or when this saver is dropped unclosed. (The policy
+        # given, not PolicySaver's `policy`, which is a wrapper of it: the name is held for this one.)
+        self._release_run = weakref.finalize(
+            self, streams.POLICY_RUNS.release, self._address, self._folder, self._run, policy
+        )
         self._register_lock = threading.Lock()
         self._bindings: snapshot.Bindings | None = None
         self._dirty = True  # the template must be (re-)exported before the next save
@@ -366,7 +370,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             CheckpointdError: a subclass for another status the daemon answered.
         """
         self._daemon.close(timeout, self.flush, lambda: self._bindings is not None, self._close_busy_locks)
-        streams.POLICY_RUNS.release(*self._policy_runs_key, self.policy)
+        self._release_run()
 
     def __enter__(self) -> RemotePolicySaver:
         return self

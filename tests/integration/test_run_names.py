@@ -101,12 +101,17 @@ def test_two_policies_savers_of_one_job_have_runs_of_their_own(daemon: Daemon) -
     collect = RemotePolicySaver(state.agent.collect_policy, daemon.address, run="rn-pol", train_step=state.global_step)
     try:
         assert greedy.run == "rn-pol" and collect.run.startswith("rn-pol.") and collect.run != greedy.run
+        assert greedy.folder == collect.folder == "rn-pol"
         both = [greedy.save("greedy"), collect.save("collect")]
         assert [t.skipped for t in both] == [False, False]
         assert all(t.result() is not None for t in both)
     finally:
         greedy.close()
         collect.close()
+    # Both in the job's folder, as the README's table says: not in a folder named after the second's run.
+    assert (daemon.root / "rn-pol" / "greedy" / "saved_model.pb").is_file()
+    assert (daemon.root / "rn-pol" / "collect" / "saved_model.pb").is_file()
+    assert not (daemon.root / collect.run).exists()
 
 
 def test_an_evaluator_restores_without_registering_or_closing_the_trainers_run(daemon: Daemon) -> None:
