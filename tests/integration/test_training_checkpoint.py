@@ -139,4 +139,4 @@ def test_a_save_while_one_is_in_flight_is_skipped_and_a_blocking_one_waits_its_t
         (ticket,) = waiting
         assert ticket.result() is not None and ticket.step == 3
     assert counts(daemon, run) == (2, 1, 0)
-    assert tf.train.latest_checkpoint(str(daemon.root / run / "train")).endswith("ckpt-3")
+    assert tf.train.latest_checkpoint(str(daemon.root / "tc-lane" / "train")).endswith("ckpt-3")
