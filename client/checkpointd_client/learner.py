@@ -34,6 +34,7 @@ themselves. Optimizer slots: Learner creates them before it restores
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import types
@@ -44,9 +45,10 @@ from tf_agents.train import ppo_learner as tf_ppo_learner
 from tf_agents.train import triggers as tf_triggers
 from tf_agents.utils import common
 
+from checkpointd.protocol.address import check_address
 from checkpointd_client.checkpointer import RemoteCheckpointer
-from checkpointd_client.connection import CONNECTION_OPTIONS
-from checkpointd_client.streams import relative_to
+from checkpointd_client.connection import CONNECTION_OPTIONS, ConnectionOptions
+from checkpointd_client.streams import job_name, relative_to
 from checkpointd_client.trigger import POLICY_CONNECTION_OPTIONS, RemotePolicySavedModelTrigger
 
 # Learner builds its Checkpointer through `tf_agents.train.learner.common`,
@@ -142,6 +144,7 @@ def train_modules(
         Stand-ins for `tf_agents.train.learner` and `tf_agents.train.triggers`.
     """
 
+    _check_swap(address, run, root_dir, connection, CONNECTION_OPTIONS)
     learner_module = _learner_module(address, run, connection)
     policy_options = {k: v for k, v in connection.items() if k in POLICY_CONNECTION_OPTIONS}
 
@@ -172,6 +175,7 @@ def ppo_learner_module(address: str, *, run: str, **connection: Any) -> types.Mo
     Returns:
         A stand-in for `tf_agents.train.ppo_learner`.
     """
+    _check_swap(address, run, None, connection, CONNECTION_OPTIONS)
     learner_module = _learner_module(address, run, connection)
 
     class PPOLearner(tf_ppo_learner.PPOLearner):
@@ -220,6 +224,7 @@ def common_module(
     Returns:
         A stand-in for `tf_agents.utils.common`.
     """
+    _check_swap(address, run, root_dir, connection, _CHECKPOINTER_OPTIONS)
     made: list[RemoteCheckpointer] = []
 
     def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
@@ -240,6 +245,40 @@ def common_module(
             checkpointer.close(timeout)
 
     return _Proxy(common, Checkpointer=make, checkpointers=made, flush=flush, close=close)
+
+
+# What common_module passes on to every RemoteCheckpointer besides the connection.
+_CHECKPOINTER_OPTIONS = (*CONNECTION_OPTIONS, "incremental", "keep_checkpoint_every_n_hours")
+
+
+def _check_swap(
+    address: str,
+    run: str,
+    root_dir: str | os.PathLike[str] | None,
+    connection: dict[str, Any],
+    allowed: tuple[str, ...],
+) -> None:
+    """Checks a module swap's arguments now, each named, so that none fails when the script builds a saver.
+
+    Raises:
+        TypeError: an option the swapped savers do not take.
+        ValueError: an invalid address, run, root_dir or option value.
+    """
+    unknown = sorted(set(connection) - set(allowed))
+    if unknown:
+        raise TypeError(f"unexpected option(s) {', '.join(unknown)}; the savers take {', '.join(allowed)}")
+    check_address(address)
+    job_name(run, None)
+    if root_dir is not None and not isinstance(root_dir, str | os.PathLike):
+        raise ValueError(f"root_dir must be a path or None, saw {type(root_dir)!r}")
+    ConnectionOptions(**{k: v for k, v in connection.items() if k in CONNECTION_OPTIONS})
+    if not isinstance(connection.get("incremental", True), bool):
+        raise ValueError(f"incremental must be True or False, got {connection['incremental']!r}")
+    hours = connection.get("keep_checkpoint_every_n_hours")
+    if hours is not None and not (
+        isinstance(hours, int | float) and not isinstance(hours, bool) and 0 < hours < math.inf
+    ):
+        raise ValueError(f"keep_checkpoint_every_n_hours must be a finite number of hours > 0, or None; got {hours!r}")
 
 
 def _learner_module(address: str, run: str, connection: dict[str, Any]) -> types.ModuleType:

@@ -128,11 +128,25 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
                 dict of str to tf.Variable (raised by PolicySaver).
             ValueError: for PolicySaver's invalid arguments (e.g. batch_size),
                 an address given as a URL (HOST:PORT, not a URL), an invalid
-                run name, chunk_bytes or timeout, both token and
-                token_file, a token file without exactly one token, or a
-                session for a policy built eagerly.
+                run or folder, chunk_bytes, timeout, channel_credentials,
+                token, shared_memory, incremental, numpy_state or session
+                (each named), both token and token_file, a token file
+                without exactly one token, or a session for a policy built
+                eagerly.
             OSError: token_file cannot be read.
         """
+        # Ours first, each named, before PolicySaver's export work.
+        job = streams.job_name(run, folder)
+        connection = ConnectionOptions(
+            chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
+            token_file=token_file, shared_memory=shared_memory,
+        )  # fmt: skip
+        if not isinstance(incremental, bool):
+            raise ValueError(f"incremental must be True or False, got {incremental!r}")
+        if numpy_state is not None and not isinstance(numpy_state, numpy_storage.NumpyState):
+            raise ValueError(f"numpy_state must be a tf_agents NumpyState or None, got {type(numpy_state)!r}")
+        if session is not None and not isinstance(session, tf.compat.v1.Session):
+            raise ValueError(f"session must be a tf.compat.v1.Session or None, got {type(session)!r}")
         self._saver = policy_saver.PolicySaver(
             policy,
             batch_size=batch_size,
@@ -142,13 +156,8 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             input_fn_and_spec=input_fn_and_spec,
             metadata=metadata,
         )
-        job = streams.job_name(run, folder)
         # The job's folder, also when this saver's run is `<job>.<policy's name>` (streams.PolicyRuns).
         self._folder = folder if folder is not None else job
-        connection = ConnectionOptions(
-            chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
-            token_file=token_file, shared_memory=shared_memory,
-        )  # fmt: skip
         self._numpy = numpy_state_lib.NumpySource(numpy_state) if numpy_state is not None else None
         graph = graph_mode.current_graph()
         if graph is None and session is not None:

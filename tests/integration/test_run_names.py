@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import checkpointd_client
 from checkpointd_client import AlreadyExistsError, RemoteCheckpointer, RemotePolicySaver, RunClosedError, SaveTicket
-from tests.integration import training_state
+from tests.integration import policies, training_state
 from tests.integration.daemon import Daemon
 from tests.integration.raw import counts
 
@@ -185,14 +186,22 @@ def test_a_renamed_job_resumes_from_its_dir_and_a_second_writer_is_refused(daemo
         ({"run": None}, "name the training job"),
         ({"run": "a/b"}, "run="),
         ({"folder": "../x"}, "folder="),
+        ({"timeout": "5"}, "timeout"),
+        ({"timeout": float("inf")}, "timeout"),
+        ({"chunk_bytes": 8 << 20}, "chunk_bytes"),
+        ({"shared_memory": "no"}, "shared_memory"),
+        ({"channel_credentials": "tls"}, "channel_credentials"),
+        ({"token": 5}, "token"),
+        ({"token": "t", "token_file": "f"}, "token or token_file"),
+        ({"root_dir": "/data/job", "ckpt_dir": "/elsewhere/train"}, "ckpt_dir"),
     ],
 )
 def test_a_bad_constructor_argument_fails_at_construction_naming_it(arguments: dict[str, Any], message: str) -> None:
-    kwargs: dict[str, Any] = {"ckpt_dir": "train", "run": "rn-args", **arguments}
+    kwargs: dict[str, Any] = {"ckpt_dir": "train", "run": "rn-args", "timeout": 1.0, **arguments}
     ckpt_dir = kwargs.pop("ckpt_dir")
     # No daemon listens there: a check that passed would fail on the connection instead.
     with pytest.raises(ValueError, match=message):
-        RemoteCheckpointer(ckpt_dir, "127.0.0.1:1", timeout=1.0, step=tf.Variable(0), **kwargs)
+        RemoteCheckpointer(ckpt_dir, "127.0.0.1:1", step=tf.Variable(0), **kwargs)
 
 
 def test_a_huge_max_to_keep_is_taken_as_checkpoint_manager_takes_it(daemon: Daemon) -> None:
@@ -296,3 +305,53 @@ def test_savers_of_a_job_named_by_folder_alone_or_by_run_never_skip_one_another(
     assert (folder / "policies" / "greedy" / "saved_model.pb").is_file()
     assert (folder / "policies" / "collect" / "saved_model.pb").is_file()
 
+
+SAVER_ARGUMENTS = [
+    ({"run": None}, "name the training job"),
+    ({"run": "a/b"}, "run="),
+    ({"folder": ".."}, "folder="),
+    ({"timeout": 0}, "timeout"),
+    ({"chunk_bytes": 0}, "chunk_bytes"),
+    ({"shared_memory": 1}, "shared_memory"),
+    ({"incremental": "yes"}, "incremental"),
+    ({"numpy_state": {"x": 1}}, "numpy_state"),
+    ({"session": "s"}, "session"),
+    ({"token": ""}, "token"),
+    ({"address": "http://127.0.0.1:1"}, "HOST:PORT"),
+    ({"address": None}, "address"),
+]
+
+
+@pytest.mark.parametrize(("arguments", "message"), SAVER_ARGUMENTS)
+def test_a_bad_policy_saver_argument_fails_at_construction_naming_it(arguments: dict[str, Any], message: str) -> None:
+    kwargs: dict[str, Any] = {"address": "127.0.0.1:1", "run": "rn-args", "timeout": 1.0, **arguments}
+    address = kwargs.pop("address")
+    with pytest.raises(ValueError, match=message):
+        RemotePolicySaver(policies.build(policies.q(hidden=(4,))), address, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "arguments", "error", "message"),
+    [
+        ("common_module", {"run": "a/b"}, ValueError, "run="),
+        ("common_module", {"timeout": -1}, ValueError, "timeout"),
+        ("common_module", {"max_to_keep": 3}, TypeError, "max_to_keep"),  # a Checkpointer's own argument
+        ("common_module", {"incremental": 1}, ValueError, "incremental"),
+        ("common_module", {"keep_checkpoint_every_n_hours": 0}, ValueError, "keep_checkpoint_every_n_hours"),
+        ("common_module", {"root_dir": 5}, ValueError, "root_dir"),
+        ("train_modules", {"run": ""}, ValueError, "run="),
+        ("train_modules", {"tokn": "t"}, TypeError, "tokn"),
+        ("train_modules", {"shared_memory": "yes"}, ValueError, "shared_memory"),
+        ("train_modules", {"address": "grpc://h:1"}, ValueError, "HOST:PORT"),
+        ("ppo_learner_module", {"run": "a b"}, ValueError, "run="),
+        ("ppo_learner_module", {"chunk_bytes": 1 << 30}, ValueError, "chunk_bytes"),
+    ],
+)
+def test_a_bad_swap_argument_fails_when_the_module_is_made_naming_it(
+    make: str, arguments: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """The one-line swaps check what they are given then, not when the script builds its first saver."""
+    kwargs: dict[str, Any] = {"address": "127.0.0.1:1", "run": "rn-swap", **arguments}
+    address = kwargs.pop("address")
+    with pytest.raises(error, match=message):
+        getattr(checkpointd_client, make)(address, **kwargs)
