@@ -128,6 +128,7 @@ class RemoteCheckpointer:
         incremental: bool = True,
         root_dir: str | os.PathLike[str] | None = None,
         read_only: bool = False,
+        skip_if_busy: bool = True,
         **objects: Any,
     ) -> None:
         """Registers the run and restores the dir's newest checkpoint, as Checkpointer's constructor does.
@@ -160,6 +161,14 @@ class RemoteCheckpointer:
             read_only: restore only (an evaluation job, a notebook): no run
                 is registered, held or closed, so the trainer writing the dir
                 keeps saving; `save()` raises RunClosedError.
+            skip_if_busy: a non-blocking save while this checkpointer's
+                previous one is in flight is skipped (AsyncPolicySaver's
+                rule). False: it waits for that one instead, then returns
+                once its values are copied (the write goes on in the
+                background), so none is ever skipped: what a drop-in for
+                common.Checkpointer, whose save() is synchronous and never
+                skips, must do for a script that ignores save()'s return
+                (`common_module`'s checkpointers).
 
         Raises:
             ValueError: an invalid run, folder, ckpt_dir (absolute, or leaving
@@ -196,10 +205,12 @@ class RemoteCheckpointer:
             ("shared_memory", shared_memory),
             ("incremental", incremental),
             ("read_only", read_only),
+            ("skip_if_busy", skip_if_busy),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"{argument} must be True or False, got {value!r}")
         self._read_only = read_only
+        self._skip_if_busy = skip_if_busy
         connection = ConnectionOptions(
             chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
             token_file=token_file, shared_memory=shared_memory,
@@ -284,7 +295,8 @@ class RemoteCheckpointer:
         The values are those of the call: Python state is serialized before
         the daemon decides, variables are copied after it accepts, all
         before this returns. Without `blocking`, a save while another of the
-        run is in flight is skipped (`ticket.skipped`); an accepted one is
+        run is in flight is skipped (`ticket.skipped`), or with
+        `skip_if_busy=False` waits for it; an accepted one is
         uploaded in the background and `ticket.result()` waits until it is
         durable. With `blocking`, this waits for the in-flight save, then
         until this one is durable.
@@ -348,7 +360,8 @@ class RemoteCheckpointer:
         try:
             state = tf_checkpoint.describe(self._checkpoint)
             self._daemon.before_trying()
-            stream, offer, base = self._decide(ticket, state, blocking)
+            # Not skipped: the daemon queues it behind this run's save in flight (blocking's wait).
+            stream, offer, base = self._decide(ticket, state, blocking or not self._skip_if_busy)
         except BaseException:
             counter.assign_sub(1)  # refused before a decision: nothing was saved
             raise

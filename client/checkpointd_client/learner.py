@@ -213,6 +213,12 @@ def common_module(
         common = checkpointd_client.common_module(                       # after
             "localhost:7431", run="cartpole-dqn", root_dir=root_dir)
 
+    `common.Checkpointer.save` is synchronous and never skips, and the
+    examples ignore what it returns; so these checkpointers never skip
+    either (`skip_if_busy=False`): a save while the same checkpointer's
+    previous one is still being written waits for it, then returns once its
+    values are copied. The trainer waits only when it saves again before the
+    daemon has written its previous save, and then only for that write.
     Its saves are durable once `flush()` returns, and at the latest when the
     process exits (the upload threads finish first). Besides
     `tf_agents.utils.common`'s names it has `checkpointers` (those it made,
@@ -229,8 +235,9 @@ def common_module(
 
     def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
         checkpointer = RemoteCheckpointer(
-            ckpt_dir, address, run=run, root_dir=root_dir, max_to_keep=max_to_keep, **connection, **objects
-        )
+            ckpt_dir, address, run=run, root_dir=root_dir, max_to_keep=max_to_keep, skip_if_busy=False,
+            **connection, **objects,
+        )  # fmt: skip
         made.append(checkpointer)
         return checkpointer
 

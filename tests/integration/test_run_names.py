@@ -181,6 +181,7 @@ def test_a_renamed_job_resumes_from_its_dir_and_a_second_writer_is_refused(daemo
         ({"keep_checkpoint_every_n_hours": float("nan")}, "keep_checkpoint_every_n_hours"),
         ({"incremental": "yes"}, "incremental"),
         ({"read_only": 1}, "read_only"),
+        ({"skip_if_busy": None}, "skip_if_busy"),
         ({"ckpt_dir": "/abs/train"}, "ckpt_dir"),
         ({"ckpt_dir": "../train"}, "ckpt_dir"),
         ({"run": None}, "name the training job"),

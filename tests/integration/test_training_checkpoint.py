@@ -140,3 +140,33 @@ def test_a_save_while_one_is_in_flight_is_skipped_and_a_blocking_one_waits_its_t
         assert ticket.result() is not None and ticket.step == 3
     assert counts(daemon, run) == (2, 1, 0)
     assert tf.train.latest_checkpoint(str(daemon.root / "tc-lane" / "train")).endswith("ckpt-3")
+
+
+def test_a_checkpointer_that_does_not_skip_waits_for_its_save_in_flight_then_hands_off(daemon: Daemon) -> None:
+    """skip_if_busy=False (common_module's drop-in for the synchronous common.Checkpointer): never skipped."""
+    objects = _objects(seed=7)
+    with RemoteCheckpointer(
+        "train", daemon.address, run="tc-wait", timeout=LIMIT, skip_if_busy=False, **objects
+    ) as ckpt:
+        run = ckpt.run
+        state = client_training.describe(ckpt.checkpoint)
+        header = pb.SaveHeader(
+            run=run, kind=pb.TRAINING_CHECKPOINT, export_dir="train", step=1,
+            snapshot_bytes=state.nbytes, training_checkpoint=state.to_proto(20, None),
+        )  # fmt: skip
+        with (
+            grpc.insecure_channel(daemon.address) as channel,
+            RawSave(Stub(channel), pb.SaveRequest(header=header)) as held,
+        ):
+            assert held.decision().accepted
+            saved: list[SaveTicket] = []
+            saving = threading.Thread(target=lambda: saved.append(ckpt.save(2)))  # not blocking
+            saving.start()
+            wait_until(lambda: run_status(daemon, run).in_flight.waiting == 1, "the save queued, not skipped")
+            assert not saved
+            held.finish(list(wire.chunks(state.copy(), 1 << 20)))
+            saving.join(LIMIT)
+        (ticket,) = saved
+        assert not ticket.skipped and ticket.result() is not None and ticket.step == 2
+    assert counts(daemon, run) == (2, 0, 0)
+    assert tf.train.latest_checkpoint(str(daemon.root / "tc-wait" / "train")).endswith("ckpt-2")
