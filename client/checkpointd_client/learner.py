@@ -40,6 +40,7 @@ import threading
 import types
 from typing import Any
 
+from tf_agents.policies import policy_saver as tf_policy_saver
 from tf_agents.train import learner as tf_learner
 from tf_agents.train import ppo_learner as tf_ppo_learner
 from tf_agents.train import triggers as tf_triggers
@@ -48,7 +49,9 @@ from tf_agents.utils import common
 from checkpointd.protocol.address import check_address
 from checkpointd_client.checkpointer import RemoteCheckpointer
 from checkpointd_client.connection import CONNECTION_OPTIONS, ConnectionOptions
+from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.streams import job_name, relative_to
+from checkpointd_client.ticket import SaveTicket
 from checkpointd_client.trigger import POLICY_CONNECTION_OPTIONS, RemotePolicySavedModelTrigger
 
 # Learner builds its Checkpointer through `tf_agents.train.learner.common`,
@@ -252,6 +255,56 @@ def common_module(
             checkpointer.close(timeout)
 
     return _Proxy(common, Checkpointer=make, checkpointers=made, flush=flush, close=close)
+
+
+# PolicySaver's arguments after the policy, in order (a script may pass them positionally).
+_POLICY_SAVER_ARGUMENTS = (
+    "batch_size", "use_nest_path_signatures", "seed", "train_step", "input_fn_and_spec", "metadata",
+)  # fmt: skip
+
+
+def policy_saver_module(
+    address: str, *, run: str, root_dir: str | os.PathLike[str] | None = None, **connection: Any
+) -> types.ModuleType:
+    """`tf_agents.policies.policy_saver` as a classic script imports it, its PolicySaver saving through checkpointd.
+
+    PPO's example exports a SavedModel with `policy_saver.PolicySaver(eval_policy,
+    train_step=global_step).save(os.path.join(saved_model_dir, ...))`. Here
+    that PolicySaver is a `RemotePolicySaver` of the job `run` (the policy
+    saver's run, `checkpointd_client.streams`) whose `save` and
+    `save_checkpoint` take the script's paths under `root_dir` and are
+    blocking, as PolicySaver's own are: every save is written, none is
+    skipped, and each returns once durable::
+
+        from tf_agents.policies import policy_saver                      # before
+        policy_saver = checkpointd_client.policy_saver_module(             # after
+            "localhost:7431", run="ppo-job", root_dir=root_dir)
+
+    Args:
+        address, run, root_dir, **connection: as for `common_module`
+            (connection options only).
+
+    Returns:
+        A stand-in for `tf_agents.policies.policy_saver`.
+    """
+    _check_swap(address, run, root_dir, connection, (*CONNECTION_OPTIONS, "incremental"))
+
+    class PolicySaver(RemotePolicySaver):
+        def __init__(self, policy: Any, *args: Any, **kwargs: Any) -> None:
+            if len(args) > len(_POLICY_SAVER_ARGUMENTS):
+                raise TypeError(f"PolicySaver takes at most {len(_POLICY_SAVER_ARGUMENTS) + 1} positional arguments")
+            kwargs.update(zip(_POLICY_SAVER_ARGUMENTS, args, strict=False))
+            super().__init__(policy, address, run=run, **connection, **kwargs)
+
+        def save(self, export_dir: str, options: Any = None) -> SaveTicket:
+            """PolicySaver.save: written through the daemon, returning once durable."""
+            return super().save(relative_to(export_dir, root_dir), True, options=options)
+
+        def save_checkpoint(self, export_dir: str, options: Any = None) -> SaveTicket:
+            """PolicySaver.save_checkpoint: written through the daemon, returning once durable."""
+            return super().save_checkpoint(relative_to(export_dir, root_dir), True, options=options)
+
+    return _Proxy(tf_policy_saver, PolicySaver=PolicySaver)
 
 
 # What common_module passes on to every RemoteCheckpointer besides the connection.
