@@ -323,10 +323,12 @@ class Server:
         retention = self.retention
         if retention is None:
             return
-        try:
-            folder = self.lanes.folder(run)
-        except RunNotFoundError:
-            folder = run  # not registered here yet: its default folder
+        folder = self.lanes.registering_folder(run)  # taken while it registers: the folder it names
+        if folder is None:
+            try:
+                folder = self.lanes.folder(run)
+            except RunNotFoundError:
+                folder = run  # not registered here: its default folder
         try:
             deleted = retention.take_over(run, folder)
         except RunNotFoundError:

@@ -404,3 +404,12 @@ def test_its_own_stream_registers_an_open_run_again_and_a_closed_run_takes_any_p
     lanes.close("exp.train", timeout=LIMIT)
     lanes.register("exp.train", MANIFEST, "seed2", claim="train", kinds=TRAINING)  # the name taken up again
     assert (lanes.folder("exp.train"), lanes.claim("exp.train")) == ("seed2", "train")
+
+
+def test_a_registration_in_progress_names_its_folder_until_it_ends() -> None:
+    """A lease taken while a run registers (a fleet's takeover) finds the run's folder, not its name."""
+    lanes = Lanes()
+    assert lanes.registering_folder("job.train") is None
+    with lanes.registering("job.train", "job"):
+        assert lanes.registering_folder("job.train") == "job"
+    assert lanes.registering_folder("job.train") is None

@@ -199,9 +199,10 @@ class SavePipeline:
                 f"{self._config.max_template_bytes} (--max-template-bytes)"
             )
         started = time.monotonic()
-        self.leases.hold(
-            run, started + self._lease_wait(timeout), waiting=on_lease_wait
-        )  # before anything of the run is stored
+        with self.lanes.registering(run, folder):  # a takeover's retention, as the lease is taken, needs the folder
+            self.leases.hold(
+                run, started + self._lease_wait(timeout), waiting=on_lease_wait
+            )  # before anything of the run is stored
         # A policy run's template goes to the format of policy saves; a
         # training run's (empty) registration to the training format.
         fmt = self.formats(kind or SaveKind.SAVED_MODEL)

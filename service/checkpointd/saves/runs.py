@@ -21,11 +21,12 @@ lane without a decision.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from checkpointd.core.lane import (
@@ -94,6 +95,7 @@ class Lanes:
         self._cond = threading.Condition()
         self._runs: dict[str, _Run] = {}
         self._draining = False
+        self._registering: dict[str, str] = {}  # run -> the folder its registration in progress names
 
     @property
     def draining(self) -> bool:
@@ -146,6 +148,27 @@ class Lanes:
                 entry.kinds = kinds or entry.kinds
                 entry.lane.reopen()
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def registering(self, run: str, folder: str) -> Iterator[None]:
+        """For the length of a registration: the folder it names, for `registering_folder`.
+
+        The run's lease is taken before the run is registered here, and
+        whatever acts on a lease just taken (a takeover's retention) needs
+        the run's folder, which is not the run's name for most runs.
+        """
+        with self._cond:
+            self._registering[run] = folder
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._registering.pop(run, None)
+
+    def registering_folder(self, run: str) -> str | None:
+        """The folder a registration of `run` in progress names; None if none is."""
+        with self._cond:
+            return self._registering.get(run)
 
     def check_registration(
         self, run: str, folder: str | None, claim: str | None = None, kinds: tuple[SaveKind, ...] = ()
