@@ -110,6 +110,7 @@ TABLE = frozenset(
         Code.RESOURCE_EXHAUSTED,
         Code.FAILED_PRECONDITION,
         Code.DEADLINE_EXCEEDED,
+        Code.ALREADY_EXISTS,  # an open run registered again for another folder, kind or dir
     }
 )
 

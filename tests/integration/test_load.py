@@ -59,7 +59,8 @@ RSS_EVERY = 0.1  # seconds between /proc samples
 class Record:
     """One save call: what the trainer asked for and the values it had at the call."""
 
-    run: str
+    run: str  # the saver's run on the daemon
+    folder: str  # where its saves are, under the daemon's root
     kind: SaveKind
     export_dir: str
     step: int
@@ -110,7 +111,17 @@ class Trainer:
                 if ticket.skipped:
                     expected = {}  # nothing to check on disk; keep memory flat
                 self.records.append(
-                    Record(self.run, kind, export_dir, step, expected, checkpoint_keys, ticket, seconds)
+                    Record(
+                        self.saver.run,
+                        self.saver.folder,
+                        kind,
+                        export_dir,
+                        step,
+                        expected,
+                        checkpoint_keys,
+                        ticket,
+                        seconds,
+                    )
                 )
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
@@ -171,7 +182,7 @@ def trainers(load_daemon: Daemon) -> Iterator[list[Trainer]]:
             saver.register()  # the template export stays out of the timed loop
         yield made
     finally:
-        for t in made:  # closes the runs; the shared run is closed by its first saver
+        for t in made:  # closes the runs
             with contextlib.suppress(CheckpointdError):
                 t.saver.close(timeout=60)
 
@@ -215,7 +226,8 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
     with grpc.insecure_channel(daemon.address) as channel:
         stub = checkpointd_pb2_grpc.CheckpointServiceStub(channel)
         statuses = {s.run: s for s in stub.GetStatus(pb.StatusRequest(), timeout=TIMEOUT).runs}
-    for run in sorted({t.run for t in trainers}):
+    # The shared job's savers are runs of their own (one per policy: streams.PolicyRuns), in its folder.
+    for run in sorted({t.saver.run for t in trainers}):
         mine = [r for r in records if r.run == run]
         skipped = sum(r.ticket.skipped for r in mine)
         status = statuses[run]
@@ -233,7 +245,7 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
         result = r.ticket.result(timeout=0)
         results.append(result)
         assert result.step == r.step and result.kind is r.kind, (r.export_dir, result)
-        path = daemon.root / r.run / r.export_dir
+        path = daemon.root / r.folder / r.export_dir
         assert result.path == str(path)
         reader = tf.train.load_checkpoint(str(path / "variables" / "variables"))
         stored = {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
@@ -242,7 +254,7 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
             np.testing.assert_array_equal(stored[name], value, err_msg=f"{path}: {name}")
     saved_models = [r for r in accepted if r.kind is SaveKind.SAVED_MODEL]
     for r in random.Random(0).sample(saved_models, min(SAVED_MODEL_SAMPLE, len(saved_models))):
-        loaded = tf.saved_model.load(str(daemon.root / r.run / r.export_dir))
+        loaded = tf.saved_model.load(str(daemon.root / r.folder / r.export_dir))
         assert int(loaded.get_train_step()) == r.step
         for i, variable in enumerate(loaded.model_variables):
             key = f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE"
@@ -253,13 +265,13 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
     calls = [r.call_seconds for r in records if not r.ticket.skipped]
     summary = {
         "trainers": len(trainers),
-        "runs": len({t.run for t in trainers}),
+        "runs": len({t.saver.run for t in trainers}),
         "load_seconds": round(loaded_seconds, 1),
         "drained_seconds": round(drained_seconds, 1),
         "save_calls": len(records),
         "accepted": len(accepted),
         "skipped": len(records) - len(accepted),
-        "skipped_on_shared_run": sum(r.ticket.skipped for r in records if r.run == SHARED_RUN),
+        "skipped_in_shared_job": sum(r.ticket.skipped for r in records if r.folder == SHARED_RUN),
         "saved_models": len(saved_models),
         "checkpoints": len(accepted) - len(saved_models),
         "throughput_saves_per_s": round(len(accepted) / drained_seconds, 2),
