@@ -143,7 +143,8 @@ class Fuzzer:
         self.known_bugs: collections.Counter[str] = collections.Counter()
         self.accepted_ok: dict[str, int] = {}  # export dir path -> step of its last good save
         # What the fuzzer saw for the main runs: ok, skipped, failed.
-        self.seen = {MAIN: [0, 0, 0], MAIN_FOLDERED: [0, 0, 0], MAIN_TRAINING: [0, 0, 0]}
+        # run -> [ok, skipped, failed, cancelled] as this client saw them
+        self.seen = {MAIN: [0, 0, 0, 0], MAIN_FOLDERED: [0, 0, 0, 0], MAIN_TRAINING: [0, 0, 0, 0]}
         # Training checkpoints written, by real prefix (their files share dirs).
         self.accepted_prefixes: dict[str, int] = {}
         self.planted = planted_paths(world)
@@ -359,7 +360,7 @@ class Fuzzer:
         self.requests += 1
         self.codes["CANCELLED(by the client)"] += 1
         self.cancelled_by_client += 1
-        self.seen[MAIN][2] += 1  # accepted, never written: the daemon counts it failed
+        self.seen[MAIN][3] += 1  # accepted, then its caller went away: cancelled, not failed
         self.flush_main()
 
     def flush_main(self) -> None:
@@ -407,13 +408,17 @@ class Fuzzer:
     def final_checks(self) -> None:
         """Counts, verify, health and a good save, after the whole fuzz."""
         self.stub.Flush(pb.FlushRequest(timeout_seconds=RPC_TIMEOUT), timeout=RPC_TIMEOUT + 5)
-        for run, (ok, skipped, failed) in self.seen.items():
+        for run, (ok, skipped, failed, cancelled) in self.seen.items():
             (status,) = self.stub.GetStatus(pb.StatusRequest(run=run), timeout=RPC_TIMEOUT).runs
-            assert (status.saves_ok, status.saves_skipped, status.saves_failed) == (
+            assert (status.saves_ok, status.saves_skipped, status.saves_failed, status.saves_cancelled) == (
                 ok,
                 skipped,
                 failed,
-            ), f"{run}: daemon counts {status} != fuzzer saw ok={ok} skipped={skipped} failed={failed}"
+                cancelled,
+            ), (
+                f"{run}: daemon counts {status} != fuzzer saw ok={ok} skipped={skipped} failed={failed} "
+                f"cancelled={cancelled}"
+            )
         # Every save that is still whole on disk passes verify with the step it was sent.
         for path, step in self.accepted_ok.items():
             if any(Path(other).is_relative_to(path) and other != path for other in self.accepted_ok):
