@@ -279,6 +279,11 @@ class RemoteCheckpointer:
         return self._read_only
 
     @property
+    def skip_if_busy(self) -> bool:
+        """Whether a non-blocking save while this checkpointer's previous one is in flight is skipped."""
+        return self._skip_if_busy
+
+    @property
     def ckpt_dir(self) -> str:
         return self._dir
 

@@ -20,7 +20,8 @@ A Learner-based script swaps to checkpointd in one line, its import::
 
 and keeps every other line: `learner.Learner(root_dir, train_step, agent, ...)`
 restores from the daemon on start and saves its interval checkpoints as
-non-blocking `RemoteCheckpointer` saves; `triggers.PolicySavedModelTrigger(
+non-blocking `RemoteCheckpointer` saves that never skip (`skip_if_busy=False`,
+as Learner's synchronous Checkpointer never does); `triggers.PolicySavedModelTrigger(
 os.path.join(root_dir, "policies"), agent, train_step, interval=...)` is a
 `RemotePolicySavedModelTrigger`. Paths under `root_dir` become the same
 paths under the daemon's `<root>/<run>/`; everything else of the two
@@ -82,8 +83,11 @@ class RemoteLearner(tf_learner.Learner):
         made: list[RemoteCheckpointer] = []
 
         def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
+            # Learner's Checkpointer saves synchronously and never skips, and Learner ignores what save()
+            # returns: so this one never skips either (see common_module).
             checkpointer = RemoteCheckpointer(
-                relative_to(ckpt_dir, root_dir), address, run=run, max_to_keep=max_to_keep, **connection, **objects,
+                relative_to(ckpt_dir, root_dir), address, run=run, max_to_keep=max_to_keep, skip_if_busy=False,
+                **connection, **objects,
             )  # fmt: skip
             made.append(checkpointer)
             return checkpointer
