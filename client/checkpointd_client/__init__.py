@@ -28,7 +28,13 @@ from checkpointd.protocol.kinds import SaveKind
 
 if TYPE_CHECKING:
     from checkpointd_client.checkpointer import RemoteCheckpointer
-    from checkpointd_client.learner import RemoteLearner, common_module, ppo_learner_module, train_modules
+    from checkpointd_client.learner import (
+        RemoteLearner,
+        common_module,
+        policy_saver_module,
+        ppo_learner_module,
+        train_modules,
+    )
     from checkpointd_client.notice import NoticeOutcome, preempted
     from checkpointd_client.restore import LatestSave
     from checkpointd_client.saver import RemotePolicySaver
@@ -40,6 +46,7 @@ _LAZY = {
     "RemoteCheckpointer": "checkpointd_client.checkpointer",
     "RemoteLearner": "checkpointd_client.learner",
     "common_module": "checkpointd_client.learner",
+    "policy_saver_module": "checkpointd_client.learner",
     "ppo_learner_module": "checkpointd_client.learner",
     "train_modules": "checkpointd_client.learner",
     "LatestSave": "checkpointd_client.restore",
@@ -77,6 +84,7 @@ __all__ = [
     "UnavailableError",
     "common_module",
     "credentials",
+    "policy_saver_module",
     "ppo_learner_module",
     "preempted",
     "train_modules",

@@ -111,6 +111,7 @@ class RemoteCheckpointer:
         notice_deadline: float = notice.DEFAULT_DEADLINE,
         continuous: bool = False,
         budget: float = DEFAULT_BUDGET,
+        skip_if_busy: bool = True,
         **objects: Any,
     ) -> None:
         """Registers the run and restores the dir's newest checkpoint, as Checkpointer's constructor does.
@@ -162,6 +163,14 @@ class RemoteCheckpointer:
             budget: the fraction of training time continuous saves may
                 cost (the time the training thread spends in save()), 0 < budget < 1;
                 only with `continuous=True`.
+            skip_if_busy: a non-blocking save while this checkpointer's
+                previous one is in flight is skipped (AsyncPolicySaver's
+                rule). False: it waits for that one instead, then returns
+                once its values are copied (the write goes on in the
+                background), so none is ever skipped: what a drop-in for
+                common.Checkpointer, whose save() is synchronous and never
+                skips, must do for a script that ignores save()'s return
+                (`common_module`'s checkpointers).
 
         Raises:
             ValueError: an invalid run, folder, ckpt_dir (absolute, or leaving
@@ -201,6 +210,7 @@ class RemoteCheckpointer:
             ("read_only", read_only),
             ("save_on_notice", save_on_notice),
             ("continuous", continuous),
+            ("skip_if_busy", skip_if_busy),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"{argument} must be True or False, got {value!r}")
@@ -210,6 +220,7 @@ class RemoteCheckpointer:
             raise ValueError(f"budget={budget!r} applies to continuous saves: pass continuous=True too")
         # A read-only checkpointer's save() raises, whatever the budget.
         self._continuous = ContinuousSaves(check_budget(budget)) if continuous and not read_only else None
+        self._skip_if_busy = skip_if_busy
         connection = ConnectionOptions(
             chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
             token_file=token_file, shared_memory=shared_memory,
@@ -296,6 +307,11 @@ class RemoteCheckpointer:
         return self._notice_deadline
 
     @property
+    def skip_if_busy(self) -> bool:
+        """Whether a non-blocking save while this checkpointer's previous one is in flight is skipped."""
+        return self._skip_if_busy
+
+    @property
     def ckpt_dir(self) -> str:
         return self._dir
 
@@ -313,7 +329,8 @@ class RemoteCheckpointer:
         The values are those of the call: Python state is serialized before
         the daemon decides, variables are copied after it accepts, all
         before this returns. Without `blocking`, a save while another of the
-        run is in flight is skipped (`ticket.skipped`); an accepted one is
+        run is in flight is skipped (`ticket.skipped`), or with
+        `skip_if_busy=False` waits for it; an accepted one is
         uploaded in the background and `ticket.result()` waits until it is
         durable. With `blocking`, this waits for the in-flight save, then
         until this one is durable.
@@ -410,7 +427,8 @@ class RemoteCheckpointer:
         try:
             state = tf_checkpoint.describe(self._checkpoint)
             self._daemon.before_trying()
-            stream, offer, base = self._decide(ticket, state, blocking, on_notice=on_notice)
+            # Not skipped without skip_if_busy: the daemon queues it behind this run's save in flight.
+            stream, offer, base = self._decide(ticket, state, blocking or not self._skip_if_busy, on_notice=on_notice)
         except BaseException:
             counter.assign_sub(1)  # refused before a decision: nothing was saved
             raise

@@ -20,7 +20,8 @@ A Learner-based script swaps to checkpointd in one line, its import::
 
 and keeps every other line: `learner.Learner(root_dir, train_step, agent, ...)`
 restores from the daemon on start and saves its interval checkpoints as
-non-blocking `RemoteCheckpointer` saves; `triggers.PolicySavedModelTrigger(
+non-blocking `RemoteCheckpointer` saves that never skip (`skip_if_busy=False`,
+as Learner's synchronous Checkpointer never does); `triggers.PolicySavedModelTrigger(
 os.path.join(root_dir, "policies"), agent, train_step, interval=...)` is a
 `RemotePolicySavedModelTrigger`. Paths under `root_dir` become the same
 paths under the daemon's `<root>/<run>/`; everything else of the two
@@ -34,20 +35,24 @@ themselves. Optimizer slots: Learner creates them before it restores
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import types
 from typing import Any
 
+from tf_agents.policies import policy_saver as tf_policy_saver
 from tf_agents.train import learner as tf_learner
 from tf_agents.train import ppo_learner as tf_ppo_learner
 from tf_agents.train import triggers as tf_triggers
 from tf_agents.utils import common
 
+from checkpointd.protocol.address import check_address
 from checkpointd_client.checkpointer import RemoteCheckpointer
-from checkpointd_client.connection import CONNECTION_OPTIONS
+from checkpointd_client.connection import CONNECTION_OPTIONS, ConnectionOptions
 from checkpointd_client.notice import NOTICE_OPTIONS
-from checkpointd_client.streams import relative_to
+from checkpointd_client.saver import RemotePolicySaver
+from checkpointd_client.streams import job_name, relative_to
 from checkpointd_client.ticket import SaveTicket
 from checkpointd_client.trigger import POLICY_CONNECTION_OPTIONS, RemotePolicySavedModelTrigger
 
@@ -81,8 +86,11 @@ class RemoteLearner(tf_learner.Learner):
         made: list[RemoteCheckpointer] = []
 
         def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
+            # Learner's Checkpointer saves synchronously and never skips, and Learner ignores what save()
+            # returns: so this one never skips either (see common_module).
             checkpointer = RemoteCheckpointer(
-                relative_to(ckpt_dir, root_dir), address, run=run, max_to_keep=max_to_keep, **connection, **objects,
+                relative_to(ckpt_dir, root_dir), address, run=run, max_to_keep=max_to_keep, skip_if_busy=False,
+                **connection, **objects,
             )  # fmt: skip
             made.append(checkpointer)
             return checkpointer
@@ -147,6 +155,7 @@ def train_modules(
         Stand-ins for `tf_agents.train.learner` and `tf_agents.train.triggers`.
     """
 
+    _check_swap(address, run, root_dir, connection, CONNECTION_OPTIONS)
     learner_module = _learner_module(address, run, connection)
     policy_options = {k: v for k, v in connection.items() if k in POLICY_CONNECTION_OPTIONS}
 
@@ -177,6 +186,7 @@ def ppo_learner_module(address: str, *, run: str, **connection: Any) -> types.Mo
     Returns:
         A stand-in for `tf_agents.train.ppo_learner`.
     """
+    _check_swap(address, run, None, connection, CONNECTION_OPTIONS)
     learner_module = _learner_module(address, run, connection)
 
     class PPOLearner(tf_ppo_learner.PPOLearner):
@@ -214,6 +224,12 @@ def common_module(
         common = checkpointd_client.common_module(                       # after
             "localhost:7431", run="cartpole-dqn", root_dir=root_dir)
 
+    `common.Checkpointer.save` is synchronous and never skips, and the
+    examples ignore what it returns; so these checkpointers never skip
+    either (`skip_if_busy=False`): a save while the same checkpointer's
+    previous one is still being written waits for it, then returns once its
+    values are copied. The trainer waits only when it saves again before the
+    daemon has written its previous save, and then only for that write.
     Its saves are durable once `flush()` returns, and at the latest when the
     process exits (the upload threads finish first). On SIGTERM each
     Checkpointer saves the step reached before the process ends
@@ -227,12 +243,14 @@ def common_module(
     Returns:
         A stand-in for `tf_agents.utils.common`.
     """
+    _check_swap(address, run, root_dir, connection, _CHECKPOINTER_OPTIONS)
     made: list[RemoteCheckpointer] = []
 
     def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
-        checkpointer = _EveryCheckpoint(
-            ckpt_dir, address, run=run, root_dir=root_dir, max_to_keep=max_to_keep, **connection, **objects
-        )
+        checkpointer = RemoteCheckpointer(
+            ckpt_dir, address, run=run, root_dir=root_dir, max_to_keep=max_to_keep, skip_if_busy=False,
+            **connection, **objects,
+        )  # fmt: skip
         made.append(checkpointer)
         return checkpointer
 
@@ -249,23 +267,88 @@ def common_module(
     return _Proxy(common, Checkpointer=make, checkpointers=made, flush=flush, close=close)
 
 
-class _EveryCheckpoint(RemoteCheckpointer):
-    """`common.Checkpointer`'s stand-in: it writes every checkpoint the in-process one would.
+# PolicySaver's arguments after the policy, in order (a script may pass them positionally).
+_POLICY_SAVER_ARGUMENTS = (
+    "batch_size", "use_nest_path_signatures", "seed", "train_step", "input_fn_and_spec", "metadata",
+)  # fmt: skip
 
-    `common.Checkpointer.save` returns once the checkpoint is written, so a
-    script loses none. Here a save goes on in the background, and one that
-    comes while this checkpointer's previous save is still in flight (a
-    slow disk, a loaded machine, intervals a few steps apart) waits for it
-    and then saves, as the in-process one would have been writing all along,
-    instead of being skipped. Training stalls only then. The snapshot is
-    the call's either way: the training thread is in this call meanwhile.
+
+def policy_saver_module(
+    address: str, *, run: str, root_dir: str | os.PathLike[str] | None = None, **connection: Any
+) -> types.ModuleType:
+    """`tf_agents.policies.policy_saver` as a classic script imports it, its PolicySaver saving through checkpointd.
+
+    PPO's example exports a SavedModel with `policy_saver.PolicySaver(eval_policy,
+    train_step=global_step).save(os.path.join(saved_model_dir, ...))`. Here
+    that PolicySaver is a `RemotePolicySaver` of the job `run` (the policy
+    saver's run, `checkpointd_client.streams`) whose `save` and
+    `save_checkpoint` take the script's paths under `root_dir` and are
+    blocking, as PolicySaver's own are: every save is written, none is
+    skipped, and each returns once durable::
+
+        from tf_agents.policies import policy_saver                      # before
+        policy_saver = checkpointd_client.policy_saver_module(             # after
+            "localhost:7431", run="ppo-job", root_dir=root_dir)
+
+    Args:
+        address, run, root_dir, **connection: as for `common_module`
+            (connection options only).
+
+    Returns:
+        A stand-in for `tf_agents.policies.policy_saver`.
     """
+    _check_swap(address, run, root_dir, connection, (*CONNECTION_OPTIONS, "incremental"))
 
-    def save(self, global_step: Any, blocking: bool = False) -> SaveTicket:
-        ticket = super().save(global_step, blocking=blocking)
-        if ticket.skipped and not blocking:
-            return super().save(global_step, blocking=True)
-        return ticket
+    class PolicySaver(RemotePolicySaver):
+        def __init__(self, policy: Any, *args: Any, **kwargs: Any) -> None:
+            if len(args) > len(_POLICY_SAVER_ARGUMENTS):
+                raise TypeError(f"PolicySaver takes at most {len(_POLICY_SAVER_ARGUMENTS) + 1} positional arguments")
+            kwargs.update(zip(_POLICY_SAVER_ARGUMENTS, args, strict=False))
+            super().__init__(policy, address, run=run, **connection, **kwargs)
+
+        def save(self, export_dir: str, options: Any = None) -> SaveTicket:
+            """PolicySaver.save: written through the daemon, returning once durable."""
+            return super().save(relative_to(export_dir, root_dir), True, options=options)
+
+        def save_checkpoint(self, export_dir: str, options: Any = None) -> SaveTicket:
+            """PolicySaver.save_checkpoint: written through the daemon, returning once durable."""
+            return super().save_checkpoint(relative_to(export_dir, root_dir), True, options=options)
+
+    return _Proxy(tf_policy_saver, PolicySaver=PolicySaver)
+
+
+# What common_module passes on to every RemoteCheckpointer besides the connection.
+_CHECKPOINTER_OPTIONS = (*CONNECTION_OPTIONS, "incremental", "keep_checkpoint_every_n_hours")
+
+
+def _check_swap(
+    address: str,
+    run: str,
+    root_dir: str | os.PathLike[str] | None,
+    connection: dict[str, Any],
+    allowed: tuple[str, ...],
+) -> None:
+    """Checks a module swap's arguments now, each named, so that none fails when the script builds a saver.
+
+    Raises:
+        TypeError: an option the swapped savers do not take.
+        ValueError: an invalid address, run, root_dir or option value.
+    """
+    unknown = sorted(set(connection) - set(allowed))
+    if unknown:
+        raise TypeError(f"unexpected option(s) {', '.join(unknown)}; the savers take {', '.join(allowed)}")
+    check_address(address)
+    job_name(run, None)
+    if root_dir is not None and not isinstance(root_dir, str | os.PathLike):
+        raise ValueError(f"root_dir must be a path or None, saw {type(root_dir)!r}")
+    ConnectionOptions(**{k: v for k, v in connection.items() if k in CONNECTION_OPTIONS})
+    if not isinstance(connection.get("incremental", True), bool):
+        raise ValueError(f"incremental must be True or False, got {connection['incremental']!r}")
+    hours = connection.get("keep_checkpoint_every_n_hours")
+    if hours is not None and not (
+        isinstance(hours, int | float) and not isinstance(hours, bool) and 0 < hours < math.inf
+    ):
+        raise ValueError(f"keep_checkpoint_every_n_hours must be a finite number of hours > 0, or None; got {hours!r}")
 
 
 def _learner_module(address: str, run: str, connection: dict[str, Any]) -> types.ModuleType:

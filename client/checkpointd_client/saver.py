@@ -130,11 +130,25 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
                 dict of str to tf.Variable (raised by PolicySaver).
             ValueError: for PolicySaver's invalid arguments (e.g. batch_size),
                 an address given as a URL (HOST:PORT, not a URL), an invalid
-                run name, chunk_bytes or timeout, both token and
-                token_file, a token file without exactly one token, or a
-                session for a policy built eagerly.
+                run or folder, chunk_bytes, timeout, channel_credentials,
+                token, shared_memory, incremental, numpy_state or session
+                (each named), both token and token_file, a token file
+                without exactly one token, or a session for a policy built
+                eagerly.
             OSError: token_file cannot be read.
         """
+        # Ours first, each named, before PolicySaver's export work.
+        job = streams.job_name(run, folder)
+        connection = ConnectionOptions(
+            chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
+            token_file=token_file, shared_memory=shared_memory,
+        )  # fmt: skip
+        if not isinstance(incremental, bool):
+            raise ValueError(f"incremental must be True or False, got {incremental!r}")
+        if numpy_state is not None and not isinstance(numpy_state, numpy_storage.NumpyState):
+            raise ValueError(f"numpy_state must be a tf_agents NumpyState or None, got {type(numpy_state)!r}")
+        if session is not None and not isinstance(session, tf.compat.v1.Session):
+            raise ValueError(f"session must be a tf.compat.v1.Session or None, got {type(session)!r}")
         self._saver = policy_saver.PolicySaver(
             policy,
             batch_size=batch_size,
@@ -144,12 +158,8 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             input_fn_and_spec=input_fn_and_spec,
             metadata=metadata,
         )
-        job = streams.job_name(run, folder)
-        self._folder = folder
-        connection = ConnectionOptions(
-            chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
-            token_file=token_file, shared_memory=shared_memory,
-        )  # fmt: skip
+        # The job's folder, also when this saver's run is `<job>.<policy's name>` (streams.PolicyRuns).
+        self._folder = folder if folder is not None else job
         self._numpy = numpy_state_lib.NumpySource(numpy_state) if numpy_state is not None else None
         graph = graph_mode.current_graph()
         if graph is None and session is not None:
@@ -159,12 +169,13 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         self._daemon = DaemonSession(address, job, connection, owner="saver", upload_threads=4)
         self._address = self._daemon.address
         # Another policy's open saver of the job in this process has a run of its own (streams.PolicyRuns).
-        self._run = streams.POLICY_RUNS.take(self._address, folder or job, job, policy)
+        self._run = streams.POLICY_RUNS.take(self._address, self._folder, job, policy)
         self._daemon.run = self._run
-        self._policy_runs_key = (self._address, folder or job, self._run)
-        if folder is None and self._run != job:  # a run of its own, in the job's folder, as streams says
-            self._folder = job
-        weakref.finalize(self, streams.POLICY_RUNS.release, *self._policy_runs_key, policy)
+        # Lets go of the run's name at close(), or when this saver is dropped unclosed. (The policy
+        # given, not PolicySaver's `policy`, which is a wrapper of it: the name is held for this one.)
+        self._release_run = weakref.finalize(
+            self, streams.POLICY_RUNS.release, self._address, self._folder, self._run, policy
+        )
         self._register_lock = threading.Lock()
         self._bindings: snapshot.Bindings | None = None
         self._dirty = True  # the template must be (re-)exported before the next save
@@ -377,7 +388,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             CheckpointdError: a subclass for another status the daemon answered.
         """
         self._daemon.close(timeout, self.flush, lambda: self._bindings is not None, self._close_busy_locks)
-        streams.POLICY_RUNS.release(*self._policy_runs_key, self.policy)
+        self._release_run()
 
     def __enter__(self) -> RemotePolicySaver:
         return self

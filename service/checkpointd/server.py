@@ -99,7 +99,6 @@ class Server:
         self.leases: Leases = NoLeases()  # an s3:// root's S3Leases, made in start()
         self._pool: WriterPool | None = None
         self.retention: Retention | None = None
-        self._pipeline: SavePipeline | None = None
         self.shared_memory: SharedMemory | None = None
         self._health = health.HealthServicer()
         self._calls = OpenCalls(SERVICE_NAME)  # ended with a status by abandon()
@@ -172,7 +171,6 @@ class Server:
             phases=self.metrics,
             leases=self.leases,
         )
-        self._pipeline = pipeline
         servicer = CheckpointServicer(pipeline, config.state_dir / "staging")
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
@@ -337,7 +335,12 @@ class Server:
         retention = self.retention
         if retention is None:
             return
-        folder = self._pipeline.folder(run) if self._pipeline is not None else run  # registered, or registering
+        folder = self.lanes.registering_folder(run)  # taken while it registers: the folder it names
+        if folder is None:
+            try:
+                folder = self.lanes.folder(run)
+            except RunNotFoundError:
+                folder = run  # not registered here: its default folder
         try:
             deleted = retention.take_over(run, folder)
         except RunNotFoundError:

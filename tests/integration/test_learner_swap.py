@@ -39,6 +39,7 @@ def test_the_learner_called_with_keywords_as_tf_agents_learner_test_does_checkpo
     )
     try:
         assert isinstance(job.checkpointer, RemoteCheckpointer)
+        assert not job.checkpointer.skip_if_busy  # Learner's synchronous Checkpointer never skips: neither does this
         job.run(iterations=1)  # the interval trigger saves at step 1
         job.flush(WAIT)
     finally:
@@ -78,6 +79,7 @@ def test_ppo_learners_inner_learner_checkpoints_through_the_daemon(daemon: Daemo
     checkpointer = job.checkpointer
     try:
         assert isinstance(checkpointer, RemoteCheckpointer) and checkpointer.run == "ppo.train.checkpoints"
+        assert not checkpointer.skip_if_busy  # Learner's synchronous Checkpointer never skips: neither does this
         train_step.assign(5)
         assert checkpointer.save(train_step, blocking=True).result(0) is not None
     finally:

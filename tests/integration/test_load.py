@@ -60,8 +60,8 @@ RSS_EVERY = 0.1  # seconds between /proc samples
 class Record:
     """One save call: what the trainer asked for and the values it had at the call."""
 
-    run: str  # the saver's daemon run
-    folder: str
+    run: str  # the saver's run on the daemon
+    folder: str  # where its saves are, under the daemon's root
     kind: SaveKind
     export_dir: str
     step: int
@@ -113,7 +113,17 @@ class Trainer:
                 if ticket.skipped:
                     expected = {}  # nothing to check on disk; keep memory flat
                 self.records.append(
-                    Record(self.run, self.folder, kind, export_dir, step, expected, checkpoint_keys, ticket, seconds)
+                    Record(
+                        self.saver.run,
+                        self.saver.folder,
+                        kind,
+                        export_dir,
+                        step,
+                        expected,
+                        checkpoint_keys,
+                        ticket,
+                        seconds,
+                    )
                 )
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
@@ -218,7 +228,8 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
     with grpc.insecure_channel(daemon.address) as channel:
         stub = checkpointd_pb2_grpc.CheckpointServiceStub(channel)
         statuses = {s.run: s for s in stub.GetStatus(pb.StatusRequest(), timeout=TIMEOUT).runs}
-    for run in sorted({t.run for t in trainers}):
+    # The shared job's savers are runs of their own (one per policy: streams.PolicyRuns), in its folder.
+    for run in sorted({t.saver.run for t in trainers}):
         mine = [r for r in records if r.run == run]
         skipped = sum(r.ticket.skipped for r in mine)
         status = statuses[run]
@@ -256,7 +267,7 @@ def test_many_trainers_every_accepted_save_is_written_every_skip_is_reported_mem
     calls = [r.call_seconds for r in records if not r.ticket.skipped]
     summary = {
         "trainers": len(trainers),
-        "runs": len({t.run for t in trainers}),
+        "runs": len({t.saver.run for t in trainers}),
         "load_seconds": round(loaded_seconds, 1),
         "drained_seconds": round(drained_seconds, 1),
         "save_calls": len(records),

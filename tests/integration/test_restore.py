@@ -163,9 +163,12 @@ def test_restore_refuses_unknown_runs_missing_saves_and_saves_of_another_policy(
         first.restore("nothing/here")
     path = Path(first.save_checkpoint("ckpt", blocking=True).result().path)
 
-    # The run registered again with another policy: its manifest no longer fits the save.
+    # The run registered again with another policy: its manifest no longer fits the save. (While the
+    # first saver is open, another policy's saver of the job would be a run of its own: streams.PolicyRuns.)
+    first.close(timeout=TIMEOUT)
     wider = policies.build(policies.q(hidden=(8, 4)))
     second, _ = env.saver(wider, "rs-bad")
+    assert second.run == "rs-bad"
     second.register()
     stored = tf.train.load_checkpoint(str(path / "variables" / "variables")).get_variable_to_shape_map()
     offending = next(

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import checkpointd_client
 from checkpointd_client import AlreadyExistsError, RemoteCheckpointer, RemotePolicySaver, RunClosedError, SaveTicket
-from tests.integration import training_state
+from tests.integration import policies, training_state
 from tests.integration.daemon import Daemon
 from tests.integration.raw import counts
 
@@ -101,12 +102,17 @@ def test_two_policies_savers_of_one_job_have_runs_of_their_own(daemon: Daemon) -
     collect = RemotePolicySaver(state.agent.collect_policy, daemon.address, run="rn-pol", train_step=state.global_step)
     try:
         assert greedy.run == "rn-pol" and collect.run.startswith("rn-pol.") and collect.run != greedy.run
+        assert greedy.folder == collect.folder == "rn-pol"
         both = [greedy.save("greedy"), collect.save("collect")]
         assert [t.skipped for t in both] == [False, False]
         assert all(t.result() is not None for t in both)
     finally:
         greedy.close()
         collect.close()
+    # Both in the job's folder, as the README's table says: not in a folder named after the second's run.
+    assert (daemon.root / "rn-pol" / "greedy" / "saved_model.pb").is_file()
+    assert (daemon.root / "rn-pol" / "collect" / "saved_model.pb").is_file()
+    assert not (daemon.root / collect.run).exists()
 
 
 def test_an_evaluator_restores_without_registering_or_closing_the_trainers_run(daemon: Daemon) -> None:
@@ -175,19 +181,28 @@ def test_a_renamed_job_resumes_from_its_dir_and_a_second_writer_is_refused(daemo
         ({"keep_checkpoint_every_n_hours": float("nan")}, "keep_checkpoint_every_n_hours"),
         ({"incremental": "yes"}, "incremental"),
         ({"read_only": 1}, "read_only"),
+        ({"skip_if_busy": None}, "skip_if_busy"),
         ({"ckpt_dir": "/abs/train"}, "ckpt_dir"),
         ({"ckpt_dir": "../train"}, "ckpt_dir"),
         ({"run": None}, "name the training job"),
         ({"run": "a/b"}, "run="),
         ({"folder": "../x"}, "folder="),
+        ({"timeout": "5"}, "timeout"),
+        ({"timeout": float("inf")}, "timeout"),
+        ({"chunk_bytes": 8 << 20}, "chunk_bytes"),
+        ({"shared_memory": "no"}, "shared_memory"),
+        ({"channel_credentials": "tls"}, "channel_credentials"),
+        ({"token": 5}, "token"),
+        ({"token": "t", "token_file": "f"}, "token or token_file"),
+        ({"root_dir": "/data/job", "ckpt_dir": "/elsewhere/train"}, "ckpt_dir"),
     ],
 )
 def test_a_bad_constructor_argument_fails_at_construction_naming_it(arguments: dict[str, Any], message: str) -> None:
-    kwargs: dict[str, Any] = {"ckpt_dir": "train", "run": "rn-args", **arguments}
+    kwargs: dict[str, Any] = {"ckpt_dir": "train", "run": "rn-args", "timeout": 1.0, **arguments}
     ckpt_dir = kwargs.pop("ckpt_dir")
     # No daemon listens there: a check that passed would fail on the connection instead.
     with pytest.raises(ValueError, match=message):
-        RemoteCheckpointer(ckpt_dir, "127.0.0.1:1", timeout=1.0, step=tf.Variable(0), **kwargs)
+        RemoteCheckpointer(ckpt_dir, "127.0.0.1:1", step=tf.Variable(0), **kwargs)
 
 
 def test_a_huge_max_to_keep_is_taken_as_checkpoint_manager_takes_it(daemon: Daemon) -> None:
@@ -195,3 +210,149 @@ def test_a_huge_max_to_keep_is_taken_as_checkpoint_manager_takes_it(daemon: Daem
     with RemoteCheckpointer("train", daemon.address, run="rn-huge", max_to_keep=10**12, timeout=LIMIT, s=step) as c:
         assert c.save(3, blocking=True).result() is not None
     assert os.path.isfile(daemon.root / "rn-huge" / "train" / "ckpt-3.index")
+
+
+def test_a_renamed_job_that_does_not_resume_never_replaces_the_old_names_checkpoints(daemon: Daemon) -> None:
+    step = tf.Variable(0, dtype=tf.int64)
+    with RemoteCheckpointer(
+        "train", daemon.address, run="rn-was", folder="rn-dir", timeout=LIMIT, global_step=step
+    ) as old:
+        for s in (500, 1000):
+            step.assign(s)
+            assert old.save(s, blocking=True).result() is not None
+        assert old.save(1000, blocking=True).result() is not None  # its own stream may save a step again
+    directory = daemon.root / "rn-dir" / "train"
+    before = {p.name: p.read_bytes() for p in directory.glob("ckpt-*")}
+
+    # A job renamed over the dir restores from it, then starts its step again (a script that sets it):
+    # at a step the old name committed, its save is refused, loudly, blocking or not; the old one stays.
+    step2 = tf.Variable(0, dtype=tf.int64)
+    with RemoteCheckpointer(
+        "train", daemon.address, run="rn-is", folder="rn-dir", timeout=LIMIT, global_step=step2
+    ) as new:
+        assert int(step2.numpy()) == 1000
+        step2.assign(500)
+        for blocking in (False, True):
+            with pytest.raises(AlreadyExistsError, match=r"run 'rn-was\.train' committed.*initialize_or_restore"):
+                new.save(500, blocking=blocking)
+        step2.assign(1500)
+        assert new.save(1500, blocking=True).result() is not None  # past the dir's newest: its own
+    after = {p.name: p.read_bytes() for p in directory.glob("ckpt-*") if p.name in before}
+    assert after == before
+    assert counts(daemon, "rn-is.train") == (1, 0, 0)
+
+
+def test_a_job_of_the_same_name_in_another_folder_is_refused_and_the_first_keeps_its_folder(daemon: Daemon) -> None:
+    step = tf.Variable(1, dtype=tf.int64)
+    first = RemoteCheckpointer("train", daemon.address, run="rn-exp", folder="rn-seed1", timeout=LIMIT, s=step)
+    try:
+        # A second seed of the experiment, same run=, its own folder: both would be run 'rn-exp.train'.
+        with pytest.raises(
+            AlreadyExistsError, match=r"'rn-exp\.train' is open .* folder 'rn-seed1', not 'rn-seed2'.*run="
+        ):
+            RemoteCheckpointer("train", daemon.address, run="rn-exp", folder="rn-seed2", timeout=LIMIT, s=step)
+        ticket = first.save(1)  # not blocking: a run taken over would fail or move it
+        assert not ticket.skipped and ticket.result() is not None
+    finally:
+        first.close()
+    assert (daemon.root / "rn-seed1" / "train" / "ckpt-1.index").is_file()
+    assert not (daemon.root / "rn-seed2").exists()
+
+
+def test_a_policy_saver_named_like_a_checkpointers_run_is_refused_at_registration(daemon: Daemon) -> None:
+    state = training_state.build(seed=7)
+    checkpointer = RemoteCheckpointer(
+        "train", daemon.address, run="rn-like", timeout=LIMIT, agent=state.agent, global_step=state.global_step
+    )
+    saver = RemotePolicySaver(state.agent.policy, daemon.address, run="rn-like.train", timeout=LIMIT)
+    try:
+        assert saver.run == checkpointer.run == "rn-like.train"
+        with pytest.raises(AlreadyExistsError, match=r"training_checkpoint saves, not saved_model.*run="):
+            saver.register()
+        state.global_step.assign(3)
+        assert checkpointer.save(3).result() is not None  # its run is still its own
+    finally:
+        saver.close()
+        checkpointer.close()
+
+
+def test_savers_of_a_job_named_by_folder_alone_or_by_run_never_skip_one_another(daemon: Daemon) -> None:
+    """Omitting run= (the folder names the job) gives the same runs as naming it: none shared."""
+    state = training_state.build(seed=8)
+    state.collect(40)
+    by_folder = [
+        RemoteCheckpointer(d, daemon.address, folder="rn-omit", timeout=LIMIT, **o)
+        for d, o in zip(("train", "train/policy"), _objects(state)[:2], strict=True)
+    ]
+    by_run = RemoteCheckpointer(
+        "train/replay_buffer", daemon.address, run="rn-omit", timeout=LIMIT, rb=state.replay_buffer
+    )
+    greedy = RemotePolicySaver(state.agent.policy, daemon.address, folder="rn-omit", timeout=LIMIT)
+    collect = RemotePolicySaver(state.agent.collect_policy, daemon.address, timeout=LIMIT, folder="rn-omit")
+    everything = [*by_folder, by_run]
+    try:
+        runs = [c.run for c in everything] + [greedy.run, collect.run]
+        assert len(set(runs)) == len(runs), runs
+        state.global_step.assign(20)
+        tickets = [c.save(20) for c in everything] + [greedy.save("policies/greedy"), collect.save("policies/collect")]
+        assert [t.skipped for t in tickets] == [False] * len(tickets), [t.reason for t in tickets]
+        assert all(t.result() is not None for t in tickets)
+    finally:
+        for closing in (*everything, greedy, collect):
+            closing.close()
+    folder = daemon.root / "rn-omit"
+    for name in ("train", "train/policy", "train/replay_buffer"):
+        assert (folder / name / "ckpt-20.index").is_file(), name
+    assert (folder / "policies" / "greedy" / "saved_model.pb").is_file()
+    assert (folder / "policies" / "collect" / "saved_model.pb").is_file()
+
+
+SAVER_ARGUMENTS = [
+    ({"run": None}, "name the training job"),
+    ({"run": "a/b"}, "run="),
+    ({"folder": ".."}, "folder="),
+    ({"timeout": 0}, "timeout"),
+    ({"chunk_bytes": 0}, "chunk_bytes"),
+    ({"shared_memory": 1}, "shared_memory"),
+    ({"incremental": "yes"}, "incremental"),
+    ({"numpy_state": {"x": 1}}, "numpy_state"),
+    ({"session": "s"}, "session"),
+    ({"token": ""}, "token"),
+    ({"address": "http://127.0.0.1:1"}, "HOST:PORT"),
+    ({"address": None}, "address"),
+]
+
+
+@pytest.mark.parametrize(("arguments", "message"), SAVER_ARGUMENTS)
+def test_a_bad_policy_saver_argument_fails_at_construction_naming_it(arguments: dict[str, Any], message: str) -> None:
+    kwargs: dict[str, Any] = {"address": "127.0.0.1:1", "run": "rn-args", "timeout": 1.0, **arguments}
+    address = kwargs.pop("address")
+    with pytest.raises(ValueError, match=message):
+        RemotePolicySaver(policies.build(policies.q(hidden=(4,))), address, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "arguments", "error", "message"),
+    [
+        ("common_module", {"run": "a/b"}, ValueError, "run="),
+        ("common_module", {"timeout": -1}, ValueError, "timeout"),
+        ("common_module", {"max_to_keep": 3}, TypeError, "max_to_keep"),  # a Checkpointer's own argument
+        ("common_module", {"incremental": 1}, ValueError, "incremental"),
+        ("common_module", {"keep_checkpoint_every_n_hours": 0}, ValueError, "keep_checkpoint_every_n_hours"),
+        ("common_module", {"root_dir": 5}, ValueError, "root_dir"),
+        ("train_modules", {"run": ""}, ValueError, "run="),
+        ("train_modules", {"tokn": "t"}, TypeError, "tokn"),
+        ("train_modules", {"shared_memory": "yes"}, ValueError, "shared_memory"),
+        ("train_modules", {"address": "grpc://h:1"}, ValueError, "HOST:PORT"),
+        ("ppo_learner_module", {"run": "a b"}, ValueError, "run="),
+        ("ppo_learner_module", {"chunk_bytes": 1 << 30}, ValueError, "chunk_bytes"),
+    ],
+)
+def test_a_bad_swap_argument_fails_when_the_module_is_made_naming_it(
+    make: str, arguments: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """The one-line swaps check what they are given then, not when the script builds its first saver."""
+    kwargs: dict[str, Any] = {"address": "127.0.0.1:1", "run": "rn-swap", **arguments}
+    address = kwargs.pop("address")
+    with pytest.raises(error, match=message):
+        getattr(checkpointd_client, make)(address, **kwargs)

@@ -161,7 +161,7 @@ def test_a_training_dir_past_max_to_keep_is_swept_when_the_new_holder_takes_the_
     on_b = RemoteCheckpointer("train", b.address, run="trainer", max_to_keep=3, global_step=step, timeout=TIMEOUT)
     pair.closers.append(on_b)
 
-    assert pair.stored_saves(b, on_b.run) == 3  # before any save of B's (its run: the job's checkpointer of train)
+    assert pair.stored_saves(b, on_b.run) == 3  # before any save of B's
     assert int(step.numpy()) == 3  # restored from ckpt-4, the copy of ckpt-3
     files = pair.keys("trainer/train/")
     assert {k.split(".")[0] for k in files if k.startswith("ckpt-")} == {"ckpt-2", "ckpt-3", "ckpt-4"}

@@ -1,8 +1,11 @@
-"""TF-Agents' own DQN v2 example, unmodified, swapped as the README says: every checkpoint it writes in process
-it writes through the daemon too, in the same dirs at the same steps, and a second run resumes from them.
+"""TF-Agents' own example scripts, unmodified, swapped as the README says: every checkpoint (and SavedModel)
+each writes in process it writes through the daemon too, in the same dirs at the same steps, and a second
+run resumes from them.
 
-Each run is a process of its own (`tests.integration.example_proc`), as a
-user's two runs are: 60 iterations, then 60 more from the restored step.
+The classic v2 examples of DQN (CartPole), SAC and PPO (both on gym's
+Pendulum-v1: their default environments need MuJoCo, which does not install
+here), and the Learner-based DQN example with Reverb. Each run is a process
+of its own (`tests.integration.example_proc`), as a user's two runs are.
 """
 
 from __future__ import annotations
@@ -58,11 +61,67 @@ def test_the_dqn_v2_example_keeps_every_checkpoint_and_resumes_through_the_daemo
     job = "dqn-v2-example"
     first = _run(tmp_path / "remote", 60, daemon, job)
     second = _run(tmp_path / "remote", 60, daemon, job)
-    assert first == {"mismatched": [], "newest_steps": [60]}
-    assert second == {"mismatched": [], "newest_steps": [120]}  # resumed at 60, not from 0
+    assert first == {"mismatched": [], "newest_steps": [60], "restored": {}}
+    # Resumed at 60, not from 0, each restored checkpointer holding its dir's newest checkpoint bit for bit.
+    assert second == {
+        "mismatched": [],
+        "newest_steps": [120],
+        "restored": {"train": True, "train/replay_buffer": True},
+    }
     # Retention (max_to_keep=1 for the replay buffer) runs off the save path: its deletions follow the commit.
     remote = daemon.root / job / "train"
     wait_until(lambda: _checkpoints(remote) == expected, f"the same checkpoints as in process: {expected}")
+
+
+def test_the_sac_v2_example_on_pendulum_keeps_every_checkpoint_and_resumes_through_the_daemon(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """SAC's example with its env_load_fn and env_name arguments set to gym's Pendulum-v1 (no MuJoCo here)."""
+    local = tmp_path / "in-process"
+    _run(local, 60, example="sac")
+    _run(local, 120, example="sac")  # its num_iterations counts from step 0
+    expected = _checkpoints(local / "train")
+    assert set(expected) == {".", "policy", "replay_buffer"}, expected
+
+    job = "sac-v2-example"
+    first = _run(tmp_path / "remote", 60, daemon, job, example="sac")
+    second = _run(tmp_path / "remote", 120, daemon, job, example="sac")
+    assert first == {"mismatched": [], "newest_steps": [60], "restored": {}}
+    assert second == {
+        "mismatched": [],
+        "newest_steps": [120],
+        "restored": {"train": True, "train/replay_buffer": True},
+    }
+    remote = daemon.root / job / "train"
+    wait_until(lambda: _checkpoints(remote) == expected, f"the same checkpoints as in process: {expected}")
+
+
+def test_the_ppo_v2_example_on_pendulum_keeps_every_checkpoint_and_saved_model_through_the_daemon(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """PPO's clip-agent example on Pendulum-v1, its PolicySaver swapped too (policy_saver_module).
+
+    7 iterations, then up to 13: its loop runs until the restored
+    environment steps reach the total; each run ends on a save of both.
+    """
+    local = tmp_path / "in-process"
+    _run(local, 7, example="ppo")
+    _run(local, 13, example="ppo")
+    expected = _checkpoints(local / "train")
+    expected_models = _saves(local / "policy_saved_model")
+    assert set(expected) == {".", "policy"} and "policy_000000012/saved_model.pb" in expected_models, expected
+
+    job = "ppo-v2-example"
+    first = _run(tmp_path / "remote", 7, daemon, job, example="ppo")
+    second = _run(tmp_path / "remote", 13, daemon, job, example="ppo")
+    assert first == {"mismatched": [], "newest_steps": [6], "restored": {}}
+    assert second == {"mismatched": [], "newest_steps": [12], "restored": {"train": True}}
+    remote = daemon.root / job
+    wait_until(
+        lambda: (_checkpoints(remote / "train"), _saves(remote / "policy_saved_model")) == (expected, expected_models),
+        f"the same checkpoints and SavedModels as in process: {expected}, {expected_models}",
+    )
+    assert not (tmp_path / "remote" / "policy_saved_model").exists()  # none written in the process
 
 
 def _saves(top: Path) -> list[str]:

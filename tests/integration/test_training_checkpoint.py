@@ -18,7 +18,6 @@ import numpy as np
 import tensorflow as tf
 from tf_agents.utils import numpy_storage
 
-import checkpointd_client
 from checkpointd.protocol import wire
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
@@ -140,18 +139,19 @@ def test_a_save_while_one_is_in_flight_is_skipped_and_a_blocking_one_waits_its_t
         (ticket,) = waiting
         assert ticket.result() is not None and ticket.step == 3
     assert counts(daemon, run) == (2, 1, 0)
-    assert tf.train.latest_checkpoint(str(daemon.root / "tc-lane" / "train")).endswith("ckpt-3")  # the job's folder
+    assert tf.train.latest_checkpoint(str(daemon.root / "tc-lane" / "train")).endswith("ckpt-3")
 
 
-def test_common_modules_checkpointer_waits_behind_its_own_save_in_flight_instead_of_skipping(daemon: Daemon) -> None:
-    # common.Checkpointer writes every checkpoint in process; its stand-in must not drop one.
-    common = checkpointd_client.common_module(daemon.address, run="tc-every", timeout=LIMIT)
+def test_a_checkpointer_that_does_not_skip_waits_for_its_save_in_flight_then_hands_off(daemon: Daemon) -> None:
+    """skip_if_busy=False (common_module's drop-in for the synchronous common.Checkpointer): never skipped."""
     objects = _objects(seed=7)
-    ckpt = common.Checkpointer("train", **objects)
-    try:
+    with RemoteCheckpointer(
+        "train", daemon.address, run="tc-wait", timeout=LIMIT, skip_if_busy=False, **objects
+    ) as ckpt:
+        run = ckpt.run
         state = client_training.describe(ckpt.checkpoint)
         header = pb.SaveHeader(
-            run=ckpt.run, kind=pb.TRAINING_CHECKPOINT, export_dir="train", step=1,
+            run=run, kind=pb.TRAINING_CHECKPOINT, export_dir="train", step=1,
             snapshot_bytes=state.nbytes, training_checkpoint=state.to_proto(20, None),
         )  # fmt: skip
         with (
@@ -160,14 +160,13 @@ def test_common_modules_checkpointer_waits_behind_its_own_save_in_flight_instead
         ):
             assert held.decision().accepted
             saved: list[SaveTicket] = []
-            caller = threading.Thread(target=lambda: saved.append(ckpt.save(2)))  # not blocking, as scripts call it
-            caller.start()
-            wait_until(lambda: run_status(daemon, ckpt.run).in_flight.waiting == 1, "the save queued behind")
-            assert not saved  # waiting, not skipped
+            saving = threading.Thread(target=lambda: saved.append(ckpt.save(2)))  # not blocking
+            saving.start()
+            wait_until(lambda: run_status(daemon, run).in_flight.waiting == 1, "the save queued, not skipped")
+            assert not saved
             held.finish(list(wire.chunks(state.copy(), 1 << 20)))
-            caller.join(LIMIT)
+            saving.join(LIMIT)
         (ticket,) = saved
-        assert not ticket.skipped and ticket.result(LIMIT) is not None
-        assert tf.train.latest_checkpoint(str(daemon.root / "tc-every" / "train")).endswith("ckpt-2")
-    finally:
-        common.close(timeout=LIMIT)
+        assert not ticket.skipped and ticket.result() is not None and ticket.step == 2
+    assert counts(daemon, run) == (2, 0, 0)
+    assert tf.train.latest_checkpoint(str(daemon.root / "tc-wait" / "train")).endswith("ckpt-2")

@@ -369,3 +369,47 @@ def test_a_closed_runs_claim_is_free_again(lanes: Lanes) -> None:
     assert lanes.claim("renamed.train") == "train"
     with pytest.raises(AlreadyExistsError):
         lanes.register("job.train", MANIFEST, "job", claim="train")  # reopening it now meets the new holder
+
+
+# One stream per run name: an open run is registered again only by its own stream.
+
+TRAINING = (SaveKind.TRAINING_CHECKPOINT,)
+POLICY = (SaveKind.SAVED_MODEL, SaveKind.CHECKPOINT)
+
+
+@pytest.mark.parametrize(
+    ("folder", "claim", "kinds", "difference"),
+    [
+        ("seed2", "train", TRAINING, r"folder 'seed1', not 'seed2'"),
+        ("seed1", None, POLICY, r"training_checkpoint saves, not saved_model, checkpoint"),
+        ("seed1", "train/policy", TRAINING, r"checkpoint dir 'train', not 'train/policy'"),
+    ],
+)
+def test_an_open_run_registered_by_another_stream_is_refused_and_keeps_its_place(
+    folder: str, claim: str | None, kinds: tuple[SaveKind, ...], difference: str
+) -> None:
+    lanes = Lanes()
+    lanes.register("exp.train", MANIFEST, "seed1", claim="train", kinds=TRAINING)
+    with pytest.raises(AlreadyExistsError, match=rf"run 'exp.train' is open on this daemon for {difference}.*run="):
+        lanes.check_registration("exp.train", folder, claim, kinds)
+    with pytest.raises(AlreadyExistsError):
+        lanes.register("exp.train", MANIFEST, folder, claim=claim, kinds=kinds)
+    assert (lanes.folder("exp.train"), lanes.claim("exp.train")) == ("seed1", "train")
+
+
+def test_its_own_stream_registers_an_open_run_again_and_a_closed_run_takes_any_place() -> None:
+    lanes = Lanes()
+    lanes.register("exp.train", MANIFEST, "seed1", claim="train", kinds=TRAINING)
+    lanes.register("exp.train", MANIFEST, "seed1", claim="train", kinds=TRAINING)  # restarted without close()
+    lanes.close("exp.train", timeout=LIMIT)
+    lanes.register("exp.train", MANIFEST, "seed2", claim="train", kinds=TRAINING)  # the name taken up again
+    assert (lanes.folder("exp.train"), lanes.claim("exp.train")) == ("seed2", "train")
+
+
+def test_a_registration_in_progress_names_its_folder_until_it_ends() -> None:
+    """A lease taken while a run registers (a fleet's takeover) finds the run's folder, not its name."""
+    lanes = Lanes()
+    assert lanes.registering_folder("job.train") is None
+    with lanes.registering("job.train", "job"):
+        assert lanes.registering_folder("job.train") == "job"
+    assert lanes.registering_folder("job.train") is None

@@ -13,7 +13,7 @@ import pytest
 
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
-from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError, RunNotFoundError
+from checkpointd.protocol.errors import AlreadyExistsError, InvalidRequestError, LimitExceededError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.catalog import find_latest
 from checkpointd.saves.runs import Lanes
@@ -100,7 +100,11 @@ def test_lanes_remember_each_runs_folder(tmp_path: Path) -> None:
     lanes.register("r.greedy", manifest, "r")
 
     assert (lanes.folder("r"), lanes.folder("r.greedy")) == ("r", "r")
-    lanes.register("r.greedy", manifest)  # registered again without a folder: its own name
+    with pytest.raises(AlreadyExistsError):  # open: another stream of its name may not move it
+        lanes.register("r.greedy", manifest)
+    assert lanes.folder("r.greedy") == "r"
+    lanes.close("r.greedy", timeout=5.0)
+    lanes.register("r.greedy", manifest)  # closed, registered again without a folder: its own name
     assert lanes.folder("r.greedy") == "r.greedy"
     with pytest.raises(RunNotFoundError):
         lanes.folder("unknown")

@@ -81,6 +81,15 @@ def test_a_known_sequence_gives_exact_values(registry: CollectorRegistry, metric
     assert sample(registry, last_success, run="r3") is None
 
 
+def test_a_cancelled_save_is_counted_as_cancelled_and_never_as_failed(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.save_cancelled("r1", "training_checkpoint", 0.5)
+    assert sample(registry, "checkpointd_saves_total", kind="training_checkpoint", outcome="cancelled") == 1
+    assert sample(registry, "checkpointd_saves_total", kind="training_checkpoint", outcome="failed") == 0
+    assert sample(registry, "checkpointd_last_success_timestamp_seconds", run="r1") is None
+
+
 def test_run_count_gauge_reads_its_source_at_scrape(registry: CollectorRegistry, metrics: Metrics) -> None:
     runs = ["a", "b", "c"]
     metrics.runs.set_function(lambda: len(runs))

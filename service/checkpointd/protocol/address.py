@@ -28,9 +28,11 @@ def check_address(address: str) -> str:
     (`dns:///host:port`, `unix:/path`).
 
     Raises:
-        AddressError: `address` is empty, or a URL (`http://host:port`,
+        AddressError: `address` is not a str, is empty, or is a URL (`http://host:port`,
             `grpc://host:port`); the message gives the HOST:PORT to use.
     """
+    if not isinstance(address, str):
+        raise AddressError(f"the daemon's address must be a str, HOST:PORT (e.g. localhost:7431), saw {address!r}")
     stripped = address.strip()
     if not stripped:
         raise AddressError("the daemon's address is empty; give it as HOST:PORT (e.g. localhost:7431)")

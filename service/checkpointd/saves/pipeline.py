@@ -61,6 +61,7 @@ from checkpointd.core.ports import (
     WholePartsSink,
 )
 from checkpointd.protocol.errors import (
+    AlreadyExistsError,
     InvalidRequestError,
     LimitExceededError,
     RunNotFoundError,
@@ -137,7 +138,6 @@ class SavePipeline:
         self._skips = SkipLog(_LOGGER)
         # The kinds each registered run takes: its registering format's.
         self._run_kinds: dict[str, tuple[SaveKind, ...]] = {}
-        self._registering: dict[str, str] = {}  # run -> the folder its registration names, while it waits for the lease
         self._bases = bases.Newest()  # each checkpoint dir's newest save: an incremental save's base
         self._local = not isinstance(store, StreamingStore)  # an object store's saves are not files here
 
@@ -202,21 +202,20 @@ class SavePipeline:
                 f"{self._config.max_template_bytes} (--max-template-bytes)"
             )
         started = time.monotonic()
-        self._registering[run] = folder  # a takeover's retention (on the lease) tidies this folder
-        try:
+        with self.lanes.registering(run, folder):  # a takeover's retention, as the lease is taken, needs the folder
             self.leases.hold(
                 run, started + self._lease_wait(timeout), waiting=on_lease_wait
             )  # before anything of the run is stored
-        finally:
-            self._registering.pop(run, None)
         # A policy run's template goes to the format of policy saves; a
         # training run's (empty) registration to the training format.
         fmt = self.formats(kind or SaveKind.SAVED_MODEL)
+        # Another stream of the same name, or of the same dir: refused before its template replaces the open run's.
+        self.lanes.check_registration(run, folder, claim, tuple(fmt.kinds))
         try:
             manifest = fmt.register(run, receive_template(), variables, checkpoint_object_graph)
         except OSError as e:  # the state dir: unwritable, full, gone (logged as the call ends)
             raise SaveFailedError(f"run {run!r}: could not store its template: {describe(e)}") from e
-        self.lanes.register(run, manifest, folder, claim)
+        self.lanes.register(run, manifest, folder, claim, tuple(fmt.kinds))
         self._skips.forget(run)  # a restarted trainer's first skip is logged as a first again
         self._run_kinds[run] = tuple(fmt.kinds)
         _LOGGER.info(
@@ -234,12 +233,9 @@ class SavePipeline:
         return wait
 
     def folder(self, run: str, asked: str = "") -> str:
-        """The folder to search: the one asked for, else the registered one (or the one a registration
-        waiting for the run's lease names), else the run's name."""
+        """The folder to search: the one asked for, else the registered one, else the run's name."""
         if asked:
             return check_folder(asked)
-        if run in self._registering:
-            return self._registering.get(run, run)
         try:
             return self.lanes.folder(run)
         except RunNotFoundError:
@@ -296,6 +292,7 @@ class SavePipeline:
                     f"run {run!r} writes checkpoint dir {claim!r}, not {directory_of(request.export_dir)!r} "
                     f"(export_dir {request.export_dir!r}): register a run of its own for another dir"
                 )
+            self._refuse_replacing_another_runs(run, folder, request.export_dir)
         fmt.check(
             manifest, request.variables, request.snapshot_bytes, request.numpy_state,
             self._config.max_snapshot_bytes, **_own(request),
@@ -329,6 +326,28 @@ class SavePipeline:
                 return
             self._phases.observe_phase(request.kind.value, "queue", time.monotonic() - asked)
             yield from self._accepted(request, run, folder, manifest, decision, receive, release, is_active)
+
+    def _refuse_replacing_another_runs(self, run: str, folder: str, export_dir: str) -> None:
+        """Raises AlreadyExistsError if another run committed the training checkpoint at `export_dir`.
+
+        A run that takes over a dir (a renamed job) resumes from its newest
+        checkpoint, so its steps go on from there; a save at a step another
+        stream already committed would replace that stream's checkpoint. The
+        same run saving a step again (a trainer restarted after a crash) may.
+        """
+        try:
+            there = self.store.committed_at(folder, export_dir)
+        except RunNotFoundError:
+            return
+        if there.run != run:
+            directory = directory_of(export_dir)
+            raise AlreadyExistsError(
+                f"{export_dir!r} in folder {folder!r} is a checkpoint run {there.run!r} committed (step "
+                f"{there.step}); run {run!r} does not replace another stream's checkpoint. Restore the "
+                f"dir's newest checkpoint first (RemoteCheckpointer restores it at construction: call "
+                f"initialize_or_restore() and save from its step on), or give this checkpointer another "
+                f"ckpt_dir than {directory!r}"
+            )
 
     def count_local_skips(self, run: str, skips: Sequence[LocalSkip]) -> None:
         """Counts and logs saves of `run` its trainer skipped on its own.

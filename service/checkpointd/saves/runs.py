@@ -21,11 +21,12 @@ lane without a decision.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from checkpointd.core.lane import (
@@ -76,6 +77,7 @@ class _Run:
     manifest: Manifest
     folder: str
     claim: str | None = None  # the checkpoint dir of `folder` a training run writes (None: no claim)
+    kinds: tuple[SaveKind, ...] = ()  # the saves it makes (a policy run's or a training run's)
     lock: RunLock | None = None  # the run's busy lock
     decided_ticket: Ticket | None = None  # the trainer-decided save in flight (its trainer holds the lock)
 
@@ -95,6 +97,7 @@ class Lanes:
         self._cond = threading.Condition()
         self._runs: dict[str, _Run] = {}
         self._notice = Notice(notice_window)
+        self._registering: dict[str, str] = {}  # run -> the folder its registration in progress names
 
     @property
     def draining(self) -> bool:
@@ -111,8 +114,21 @@ class Lanes:
         with self._cond:
             return len(self._runs)
 
-    def register(self, run: str, manifest: Manifest, folder: str | None = None, claim: str | None = None) -> None:
-        """Adds a run, or gives an existing one a new manifest (and folder and claim) and reopens it.
+    def register(
+        self,
+        run: str,
+        manifest: Manifest,
+        folder: str | None = None,
+        claim: str | None = None,
+        kinds: tuple[SaveKind, ...] = (),
+    ) -> None:
+        """Adds a run, or reopens it for its restarted trainer with a new manifest.
+
+        An open run registered again is the same stream only if it writes
+        the same folder, the same kinds and the same claimed dir (a trainer
+        that restarted without closing); anything else is another stream
+        that happens to have its name, refused so that neither moves or
+        breaks the other. A closed run takes whatever it is registered with.
 
         Args:
             run: the run.
@@ -120,9 +136,11 @@ class Lanes:
             folder: where the run's saves land under the root; None: the run's name.
             claim: the checkpoint dir of the folder the run alone writes while
                 it is open (a training run's); None: none.
+            kinds: the saves the run makes; () leaves them unchecked.
 
         Raises:
-            AlreadyExistsError: another open run of the folder claims `claim`;
+            AlreadyExistsError: another open run of the folder claims `claim`,
+                or the run is open for another folder, kind of save or dir;
                 nothing changes.
             UnavailableError: the daemon is on notice and the run is not open
                 here, or the daemon is draining.
@@ -130,24 +148,67 @@ class Lanes:
         folder = folder or run
         with self._cond:
             self._check_register(run)
-            if claim is not None:
-                holder = self._claimant(folder, claim)
-                if holder is not None and holder != run:
-                    raise AlreadyExistsError(
-                        f"checkpoint dir {claim!r} of folder {folder!r} is written by run {holder!r}, which is "
-                        f"open on this daemon: one checkpointer per dir, as one CheckpointManager per dir. Give "
-                        f"this checkpointer another ckpt_dir, or close run {holder!r} first (`checkpointd close --run "
-                        f"{holder}`); to only read its checkpoints, use RemoteCheckpointer(..., read_only=True)"
-                    )
+            self._check_registration(run, folder, claim, kinds)
             entry = self._runs.get(run)
             if entry is None:
-                self._runs[run] = _Run(Lane(run, self._clock, self._sink), manifest, folder, claim)
+                self._runs[run] = _Run(Lane(run, self._clock, self._sink), manifest, folder, claim, kinds)
             else:
                 entry.manifest = manifest
                 entry.folder = folder
                 entry.claim = claim
+                entry.kinds = kinds or entry.kinds
                 entry.lane.reopen()
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def registering(self, run: str, folder: str) -> Iterator[None]:
+        """For the length of a registration: the folder it names, for `registering_folder`.
+
+        The run's lease is taken before the run is registered here, and
+        whatever acts on a lease just taken (a takeover's retention) needs
+        the run's folder, which is not the run's name for most runs.
+        """
+        with self._cond:
+            self._registering[run] = folder
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._registering.pop(run, None)
+
+    def registering_folder(self, run: str) -> str | None:
+        """The folder a registration of `run` in progress names; None if none is."""
+        with self._cond:
+            return self._registering.get(run)
+
+    def check_registration(
+        self, run: str, folder: str | None, claim: str | None = None, kinds: tuple[SaveKind, ...] = ()
+    ) -> None:
+        """Raises what `register` would raise for these arguments; nothing changes.
+
+        The pipeline asks before it stores the run's template, so a refused
+        registration leaves the open run's template as it was.
+
+        Raises:
+            AlreadyExistsError: see `register`.
+        """
+        with self._cond:
+            self._check_registration(run, folder or run, claim, kinds)
+
+    def _check_registration(self, run: str, folder: str, claim: str | None, kinds: tuple[SaveKind, ...]) -> None:
+        """See `register`; the caller holds the lock."""
+        if claim is not None:
+            holder = self._claimant(folder, claim)
+            if holder is not None and holder != run:
+                raise AlreadyExistsError(
+                    f"checkpoint dir {claim!r} of folder {folder!r} is written by run {holder!r}, which is "
+                    f"open on this daemon: one checkpointer per dir, as one CheckpointManager per dir. Give "
+                    f"this checkpointer another ckpt_dir, or close run {holder!r} first (`checkpointd close --run "
+                    f"{holder}`); to only read its checkpoints, use RemoteCheckpointer(..., read_only=True)"
+                )
+        entry = self._runs.get(run)
+        if entry is not None and entry.lane.state is not LaneState.CLOSED:
+            _refuse_another_stream(run, entry, folder, claim, kinds)
 
     def _claimant(self, folder: str, claim: str) -> str | None:
         """The open run that claims `claim` of `folder`, if any; the caller holds the lock."""
@@ -497,3 +558,26 @@ def _listed(names: list[str], most: int = 20) -> str:
         return "none"
     more = f" and {len(names) - most} more" if len(names) > most else ""
     return ", ".join(names[:most]) + more
+
+
+def _refuse_another_stream(run: str, entry: _Run, folder: str, claim: str | None, kinds: tuple[SaveKind, ...]) -> None:
+    """Raises AlreadyExistsError unless a registration of open `run` is its own stream again.
+
+    A restarted trainer registers the same folder, kinds and dir; another
+    saver whose name came out the same (another job's folder, a policy
+    saver named like a job's checkpointer) would take the run over: its
+    saves would land in the other's folder, or fail the other's.
+    """
+    differences = []
+    if entry.folder != folder:
+        differences.append(f"folder {entry.folder!r}, not {folder!r}")
+    if entry.kinds and kinds and entry.kinds != kinds:
+        differences.append(f"{', '.join(k.value for k in entry.kinds)} saves, not {', '.join(k.value for k in kinds)}")
+    if entry.claim != claim:
+        differences.append(f"checkpoint dir {entry.claim!r}, not {claim!r}")
+    if differences:
+        raise AlreadyExistsError(
+            f"run {run!r} is open on this daemon for {'; '.join(differences)}: another saver of that name "
+            f"is writing. Give this job another run= (a checkpointer's run is <run>.<ckpt_dir>, a policy "
+            f"saver's <run>), or close run {run!r} first (`checkpointd close --run {run}`) if its trainer is gone"
+        )

@@ -69,8 +69,10 @@ class CheckpointServiceServicer(object):
         their dtypes and shapes; both object graphs (the template's and
         checkpoint_object_graph) list exactly the variables and nothing but
         variables. Registering a run again (a restarted trainer)
-        replaces its manifest, template and folder and reopens it if closing or
-        closed; its counters stay. It does not wait for the run's in-flight save,
+        replaces its manifest and template and reopens it if closing or
+        closed; its counters stay. While it is open, only the same folder, kind
+        and checkpoint_dir are taken (else ALREADY_EXISTS, nothing changed); a
+        closed run may be registered with another folder. It does not wait for the run's in-flight save,
         which is written with the template current at write time (INTERNAL if
         its layout no longer fits). A failed registration changes nothing.
         RegisterRunHeader.kind TRAINING_CHECKPOINT registers a training run
