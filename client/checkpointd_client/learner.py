@@ -50,7 +50,7 @@ from tf_agents.utils import common
 from checkpointd.protocol.address import check_address
 from checkpointd_client.checkpointer import RemoteCheckpointer
 from checkpointd_client.connection import CONNECTION_OPTIONS, ConnectionOptions
-from checkpointd_client.notice import NOTICE_OPTIONS
+from checkpointd_client.notice import NOTICE_OPTIONS, check_deadline
 from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.streams import job_name, relative_to
 from checkpointd_client.ticket import SaveTicket
@@ -155,7 +155,7 @@ def train_modules(
         Stand-ins for `tf_agents.train.learner` and `tf_agents.train.triggers`.
     """
 
-    _check_swap(address, run, root_dir, connection, CONNECTION_OPTIONS)
+    _check_swap(address, run, root_dir, connection, (*CONNECTION_OPTIONS, *NOTICE_OPTIONS))
     learner_module = _learner_module(address, run, connection)
     policy_options = {k: v for k, v in connection.items() if k in POLICY_CONNECTION_OPTIONS}
 
@@ -186,7 +186,7 @@ def ppo_learner_module(address: str, *, run: str, **connection: Any) -> types.Mo
     Returns:
         A stand-in for `tf_agents.train.ppo_learner`.
     """
-    _check_swap(address, run, None, connection, CONNECTION_OPTIONS)
+    _check_swap(address, run, None, connection, (*CONNECTION_OPTIONS, *NOTICE_OPTIONS))
     learner_module = _learner_module(address, run, connection)
 
     class PPOLearner(tf_ppo_learner.PPOLearner):
@@ -318,7 +318,7 @@ def policy_saver_module(
 
 
 # What common_module passes on to every RemoteCheckpointer besides the connection.
-_CHECKPOINTER_OPTIONS = (*CONNECTION_OPTIONS, "incremental", "keep_checkpoint_every_n_hours")
+_CHECKPOINTER_OPTIONS = (*CONNECTION_OPTIONS, *NOTICE_OPTIONS, "incremental", "keep_checkpoint_every_n_hours")
 
 
 def _check_swap(
@@ -342,8 +342,11 @@ def _check_swap(
     if root_dir is not None and not isinstance(root_dir, str | os.PathLike):
         raise ValueError(f"root_dir must be a path or None, saw {type(root_dir)!r}")
     ConnectionOptions(**{k: v for k, v in connection.items() if k in CONNECTION_OPTIONS})
-    if not isinstance(connection.get("incremental", True), bool):
-        raise ValueError(f"incremental must be True or False, got {connection['incremental']!r}")
+    for flag in ("incremental", "save_on_notice"):
+        if not isinstance(connection.get(flag, True), bool):
+            raise ValueError(f"{flag} must be True or False, got {connection[flag]!r}")
+    if "notice_deadline" in connection:
+        check_deadline(connection["notice_deadline"])
     hours = connection.get("keep_checkpoint_every_n_hours")
     if hours is not None and not (
         isinstance(hours, int | float) and not isinstance(hours, bool) and 0 < hours < math.inf

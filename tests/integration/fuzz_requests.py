@@ -190,6 +190,8 @@ def register_scenarios(draw: Callable, world: World) -> Scenario:
         if requests[0].WhichOneof("item") != "header":  # header-again may have put a header first
             exact = Code.INVALID_ARGUMENT
     scenario = Scenario(f"register/{'+'.join(sorted(set(mutated)))}", "RegisterRun", requests, exact=exact)
+    # A pool run may be open as another stream (a training run, another folder): one name, one stream.
+    scenario.also = frozenset({Code.ALREADY_EXISTS})
     data = [c for c in chunks if c.path == DATA_FILE]
     original = sum(len(c.data) for c in world.template_chunks if c.path == DATA_FILE)
     if len(data) == 1 and len(data[0].data) < original:

@@ -74,7 +74,10 @@ def loop(mode: str, address: str, run: str, deadline: float) -> int:
             # os.write, not print: the signal may have interrupted a print to stdout,
             # and the buffered writer refuses a reentrant call.
             os.write(1, f"own handler ran at step {int(trainer.train_step.numpy())}\n".encode())
-            sys.exit(OWN_HANDLER_EXIT)
+            # os._exit, not sys.exit: a SystemExit raised where the signal landed is
+            # swallowed if that was inside a __del__ (TensorFlow runs many), and the
+            # loop would go on; this handler's behaviour must not depend on that.
+            os._exit(OWN_HANDLER_EXIT)
 
         signal.signal(signal.SIGTERM, own)
     checkpointer = RemoteCheckpointer(
