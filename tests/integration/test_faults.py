@@ -5,7 +5,8 @@ counted failed, nothing of it stays on disk, earlier saves still verify, and
 the run's lane serves the next save at once (accepted, not skipped).
 
 Disk full uses a 2 MiB tmpfs as the daemon's --root (falling back to a
-loop-mounted ext4 image, else skipping with the reason): it needs root.
+loop-mounted ext4 image, else skipping with the reason): it needs root, as
+does a run folder remounted read-only under the running daemon (a tmpfs of its own).
 """
 
 from __future__ import annotations
@@ -348,6 +349,82 @@ def test_a_full_disk_fails_the_save_cleanly_and_the_lane_serves_on(full_disk_dae
         assert not after.skipped
         after.result(DEADLINE)
         assert all(r.ok for r in verify.verify_paths([run_dir]))
+    finally:
+        saver.close()
+
+
+@pytest.fixture
+def remountable_daemon(tmp_path: Path) -> Iterator[tuple[Daemon, Path]]:
+    """A daemon and its run folder `faults-ro` on a tmpfs of its own (yielded), rw again at teardown.
+
+    The run folder, not the whole root: the daemon holds `.checkpointd/daemon.lock`
+    open for writing while it runs, so the kernel refuses `remount,ro` of the
+    root's own filesystem (EBUSY). A filesystem the kernel turns read-only on
+    an error (ext4 errors=remount-ro) ignores open writers, but cannot be made
+    writable again without an unmount: a folder on a mount of its own is what
+    goes read-only and back under a running daemon.
+    """
+    root = tmp_path / "root"
+    disk = root / "faults-ro"
+    disk.mkdir(parents=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    d = None
+    try:
+        d = start_daemon(root, tmp_path / "work")
+        yield d, disk
+    finally:
+        if d is not None:
+            d.proc.kill()
+            d.proc.wait()
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], capture_output=True)
+        if subprocess.run(["umount", str(disk)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _remount(disk: Path, mode: str) -> None:
+    done = subprocess.run(["mount", "-o", f"remount,{mode}", str(disk)], capture_output=True, text=True)
+    assert done.returncode == 0, f"remount,{mode}: {done.stderr.strip()}"
+
+
+def test_a_run_folder_remounted_read_only_fails_saves_clearly_and_they_commit_again_once_it_is_writable(
+    remountable_daemon: tuple[Daemon, Path],
+    q_policy,  # noqa: ANN001
+) -> None:
+    daemon, run_dir = remountable_daemon
+    saver = remote_saver(daemon, "faults-ro", q_policy)
+    try:
+        saver.save("good", blocking=True)
+        saver.save_checkpoint("ckpt-good", blocking=True)
+        _remount(run_dir, "ro")  # no file of it is held open for writing between saves
+        failed = saves_total(daemon, "saved_model", "failed")
+
+        with pytest.raises(SaveFailedError, match="Read-only file system") as caught:
+            saver.save("ro", blocking=True)
+        assert "internal error" not in str(caught.value)
+        with pytest.raises(SaveFailedError, match="Read-only file system"):
+            saver.save_checkpoint("ckpt-ro", blocking=True)
+        ticket = saver.save("ro-async")  # non-blocking: a failed ticket, never a raise
+        assert isinstance(ticket.exception(DEADLINE), SaveFailedError)
+
+        assert saves_total(daemon, "saved_model", "failed") >= failed + 2
+        assert daemon.proc.poll() is None and "Traceback" not in daemon.log()
+        assert not any((run_dir / name).exists() for name in ("ro", "ckpt-ro", "ro-async"))
+        assert temp_dirs(daemon.root) == []
+        latest = saver.latest()  # the daemon serves on: reads answer while writes cannot
+        assert latest is not None and latest.path.endswith("ckpt-good")
+
+        _remount(run_dir, "rw")
+        after = saver.save("after")
+        assert not after.skipped
+        after.result(DEADLINE)
+        saver.save_checkpoint("ckpt-after", blocking=True)
+        results = verify.verify_paths([run_dir])
+        assert results and all(r.ok for r in results), results
+        assert {p.name for p in run_dir.iterdir()} == {"good", "ckpt-good", "after", "ckpt-after"}
     finally:
         saver.close()
 
