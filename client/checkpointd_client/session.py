@@ -113,6 +113,7 @@ class DaemonSession:
         self.closed = False
         self.last_step: int | None = None  # of the last save call, for log lines
         self.outage = Outage()
+        self._outage_cause = ""  # the error that began or last extended the outage, for fast-failed tickets
         self.counts = SaveCounts()
         self._old_channels: list[grpc.Channel] = []
         self._dial()
@@ -355,10 +356,12 @@ class DaemonSession:
             if retry_in == 0.0:
                 return False
             self.outage.failed_fast()
-            failures = self.outage.failures
+            failures, cause = self.outage.failures, self._outage_cause
+        # The cause, not "unreachable": a daemon that answers UNAVAILABLE because
+        # its object store is down begins an outage too, and says so there.
         error = UnavailableError(
             f"saving run {self.run!r} step {ticket.step} to {ticket.export_dir!r} at {self.address}: "
-            f"not tried, the daemon was unreachable; the next save after {retry_in:.1f} s tries again"
+            f"not tried, the last save could not be taken ({cause}); the next save after {retry_in:.1f} s tries again"
         )
         _LOGGER.debug("run %s: save of step %s failed without trying (%d in this outage)", self.run, ticket.step,
                       failures)  # fmt: skip
@@ -370,6 +373,7 @@ class DaemonSession:
         with self.lock:
             began = self.outage.failed()
             retry_in = self.outage.retry_in()
+            self._outage_cause = f"{type(error).__name__}: {error}"
         if began:
             _LOGGER.warning(
                 "run %s: the daemon at %s cannot take saves (%s: %s); training goes on: non-blocking saves "

@@ -120,6 +120,13 @@ class Metrics:
             ["operation"],
             registry=registry,
         )
+        self.s3_errors = Counter(
+            "checkpointd_s3_errors",
+            "Requests (attempts) to the object store that the store failed, by operation and kind: "
+            "connection (refused, reset, closed), timeout, throttled (503 SlowDown) or server (other 5xx).",
+            ["operation", "kind"],
+            registry=registry,
+        )
         self.leases = Gauge(
             "checkpointd_leases_held",
             "Run leases this daemon holds in a shared object store (it writes those runs).",
@@ -248,6 +255,10 @@ class Metrics:
     def s3_request(self, operation: str) -> None:
         """One request (an attempt) sent to the object store."""
         self._child(self.s3_requests, operation).inc()
+
+    def s3_error(self, operation: str, kind: str) -> None:
+        """One attempt the object store failed (`s3_client.ERROR_KINDS`)."""
+        self._child(self.s3_errors, operation, kind).inc()
 
     def leases_held(self, count: int) -> None:
         self.leases.set(count)

@@ -392,12 +392,15 @@ def _make_store(
         )
         return local, NoLeases()
     from checkpointd.storage.s3 import S3Store  # boto3 loads only for an s3:// root
-    from checkpointd.storage.s3_client import S3Url, count_requests, make_client
+    from checkpointd.storage.s3_client import S3Url, count_errors, count_requests, make_client
     from checkpointd.storage.s3_lease import S3Leases
 
     url = S3Url.parse(config.s3_url)
-    client = make_client(config.s3_endpoint_url, config.s3_region, 4 * _S3_CONCURRENCY)
+    client = make_client(
+        config.s3_endpoint_url, config.s3_region, 4 * _S3_CONCURRENCY, read_timeout=config.s3_read_timeout
+    )
     count_requests(client, metrics.s3_request)
+    count_errors(client, metrics.s3_error)
     leases = S3Leases(
         client, url.bucket, url.prefix, ttl=config.lease_seconds, idle=config.lease_idle_seconds,
         busy=busy, sink=metrics, taken=taken,

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import pytest
 from botocore.credentials import Credentials, ReadOnlyCredentials
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, EndpointConnectionError
 
 from checkpointd.storage import s3_signed
 from checkpointd.storage.s3_client import error_code, make_client, small_requests
@@ -157,15 +157,22 @@ def test_a_dropped_connection_or_a_5xx_is_retried_and_the_answer_read(monkeypatc
         "CopyObjectResult": {"ETag": '"abc"'}
     }
     assert [(request.method, request.path) for request in sent] == [("PUT", "/b/a/k")] * 3 + [("PUT", "/b/a/k2")] * 2
-    assert len(signed._events.emitted) == 5  # type: ignore[attr-defined]  # each attempt counted
+    emitted = signed._events.emitted
+    assert [e for e in emitted if e.startswith("before-send.")] == [  # each attempt counted
+        "before-send.s3.PutObject"
+    ] * 3 + ["before-send.s3.CopyObject"] * 2
+    assert [e for e in emitted if e.startswith(s3_signed.FAILED_ATTEMPT)] == [  # and each failed one
+        f"{s3_signed.FAILED_ATTEMPT}.PutObject"
+    ] * 2 + [f"{s3_signed.FAILED_ATTEMPT}.CopyObject"]
 
 
 def test_a_connection_that_keeps_failing_raises_after_the_clients_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(s3_signed, "_backoff", lambda attempt: None)
     signed = _signed()
     sent = _answering(signed, [ConnectionRefusedError()] * 4)
-    with pytest.raises(ConnectionRefusedError):
+    with pytest.raises(EndpointConnectionError, match="127.0.0.1") as raised:  # as the client raises it
         signed.get_object(Bucket="b", Key="k")
+    assert isinstance(raised.value.__cause__, ConnectionRefusedError)
     assert len(sent) == 4
 
 

@@ -150,6 +150,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         f"(default: {_D.s3_grace_seconds:g})",
     )
     serve.add_argument(
+        "--s3-read-timeout",
+        type=float,
+        default=_D.s3_read_timeout,
+        metavar="SECONDS",
+        help="with an s3:// --root, how long an S3 request may wait for the server's next bytes before it is "
+        f"cut and retried: a stalled server fails the save instead of holding its run (default: {_D.s3_read_timeout:g})",
+    )
+    serve.add_argument(
         "--lease-seconds",
         type=float,
         default=_D.lease_seconds,
@@ -423,6 +431,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 s3_endpoint_url=args.s3_endpoint_url,
                 s3_region=args.s3_region,
                 s3_grace_seconds=args.s3_grace_seconds,
+                s3_read_timeout=args.s3_read_timeout,
                 lease_seconds=args.lease_seconds,
                 lease_idle_seconds=args.lease_idle_seconds,
                 host=args.host,

@@ -32,6 +32,8 @@ class ServeConfig:
         s3_grace_seconds: how old an uncommitted object or multipart upload
             must be before recovery at start deletes it (a peer's save in
             progress is younger).
+        s3_read_timeout: seconds an S3 request may wait for the server's next
+            bytes before it is cut and retried (`s3_client.make_client`).
         lease_seconds: with `s3_url`, the ttl of the run leases through which
             daemons sharing the bucket agree who writes a run
             (`checkpointd.storage.s3_lease`); renewed every third of it.
@@ -115,6 +117,7 @@ class ServeConfig:
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_grace_seconds: float = 3600.0
+    s3_read_timeout: float = 20.0
     lease_seconds: float = 30.0
     lease_idle_seconds: float = 120.0
 
@@ -149,6 +152,8 @@ class ServeConfig:
             raise ValueError("s3_endpoint_url and s3_region need an s3:// root")
         if not 0 <= self.s3_grace_seconds < math.inf:
             raise ValueError(f"s3_grace_seconds must be >= 0 and finite, got {self.s3_grace_seconds}")
+        if not 0 < self.s3_read_timeout < math.inf:
+            raise ValueError(f"s3_read_timeout must be > 0 and finite, got {self.s3_read_timeout}")
         lease.check_timing(self.lease_seconds, self.lease_idle_seconds)
 
     @property

@@ -63,7 +63,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged, WatchedSink
-from checkpointd.protocol.errors import RunHeldError, RunNotFoundError
+from checkpointd.protocol.errors import RunHeldError, RunNotFoundError, UnavailableError, describe
 from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
 from checkpointd.storage import (
     prefix,
@@ -85,6 +85,7 @@ from checkpointd.storage.s3_client import (
     error_code,
     make_client,
     small_requests,
+    store_failed,
     unavailable_on_error,
 )
 from checkpointd.storage.s3_keys import MANIFEST, PREFIX_MANIFEST, STORE_FIELDS
@@ -277,6 +278,15 @@ class S3Store:
             if not empty:
                 replacing = self._unpublish(manifest_key)  # an old save here stops counting first
             uploaded, listed, _ = s3_commit.upload(self, staged, files_base, manifest_key, meta)
+        except Exception as e:
+            if not store_failed(e):
+                raise
+            # The store, not the save, failed: UNAVAILABLE (the next save may
+            # commit), naming where the daemon sent it and the last error.
+            raise UnavailableError(
+                f"run {meta.run!r}: the object store at {self.client.meta.endpoint_url} failed saving step "
+                f"{meta.step} to s3://{self.bucket}/{target}: {describe(e)}"
+            ) from e
         finally:
             self._on_upload(meta.kind.value, time.monotonic() - uploading, uploaded)
             # The bucket has the save (or it failed): its local copy goes either way,
@@ -339,7 +349,7 @@ class S3Store:
                 yield obj["Key"], obj
 
     def reading(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return unavailable_on_error(f"{what} in {self.url}")
+        return unavailable_on_error(f"{what} in {self.url} (at {self.client.meta.endpoint_url})")
 
     def committed(self, folder: str, run: str | None) -> list[CommittedSave]:
         folder_key = self.folder_key(folder)

@@ -65,7 +65,50 @@ def count_requests(client: Any, count: Callable[[str], None]) -> None:
     client.meta.events.register("before-send.s3", hook)
 
 
-def make_client(endpoint_url: str | None, region: str | None, max_connections: int = 32) -> Any:
+ERROR_KINDS = ("connection", "timeout", "throttled", "server")
+
+
+def error_kind(status: int = 0, code: str = "", exception: BaseException | None = None) -> str | None:
+    """Which of ERROR_KINDS an attempt's failure is; None if the store did not fail (no error, or a 4xx)."""
+    from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
+    if exception is not None:
+        timeout = isinstance(exception, (ReadTimeoutError, ConnectTimeoutError, TimeoutError))
+        return "timeout" if timeout else "connection"
+    if status == 503 or code in ("SlowDown", "Throttling", "ThrottlingException"):
+        return "throttled"
+    return "server" if status >= 500 else None
+
+
+def count_errors(client: Any, count: Callable[[str, str], None]) -> None:
+    """Calls `count(operation, kind)` for each attempt of a request the store failed (see `error_kind`).
+
+    botocore emits `needs-retry.s3.<operation>` after every attempt, the last
+    one included, with the parsed answer or the exception caught; the hook
+    returns None, so the retry handler's answer is the one taken. The
+    requests `s3_signed` sends are counted from its own event, `s3_signed.FAILED_ATTEMPT`.
+    """
+
+    def after_attempt(event_name: str = "", response: Any = None, caught_exception: Any = None, **_: Any) -> None:
+        parsed = response[1] if isinstance(response, tuple) and len(response) > 1 else {}
+        kind = error_kind(
+            int(parsed.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0),
+            str(parsed.get("Error", {}).get("Code", "")),
+            caught_exception if isinstance(caught_exception, Exception) else None,
+        )
+        if kind is not None:
+            count(event_name.rpartition(".")[2] or "unknown", kind)
+
+    def failed_attempt(event_name: str = "", kind: str = "", **_: Any) -> None:
+        count(event_name.rpartition(".")[2] or "unknown", kind)
+
+    client.meta.events.register("needs-retry.s3", after_attempt)
+    client.meta.events.register(s3_signed.FAILED_ATTEMPT, failed_attempt)
+
+
+def make_client(
+    endpoint_url: str | None, region: str | None, max_connections: int = 32, read_timeout: float = 20.0
+) -> Any:
     """An S3 client that works on AWS and on radosgw; every upload's body is checked by the server.
 
     Over HTTPS, SigV4 sends UNSIGNED-PAYLOAD, so each PutObject/UploadPart
@@ -87,9 +130,17 @@ def make_client(endpoint_url: str | None, region: str | None, max_connections: i
         # and let the server check each body another way (see the docstring).
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
+        # standard mode retries what S3 documents as retryable (throttles such
+        # as 503 SlowDown, 500 InternalError, connection errors, timeouts) with
+        # jittered exponential backoff; 4 attempts of at most connect_timeout +
+        # read_timeout each bound how long a save waits on a store that is gone.
         retries={"max_attempts": 4, "mode": "standard"},
         connect_timeout=5,
-        read_timeout=60,
+        # Per socket read (or write), not per request: a server that accepts
+        # and then goes silent is cut after this, and the request retried,
+        # instead of holding the run's lane (botocore's default is 60 s, so a
+        # stalled server held a save for minutes across the 4 attempts).
+        read_timeout=read_timeout,
         max_pool_connections=max_connections,
         s3={"addressing_style": "path" if endpoint_url else "auto"},
     )
@@ -102,7 +153,7 @@ def make_client(endpoint_url: str | None, region: str | None, max_connections: i
     if endpoint_url is not None and body_is_signed(endpoint_url) and credentials is not None:
         signed = s3_signed.SignedRequests(
             endpoint_url, client.meta.region_name or "us-east-1", credentials, client.meta.events,
-            connect_timeout=5, read_timeout=60,
+            connect_timeout=5, read_timeout=read_timeout,
         )  # fmt: skip
         setattr(client, s3_signed.ATTRIBUTE, signed)  # the store's small requests go this way (s3_signed)
     return client
@@ -169,6 +220,19 @@ def error_code(e: BaseException) -> str:
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
     return ""
+
+
+def store_failed(e: BaseException) -> bool:
+    """True if `e` is the object store failing, not the request: unreachable, cut, timed out, 5xx or throttled.
+
+    What S3 documents as retryable: the same request may succeed later.
+    """
+    from botocore.exceptions import ConnectionError, HTTPClientError
+
+    if isinstance(e, (ConnectionError, HTTPClientError)):
+        return True
+    status = getattr(e, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return status >= 500 or error_code(e) in ("SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable")
 
 
 @contextlib.contextmanager

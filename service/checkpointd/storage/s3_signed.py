@@ -40,6 +40,7 @@ from urllib.parse import quote, urlsplit
 ATTRIBUTE = "checkpointd_signed"  # where `make_client` puts a client's SignedRequests
 _ATTEMPTS = 4  # as the client's retries={"max_attempts": 4}
 _RETRIED_STATUS = frozenset({500, 502, 503, 504})
+FAILED_ATTEMPT = "checkpointd-failed-attempt.s3"  # emitted per failed attempt, + ".<operation>", with kind=
 _RETRIED_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable"})
 
 
@@ -136,15 +137,18 @@ class SignedRequests:
             signed = self._signed(method, path, headers, body)
             try:
                 status, answer, data = self._exchange(method, path, signed.body, signed.headers)
-            except (OSError, http.client.HTTPException):
+            except (OSError, http.client.HTTPException) as e:
                 self._drop_connection()
+                self._failed(operation, "timeout" if isinstance(e, TimeoutError) else "connection")
                 if attempt + 1 == _ATTEMPTS:
-                    raise
+                    raise _transport_error(f"{self._scheme}://{self._host}{path}", e) from e
                 _backoff(attempt)
                 continue
             if status < 300 and not (operation == "CopyObject" and b"<Error>" in data[:512]):
                 return status, answer, data
             code, message = _error(status, data)
+            if status >= 500:
+                self._failed(operation, "throttled" if status == 503 or code == "SlowDown" else "server")
             if attempt + 1 < _ATTEMPTS and (status in _RETRIED_STATUS or code in _RETRIED_CODES):
                 _backoff(attempt)
                 continue
@@ -156,6 +160,11 @@ class SignedRequests:
                 operation,
             )
         raise AssertionError("unreachable")
+
+    def _failed(self, operation: str, kind: str) -> None:
+        """Emits one failed attempt (`s3_client.ERROR_KINDS`), which `s3_client.count_errors` counts."""
+        if self._events is not None:
+            self._events.emit(f"{FAILED_ATTEMPT}.{operation}", kind=kind)
 
     def _exchange(
         self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
@@ -223,6 +232,17 @@ def _error(status: int, data: bytes) -> tuple[str, str]:
             if code:
                 return code, root.findtext("Message") or root.findtext("{*}Message") or ""
     return str(status), http.client.responses.get(status, "")
+
+
+def _transport_error(url: str, e: BaseException) -> Exception:
+    """The botocore error the client raises where a request got no answer, naming the URL and the cause."""
+    from botocore.exceptions import ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
+
+    if isinstance(e, TimeoutError):
+        return ReadTimeoutError(endpoint_url=url, error=e)
+    if isinstance(e, ConnectionRefusedError):
+        return EndpointConnectionError(endpoint_url=url, error=e)
+    return ConnectionClosedError(endpoint_url=url, error=e)
 
 
 def _backoff(attempt: int) -> None:

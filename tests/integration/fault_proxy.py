@@ -1,0 +1,252 @@
+"""A TCP proxy in front of the S3 server that fails on command: refuse, reset, answer 503/500, or stall.
+
+`FaultProxy(upstream)` listens on 127.0.0.1:0 (`endpoint` is its URL) and
+forwards every connection to `upstream` (radosgw). `fault(kind)` switches
+every connection from then on, and those already open, to one way of failing:
+
+- `refuse`: the listening socket is closed, so connects are refused
+  (ECONNREFUSED); open connections are reset.
+- `reset`: a connection is reset (RST) once `reset_after` more bytes have
+  gone towards the server on it: mid-body for any upload larger than that.
+- `slowdown` / `internal`: each new request is answered `503 SlowDown` or
+  `500 InternalError` with S3's XML error body, then the connection closed;
+  open connections are reset when the fault begins (a server restarted into
+  that state).
+- `stall`: connections are accepted and whatever is sent is read and
+  dropped; nothing is ever answered. A connection that lost bytes so stays
+  stalled after the fault ends, until the client gives up on it: only the
+  client's own timeout frees it. Idle ones forward again.
+
+`clear()` forwards again; `during(kind, seconds)` is a fault for a timed
+window. A context manager: `close()` stops the listener and every
+connection, and joins its (daemon) threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from urllib.parse import urlsplit
+
+KINDS = ("refuse", "reset", "slowdown", "internal", "stall")
+_ERRORS = {
+    "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+    "internal": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
+}
+_POLL = 0.05  # seconds a connection's loop waits before it looks at the fault again
+
+
+def _reset(sock: socket.socket) -> None:
+    """Closes `sock` with an RST, not a FIN (SO_LINGER 0)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def error_response(kind: str) -> bytes:
+    """The HTTP response S3 gives for `kind` ("slowdown" or "internal"), closing the connection."""
+    status, reason, code, message = _ERRORS[kind]
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>{message}</Message><RequestId>fault-proxy</RequestId></Error>"
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+class FaultProxy:
+    """Forwards 127.0.0.1:<port> to `upstream` (an http://host:port URL), failing on command. Thread-safe."""
+
+    def __init__(self, upstream: str, reset_after: int = 64 << 10) -> None:
+        url = urlsplit(upstream)
+        assert url.hostname is not None and url.port is not None, upstream
+        self._upstream = (url.hostname, url.port)
+        self.reset_after = reset_after
+        self._lock = threading.Lock()
+        self._kind: str | None = None
+        self._generation = 0  # bumped at each fault change; connections compare theirs
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self.counts: dict[str, int] = {"connections": 0, "reset": 0, "answered": 0, "stalled": 0}
+        self.port = 0
+        self._listener: socket.socket | None = self._listen()
+        self.port = self._listener.getsockname()[1]
+        self._start(self._accept_loop, self._listener)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kind(self) -> str | None:
+        return self._kind
+
+    # Commands.
+
+    def fault(self, kind: str) -> None:
+        """From now on, fail every connection as `kind` (one of KINDS)."""
+        if kind not in KINDS:
+            raise ValueError(f"{kind!r} is not one of {KINDS}")
+        with self._lock:
+            self._kind, self._generation = kind, self._generation + 1
+            listener = self._listener if kind == "refuse" else None
+            if kind == "refuse":
+                self._listener = None
+        if listener is not None:
+            listener.close()  # its accept loop ends; connects are refused until clear()
+
+    def clear(self) -> None:
+        """Forward again (the listener back on the same port after `refuse`)."""
+        with self._lock:
+            if self._kind == "refuse":
+                self._listener = self._listen(self.port)
+                self._start(self._accept_loop, self._listener)
+            self._kind, self._generation = None, self._generation + 1
+
+    @contextlib.contextmanager
+    def during(self, kind: str) -> Iterator[None]:
+        """`kind` inside the block, forwarding again after it (even if it raises)."""
+        self.fault(kind)
+        try:
+            yield
+        finally:
+            self.clear()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        for t in list(self._threads):
+            t.join(timeout=5)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        assert not alive, f"fault proxy threads did not end: {alive}"
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+        self.close()
+
+    # Machinery.
+
+    def _listen(self, port: int = 0) -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen(64)
+        s.settimeout(_POLL)
+        return s
+
+    def _start(self, target: Callable[..., None], *args: object) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name=f"fault-proxy-{len(self._threads)}")
+        self._threads = [x for x in self._threads if x.is_alive()]
+        self._threads.append(t)
+        t.start()
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while not self._closed.is_set() and listener.fileno() != -1:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed: `refuse` or close()
+                return
+            conn.settimeout(None)
+            with self._lock:
+                self.counts["connections"] += 1
+                self._start(self._serve, conn)
+
+    def _serve(self, client: socket.socket) -> None:
+        """One connection: forward, or fail it as the fault says, until either side closes."""
+        upstream: socket.socket | None = None
+        sent = 0  # bytes towards the server since the fault began (for `reset`)
+        dropped = False  # a stall dropped bytes of this connection: it stays stalled
+        generation, mine = self._generation, self._kind  # the fault this connection last saw
+        try:
+            while not self._closed.is_set():
+                kind = self._kind
+                if generation != self._generation:
+                    if kind in ("refuse", "slowdown", "internal"):
+                        self._count("reset")
+                        return  # the finally resets it
+                    generation, sent = self._generation, 0
+                    mine = "stall" if dropped else kind
+                if mine in ("slowdown", "internal"):
+                    self._answer(client, mine)
+                    return
+                if mine == "refuse":
+                    return
+                if upstream is None and mine != "stall":
+                    upstream = socket.create_connection(self._upstream, timeout=5)
+                    upstream.settimeout(None)
+                socks = [client] if upstream is None else [client, upstream]
+                readable, _, _ = select.select(socks, [], [], _POLL)
+                for s in readable:
+                    data = s.recv(1 << 16)
+                    if not data and mine == "stall" and s is upstream:
+                        _reset(upstream)  # the server's side ended; the client's stays stalled
+                        upstream = None
+                        continue
+                    if not data:
+                        return
+                    if mine == "stall":
+                        self._count("stalled")
+                        dropped = True
+                        continue
+                    if s is client:
+                        assert upstream is not None
+                        if mine == "reset" and sent + len(data) > self.reset_after:
+                            upstream.sendall(data[: max(0, self.reset_after - sent)])
+                            self._count("reset")
+                            return
+                        sent += len(data)
+                        upstream.sendall(data)
+                    else:
+                        client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _reset(client)
+            if upstream is not None:
+                _reset(upstream)
+
+    def _answer(self, client: socket.socket, kind: str) -> None:
+        """Reads one request's head (and its body, unless it waits for 100-continue), answers the error."""
+        buf = b""
+        client.settimeout(5)
+        while b"\r\n\r\n" not in buf:
+            data = client.recv(1 << 16)
+            if not data:
+                return
+            buf += data
+        head, _, body = buf.partition(b"\r\n\r\n")
+        headers = {
+            k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+        }
+        if headers.get(b"expect", b"").lower() != b"100-continue":
+            left = int(headers.get(b"content-length", b"0")) - len(body)
+            while left > 0:
+                data = client.recv(min(left, 1 << 16))
+                if not data:
+                    return
+                left -= len(data)
+        client.sendall(error_response(kind))
+        self._count("answered")
+        client.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):  # let the client read the answer before the reset
+            client.recv(1)
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
