@@ -8,7 +8,7 @@ Disk full uses a 2 MiB tmpfs as the daemon's --root (falling back to a
 loop-mounted ext4 image, else skipping with the reason): it needs root, as
 does a run folder remounted read-only under the running daemon (a tmpfs of its own).
 An fsync that fails EIO comes from a FUSE layer (tests/integration/eio_fs.py):
-it needs /dev/fuse, root and fusepy (`pip install fusepy`, not a dependency),
+it needs /dev/fuse, root and fusepy (in the test extra),
 else it skips; device-mapper's error target would need the dm module, which
 this kernel lacks.
 """
@@ -507,13 +507,9 @@ def test_an_fsync_that_fails_eio_fails_the_save_and_commits_nothing_of_it(
     assert results and all(r.ok for r in results), results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="group commit makes saves durable with one syncfs(2) of the root's filesystem, and on a FUSE mount "
-    "syncfs never calls the server's fsync (Linux sends FUSE_SYNCFS to virtiofs only): the EIO is not seen "
-    "and the saves are reported durable",
-)
 def test_an_fsync_that_fails_eio_under_group_commit_fails_the_save(
+    # The default daemon: group commit would sync with one syncfs(2), which on a FUSE
+    # mount never reaches the server's fsync, so a FUSE root keeps each save's fsyncs.
     eio_disk: tuple[Path, Path],
     tmp_path: Path,
     q_policy,  # noqa: ANN001

@@ -285,3 +285,16 @@ def test_a_save_on_another_filesystem_than_the_root_keeps_its_own_fsyncs(
         assert root in os.fspath(target)
     finally:
         store.close()
+
+
+def test_a_fuse_root_keeps_its_own_fsyncs_and_the_deepest_mount_names_the_type(tmp_path: Path) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+        "40 22 0:50 / /mnt/fuse rw,nosuid - fuse.eio eio rw\n"
+        "41 22 0:51 / /mnt/fuse2 rw - tmpfs tmpfs rw\n"
+    )
+    assert group_commit._filesystem_type("/mnt/fuse/root", str(mountinfo)) == "fuse.eio"
+    assert group_commit._filesystem_type("/mnt/fuse2/x", str(mountinfo)) == "tmpfs"  # not a prefix match of /mnt/fuse
+    assert group_commit._filesystem_type("/srv", str(mountinfo)) == "ext4"
+    assert group_commit._filesystem_type("/srv", str(tmp_path / "absent")) == ""

@@ -60,6 +60,11 @@ def syncfs_of(directory: Path) -> Sync | None:
     if syncfs is None:
         return None
     path = os.fspath(directory)
+    if _filesystem_type(path).startswith("fuse"):
+        # Linux's syncfs never asks a FUSE server to fsync (FUSE_SYNCFS goes to
+        # virtiofs only): an fsync that would fail there would go unseen, and a
+        # save be reported durable. Such a root keeps each save's own fsyncs.
+        return None
 
     def sync() -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -71,6 +76,27 @@ def syncfs_of(directory: Path) -> Sync | None:
             os.close(fd)
 
     return sync
+
+
+def _filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the filesystem mounted where `path` (made real) is: its deepest mount point's ("" if unknown)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open(mountinfo, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        point = parts[4].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, rest.split()[0]
+    return kind
 
 
 class _Round:
