@@ -7,10 +7,12 @@ metrics) are in test_training_fidelity.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -110,21 +112,27 @@ def test_metrics_status_and_verify_cover_the_training_checkpoint_kind(daemon: Da
     assert broken.returncode == 1 and "FAILED" in broken.stdout and "ckpt-2.data-00000-of-00001" in broken.stdout
 
 
+@contextlib.contextmanager
+def _held_save(daemon: Daemon, ckpt: RemoteCheckpointer) -> Iterator[Callable[[], None]]:
+    """A save of the checkpointer's run, accepted and then silent: its lane is busy until the block calls finish()."""
+    state = client_training.describe(ckpt.checkpoint)
+    header = pb.SaveHeader(
+        run=ckpt.run, kind=pb.TRAINING_CHECKPOINT, export_dir="train", step=1,
+        snapshot_bytes=state.nbytes, training_checkpoint=state.to_proto(20, None),
+    )  # fmt: skip
+    with (
+        grpc.insecure_channel(daemon.address) as channel,
+        RawSave(Stub(channel), pb.SaveRequest(header=header)) as held,
+    ):
+        assert held.decision().accepted
+        yield lambda: held.finish(list(wire.chunks(state.copy(), 1 << 20)))
+
+
 def test_a_save_while_one_is_in_flight_is_skipped_and_a_blocking_one_waits_its_turn(daemon: Daemon) -> None:
     objects = _objects(seed=6)
     with RemoteCheckpointer("train", daemon.address, run="tc-lane", timeout=LIMIT, **objects) as ckpt:
         run = ckpt.run
-        # A save of the same run, accepted and then silent: the lane is busy for as long as the test says.
-        state = client_training.describe(ckpt.checkpoint)
-        header = pb.SaveHeader(
-            run=run, kind=pb.TRAINING_CHECKPOINT, export_dir="train", step=1,
-            snapshot_bytes=state.nbytes, training_checkpoint=state.to_proto(20, None),
-        )  # fmt: skip
-        with (
-            grpc.insecure_channel(daemon.address) as channel,
-            RawSave(Stub(channel), pb.SaveRequest(header=header)) as held,
-        ):
-            assert held.decision().accepted
+        with _held_save(daemon, ckpt) as finish:
             counter = int(ckpt.checkpoint.save_counter.numpy())
             skipped = ckpt.save(2)
             assert skipped.skipped and skipped.result() is None and skipped.reason
@@ -134,7 +142,7 @@ def test_a_save_while_one_is_in_flight_is_skipped_and_a_blocking_one_waits_its_t
             blocked.start()
             wait_until(lambda: run_status(daemon, run).in_flight.waiting == 1, "the blocking save queued")
             assert not waiting
-            held.finish(list(wire.chunks(state.copy(), 1 << 20)))
+            finish()
             blocked.join(LIMIT)
         (ticket,) = waiting
         assert ticket.result() is not None and ticket.step == 3
@@ -149,22 +157,13 @@ def test_a_checkpointer_that_does_not_skip_waits_for_its_save_in_flight_then_han
         "train", daemon.address, run="tc-wait", timeout=LIMIT, skip_if_busy=False, **objects
     ) as ckpt:
         run = ckpt.run
-        state = client_training.describe(ckpt.checkpoint)
-        header = pb.SaveHeader(
-            run=run, kind=pb.TRAINING_CHECKPOINT, export_dir="train", step=1,
-            snapshot_bytes=state.nbytes, training_checkpoint=state.to_proto(20, None),
-        )  # fmt: skip
-        with (
-            grpc.insecure_channel(daemon.address) as channel,
-            RawSave(Stub(channel), pb.SaveRequest(header=header)) as held,
-        ):
-            assert held.decision().accepted
+        with _held_save(daemon, ckpt) as finish:
             saved: list[SaveTicket] = []
             saving = threading.Thread(target=lambda: saved.append(ckpt.save(2)))  # not blocking
             saving.start()
             wait_until(lambda: run_status(daemon, run).in_flight.waiting == 1, "the save queued, not skipped")
             assert not saved
-            held.finish(list(wire.chunks(state.copy(), 1 << 20)))
+            finish()
             saving.join(LIMIT)
         (ticket,) = saved
         assert not ticket.skipped and ticket.result() is not None and ticket.step == 2

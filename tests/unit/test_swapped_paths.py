@@ -124,20 +124,27 @@ def test_a_component_swapped_during_a_save_is_never_followed(
         store.close()
 
 
+def _committed(
+    tmp_path_factory: pytest.TempPathFactory, depth: int, data: st.DataObject
+) -> tuple[Path, Path, list[str], int, LocalStore]:
+    """A store with one committed save `depth` dirs deep, decoys outside, and the component to swap (the save's own too)."""
+    base = tmp_path_factory.mktemp("swap")
+    root, outside = base / "root", base / "outside"
+    parts = ["run", *[f"d{i}" for i in range(depth - 1)], "policy"]
+    index = data.draw(st.integers(min_value=0, max_value=len(parts) - 1), label="component")
+    _mirror(outside, parts)
+    store = LocalStore(root, fsync=False)
+    _save(store, "run", "/".join(parts[1:]), 1)
+    return root, outside, parts, index, store
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(depth=st.integers(min_value=1, max_value=3), data=st.data(), kind=st.sampled_from(_SWAPS))
 def test_a_component_swapped_before_a_retention_pass_is_never_followed(
     tmp_path_factory: pytest.TempPathFactory, depth: int, data: st.DataObject, kind: str
 ) -> None:
-    base = tmp_path_factory.mktemp("swap")
-    root, outside = base / "root", base / "outside"
-    parts = ["run", *[f"d{i}" for i in range(depth - 1)], "policy"]
-    export_dir = "/".join(parts[1:])
-    index = data.draw(st.integers(min_value=0, max_value=len(parts) - 1), label="component")  # the save's own too
-    _mirror(outside, parts)
-    store = LocalStore(root, fsync=False)
+    root, outside, parts, index, store = _committed(tmp_path_factory, depth, data)
     try:
-        _save(store, "run", export_dir, 1)
         (save,) = store.committed("run", None)
         state_file = Path(save.path).parent / "checkpoint"
         before = _snapshot(outside)
@@ -160,14 +167,8 @@ def test_a_component_swapped_before_a_retention_pass_is_never_followed(
 def test_a_component_swapped_before_a_restore_read_is_never_followed(
     tmp_path_factory: pytest.TempPathFactory, depth: int, data: st.DataObject, kind: str
 ) -> None:
-    base = tmp_path_factory.mktemp("swap")
-    root, outside = base / "root", base / "outside"
-    parts = ["run", *[f"d{i}" for i in range(depth - 1)], "policy"]
-    index = data.draw(st.integers(min_value=0, max_value=len(parts) - 1), label="component")
-    _mirror(outside, parts)
-    store = LocalStore(root, fsync=False)
+    root, outside, parts, index, store = _committed(tmp_path_factory, depth, data)
     try:
-        _save(store, "run", "/".join(parts[1:]), 1)
         (save,) = store.committed("run", None)
         _swap(root, parts, index, kind, outside)
         try:
