@@ -279,6 +279,7 @@ class Store(Protocol):
         """Replaces a small file beside the saves (a state file) atomically and durably.
 
         Raises:
+            UnavailableError: an object store failed (the next write may succeed); the old content stays.
             OSError: it could not be written; the old content stays.
         """
         ...

@@ -532,6 +532,7 @@ class S3Store:
 
         Raises:
             RunHeldError: this daemon does not hold the lease of the folder's run.
+            UnavailableError: the object store failed (connection, timeout, 5xx, throttled).
             OSError: it could not be written.
         """
         folder = self._folder_of(path)
@@ -544,4 +545,9 @@ class S3Store:
         try:
             self.client.put_object(Bucket=self.bucket, Key=str(path), Body=data)
         except Exception as e:
+            if store_failed(e):  # the store, not the request: UNAVAILABLE, as a save's commit says it
+                raise UnavailableError(
+                    f"the object store at {self.client.meta.endpoint_url} failed writing s3://{self.bucket}/{path}: "
+                    f"{describe(e)}"
+                ) from e
             raise OSError(f"could not write {path} to {self.url}: {e}") from e
