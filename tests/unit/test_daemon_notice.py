@@ -118,7 +118,7 @@ def test_on_notice_a_held_runs_saves_are_taken_a_new_run_is_refused_and_after_th
     with pytest.raises(UnavailableError, match=DAEMON.replace("(", r"\(").replace(")", r"\)")):
         lanes.register("new", MANIFEST)
     with pytest.raises(UnavailableError):
-        lanes.check_register("new")
+        lanes.check_registration("new", None)
     lanes.drain()
     assert lanes.notice_left() == 0
     with pytest.raises(UnavailableError, match="shutting down"):

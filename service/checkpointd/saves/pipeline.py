@@ -193,9 +193,14 @@ class SavePipeline:
             SaveFailedError: the template could not be stored (the OS's reason).
         """
         run = check_run_name(run)
-        self.lanes.check_register(run)  # a daemon on notice takes no new run: before its lease or template
         folder = check_folder(folder) if folder else run
         claim = _claimed_dir(run, kind, checkpoint_dir)
+        # A policy run's template goes to the format of policy saves; a
+        # training run's (empty) registration to the training format.
+        fmt = self.formats(kind or SaveKind.SAVED_MODEL)
+        # Before its lease or template: a daemon on notice takes no new run, and another
+        # stream of the same name or dir is refused (the open run's template stays as it was).
+        self.lanes.check_registration(run, folder, claim, tuple(fmt.kinds))
         if template_bytes > self._config.max_template_bytes:
             raise LimitExceededError(
                 f"template of {template_bytes} bytes exceeds the daemon's limit of "
@@ -206,11 +211,6 @@ class SavePipeline:
             self.leases.hold(
                 run, started + self._lease_wait(timeout), waiting=on_lease_wait
             )  # before anything of the run is stored
-        # A policy run's template goes to the format of policy saves; a
-        # training run's (empty) registration to the training format.
-        fmt = self.formats(kind or SaveKind.SAVED_MODEL)
-        # Another stream of the same name, or of the same dir: refused before its template replaces the open run's.
-        self.lanes.check_registration(run, folder, claim, tuple(fmt.kinds))
         try:
             manifest = fmt.register(run, receive_template(), variables, checkpoint_object_graph)
         except OSError as e:  # the state dir: unwritable, full, gone (logged as the call ends)

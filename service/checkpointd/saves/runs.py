@@ -147,7 +147,6 @@ class Lanes:
         """
         folder = folder or run
         with self._cond:
-            self._check_register(run)
             self._check_registration(run, folder, claim, kinds)
             entry = self._runs.get(run)
             if entry is None:
@@ -186,17 +185,20 @@ class Lanes:
     ) -> None:
         """Raises what `register` would raise for these arguments; nothing changes.
 
-        The pipeline asks before it stores the run's template, so a refused
-        registration leaves the open run's template as it was.
+        The pipeline asks before it takes the run's lease or stores its
+        template, so a refused registration leaves the open run as it was.
 
         Raises:
-            AlreadyExistsError: see `register`.
+            AlreadyExistsError, UnavailableError: see `register`.
         """
         with self._cond:
             self._check_registration(run, folder or run, claim, kinds)
 
     def _check_registration(self, run: str, folder: str, claim: str | None, kinds: tuple[SaveKind, ...]) -> None:
         """See `register`; the caller holds the lock."""
+        entry = self._runs.get(run)
+        # A daemon on notice takes no new run (UNAVAILABLE, naming it) before anything else is said.
+        self._notice.check_register(run, entry is not None and entry.lane.state is LaneState.OPEN)
         if claim is not None:
             holder = self._claimant(folder, claim)
             if holder is not None and holder != run:
@@ -206,7 +208,6 @@ class Lanes:
                     f"this checkpointer another ckpt_dir, or close run {holder!r} first (`checkpointd close --run "
                     f"{holder}`); to only read its checkpoints, use RemoteCheckpointer(..., read_only=True)"
                 )
-        entry = self._runs.get(run)
         if entry is not None and entry.lane.state is not LaneState.CLOSED:
             _refuse_another_stream(run, entry, folder, claim, kinds)
 
@@ -488,19 +489,6 @@ class Lanes:
                 if end is not None:
                     return end
                 self._cond.wait(self._notice.left(now))  # woken by a save on notice or a close
-
-    def check_register(self, run: str) -> None:
-        """Refuses, before anything is received or leased, a registration the daemon on notice must not take.
-
-        Raises:
-            UnavailableError: on notice and the run is not open here, or draining; it names the daemon.
-        """
-        with self._cond:
-            self._check_register(run)
-
-    def _check_register(self, run: str) -> None:
-        entry = self._runs.get(run)
-        self._notice.check_register(run, entry is not None and entry.lane.state is LaneState.OPEN)
 
     def _open_runs(self) -> list[str]:
         return [name for name, entry in self._runs.items() if entry.lane.state is LaneState.OPEN]

@@ -78,7 +78,7 @@ def _read_range(save: CommittedSave, base: int, path: str, offset: int, length: 
             os.close(where)
     except (OSError, dirs.Moved) as e:
         raise SaveFailedError(
-            f"{save.export_dir!r}: cannot open {path} ({getattr(e, 'strerror', None) or e})"
+            f"{save.export_dir!r}: cannot open {path} ({e.strerror if isinstance(e, OSError) and e.strerror else e})"
         ) from None
     try:
         end = offset + length
