@@ -165,7 +165,7 @@ class Server:
             self._store,
             Formats(*self._formats),
             self._pool,
-            budget=UploadBudget(config.max_concurrent_uploads, staging_bytes),
+            budget=UploadBudget(config.max_concurrent_uploads, staging_bytes, config.admission_wait_seconds),
             retention=self.retention,
             shared_memory=self.shared_memory,
             phases=self.metrics,
