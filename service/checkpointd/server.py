@@ -391,9 +391,8 @@ def _make_store(
             config.root, fsync=config.fsync, thread_initializer=pool.initializer, group_commit=config.group_commit
         )
         return local, NoLeases()
-    from checkpointd.storage.s3 import S3Store  # boto3 loads only for an s3:// root
-    from checkpointd.storage.s3_client import S3Url, count_errors, count_requests, make_client
-    from checkpointd.storage.s3_lease import S3Leases
+    # boto3 loads only for an s3:// root
+    from checkpointd.storage.s3 import S3Leases, S3Store, S3Url, count_errors, count_requests, make_client
 
     url = S3Url.parse(config.s3_url)
     client = make_client(

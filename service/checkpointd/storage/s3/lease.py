@@ -42,7 +42,7 @@ from checkpointd.core import lease
 from checkpointd.core.lease import Holding, LeaseDoc, LeaseDocError, Sighting
 from checkpointd.protocol.errors import RunHeldError, UnavailableError
 from checkpointd.protocol.names import RESERVED_PREFIX, check_run_name
-from checkpointd.storage.s3_client import error_code, small_requests
+from checkpointd.storage.s3.client import error_code, small_requests
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class S3Leases:
         """
         lease.check_timing(ttl, idle)
         self.client = client
-        self._small = small_requests(client)  # a lease's GET and PUT are small requests (s3_signed)
+        self._small = small_requests(client)  # a lease's GET and PUT are small requests (signed)
         self.bucket = bucket
         self._base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.ttl = ttl
