@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
-from checkpointd.core.ports import Leases, NoLeases, SaveFormat, Store
+from checkpointd.core.ports import Closing, Described, Leases, NoLeases, SaveFormat, Store
 from checkpointd.metrics import Metrics
 from checkpointd.protocol.errors import DeadlineError, RunNotFoundError, describe
 from checkpointd.protocol.kinds import SaveKind
@@ -214,7 +214,7 @@ class Server:
             "listening on port %d (root %s%s, metrics %s, auth %s, shared memory %s)",
             self.port,
             self._store.describe(),
-            f", {describe_leases}" if (describe_leases := getattr(self.leases, "describe", lambda: "")()) else "",
+            f", {describe_leases}" if (describe_leases := _describe(self.leases)) else "",
             f"http://{config.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
             auth.describe(),
             self.shared_memory.folder if self.shared_memory is not None else "off",
@@ -319,9 +319,8 @@ class Server:
             self._http.server_close()
             self._http = None
         if self._owns_store and self._store is not None:
-            close = getattr(self._store, "close", None)  # LocalStore's fsync threads, S3Store's transfers
-            if close is not None:
-                close()
+            if isinstance(self._store, Closing):  # LocalStore's fsync threads, S3Store's transfers
+                self._store.close()
         if self._dir_lock is not None:  # last: nothing of this daemon's touches the dir after it
             self._dir_lock.release()
             self._dir_lock = None
@@ -373,6 +372,11 @@ def _abandoned(why: str, method: str) -> str:
         f"the daemon was stopped at once ({why}) before this {method} call finished; call again on another "
         "daemon or after the daemon restarts"
     )
+
+
+def _describe(seam: object) -> str:
+    """What a seam that describes itself says (the fleet's leases: `Described`); "" for one that does not."""
+    return seam.describe() if isinstance(seam, Described) else ""
 
 
 def _make_store(

@@ -27,11 +27,12 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from pathlib import Path, PurePath, PurePosixPath
-from typing import Any
+from typing import Any, cast
 
-from checkpointd.core.ports import WatchedSink
+from checkpointd.core.ports import ReferencingSink, WatchedSink
 from checkpointd.storage.s3 import part_copy
 from checkpointd.storage.s3.keys import keys_of
 
@@ -242,7 +243,6 @@ def start(
     path, size = sink.watch(on_range)
     if size < part_bytes:
         return None
-    refer = getattr(sink, "watch_references", None)  # an incremental save's unchanged ranges
     rel = Path(path).relative_to(staging).as_posix()
     is_prefix = "/" not in rel  # a training checkpoint's files sit in staging, renamed at commit
     if is_prefix:
@@ -252,6 +252,7 @@ def start(
     for start_at, end_at in early:
         part.on_range(start_at, end_at)
     upload.append(part)
-    if refer is not None:
-        refer(part.referred)
+    if isinstance(sink, ReferencingSink):  # an incremental save's unchanged ranges
+        # The sources it names are those `S3Store.base_source` gave the save's base: `part_copy.Source`.
+        sink.watch_references(cast(Callable[[int, int, object, int], None], part.referred))
     return part
