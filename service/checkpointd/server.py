@@ -15,7 +15,6 @@ import gc
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,10 +29,10 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
 from checkpointd.core.ports import Closing, Described, Leases, NoLeases, SaveFormat, Store
+from checkpointd.durable.files import check_writable_dir
 from checkpointd.metrics import Metrics
-from checkpointd.protocol.errors import DeadlineError, RunNotFoundError, describe
+from checkpointd.protocol.errors import DeadlineError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.bind import bind_error, bind_failure, bind_quietly, bracket
 from checkpointd.rpc.calls import OpenCalls
@@ -132,8 +131,8 @@ class Server:
             raise
 
     def _start(self, config: ServeConfig, auth: ServerAuth) -> None:
-        _check_writable_dir(config.root, "the root (--root)")
-        _check_writable_dir(config.state_dir, "the daemon's state dir")
+        check_writable_dir(config.root, "the root (--root)")
+        check_writable_dir(config.state_dir, "the daemon's state dir")
         # Before recovery: it deletes temp dirs, which are another live daemon's
         # saves in flight unless this daemon owns the dir alone.
         self._dir_lock = _own_dir(config)
@@ -478,25 +477,6 @@ def _preload_tensorflow() -> None:
     # walking them at every few thousand saves' allocations.
     gc.freeze()
     _LOGGER.info("TensorFlow loaded in %.1fs", time.monotonic() - started)
-
-
-def _check_writable_dir(path: Path, what: str) -> None:
-    """Makes `path` if missing and proves it a writable directory, or says why it is not.
-
-    Raises:
-        OSError: with what to fix and the OS's reason.
-    """
-    if path.exists() and not path.is_dir():
-        raise OSError(f"{what} {path} is not a directory; it must be a directory, or a path where one can be made")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        # Permission bits do not stop root; a read-only mount or an immutable dir
-        # does. Only writing tells.
-        fd, probe = tempfile.mkstemp(prefix=f"{TMP_PREFIX}probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise OSError(f"{what} {path} is not a writable directory: {describe(e)}") from None
 
 
 def _write_port(path: Path | None, port: int) -> None:
