@@ -84,7 +84,10 @@ _LOGGER = logging.getLogger(__name__)
 
 
 class S3Store:
-    """Committed saves in an S3 bucket under a prefix. Implements `Store` and `LocalCopies`.
+    """Committed saves in an S3 bucket under a prefix.
+
+    Implements `Store` and the capabilities `StreamingStore`, `RemoteBases`,
+    `LocalCopies`, `SaveFiles`, `StagesFiles` and `Closing` (`checkpointd.core.ports`).
 
     Thread-safe: boto3 clients and the transfer manager are; the manifest
     cache has a lock.
