@@ -36,7 +36,7 @@ class ServeConfig:
             bytes before it is cut and retried (`s3_client.make_client`).
         lease_seconds: with `s3_url`, the ttl of the run leases through which
             daemons sharing the bucket agree who writes a run
-            (`checkpointd.storage.s3_lease`); renewed every third of it.
+            (`checkpointd.storage.s3.lease`); renewed every third of it.
         lease_idle_seconds: with `s3_url`, a run with no save for this long
             lets go of its lease, so a trainer that died here does not pin
             its run to this daemon; its next save here takes it again.
