@@ -319,7 +319,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = set(cases) - set(CASES)
     if unknown:
         raise ValueError(f"--orbax-cases takes {','.join(CASES)}, saw {','.join(sorted(unknown))}")
+    from bench.__main__ import _busy_cpu_seconds, _own_cpu_seconds  # the full bench's noise meter
+
     python, install_seconds = ensure_venv(args.orbax_venv, args.orbax_python)
+    started, busy, own = time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-orbax-")) / "orbax"
     result: dict[str, Any] = {
         "reps": args.reps,
@@ -337,6 +340,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["load_average_at_end"] = os.getloadavg()
+    # Noise from outside the row (the machine is shared): CPU the rest of the machine used meanwhile.
+    other = max(0.0, (_busy_cpu_seconds() - busy) - (_own_cpu_seconds() - own))
+    result["other_cpu_share"] = other / ((time.monotonic() - started) * (os.cpu_count() or 1))
     progress("done")
     return result
 
@@ -394,7 +400,10 @@ def table(r: dict[str, Any]) -> list[str]:
             )
         )
     loads = [rep["load_average"] for c in o["cases"].values() for rep in c["reps"]]
-    lines.append(f"load average (1 min) during the reps: {min(loads):.1f}-{max(loads):.1f} on {o['cores']} cores")
+    lines.append(
+        f"load average (1 min) during the reps: {min(loads):.1f}-{max(loads):.1f} on {o['cores']} cores; "
+        f"other processes used {o.get('other_cpu_share', float('nan')):.0%} of the CPU meanwhile"
+    )
     return lines
 
 

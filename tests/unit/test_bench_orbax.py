@@ -89,7 +89,15 @@ def _case(orbax_stall: float, shm_stall: float, orbax_durable: float, shm_durabl
 
 
 def _result(**cases: dict[str, Any]) -> dict[str, Any]:
-    return {"orbax": {"reps": 1, "cores": 2, "requirements": list(orbax.REQUIREMENTS), "cases": cases}}
+    return {
+        "orbax": {
+            "reps": 1,
+            "cores": 2,
+            "other_cpu_share": 0.4,
+            "requirements": list(orbax.REQUIREMENTS),
+            "cases": cases,
+        }
+    }
 
 
 def test_ratios_are_checkpointd_over_orbax() -> None:
@@ -105,7 +113,7 @@ def test_the_table_shows_each_side_and_the_ratio() -> None:
     assert "20 ms" in text and "100 ms 5.00x" in text
     assert "400 ms 0.50x" in text
     assert "12 MB / 358 MB" in text
-    assert "3.5-5.0 on 2 cores" in text
+    assert "3.5-5.0 on 2 cores; other processes used 40% of the CPU" in text
     assert orbax.table({}) == []
 
 
