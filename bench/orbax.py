@@ -291,8 +291,11 @@ def run_case(case: str, args: argparse.Namespace, python: Path, work: Path) -> d
             ckpt.close(SAVE_TIMEOUT)
         peer.close()
         exit_code = daemon.terminate()
+    from bench.limits import memcpy
+
     out: dict[str, Any] = {
         "state_bytes": _nbytes(specs),
+        "memcpy": memcpy(_nbytes(specs), args.reps),  # the anchor of a stall that copies the state
         "arrays": len(specs),
         "orbax_bytes": built["bytes"],
         "versions": built["versions"],
@@ -398,6 +401,12 @@ def table(r: dict[str, Any]) -> list[str]:
 
             lines.append(columns(label, cells(cell, sides)))
         lines.append(columns("checkpointd: bytes received / copied", cells(partial(_moved, c), sides)))
+        lines.append(
+            columns(
+                "memcpy of the state (this machine, this run)",
+                cells(lambda m: fmt_time(m["seconds"]), [c.get("memcpy")]),
+            )
+        )
         orbax = c["orbax"]
         lines.append(
             columns(

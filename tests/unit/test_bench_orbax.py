@@ -79,6 +79,7 @@ def _case(orbax_stall: float, shm_stall: float, orbax_durable: float, shm_durabl
         "changed_rows": 128,
         "buffer_rows": 12_863,
         "reps": [{"load_average": 3.5}, {"load_average": 5.0}],
+        "memcpy": {"seconds": _stats(0.09)},
         "orbax": {k: _stats(v) for k, v in (("stall", orbax_stall), ("durable", orbax_durable), ("finished", 0.7))},
         "shm": {k: _stats(v) for k, v in (("stall", shm_stall), ("durable", shm_durable))},
     }
@@ -113,6 +114,7 @@ def test_the_table_shows_each_side_and_the_ratio() -> None:
     assert "20 ms" in text and "100 ms 5.00x" in text
     assert "400 ms 0.50x" in text
     assert "12 MB / 358 MB" in text
+    assert "memcpy of the state (this machine, this run)  90 ms" in text
     assert "3.5-5.0 on 2 cores; other processes used 40% of the CPU" in text
     assert orbax.table({}) == []
 
