@@ -37,7 +37,7 @@ from checkpointd_client import shm, snapshot, template
 from checkpointd_client.graph_mode import GraphReads
 from checkpointd_client.local_decision import LocalDecision, LocalSave
 from checkpointd_client.numpy_state import NumpySnapshot, NumpySource
-from checkpointd_client.save_call import Decision, Payload, SaveCall, Upload, guarded
+from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload, guarded
 from checkpointd_client.session import DaemonSession, LocalSkips
 from checkpointd_client.ticket import SaveResult, SaveTicket
 
@@ -188,7 +188,7 @@ class PolicySaves:
                 nbytes = snapshot.nbytes(bindings) + (numpy_state.nbytes if numpy_state is not None else 0)
                 self._local.adopt(segment, offer, bindings, nbytes)
                 segment.snapshot(bindings, train_step, numpy_state, values)
-                return Upload([shm.WRITTEN], durable=durable)  # the daemon's segment, not ours to reuse
+                return Upload([WRITTEN], durable=durable)  # the daemon's segment, not ours to reuse
             self._use_shm = False  # the daemon is not on this host (or not this user's)
             self._segment = None
         spare = self._take_spare(bindings) if values is None else None

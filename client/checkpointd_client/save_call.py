@@ -35,7 +35,6 @@ import grpc
 from checkpointd.protocol.errors import CheckpointdError, SaveFailedError
 from checkpointd.protocol.kinds import to_wire
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import shm
 from checkpointd_client.notice import Notice
 from checkpointd_client.outage import survivable
 from checkpointd_client.session import DaemonSession, LocalSkips, time_left
@@ -43,6 +42,9 @@ from checkpointd_client.stream import SaveStream
 from checkpointd_client.ticket import SaveResult, SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
+
+# The one message that completes a Save whose snapshot is in shared memory, serialized once.
+WRITTEN = pb.SaveRequest(shared_memory_written=pb.SharedMemoryWritten()).SerializeToString()
 
 
 def guarded(
@@ -345,7 +347,7 @@ class SaveCall:
                         # The daemon let the segment go (its cap, a re-registration): the
                         # snapshot goes as chunks from our map of it; the next save asks.
                         drop()
-                    self._upload(stream, Upload([shm.WRITTEN] if in_segment else chunks(), durable=durable), unlock)
+                    self._upload(stream, Upload([WRITTEN] if in_segment else chunks(), durable=durable), unlock)
                 finally:
                     unlock()
         except Exception:

@@ -26,7 +26,7 @@ from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import shm, tf_checkpoint
 from checkpointd_client.notice import Notice
-from checkpointd_client.save_call import Decision, Payload, SaveCall, Upload
+from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload
 from checkpointd_client.session import DaemonSession
 from checkpointd_client.ticket import SaveResult, SaveTicket
 
@@ -137,7 +137,7 @@ class TrainingSaves:
                 views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
                 state.copy(views, strings=True)
                 self.copied = True
-                return self._upload([shm.WRITTEN], ticket, state, None, [] if base is not None else None)
+                return self._upload([WRITTEN], ticket, state, None, [] if base is not None else None)
             self._use_shm = False  # the daemon is not on this host (or not this user's)
         with self._daemon.lock:
             spare, self._spare = self._spare, None
