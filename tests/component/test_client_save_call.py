@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 
-import grpc
 import pytest
 
 from checkpointd.protocol import wire
@@ -26,6 +24,7 @@ from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.save_call import Decision, Payload, SaveCall, Upload
 from checkpointd_client.session import DaemonSession
 from checkpointd_client.ticket import SaveCounts, SaveTicket
+from tests.component.serving import serving
 
 WAIT = 10.0  # seconds; every wait here is bounded by it
 DATA = b"the snapshot's bytes"
@@ -53,14 +52,8 @@ class _Daemon(checkpointd_pb2_grpc.CheckpointServiceServicer):
 @pytest.fixture
 def daemon() -> Iterator[tuple[_Daemon, str]]:
     fake = _Daemon()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    checkpointd_pb2_grpc.add_CheckpointServiceServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield fake, f"127.0.0.1:{port}"
-    finally:
-        server.stop(None)
+    with serving(fake, workers=4) as address:
+        yield fake, address
 
 
 @pytest.fixture
