@@ -30,7 +30,6 @@ way (which registers again if the daemon lost the run).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -130,8 +129,6 @@ class LocalDecision:
         nbytes = snapshot.nbytes(save.bindings) + (numpy_state.nbytes if numpy_state is not None else 0)
         if path is None or not path.fits(save.bindings, nbytes):
             return None
-        counted = contextlib.ExitStack()  # the upload's count, from before the lock is taken
-        counted.enter_context(daemon.counting_upload())
         with daemon.lock:
             reason, stale = "", False
             if self._owner is not None:
@@ -142,8 +139,6 @@ class LocalDecision:
                 reason = "another save of the run is in flight (its busy lock is taken)"
             else:
                 owner = self._owner = object()
-        if reason or stale:
-            counted.close()
         if stale:
             return None
         if reason:
@@ -169,14 +164,12 @@ class LocalDecision:
                 ),
                 shared_memory=True, incremental=self._incremental, local_skips=self._local_skips,
             )  # fmt: skip
-            daemon.uploads.submit(
-                call.send_held, path.to_proto(), path.segment.path, counted,
-                chunks=lambda: snap.encoded_chunks(daemon.chunk_bytes),
+            call.send_held(
+                path.to_proto(), path.segment.path, chunks=lambda: snap.encoded_chunks(daemon.chunk_bytes),
                 unlock=lambda: self._unlock(path, owner), drop=lambda: self._drop(path), durable=save.durable,
             )  # fmt: skip
         except BaseException:
             self._unlock(path, owner)
-            counted.close()
             raise
         return ticket
 

@@ -17,8 +17,10 @@ RemoteCheckpointer (`training_saves`) and RemotePolicySaver
 through them. `pb.SaveHeader` is built here and nowhere else in the client.
 
 Busy accounting: an accepted save's upload is counted in the session from
-the accept until its call has ended, on whichever thread it ends: `send`
-holds `DaemonSession.counting_upload()` and hands it to the upload thread.
+the accept (or, for a save decided under the busy lock, from its hand-over)
+until its call has ended, on whichever thread it ends: `send` and
+`send_held` enter `DaemonSession.counting_upload()` and hand it to the
+upload thread, and nothing else in the client counts an upload.
 `DaemonSession.before_trying` keeps a channel open while an upload still
 uses it, so no save's channel is closed under it.
 """
@@ -305,23 +307,44 @@ class SaveCall:
         self,
         held: pb.HeldSave,
         segment_path: str,
-        counted: contextlib.ExitStack,
         *,
         chunks: Callable[[], Iterable[bytes]],
         unlock: Callable[[], None],
         drop: Callable[[], None],
         durable: Callable[[SaveResult], None] | None = None,
     ) -> None:
-        """A save decided under the run's busy lock, already in the segment: its call, on an upload thread.
+        """Queues the call of a save decided under the run's busy lock, already in the segment, on an upload thread.
 
         The header carries `held`; a refusal fails the ticket (never a
         skip: the busy lock was this trainer's). The snapshot goes as the
         segment's "written" message, or, if the daemon no longer offers
         that segment, as `chunks()`. `unlock` lets go of the busy lock
         once the call has ended, before the ticket ends; `drop` stops
-        deciding saves locally (the next one asks the daemon). Ends the
-        upload's count (`counted`) and releases the save call.
+        deciding saves locally (the next one asks the daemon). The upload
+        is counted from here until its call has ended; the upload thread
+        then releases the save call.
         """
+        with contextlib.ExitStack() as counted:
+            counted.enter_context(self._daemon.counting_upload())
+            handed = counted.pop_all()
+            try:
+                self._daemon.uploads.submit(
+                    self._held_upload, held, segment_path, handed, chunks, unlock, drop, durable
+                )
+            except BaseException:
+                handed.close()
+                raise
+
+    def _held_upload(
+        self,
+        held: pb.HeldSave,
+        segment_path: str,
+        counted: contextlib.ExitStack,
+        chunks: Callable[[], Iterable[bytes]],
+        unlock: Callable[[], None],
+        drop: Callable[[], None],
+        durable: Callable[[SaveResult], None] | None,
+    ) -> None:
         daemon, ticket = self._daemon, self.ticket
         try:
             with counted:
