@@ -299,7 +299,7 @@ class SaveCall:
 
     def _log_durable_raised(self) -> None:
         _LOGGER.exception(
-            "run %s: once the save of step %s to %r was durable, its write callback raised",
+            "run %s: a write callback of the save of step %s to %r raised",
             *(self._daemon.run, self.ticket.step, self.ticket.export_dir),
         )
 
