@@ -57,7 +57,7 @@ from checkpointd.protocol.errors import CheckpointdError, InvalidRequestError, R
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import check_export_dir, checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import checkpoint_restore, notice, shm, streams, tf_checkpoint
+from checkpointd_client import checkpoint_restore, delta, notice, shm, streams, tf_checkpoint
 from checkpointd_client.checkpoint_manager import Latest, RemoteCheckpointManager, checked_max_to_keep
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.continuous import DEFAULT_BUDGET, ContinuousSaves, Decisions, NotSavedTicket, check_budget
@@ -235,6 +235,7 @@ class RemoteCheckpointer:
         self._use_shm = shared_memory
         self._incremental = incremental
         self._segment: shm.SegmentMap | None = None
+        self._deltas = delta.SegmentDeltas(self._run, self._checkpoint)  # what a save copies into the segment
         # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
         self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
         self._copies: list[checkpoint_restore.Copy] = []  # restored checkpoints TF may still read
@@ -296,6 +297,11 @@ class RemoteCheckpointer:
     @property
     def folder(self) -> str:
         return self._folder
+
+    @property
+    def snapshot_copy(self) -> delta.SnapshotCopy | None:
+        """What the last save copied into the daemon's shared memory (bytes, and why whole); None before one."""
+        return self._deltas.last
 
     @property
     def read_only(self) -> bool:
@@ -516,7 +522,7 @@ class RemoteCheckpointer:
                     self._segment = segment
                 whole = segment.view()
                 views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
-                state.copy(views, strings=True)
+                self._deltas.copy(self._checkpoint, state, segment, views)
                 return [shm.WRITTEN], None, []
             self._use_shm = False  # the daemon is not on this host (or not this user's)
         with self._daemon.lock:
