@@ -127,11 +127,19 @@ class TrainingState:
             ranges = rows.get(i)
             if ranges is not None and not ranges:
                 continue  # nothing written since: not even read
-            value = np.asarray(read_variable(t.source)) if isinstance(t.source, tf.Variable) else t.source
             if ranges is None:
+                value = np.asarray(read_variable(t.source)) if isinstance(t.source, tf.Variable) else t.source
                 pairs.append((target, value))
+            elif isinstance(t.source, tf.Variable):
+                # Gathered, not read: a variable a sparse op wrote (a replay buffer's table) is in
+                # TensorFlow's copy-on-read mode, where a dense read copies all of it first.
+                gathered = np.asarray(t.source.sparse_read(np.concatenate([np.arange(*r) for r in ranges])))
+                at = 0
+                for start, stop in ranges:
+                    pairs.append((target[start:stop], gathered[at : at + stop - start]))
+                    at += stop - start
             else:
-                pairs += [(target[start:stop], value[start:stop]) for start, stop in ranges]
+                pairs += [(target[start:stop], t.source[start:stop]) for start, stop in ranges]
         copy_all(pairs)
         return out
 
