@@ -12,7 +12,9 @@ are already there.
 The rule. Every tensor is copied whole (the agent's weights, optimizer
 slots, counters, Python state), except the storage of a replay buffer
 whose writes since the segment's snapshot are bounded: of those, only the
-rows its write cursor moved over (`checkpointd_client.buffer_rows`). The
+rows its write cursor moved over (`checkpointd_client.buffer_rows`),
+gathered from the variable (a dense read of a table TensorFlow has put in
+copy-on-read mode, as its scatter writes do, would copy all of it). The
 agent's large variables are copied whole too: a training step changes
 all of them, and nothing short of a compare (as costly as the copy) says
 which bytes did not. Everything is copied whole when the segment's
@@ -20,7 +22,10 @@ content is not known to be this checkpointer's last snapshot of this
 layout: the first copy of the process, another segment (a new path or a
 new map: the daemon made, evicted or remade it), a layout change, another
 checkpointer of this process having written the segment since, or the
-previous copy having raised part way.
+previous copy having raised part way. Assumed, not checked: no other
+process writes the run's segment between two saves (a run is one
+trainer's: `<job>.<ckpt_dir>`, and the daemon offers the segment only to
+the save it accepted; a restarted trainer's first copy is whole).
 
 Which buffers, and what is assumed of them. A buffer's rows are bounded
 only if it is exactly TF-Agents' `TFUniformReplayBuffer` over its own
@@ -145,10 +150,10 @@ class SegmentDeltas:
             Whatever the copy raises; the next copy is then whole.
         """
         held, self._held = self._held, None  # until this copy completes, the segment's content is unknown
-        buffers = self._buffers_of(root, state)
-        cursors = {b: b.cursor() for b in buffers}
-        rows, whole = self._rows(held, state, segment, buffers, cursors)
         try:
+            buffers = self._buffers_of(root, state)
+            cursors = {b: b.cursor() for b in buffers}
+            rows, whole = self._rows(held, state, segment, buffers, cursors)
             state.copy(views, strings=True, rows=rows)
         except BaseException:
             self._lost = "the previous copy into the segment did not complete"
