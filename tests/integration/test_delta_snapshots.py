@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +206,34 @@ def test_a_new_tensor_changes_the_layout_and_the_copy_is_whole(daemon: Daemon, s
         state.add(1)
         _save_and_compare(daemon, ckpt, state, scratch)
         assert ckpt.snapshot_copy is not None and ckpt.snapshot_copy.whole is None
+
+
+def test_a_segment_the_daemon_evicted_and_remade_is_written_whole(
+    fresh_daemon: Callable[..., Daemon], scratch: Path, tmp_path: Path
+) -> None:
+    """Room for one segment: each run's save evicts the other's idle one, and the next offer is a new path."""
+    shm_root = tmp_path / "shm"
+    shm_root.mkdir()
+    a, b = State(batch_size=2, max_length=400, seed=1), State(batch_size=2, max_length=400, seed=2)
+    probe = fresh_daemon("--shm-dir", str(shm_root))
+    with RemoteCheckpointer("train", probe.address, run="delta-probe", timeout=LIMIT, **a.objects()) as ckpt:
+        ckpt.save(0, blocking=True).result(LIMIT)
+        (segment,) = (p for p in next(shm_root.glob("checkpointd-*")).iterdir() if p.suffix != ".lock")
+        size = segment.stat().st_size
+    assert probe.terminate() == 0
+    daemon = fresh_daemon("--shm-dir", str(shm_root), "--max-staging-bytes", str(size * 3 // 2))
+    with (
+        RemoteCheckpointer("train", daemon.address, run="delta-a", timeout=LIMIT, **a.objects()) as first,
+        RemoteCheckpointer("train", daemon.address, run="delta-b", timeout=LIMIT, **b.objects()) as second,
+    ):
+        a.add(5)
+        _save_and_compare(daemon, first, a, scratch)
+        a.add(3)
+        _save_and_compare(daemon, first, a, scratch)  # the same segment: only the rows
+        assert first.snapshot_copy is not None and first.snapshot_copy.whole is None
+        b.add(2)
+        _save_and_compare(daemon, second, b, scratch)  # evicts a's segment
+        a.add(3)
+        _save_and_compare(daemon, first, a, scratch)
+        copy = first.snapshot_copy
+        assert copy is not None and copy.whole == "another segment" and copy.bytes_copied == copy.nbytes
