@@ -12,6 +12,8 @@ metric: whatever `tf.train.Checkpoint` can save is described the same way.
 each variable read and copied (large ones in parallel pieces), into arrays
 of a previous save or straight into the daemon's shared-memory segment;
 Python state is already bytes. Values changed after the call are not in it.
+Into a segment that holds the previous snapshot, only the rows of a replay
+buffer's table written since are copied (`checkpointd_client.delta`).
 
 `restore_into` assigns a checkpoint fetched from the daemon through
 TensorFlow's own restore (`tf.train.Checkpoint.restore` over a local copy of
