@@ -22,11 +22,9 @@ share the daemon's disk: build the same objects, construct the checkpointer,
 call `initialize_or_restore()`. See `checkpointd_client.tf_checkpoint` for what
 is saved and how it is put back.
 
-How a save moves (describe, the one save call, the copy) is
-`checkpointd_client.training_saves`'s; the connection, busy accounting,
-flush, close and what a non-blocking save does when the daemon cannot take
-it are the session's (`checkpointd_client.session`): the Learner's interval
-saves never stop training.
+How a save moves (describe, the one save call, the copy, only what changed
+into shared memory: `checkpointd_client.delta`) is `training_saves`'s; the
+connection, flush, close and a save the daemon cannot take are the session's.
 
 By default a checkpointer also saves on notice: on SIGTERM it saves the
 step reached, blocking, waits until it is durable within `notice_deadline`,
@@ -55,7 +53,7 @@ from checkpointd.protocol import wire
 from checkpointd.protocol.errors import CheckpointdError, RunClosedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_export_dir
-from checkpointd_client import checkpoint_restore, notice, streams, training_saves
+from checkpointd_client import checkpoint_restore, delta, notice, streams, training_saves
 from checkpointd_client.checkpoint_manager import (
     Latest,
     RemoteCheckpointManager,
@@ -279,6 +277,11 @@ class RemoteCheckpointer:
     @property
     def folder(self) -> str:
         return self._folder
+
+    @property
+    def snapshot_copy(self) -> delta.SnapshotCopy | None:
+        """What the last save copied into the daemon's shared memory (bytes, and why whole); None before one."""
+        return self._saves.deltas.last
 
     @property
     def read_only(self) -> bool:

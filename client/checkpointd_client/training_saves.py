@@ -24,7 +24,7 @@ from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import shm, tf_checkpoint
+from checkpointd_client import delta, shm, tf_checkpoint
 from checkpointd_client.notice import Notice
 from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload
 from checkpointd_client.session import DaemonSession
@@ -61,6 +61,7 @@ class TrainingSaves:
         self._use_shm = shared_memory
         self._incremental = incremental
         self._segment: shm.SegmentMap | None = None
+        self.deltas = delta.SegmentDeltas(daemon.run, checkpoint)  # what a save copies into the segment
         # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
         self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
         self._durable_step: int | None = None  # of the dir's newest checkpoint known durable
@@ -135,7 +136,7 @@ class TrainingSaves:
                     self._segment = segment
                 whole = segment.view()
                 views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
-                state.copy(views, strings=True)
+                self.deltas.copy(self._checkpoint, state, segment, views)
                 self.copied = True
                 return self._upload([WRITTEN], ticket, state, None, [] if base is not None else None)
             self._use_shm = False  # the daemon is not on this host (or not this user's)
