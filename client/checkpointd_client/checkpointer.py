@@ -17,10 +17,9 @@ one in flight per run, a non-blocking save skipped (reported, counted) while
 one is in flight, `blocking=True` waits its turn and returns once durable,
 failures reach the ticket, and the run keeps saving.
 
-A restarted trainer restores over the daemon's Restore call, so it need not
-share the daemon's disk: build the same objects, construct the checkpointer,
-call `initialize_or_restore()`. See `checkpointd_client.tf_checkpoint` for what
-is saved and how it is put back.
+A restarted trainer restores through the daemon, so it need not share its
+disk: build the same objects, then the checkpointer (`tf_checkpoint` says
+what is saved and how it is put back).
 
 How a save moves (describe, the one save call, the copy, only what changed
 into shared memory: `checkpointd_client.delta`) is `training_saves`'s; the
@@ -34,8 +33,7 @@ snapshot is taken (never inside this client's own calls) is
 
 With `continuous=True`, `save()` may be called after every step: each call
 decides locally whether it saves, within a budget of training time
-(`checkpointd_client.continuous`), and the last call not saved is saved by
-flush(), close() or a save on notice.
+(`continuous`); flush(), close() and a save on notice save the last one not saved.
 """
 
 from __future__ import annotations
