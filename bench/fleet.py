@@ -48,14 +48,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import fleet_store
+from bench import fleet_store, rgw
 from bench.fleet_clients import RATE_HZ, make_template, run_clients
 from bench.fleet_phase import ROOT, run_phase
 from bench.fleet_report import targets
 from bench.fleet_store import MANIFEST, REGION
-
-RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
-_CANNOT_INSTALL = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,19 +126,13 @@ def _s3_phase(
     shutil.rmtree(rgw_dir, ignore_errors=True)
     progress("9. fleet: starting Ceph radosgw on loopback (scripts/rgw.sh)")
     try:
-        proc = subprocess.run(
-            [str(RGW_SCRIPT), "start", str(rgw_dir)], capture_output=True, text=True, timeout=600, check=False
-        )
-        if proc.returncode != 0:
-            log = work / "rgw-start.log"
-            log.write_text(proc.stderr + proc.stdout)
-            why = "Ceph cannot be installed" if proc.returncode == _CANNOT_INSTALL else "radosgw did not start"
-            reason = f"{why} (scripts/rgw.sh exit {proc.returncode}; log {log})"
-            progress(f"9. fleet, S3 phase skipped: {reason}")
-            return {"skipped": reason}
-        env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-        endpoint, bucket = env["CHECKPOINTD_TEST_S3_ENDPOINT"], env["CHECKPOINTD_TEST_S3_BUCKET"]
-        aws = {k: v for k, v in env.items() if k.startswith("AWS_")}
+        server = rgw.start(rgw_dir)
+    except rgw.Unavailable as e:
+        reason = rgw.unavailable(e, work / "rgw-start.log")
+        progress(f"9. fleet, S3 phase skipped: {reason}")
+        return {"skipped": reason}
+    try:
+        endpoint, bucket, aws = server.endpoint, server.bucket, server.daemon_env()
         prefix = f"fleet-{secrets.token_hex(4)}"
         daemons: list[Any] = []
         out: dict[str, Any] = {"prefix": prefix}
@@ -172,8 +163,7 @@ def _s3_phase(
             out["daemon_exit_codes"] = [d.terminate() for d in daemons]
         return out
     finally:
-        subprocess.run([str(RGW_SCRIPT), "stop", str(rgw_dir)], timeout=120, check=False)
-        shutil.rmtree(rgw_dir, ignore_errors=True)
+        server.stop()
 
 
 def _profiled(name: str) -> list[str]:

@@ -40,19 +40,17 @@ import json
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import move
+from bench import move, rgw
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
-RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
 REGION = "us-east-1"
 TIMEOUT = 900.0
 RAW_GET_BYTES = 16 << 20
@@ -257,13 +255,12 @@ def _s3(args: argparse.Namespace, work: Path, objects: dict[str, Any], children:
 
     rgw_dir = work / "rgw"
     say("S3: starting radosgw (scripts/rgw.sh)")
-    proc = subprocess.run([str(RGW_SCRIPT), "start", str(rgw_dir)], capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        return {"skipped": f"radosgw did not start (exit {proc.returncode})"}
     try:
-        env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-        endpoint, bucket = env["CHECKPOINTD_TEST_S3_ENDPOINT"], env["CHECKPOINTD_TEST_S3_BUCKET"]
-        aws = {k: v for k, v in env.items() if k.startswith("AWS_")}
+        server = rgw.start(rgw_dir)
+    except rgw.Unavailable as e:
+        return {"skipped": rgw.unavailable(e, work / "rgw-start.log")}
+    try:
+        endpoint, bucket, aws = server.endpoint, server.bucket, server.daemon_env()
         os.environ.update(aws)
         prefix = f"resume-{secrets.token_hex(4)}"
         url = f"s3://{bucket}/{prefix}"
@@ -317,8 +314,7 @@ def _s3(args: argparse.Namespace, work: Path, objects: dict[str, Any], children:
             fresh.terminate()
         return out
     finally:
-        subprocess.run([str(RGW_SCRIPT), "stop", str(rgw_dir)], timeout=120, check=False)
-        shutil.rmtree(rgw_dir, ignore_errors=True)
+        server.stop()
 
 
 def _median(r: dict[str, Any], *path: str) -> float | None:

@@ -56,16 +56,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import s3_raw
+from bench import rgw, s3_raw
+from bench.rgw import unavailable as rgw_unavailable
 from bench.s3_report import targets
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
-RGW_SCRIPT = ROOT / "scripts" / "rgw.sh"
 REGION = s3_raw.REGION
 SAVE_TIMEOUT = 900.0
-_CANNOT_INSTALL = 3  # rgw.sh's exit code when Ceph cannot be installed
 _START = time.monotonic()
 
 
@@ -105,22 +104,16 @@ def run_section(config: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     shutil.rmtree(rgw_dir, ignore_errors=True)  # rgw.sh makes a new cluster in an empty dir only
     progress("8. S3: starting Ceph radosgw on loopback (scripts/rgw.sh)")
     try:
-        started = time.monotonic()
-        proc = subprocess.run(
-            [str(RGW_SCRIPT), "start", str(rgw_dir)], capture_output=True, text=True, timeout=600, check=False
-        )
-        if proc.returncode != 0:
-            log = config.workdir / "rgw-start.log"
-            log.write_text(proc.stderr + proc.stdout)
-            why = "Ceph cannot be installed" if proc.returncode == _CANNOT_INSTALL else "radosgw did not start"
-            said = [line for line in proc.stderr.splitlines() if line.startswith("rgw.sh:")]
-            reason = f"{why} (scripts/rgw.sh exit {proc.returncode}: {'; '.join(said) or 'no message'}; log {log})"
-            progress(f"8. S3 section skipped: {reason}")
-            return {"skipped": reason}
-        env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+        server = rgw.start(rgw_dir)
+    except rgw.Unavailable as e:
+        reason = rgw_unavailable(e, config.workdir / "rgw-start.log")
+        progress(f"8. S3 section skipped: {reason}")
+        return {"skipped": reason}
+    try:
+        env = server.env
         result: dict[str, Any] = {
             "server": _server_version(),
-            "rgw_start_seconds": time.monotonic() - started,
+            "rgw_start_seconds": server.cold_start_seconds,
             "obstore": _obstore_version(),
             **store_defaults(),
             "sizes": {},
@@ -131,8 +124,7 @@ def run_section(config: Any, progress: Callable[[str], None]) -> dict[str, Any]:
         result["targets"] = targets(result)
         return result
     finally:
-        subprocess.run([str(RGW_SCRIPT), "stop", str(rgw_dir)], timeout=120, check=False)
-        shutil.rmtree(rgw_dir, ignore_errors=True)
+        server.stop()
 
 
 def _server_version() -> str:

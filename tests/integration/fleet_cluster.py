@@ -21,19 +21,18 @@ import json
 import os
 import queue
 import secrets
-import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench import rgw
+from bench.rgw import Rgw
 from tests.integration.daemon import Daemon, start_daemon
 from tests.integration.netns import NETNS, Hosts
-from tests.integration.rgw import _CANNOT_INSTALL, SCRIPT, Rgw
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = "checkpointd.manifest.json"
@@ -45,21 +44,12 @@ SAYS_NOTHING_SECONDS = 600.0
 
 def start_rgw(workdir: Path, bind: str) -> Rgw:
     """A radosgw whose gateway listens on `bind`; skips the test if Ceph cannot be installed."""
-    started = time.monotonic()
-    proc = subprocess.run(
-        [str(SCRIPT), "start", str(workdir)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "RGW_BIND": bind},
-    )  # fmt: skip
-    if proc.returncode != 0:
-        subprocess.run([str(SCRIPT), "stop", str(workdir)], timeout=60, check=False)
-        shutil.rmtree(workdir, ignore_errors=True)
-        if proc.returncode == _CANNOT_INSTALL:
-            pytest.skip(f"no S3 server for the fleet tests: {proc.stderr.strip()}")
-        pytest.fail(
-            f"RGW_BIND={bind} scripts/rgw.sh start failed (exit {proc.returncode}):\n{proc.stderr}{proc.stdout}"
-        )
-    env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-    server = Rgw(workdir, env, time.monotonic() - started)
+    try:
+        server = rgw.start(workdir, bind=bind)
+    except rgw.Unavailable as e:
+        if e.cannot_install:
+            pytest.skip(f"no S3 server for the fleet tests: {e}")
+        pytest.fail(str(e))
     atexit.register(server.stop)  # also if the session is cut short; the fixture stops it first
     return server
 

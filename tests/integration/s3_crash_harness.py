@@ -111,6 +111,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from bench import rgw  # noqa: E402
+from bench.rgw import Rgw  # noqa: E402
 from checkpointd.core.config import ServeConfig  # noqa: E402
 from checkpointd.protocol.errors import CheckpointdError  # noqa: E402
 from checkpointd.saves import shm  # noqa: E402
@@ -119,7 +121,6 @@ from checkpointd.storage.s3 import S3Store, error_code  # noqa: E402
 from checkpointd_client import RemoteCheckpointer, RemotePolicySaver  # noqa: E402
 from tests.integration import crash_harness, policies, s3_bucket  # noqa: E402
 from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
-from tests.integration.rgw import SCRIPT, Rgw  # noqa: E402
 
 MANIFEST, PREFIX_MANIFEST = s3_bucket.MANIFEST, s3_bucket.PREFIX_MANIFEST
 # Hidden layers of the policy's QNetwork: ~400 parameters; ~5.3M (21 MB of variables, 2 parts).
@@ -694,11 +695,10 @@ def run_trials(
 
 
 def _start_rgw(workdir: Path) -> Rgw:
-    proc = subprocess.run([str(SCRIPT), "start", str(workdir)], capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        subprocess.run([str(SCRIPT), "stop", str(workdir)], timeout=60, check=False)
-        raise SystemExit(f"scripts/rgw.sh start failed (exit {proc.returncode}):\n{proc.stderr}{proc.stdout}")
-    return Rgw(workdir, dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line), 0.0)
+    try:
+        return rgw.start(workdir)
+    except rgw.Unavailable as e:
+        raise SystemExit(str(e)) from e
 
 
 def main(argv: Sequence[str] | None = None) -> int:
