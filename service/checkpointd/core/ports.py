@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -115,6 +115,7 @@ class SaveMeta:
     kind: SaveKind
     step: int
     export_dir: str  # as the trainer named it
+    trainer_versions: Mapping[str, str] = field(default_factory=dict)  # the trainer's (SaveHeader), e.g. tensorflow's
 
 
 @dataclass(frozen=True)

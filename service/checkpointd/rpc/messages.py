@@ -97,6 +97,7 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         incremental=header.incremental,
         on_notice=header.on_notice,
         notice_unix_seconds=header.notice_unix_seconds if header.on_notice else 0.0,
+        trainer_versions=dict(header.trainer_versions),
     )
 
 
