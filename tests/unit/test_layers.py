@@ -48,9 +48,7 @@ LAYERS: dict[str, Layer] = {
     "core": _layer({"protocol"}),
     # The durability toolkit: below formats and storage, so neither imports the other.
     "durable": _layer({"core", "protocol"}),
-    "formats": _layer(
-        {"checkpointd", "core", "durable", "protocol", "v1"}, {"crc32c", "farmhash", "google.protobuf"}
-    ),
+    "formats": _layer({"checkpointd", "core", "durable", "protocol", "v1"}, {"crc32c", "farmhash", "google.protobuf"}),
     "storage": _layer({"core", "durable", "protocol"}, {"boto3", "botocore", "crc32c"}),
     "metrics": _layer({"core", "protocol"}, {"prometheus_client"}),
     # The use cases reach formats and storage only through core.ports' Protocols; server.py picks them.

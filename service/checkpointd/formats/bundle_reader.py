@@ -100,17 +100,18 @@ class BundleReader:
                     entry.size,
                     entry.crc32c,
                 )
+        except bundle_table.CorruptTableError as e:
+            raise CorruptBundleError(f"{self._prefix}{INDEX_SUFFIX} is corrupt ({e})") from None
         except (ValueError, message.DecodeError, UnicodeDecodeError) as e:
-            kind = CorruptBundleError if "CRC32C" in str(e) else UnreadableBundleError
-            raise kind(f"{self._prefix}{INDEX_SUFFIX} is not a readable bundle index ({e})") from None
+            raise UnreadableBundleError(f"{self._prefix}{INDEX_SUFFIX} is not a readable bundle index ({e})") from None
         if header is None:
             raise UnreadableBundleError(f"{self._prefix}{INDEX_SUFFIX} has no header entry")
         if header.endianness != tf_formats_pb2.BundleHeaderProto.LITTLE:
             raise UnreadableBundleError(f"{self._prefix}{INDEX_SUFFIX} is a big-endian bundle")
         self.num_shards = header.num_shards
-        for key, t in self.tensors.items():
+        for name, t in self.tensors.items():
             if not 0 <= t.shard < self.num_shards:
-                raise UnreadableBundleError(f"{key!r} is in shard {t.shard} of {self.num_shards}")
+                raise UnreadableBundleError(f"{name!r} is in shard {t.shard} of {self.num_shards}")
 
     def shard_path(self, shard: int) -> str:
         """The data file of shard `shard`."""

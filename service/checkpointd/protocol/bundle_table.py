@@ -34,6 +34,10 @@ NO_COMPRESSION = 0
 _MASK_DELTA = 0xA282EAD8
 
 
+class CorruptTableError(ValueError):
+    """A block of the table fails its CRC32C: its bytes are not what was written."""
+
+
 def mask(crc: int) -> int:
     """`crc32c::Mask`: the CRC rotated right by 15 bits, plus a constant (mod 2**32)."""
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
@@ -49,8 +53,8 @@ def block(table: bytes, handle: bytes, at: int = 0, *, check: bool = True) -> tu
     """The block that the handle at `at` of `handle` points at, and where that handle ends.
 
     Raises:
-        ValueError: the block runs past the table, is compressed, or (with
-            `check`) its CRC32C does not match its trailer.
+        CorruptTableError: (with `check`) its CRC32C does not match its trailer.
+        ValueError: the block runs past the table or is compressed.
     """
     offset, at = varint.decode(handle, at)
     size, at = varint.decode(handle, at)
@@ -63,7 +67,7 @@ def block(table: bytes, handle: bytes, at: int = 0, *, check: bool = True) -> tu
     if check:
         (stored,) = struct.unpack_from("<I", table, end + 1)
         if crc32c.crc32c(table[end : end + 1], crc32c.crc32c(contents)) != unmask(stored):
-            raise ValueError(f"the block at {offset} of {size} bytes fails its CRC32C")
+            raise CorruptTableError(f"the block at {offset} of {size} bytes fails its CRC32C")
     return contents, at
 
 
@@ -96,8 +100,9 @@ def entries(table: bytes, *, check: bool = True) -> Iterator[tuple[bytes, bytes]
     """Every (key, value) of a table file, in key order, each block's CRC32C checked (with `check`).
 
     Raises:
+        CorruptTableError: a block fails its CRC32C.
         ValueError: the bytes are not a table (too short, wrong magic
-            number, a block out of bounds, compressed or corrupt).
+            number, a block out of bounds or compressed).
     """
     if len(table) < FOOTER_BYTES:
         raise ValueError(f"{len(table)} bytes is too short for an index")
