@@ -13,7 +13,7 @@ MANIFEST = "checkpointd.manifest.json"
 def bucket_manifests(endpoint: str, bucket: str, prefix: str, aws: dict[str, str]) -> int:
     """The save manifests under the prefix (the store's reserved .checkpointd* keys aside)."""
     os.environ.update(aws)
-    from checkpointd.storage.s3_client import make_client
+    from checkpointd.storage.s3 import make_client
 
     client = make_client(endpoint, REGION)
     keys = [

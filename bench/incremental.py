@@ -231,7 +231,7 @@ def _s3_reps(
     finally:
         daemon.terminate()
         from bench.s3 import delete_prefix
-        from checkpointd.storage.s3_client import make_client
+        from checkpointd.storage.s3 import make_client
 
         # radosgw's memstore holds every stored byte in RAM: the run's objects go.
         delete_prefix(make_client(args.s3_endpoint, "us-east-1"), args.s3_bucket, url.split("/", 3)[3] + "/")

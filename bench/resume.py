@@ -249,7 +249,7 @@ def _s3(args: argparse.Namespace, work: Path, objects: dict[str, Any], children:
     import tensorflow as tf
 
     from bench import restore_memory
-    from checkpointd.storage.s3_client import make_client
+    from checkpointd.storage.s3 import make_client
     from checkpointd_client import RemoteCheckpointer, checkpoint_restore
     from checkpointd_client.connection import ConnectionOptions
     from checkpointd_client.session import DaemonSession

@@ -235,7 +235,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     from bench.config import SIZES
     from bench.scrape import phase_means, phase_totals, totals_by
     from bench.stats import summarize
-    from checkpointd.storage.s3_client import make_client
+    from checkpointd.storage.s3 import make_client
     from checkpointd.storage.save_manifest import MANIFEST_NAME
     from checkpointd_client import RemotePolicySaver
     from tests.integration.daemon import start_daemon

@@ -18,7 +18,7 @@ def boto3_puts(endpoint: str, bucket: str, part_bytes: int, concurrency: int) ->
     """The boto3 raw PUTs: plain, with Content-MD5, and with Content-MD5 plus a head per object."""
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
-    from checkpointd.storage.s3_client import content_md5, make_client
+    from checkpointd.storage.s3 import content_md5, make_client
 
     def via(md5: bool, head: bool) -> RawPut:
         # The store's client (make_client, with its pool of 4 x concurrency),

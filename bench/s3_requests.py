@@ -10,8 +10,9 @@ server's own CPU is not in it): `sent` over the network, and `no network`,
 the same calls with the connection replaced by a canned 200, which is what
 signing and preparing each request costs (SignedRequests only).
 
-`--against REV` adds the `storage/s3_signed.py` of git revision REV (read
-with `git show`, loaded as a module of its own) as a third contender, so a
+`--against REV` adds the module of `SignedRequests` as it was at git
+revision REV (read with `git show` from the path it had then, loaded as a
+module of its own) as a third contender, so a
 change to the request path is measured against the code before it in the
 same run. It drives private parts of SignedRequests (the exchange it
 replaces) because it measures them; it is a diagnostic, not an API user.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import os
 import statistics
 import subprocess
@@ -50,22 +52,36 @@ def _radosgw(directory: Path) -> Iterator[tuple[str, str]]:
         yield s3.endpoint, s3.bucket
 
 
-def _module_at(revision: str, work: Path) -> Any:
-    """storage/s3_signed.py as it was at `revision`, loaded under a name of its own."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:service/checkpointd/storage/s3_signed.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    path = work / "s3_signed_at_revision.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("s3_signed_at_revision", path)
+def _module_at(revision: str, work: Path, current: type) -> Any:
+    """The module defining `current` as it was at `revision`, loaded under a name of its own.
+
+    Its path is the one the class is defined in now, followed back through
+    git's rename detection to where it was at `revision`.
+    """
+    source_file = inspect.getsourcefile(current)
+    assert source_file is not None
+    path = _path_at(revision, Path(source_file).resolve().relative_to(ROOT).as_posix())
+    source = _git("show", f"{revision}:{path}")
+    copy = work / "signed_at_revision.py"
+    copy.write_text(source)
+    spec = importlib.util.spec_from_file_location("signed_at_revision", copy)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _path_at(revision: str, path: str) -> str:
+    """Where the file at `path` in HEAD was at `revision`: its old name if it was moved since."""
+    for line in _git("diff", "--name-status", "-M", revision, "HEAD").splitlines():
+        status, *names = line.split("\t")
+        if status.startswith("R") and names[1] == path:
+            return names[0]
+    return path
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
 def _canned(signed: Any) -> Any:
@@ -77,7 +93,7 @@ def _canned(signed: Any) -> Any:
 
 
 def _contenders(endpoint: str, bucket: str, against: str | None, work: Path) -> dict[str, Put]:
-    from checkpointd.storage.s3_client import make_client, small_requests
+    from checkpointd.storage.s3 import make_client, small_requests
 
     client = make_client(endpoint, REGION)
     signed = small_requests(client)
@@ -85,7 +101,7 @@ def _contenders(endpoint: str, bucket: str, against: str | None, work: Path) -> 
         raise SystemExit(f"{endpoint} gets no SignedRequests (a plain-HTTP endpoint does)")
     contenders: dict[str, Any] = {"boto3 client": client, "SignedRequests": signed}
     if against is not None:
-        module = _module_at(against, work)
+        module = _module_at(against, work, type(signed))
         credentials = client._request_signer._credentials  # the client's own, as make_client passes them
         contenders[f"SignedRequests@{against}"] = module.SignedRequests(
             endpoint, REGION, credentials, client.meta.events

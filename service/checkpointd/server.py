@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,11 +27,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
-from checkpointd.core.ports import Leases, NoLeases, SaveFormat, Store
+from checkpointd.core.ports import Closing, Described, Leases, NoLeases, SaveFormat, Store
+from checkpointd.durable.files import check_writable_dir
 from checkpointd.metrics import Metrics
-from checkpointd.protocol.errors import DeadlineError, RunNotFoundError, describe
+from checkpointd.protocol.errors import DeadlineError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.bind import bind_error, bind_failure, bind_quietly, bracket
 from checkpointd.rpc.calls import OpenCalls
@@ -131,8 +130,8 @@ class Server:
             raise
 
     def _start(self, config: ServeConfig, auth: ServerAuth) -> None:
-        _check_writable_dir(config.root, "the root (--root)")
-        _check_writable_dir(config.state_dir, "the daemon's state dir")
+        check_writable_dir(config.root, "the root (--root)")
+        check_writable_dir(config.state_dir, "the daemon's state dir")
         # Before recovery: it deletes temp dirs, which are another live daemon's
         # saves in flight unless this daemon owns the dir alone.
         self._dir_lock = _own_dir(config)
@@ -161,7 +160,7 @@ class Server:
             self._store,
             Formats(*self._formats),
             self._pool,
-            budget=UploadBudget(config.max_concurrent_uploads, staging_bytes),
+            budget=UploadBudget(config.max_concurrent_uploads, staging_bytes, config.admission_wait_seconds),
             retention=self.retention,
             shared_memory=self.shared_memory,
             phases=self.metrics,
@@ -210,7 +209,7 @@ class Server:
             "listening on port %d (root %s%s, metrics %s, auth %s, shared memory %s)",
             self.port,
             self._store.describe(),
-            f", {describe_leases}" if (describe_leases := getattr(self.leases, "describe", lambda: "")()) else "",
+            f", {describe_leases}" if (describe_leases := _describe(self.leases)) else "",
             f"http://{config.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
             auth.describe(),
             self.shared_memory.folder if self.shared_memory is not None else "off",
@@ -315,9 +314,8 @@ class Server:
             self._http.server_close()
             self._http = None
         if self._owns_store and self._store is not None:
-            close = getattr(self._store, "close", None)  # LocalStore's fsync threads, S3Store's transfers
-            if close is not None:
-                close()
+            if isinstance(self._store, Closing):  # LocalStore's fsync threads, S3Store's transfers
+                self._store.close()
         if self._dir_lock is not None:  # last: nothing of this daemon's touches the dir after it
             self._dir_lock.release()
             self._dir_lock = None
@@ -371,6 +369,11 @@ def _abandoned(why: str, method: str) -> str:
     )
 
 
+def _describe(seam: object) -> str:
+    """What a seam that describes itself says (the fleet's leases: `Described`); "" for one that does not."""
+    return seam.describe() if isinstance(seam, Described) else ""
+
+
 def _make_store(
     config: ServeConfig,
     pool: WriterPool,
@@ -387,9 +390,8 @@ def _make_store(
             config.root, fsync=config.fsync, thread_initializer=pool.initializer, group_commit=config.group_commit
         )
         return local, NoLeases()
-    from checkpointd.storage.s3 import S3Store  # boto3 loads only for an s3:// root
-    from checkpointd.storage.s3_client import S3Url, count_errors, count_requests, make_client
-    from checkpointd.storage.s3_lease import S3Leases
+    # boto3 loads only for an s3:// root
+    from checkpointd.storage.s3 import S3Leases, S3Store, S3Url, count_errors, count_requests, make_client
 
     url = S3Url.parse(config.s3_url)
     client = make_client(
@@ -460,25 +462,6 @@ def _checkpoint_dirs(store: Store, formats: Sequence[SaveFormat], *, recover: bo
     if deleted:
         _LOGGER.info("recovered training checkpoint dirs: %d checkpoints past their max_to_keep deleted", deleted)
     return dirs
-
-
-def _check_writable_dir(path: Path, what: str) -> None:
-    """Makes `path` if missing and proves it a writable directory, or says why it is not.
-
-    Raises:
-        OSError: with what to fix and the OS's reason.
-    """
-    if path.exists() and not path.is_dir():
-        raise OSError(f"{what} {path} is not a directory; it must be a directory, or a path where one can be made")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        # Permission bits do not stop root; a read-only mount or an immutable dir
-        # does. Only writing tells.
-        fd, probe = tempfile.mkstemp(prefix=f"{TMP_PREFIX}probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise OSError(f"{what} {path} is not a writable directory: {describe(e)}") from None
 
 
 def _write_port(path: Path | None, port: int) -> None:

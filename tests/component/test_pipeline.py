@@ -458,8 +458,8 @@ def test_a_save_of_a_run_held_elsewhere_is_refused_before_its_decision_and_close
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux's")
 def test_the_thread_that_writes_a_saves_files_takes_the_writer_pools_priority() -> None:
-    from checkpointd.saves import pipeline as pipeline_module
     from checkpointd.saves.pool import WriterPool
+    from checkpointd.saves.sinks import AtWriterPriority
 
     kept: list[tuple[int, int, bytes]] = []
 
@@ -475,7 +475,7 @@ def test_the_thread_that_writes_a_saves_files_takes_the_writer_pools_priority() 
 
     pool = WriterPool(nice=7)
     try:
-        sink = pipeline_module._AtWriterPriority(Kept(), pool)  # type: ignore[arg-type]  # noqa: SLF001
+        sink = AtWriterPriority(Kept(), pool)  # type: ignore[arg-type]
         seen: list[int] = []
 
         def receiver() -> None:  # a thread of its own, as the upload's reader is

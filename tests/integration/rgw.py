@@ -49,7 +49,7 @@ class Rgw:
 
     def client(self) -> object:
         """A boto3 client with the test keys (for checks the daemon does not do)."""
-        from checkpointd.storage.s3_client import make_client
+        from checkpointd.storage.s3 import make_client
 
         saved = {k: os.environ.get(k) for k in self.daemon_env()}
         os.environ.update(self.daemon_env())

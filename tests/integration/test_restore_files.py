@@ -248,7 +248,7 @@ def test_a_fresh_daemon_on_the_bucket_streams_a_checkpoint_it_never_saw_in_paral
 ) -> None:
     import numpy as np
 
-    from checkpointd.storage import s3_restore
+    from checkpointd.storage.s3 import restore as s3_restore
     from tests.integration.daemon import start_daemon
 
     url = f"s3://{rgw.bucket}/rf-{os.getpid()}"

@@ -28,7 +28,7 @@ import pytest
 import tensorflow as tf
 
 from checkpointd.protocol.errors import ChecksumError
-from checkpointd.storage import s3_restore
+from checkpointd.storage.s3 import restore as s3_restore
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemoteCheckpointer, checkpoint_restore, files

@@ -27,8 +27,7 @@ from typing import Any
 import grpc
 import pytest
 
-from checkpointd.storage.s3 import S3Store
-from checkpointd.storage.s3_lease import LEASES_DIR
+from checkpointd.storage.s3 import LEASES_DIR, S3Store
 from checkpointd.v1 import checkpointd_pb2 as pb
 from tests.integration import policies, scrape
 from tests.integration.daemon import Daemon, start_daemon

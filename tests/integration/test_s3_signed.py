@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from checkpointd.storage import s3_signed
-from checkpointd.storage.s3_client import error_code, small_requests
+from checkpointd.storage.s3 import signed as s3_signed
+from checkpointd.storage.s3.client import error_code, small_requests
 from tests.integration.rgw import Rgw
 
 

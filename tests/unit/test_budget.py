@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from checkpointd.protocol.errors import LimitExceededError
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
+
+DEADLINE = 10.0
 
 
 def test_uploads_past_the_count_are_refused_until_one_ends() -> None:
@@ -58,3 +62,44 @@ def test_release_inside_the_block_frees_the_slot_once() -> None:
             assert budget.in_use == (1, 100)
         release()  # idempotent
     assert budget.in_use == (0, 0)
+
+
+def test_a_save_at_the_limit_waits_for_a_slot_and_is_admitted_when_one_ends() -> None:
+    budget = UploadBudget(max_uploads=1, max_bytes=100, wait=30.0)
+    waiting = threading.Event()
+    admitted: list[tuple[int, int]] = []
+
+    def second() -> None:
+        waiting.set()
+        with budget.reserve(10, "b"):
+            admitted.append(budget.in_use)
+
+    with budget.reserve(10, "a"):
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert waiting.wait(DEADLINE)
+        assert not admitted  # held: the slot is "a"'s until its block ends
+    thread.join(DEADLINE)
+    assert admitted == [(1, 10)]  # "a" ended, "b" took its slot instead of being refused
+
+
+def test_a_save_still_at_the_limit_after_the_wait_is_refused_and_one_that_never_fits_at_once() -> None:
+    budget = UploadBudget(max_uploads=1, max_bytes=100, wait=0.05)
+    with budget.reserve(10, "a"):
+        with pytest.raises(LimitExceededError, match="limit of 1 saves at once"):
+            with budget.reserve(10, "b"):
+                pass
+    patient = UploadBudget(max_uploads=1, max_bytes=100, wait=3600.0)
+    refused: list[BaseException] = []
+
+    def too_big() -> None:
+        try:
+            with patient.reserve(101, "c"):
+                pass
+        except LimitExceededError as e:
+            refused.append(e)
+
+    thread = threading.Thread(target=too_big, daemon=True)
+    thread.start()
+    thread.join(DEADLINE)
+    assert refused and "--max-staging-bytes" in str(refused[0])  # no hour's wait for what cannot fit

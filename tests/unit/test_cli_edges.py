@@ -14,7 +14,8 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from checkpointd.cli import ops
 from checkpointd.cli.parse import OpsCommand, config_from_args
 from checkpointd.core.config import ServeConfig
-from checkpointd.storage import s3, s3_client
+from checkpointd.storage import s3
+from checkpointd.storage.s3 import client as s3_client
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -49,24 +49,40 @@ LAYERS: dict[str, Layer] = {
     # The durability toolkit: below formats and storage, so neither imports the other.
     "durable": _layer({"core", "protocol"}),
     "formats": _layer({"checkpointd", "core", "durable", "protocol", "v1"}, {"crc32c", "farmhash", "google.protobuf"}),
-    "storage": _layer({"core", "durable", "protocol"}, {"boto3", "botocore", "crc32c"}),
+    "storage": _layer({"core", "durable", "protocol"}, {"crc32c"}),
+    # The object store: a package with one public face (its __init__), over what local storage shares.
+    "storage.s3": _layer({"core", "durable", "protocol", "storage"}, {"boto3", "botocore", "crc32c"}),
     "metrics": _layer({"core", "protocol"}, {"prometheus_client"}),
     # The use cases reach formats and storage only through core.ports' Protocols; server.py picks them.
     "saves": _layer({"core", "durable", "protocol"}),
     "rpc": _layer({"core", "protocol", "saves", "v1"}, {"grpc"}),
     # The composition root: everything below the CLI.
     "server": _layer(
-        {"checkpointd", "core", "durable", "formats", "metrics", "protocol", "rpc", "saves", "storage", "v1"},
+        {
+            "checkpointd",
+            "core",
+            "durable",
+            "formats",
+            "metrics",
+            "protocol",
+            "rpc",
+            "saves",
+            "storage",
+            "storage.s3",
+            "v1",
+        },
         {"grpc", "grpc_health", "grpc_reflection", "prometheus_client"},
     ),
     "cli": _layer(
-        {"checkpointd", "core", "protocol", "rpc", "saves", "server", "storage", "v1"},
+        {"checkpointd", "core", "protocol", "rpc", "saves", "server", "storage", "storage.s3", "v1"},
         {"crc32c", "google.protobuf", "grpc"},
     ),
     "__main__": _layer({"cli"}),
     # The trainer side shares only the protocol and the generated code with the daemon.
     "checkpointd_client": _layer({"protocol", "v1"}, {"grpc", "numpy", "tensorflow", "tf_agents"}),
 }
+# Packages whose modules are private: code outside one imports only the package itself (its __init__).
+FACES = frozenset({"checkpointd.storage.s3"})
 # Single modules held to less than their layer.
 MODULES: dict[str, frozenset[str]] = {
     # Parsing the command line is pure: no store, no server, no filesystem probe.
@@ -114,33 +130,53 @@ def imports(module: str, path: Path, known: set[str]) -> list[Import]:
     return found
 
 
-def layer_of(module: str) -> str:
-    """`checkpointd.<package>...` -> the package; `checkpointd.<module>` -> the module; the client is one layer."""
+def layer_of(module: str, layers: dict[str, Layer] | None = None) -> str:
+    """`checkpointd.<package>...` -> the package, or its sub-package if `layers` has one of its own
+    (`storage.s3`); `checkpointd.<module>` -> the module; the client is one layer."""
     parts = module.split(".")
     if parts[0] != "checkpointd":
         return parts[0]
+    if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in (LAYERS if layers is None else layers):
+        return f"{parts[1]}.{parts[2]}"
     return parts[1] if len(parts) > 1 else "checkpointd"
+
+
+def _behind_a_face(importer: str, target: str, faces: frozenset[str]) -> str | None:
+    """The face `target` is a private module of, if `importer` is outside that package; else None."""
+    for face in faces:
+        if target.startswith(face + ".") and not (importer == face or importer.startswith(face + ".")):
+            return face
+    return None
 
 
 def _distribution(target: str) -> str:
     return "google.protobuf" if target.startswith("google.") or target == "google" else target.partition(".")[0]
 
 
-def violations(trees: dict[str, Path], layers: dict[str, Layer], narrower: dict[str, frozenset[str]]) -> list[str]:
-    """What the table forbids, one line per import: `module:line imports target (layer -> layer)`."""
+def violations(
+    trees: dict[str, Path],
+    layers: dict[str, Layer],
+    narrower: dict[str, frozenset[str]],
+    faces: frozenset[str] = frozenset(),
+) -> list[str]:
+    """What the table forbids, one line per import: `module:line imports target (layer -> layer)`,
+    or `module:line reaches behind face`."""
     found = modules(trees)
     known = set(found)
     ours = set(trees)
     problems = []
     for module, path in found.items():
-        own = layer_of(module)
+        own = layer_of(module, layers)
         if own not in layers:
             problems.append(f"{module} is in no layer: add {own!r} to the table")
             continue
         for imp in imports(module, path, known):
             top = imp.target.partition(".")[0]
+            face = _behind_a_face(module, imp.target, faces)
+            if face is not None:
+                problems.append(f"{module}:{imp.line} reaches behind {face} into {imp.target}: import it from {face}")
             if top in ours:
-                theirs = layer_of(imp.target)
+                theirs = layer_of(imp.target, layers)
                 allowed = narrower.get(module, layers[own].layers)
                 if theirs != own and theirs not in allowed:
                     problems.append(f"{module}:{imp.line} imports {imp.target} ({own} -> {theirs})")
@@ -160,7 +196,18 @@ def test_every_module_is_in_a_layer_and_every_layer_has_modules() -> None:
 
 
 def test_every_import_follows_the_table() -> None:
-    assert violations(TREES, LAYERS, MODULES) == []
+    assert violations(TREES, LAYERS, MODULES, FACES) == []
+
+
+def test_the_daemon_has_no_import_cycle() -> None:
+    # Every import statement counts, those under `if TYPE_CHECKING:` too: a helper typed by the
+    # class that imports it is a circle all the same.
+    found = modules({"checkpointd": TREES["checkpointd"]})
+    graph = {
+        m: {i.target for i in imports(m, p, set(found)) if i.target in found and i.target != m}
+        for m, p in found.items()
+    }
+    assert _cycle(graph) == []
 
 
 def test_the_scan_sees_the_imports_the_layers_rely_on() -> None:
@@ -168,6 +215,9 @@ def test_the_scan_sees_the_imports_the_layers_rely_on() -> None:
     found = modules(TREES)
     server = {i.target for i in imports("checkpointd.server", found["checkpointd.server"], set(found))}
     assert {"checkpointd.storage.s3", "checkpointd.rpc.servicer", "checkpointd.saves.pipeline"} <= server
+    assert (
+        layer_of("checkpointd.storage.s3.store") == "storage.s3" and layer_of("checkpointd.storage.local") == "storage"
+    )
     name = "checkpointd.formats.policy_template"
     template = {i.target for i in imports(name, found[name], set(found))}
     assert {"checkpointd.v1.tf_formats_pb2", "checkpointd.formats.object_graph"} <= template
@@ -245,6 +295,19 @@ def test_an_import_against_the_table_is_reported(tmp_path: Path, module: str, so
     problems = violations(_tree(tmp_path, _base(**{module: source})), _TABLE, {})
     assert len(problems) == 1
     assert expected in problems[0]
+
+
+def test_a_sub_package_is_its_own_layer_behind_its_face(tmp_path: Path) -> None:
+    table = {**_TABLE, "storage.s3": _layer({"core", "storage"})}
+    files = {"storage/s3/__init__.py": "from .store import S3Store\n", "storage/s3/store.py": "from ..local import *\n"}
+    assert violations(_tree(tmp_path / "a", _base(**files)), table, {}, frozenset({"checkpointd.storage.s3"})) == []
+    inward = {**files, "saves/runs.py": "from checkpointd.storage.s3 import store\n"}
+    problems = violations(_tree(tmp_path / "b", _base(**inward)), table, {}, frozenset({"checkpointd.storage.s3"}))
+    assert any("reaches behind checkpointd.storage.s3 into checkpointd.storage.s3.store" in p for p in problems)
+    upward = {**files, "storage/local.py": "from checkpointd.storage.s3 import S3Store\n"}
+    assert violations(_tree(tmp_path / "c", _base(**upward)), table, {}) == [
+        "checkpointd.storage.local:1 imports checkpointd.storage.s3 (storage -> storage.s3)"
+    ]
 
 
 def test_a_module_rule_is_narrower_than_its_layer(tmp_path: Path) -> None:

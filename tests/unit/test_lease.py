@@ -14,7 +14,7 @@ import pytest
 from checkpointd.core import lease
 from checkpointd.core.lease import Holding, LeaseDoc, LeaseDocError, Sighting
 from checkpointd.protocol.errors import RunHeldError, UnavailableError
-from checkpointd.storage.s3_lease import LEASES_DIR, S3Leases
+from checkpointd.storage.s3 import LEASES_DIR, S3Leases
 
 # The document.
 
@@ -411,7 +411,7 @@ def test_a_hold_that_waits_says_once_for_whom_before_it_waits_and_logs_it(
         told.append(text)
         a.release("r")  # the holder lets go while b waits: b's next look takes it
 
-    with caplog.at_level(logging.INFO, logger="checkpointd.storage.s3_lease"):
+    with caplog.at_level(logging.INFO, logger="checkpointd.storage.s3.lease"):
         b.hold("r", clock.now + 20, waiting)
     assert told == [
         f"waiting up to 20 s for the lease of run r held by host {socket.gethostname()}, pid {os.getpid()}, renewed 4 s ago"

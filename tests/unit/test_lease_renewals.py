@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from checkpointd.storage.s3_lease import LEASES_DIR
+from checkpointd.storage.s3 import LEASES_DIR
 from tests.unit.test_lease import FakeBucket, FakeClock, _leases
 
 WAIT = 10.0  # any single wait here; reached only on failure

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from checkpointd.storage.s3_copies import SENT_INSTEAD_BYTES, Source, Sources, copy_first, sent_instead
+from checkpointd.storage.s3.copies import SENT_INSTEAD_BYTES, Source, Sources, copy_first, sent_instead
 
 
 class Refused(Exception):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointd.storage import s3_keys
-from checkpointd.storage.s3_keys import MANIFEST, PREFIX_MANIFEST, SaveKeys
+from checkpointd.storage.s3 import keys as s3_keys
+from checkpointd.storage.s3.keys import MANIFEST, PREFIX_MANIFEST, SaveKeys
 
 
 def test_a_dir_save_keeps_its_files_and_manifest_under_its_own_key() -> None:

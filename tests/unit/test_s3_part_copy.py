@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointd.storage.s3_part_copy import Part, Piece, Reference, Source, plan
+from checkpointd.storage.s3.part_copy import Part, Piece, Reference, Source, plan
 
 MIN, MAX = 5, 16  # the arithmetic scaled down: 5 "MiB" parts at least, 16 at most
 BASES = (Source("run/ckpt-1.data", "e1"), Source("run/ckpt-0.data", "e0"))

@@ -12,7 +12,7 @@ import pytest
 from checkpointd.core.ports import Staged
 from checkpointd.formats.bundle import Entry
 from checkpointd.formats.sink import BundleSink
-from checkpointd.storage.s3_parts import PartUpload
+from checkpointd.storage.s3.parts import PartUpload
 
 
 class FakeS3:
@@ -146,7 +146,7 @@ class CopyingS3(FakeS3):
 def test_referred_ranges_are_copied_from_the_base_and_only_written_bytes_uploaded(
     tmp_path: Path, pool: ThreadPoolExecutor
 ) -> None:
-    from checkpointd.storage.s3_part_copy import MIN_PART_BYTES, Source
+    from checkpointd.storage.s3.part_copy import MIN_PART_BYTES, Source
 
     mib = 1 << 20
     base = bytes(range(256)) * (18 * mib // 256)  # the base object: 18 MiB

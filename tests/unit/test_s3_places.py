@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointd.storage.s3_places import Places
+from checkpointd.storage.s3.places import Places
 
 
 class Folder:

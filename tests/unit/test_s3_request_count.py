@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from checkpointd.metrics import Metrics
-from checkpointd.storage import s3_signed
-from checkpointd.storage.s3_client import count_errors, count_requests, make_client
+from checkpointd.storage.s3 import signed as s3_signed
+from checkpointd.storage.s3.client import count_errors, count_requests, make_client
 
 
 def test_each_request_counts_under_its_operation_and_the_hook_lets_it_be_sent() -> None:

@@ -15,8 +15,8 @@ import pytest
 from botocore.credentials import Credentials, ReadOnlyCredentials
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from checkpointd.storage import s3_signed
-from checkpointd.storage.s3_client import error_code, make_client, small_requests
+from checkpointd.storage.s3 import signed as s3_signed
+from checkpointd.storage.s3.client import error_code, make_client, small_requests
 
 
 class _Events:

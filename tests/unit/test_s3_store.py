@@ -11,7 +11,7 @@ import pytest
 
 from checkpointd.cli.parse import FetchCommand, VerifyCommand, config_from_args
 from checkpointd.core.config import ServeConfig
-from checkpointd.storage.s3_client import S3Url, body_is_signed, content_md5, make_client
+from checkpointd.storage.s3.client import S3Url, body_is_signed, content_md5, make_client
 
 
 @pytest.mark.parametrize(
@@ -142,7 +142,7 @@ def test_an_upload_carries_content_md5_exactly_where_its_body_is_not_signed(
 def test_the_etag_log_keeps_the_answered_etag_of_awaited_keys_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from botocore.awsrequest import AWSResponse
 
-    from checkpointd.storage.s3_client import ETagLog
+    from checkpointd.storage.s3.client import ETagLog
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
@@ -174,7 +174,7 @@ def test_the_etag_log_keeps_the_answered_etag_of_awaited_keys_only(monkeypatch: 
 
 
 def test_the_staged_files_are_the_manifests_list(tmp_path: Path) -> None:
-    from checkpointd.storage.s3_commit import MANIFEST, staged_files
+    from checkpointd.storage.s3.commit import MANIFEST, staged_files
 
     for rel in ("saved_model.pb", "variables/variables.index", "assets/a/b.txt", MANIFEST):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ META = SaveMeta("run", SaveKind.CHECKPOINT, 1, "save")
 
 
 class Recorder:
-    """A sync_range that records each call's inode and range, and can wait until a range reaches a byte."""
+    """A sync_range that records each call's inode and range, and can wait for the looks after a write."""
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
@@ -32,39 +32,50 @@ class Recorder:
         if self.fail:
             raise OSError(5, "I/O error")
 
-    def reached(self, inode: int, end: int) -> bool:
-        """Waits (up to DEADLINE) until a call on `inode` covers byte `end - 1`."""
+    def handed_over(self, inode: int, since: int) -> list[tuple[int, int]]:
+        """Waits (up to DEADLINE) for two calls on `inode` after the first `since` calls: the second began after
+        everything written before `since` was counted, so its range is what the writeback asked of the disk."""
         with self._changed:
-            return self._changed.wait_for(
-                lambda: any(i == inode and o + n >= end for i, o, n in self.calls), timeout=DEADLINE
-            )
+            self._changed.wait_for(lambda: sum(i == inode for i, _, _ in self.calls[since:]) >= 2, timeout=DEADLINE)
+            return [(o, n) for i, o, n in self.calls[since:] if i == inode]
+
+
+def covers(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether one of `ranges` (offset, nbytes; nbytes 0 is to the end of the file) holds [start, end)."""
+    return any(o <= start and (n == 0 or o + n >= end) for o, n in ranges)
+
+
+def pwrite_and_wait(path: Path, at: int, data: bytes, recorder: Recorder) -> None:
+    """Writes `data` at `at` of `path` (created if absent), then asserts the writeback handed that range over."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        inode = os.fstat(fd).st_ino
+        with recorder._changed:  # noqa: SLF001 - the count of calls before the write
+            since = len(recorder.calls)
+        os.pwrite(fd, data, at)
+    finally:
+        os.close(fd)
+    ranges = recorder.handed_over(inode, since)
+    assert covers(ranges[1:], at, at + len(data)), f"bytes {at}..{at + len(data)} never handed over: {ranges}"
 
 
 def write_in_steps(path: Path, steps: list[bytes], recorder: Recorder) -> None:
-    """Appends each step once the writeback has seen everything before it."""
-    with open(path, "ab") as f:
-        inode = os.fstat(f.fileno()).st_ino
-        written = os.fstat(f.fileno()).st_size
-        for data in steps:
-            f.write(data)
-            f.flush()
-            written += len(data)
-            assert recorder.reached(inode, written), f"writeback never reached byte {written}"
+    """Appends each step, and asserts the writeback handed it over before the next."""
+    for data in steps:
+        pwrite_and_wait(path, path.stat().st_size if path.exists() else 0, data, recorder)
 
 
-def test_each_range_is_handed_once_in_order_through_a_rename(tmp_path: Path) -> None:
+def test_every_write_is_handed_over_wherever_it_lands_and_through_a_rename(tmp_path: Path) -> None:
     recorder = Recorder()
-    steps = [b"a" * 5000, b"b" * 3, b"c" * 70000]
     with writeback.Writeback(tmp_path, interval=0.001, sync_range=recorder):
-        write_in_steps(tmp_path / "data.tempstate123", steps, recorder)
-        os.rename(tmp_path / "data.tempstate123", tmp_path / "data")  # as SaveV2 does
-        write_in_steps(tmp_path / "data", [b"d" * 10], recorder)
+        # A bundle's tensors go where they belong, in the wire's order, and an incremental save's
+        # copies anywhere: a range far past the end first, then the hole below it, then appends.
+        pwrite_and_wait(tmp_path / "data.tempstate123", 70000, b"c" * 5000, recorder)
+        pwrite_and_wait(tmp_path / "data.tempstate123", 0, b"a" * 70000, recorder)
+        os.rename(tmp_path / "data.tempstate123", tmp_path / "data")  # followed through a rename
+        write_in_steps(tmp_path / "data", [b"d" * 10, b"e" * 3], recorder)
     inode = (tmp_path / "data").stat().st_ino
-    assert {c[0] for c in recorder.calls} == {inode}  # one file, followed through its rename
-    ranges = [(offset, nbytes) for _, offset, nbytes in recorder.calls]
-    ends = [offset + nbytes for offset, nbytes in ranges]
-    assert [offset for offset, _ in ranges] == [0, *ends[:-1]]  # contiguous, never twice
-    assert ends[-1] == 5000 + 3 + 70000 + 10
+    assert {c[0] for c in recorder.calls} == {inode}  # one file, by its inode
 
 
 def test_every_file_of_the_dir_is_followed_but_not_subdirs(tmp_path: Path) -> None:

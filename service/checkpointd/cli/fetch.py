@@ -24,12 +24,11 @@ from checkpointd.core.ports import CommittedSave
 from checkpointd.core.retention import age
 from checkpointd.protocol.errors import CheckpointdError, RunNotFoundError
 from checkpointd.protocol.names import check_run_name
-from checkpointd.storage import s3
-from checkpointd.storage.s3_client import S3Url
+from checkpointd.storage.s3 import S3Store, S3Url
 
 
-def _store(root: str, endpoint_url: str | None, region: str | None, work: Path) -> s3.S3Store:
-    store = s3.S3Store(root, work, endpoint_url=endpoint_url, region=region)
+def _store(root: str, endpoint_url: str | None, region: str | None, work: Path) -> S3Store:
+    store = S3Store(root, work, endpoint_url=endpoint_url, region=region)
     try:
         store.check()
     except BaseException:
@@ -92,7 +91,7 @@ def fetch(
         store.close()
 
 
-def _choose(store: s3.S3Store, folder: str, export_dir: str) -> CommittedSave | None:
+def _choose(store: S3Store, folder: str, export_dir: str) -> CommittedSave | None:
     """The save RUN[/EXPORT_DIR] names: that save, or the newest one in the folder or under that dir.
 
     EXPORT_DIR may be a save (a SavedModel, `train/ckpt-7`) or a dir of
@@ -109,7 +108,7 @@ def _choose(store: s3.S3Store, folder: str, export_dir: str) -> CommittedSave | 
     return max(saves, key=age) if saves else None
 
 
-def _listed_bytes(store: s3.S3Store, save: CommittedSave) -> int:
+def _listed_bytes(store: S3Store, save: CommittedSave) -> int:
     document = store.manifest(store.keys_of(save).manifest, None) or {"files": []}
     return sum(e.size for e in document["files"])
 

@@ -245,6 +245,15 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         help=f"saves admitted at once over all runs; past it RESOURCE_EXHAUSTED (default: {_D.max_concurrent_uploads})",
     )
     serve.add_argument(
+        "--admission-wait",
+        type=float,
+        default=_D.admission_wait_seconds,
+        metavar="S",
+        help="how long a save at --max-concurrent-uploads or --max-staging-bytes waits for room before it is "
+        f"refused RESOURCE_EXHAUSTED: a burst of saves from many trainers waits, not fails "
+        f"(default: {_D.admission_wait_seconds}; 0 refuses at once)",
+    )
+    serve.add_argument(
         "--max-staging-bytes",
         type=_size,
         metavar="SIZE",
@@ -449,6 +458,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 group_commit=not args.no_group_commit,
                 upload_timeout_seconds=args.upload_timeout,
                 max_concurrent_uploads=args.max_concurrent_uploads,
+                admission_wait_seconds=args.admission_wait,
                 keep_last=args.keep_last,
                 keep_every_steps=args.keep_every_steps,
                 max_staging_bytes=args.max_staging_bytes,

@@ -13,9 +13,7 @@ import crc32c
 
 from checkpointd.core.ports import CommittedSave
 from checkpointd.storage import save_manifest
-from checkpointd.storage.s3 import S3Store
-from checkpointd.storage.s3_client import error_code
-from checkpointd.storage.s3_keys import ETAGS
+from checkpointd.storage.s3 import ETAGS, S3Store, error_code
 
 
 def verify_bucket(store: S3Store, folders: list[str] | None = None, below: str = "") -> list[save_manifest.Report]:

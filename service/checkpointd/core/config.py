@@ -36,7 +36,7 @@ class ServeConfig:
             bytes before it is cut and retried (`s3_client.make_client`).
         lease_seconds: with `s3_url`, the ttl of the run leases through which
             daemons sharing the bucket agree who writes a run
-            (`checkpointd.storage.s3_lease`); renewed every third of it.
+            (`checkpointd.storage.s3.lease`); renewed every third of it.
         lease_idle_seconds: with `s3_url`, a run with no save for this long
             lets go of its lease, so a trainer that died here does not pin
             its run to this daemon; its next save here takes it again.
@@ -58,6 +58,8 @@ class ServeConfig:
         max_workers: gRPC handler threads (each open save or wait holds one).
         max_concurrent_uploads: saves admitted at once, over all runs
             (blocking waiters included); past it RESOURCE_EXHAUSTED.
+        admission_wait_seconds: how long a save at an admission limit (uploads or staging bytes) waits
+            for room before it is refused
         max_staging_bytes: snapshot bytes held in memory at once, over all
             admitted saves; None = half the machine's memory.
         upload_timeout_seconds: an accepted save whose snapshot has not fully
@@ -100,6 +102,7 @@ class ServeConfig:
     max_template_bytes: int = 16 * GiB
     max_workers: int = 64
     max_concurrent_uploads: int = 32
+    admission_wait_seconds: float = 0.25
     max_staging_bytes: int | None = None
     fsync: bool = True
     group_commit: bool = True
@@ -137,6 +140,8 @@ class ServeConfig:
         for name in ("max_snapshot_bytes", "max_template_bytes", "max_workers", "max_concurrent_uploads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.admission_wait_seconds <= 60:  # also refuses NaN; a handler thread waits it out
+            raise ValueError(f"admission_wait_seconds must be in 0..60, got {self.admission_wait_seconds}")
         if not 0 < self.upload_timeout_seconds < math.inf:  # also refuses NaN
             raise ValueError(f"upload_timeout_seconds must be > 0 and finite, got {self.upload_timeout_seconds}")
         if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:

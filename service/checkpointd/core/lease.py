@@ -2,7 +2,7 @@
 
 Several daemons share one bucket and nothing else; a run is written by the
 one daemon that holds its lease, an object in the bucket
-(`checkpointd.storage.s3_lease` reads and writes it). The object holds a
+(`checkpointd.storage.s3.lease` reads and writes it). The object holds a
 `LeaseDoc` (JSON): the holder's owner id (host, pid and a random token, so
 a restarted daemon is a new owner), host and pid for messages, the ttl,
 the wall-clock time of its last renewal (for people only), whether it was

@@ -5,7 +5,8 @@ fsynced, and renamed into place (`publish_dir`). At every instant the target
 is the complete old tree, the complete new tree, or (only between the two
 renames of a replacement) absent with the old tree parked beside it as
 `.checkpointd-old-<name>-<hex>`. `recover` repairs that window and clears
-leftover temp entries when the daemon starts.
+leftover temp entries when the daemon starts; `check_writable_dir` proves,
+before the daemon serves, that a dir takes writes at all.
 
 Below both `checkpointd.formats` and `checkpointd.storage`: a format
 publishing a tree and the local store committing one share these, and
@@ -20,10 +21,11 @@ import os
 import secrets
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 from checkpointd.durable import dirs
-from checkpointd.protocol.errors import SaveFailedError
+from checkpointd.protocol.errors import SaveFailedError, describe
 from checkpointd.protocol.names import OLD_PREFIX, SUFFIX_HEX_LEN, TMP_PREFIX
 
 _LOGGER = logging.getLogger(__name__)
@@ -322,3 +324,22 @@ def _exists(name: str, dir_fd: int) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """Makes `path` if missing and proves it a writable directory, or says why it is not.
+
+    Raises:
+        OSError: with what to fix and the OS's reason.
+    """
+    if path.exists() and not path.is_dir():
+        raise OSError(f"{what} {path} is not a directory; it must be a directory, or a path where one can be made")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # Permission bits do not stop root; a read-only mount or an immutable dir
+        # does. Only writing tells.
+        fd, probe = tempfile.mkstemp(prefix=f"{TMP_PREFIX}probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(f"{what} {path} is not a writable directory: {describe(e)}") from None

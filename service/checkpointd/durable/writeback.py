@@ -58,14 +58,15 @@ class Writeback:
     A context manager: while it is open, a thread looks at `directory` (not
     below it) every `interval` seconds and asks the kernel (Linux
     `sync_file_range`, SYNC_FILE_RANGE_WRITE) to start writing out what each
-    regular file has grown by since the last look. The daemon's dirty
+    regular file holds that is not yet on its way (`offset 0, nbytes 0`: the
+    whole file, wherever it was written since the last look). The daemon's dirty
     threshold (a tenth of free memory by default) is far above a save's
     size, so without this the disk would start on a large data file only at
-    the commit's fsync; with it, the disk works while SaveV2 still copies,
-    and the fsync finds little left to write. It never waits for the disk
+    the commit's fsync; with it, the disk works while the save is still
+    being written, and the fsync finds little left to write. It never waits for the disk
     and guarantees nothing: the fsync before publishing does. Files are
-    opened once (by inode) and followed through renames (SaveV2 writes a
-    `.tempstate` name and renames it). Errors are ignored for the same
+    opened once (by inode) and followed through renames (a writer may write a
+    `.tempstate` name and rename it, as SaveV2 does). Errors are ignored for the same
     reason; where libc has no sync_file_range it does nothing.
     """
 
@@ -99,7 +100,7 @@ class Writeback:
     def _run(self) -> None:
         sync_range = self._sync_range
         assert sync_range is not None
-        files: dict[int, tuple[int, int]] = {}  # inode -> (fd, bytes handed to the disk)
+        files: dict[int, int] = {}  # inode -> fd
         try:
             while not self._stop.wait(self._interval):
                 try:
@@ -114,19 +115,20 @@ class Writeback:
                             if inode in files:
                                 os.close(fd)
                             else:
-                                files[inode] = (fd, 0)
+                                files[inode] = fd
                     except OSError:
                         continue
-                for inode, (fd, done) in files.items():
+                for fd in files.values():
                     try:
-                        size = os.fstat(fd).st_size
-                        if size > done:
-                            sync_range(fd, done, size - done)
-                            files[inode] = (fd, size)
+                        # The whole file, not what it grew by: a bundle's tensors are written where they
+                        # go (pwrite) in the wire's order, and an incremental save's copies land anywhere,
+                        # so the pages written since the last look may lie anywhere below the end. The
+                        # kernel finds the dirty pages by the page cache's tags: clean ones cost nothing.
+                        sync_range(fd, 0, 0)
                     except OSError as e:
                         _LOGGER.debug("writeback in %s: %s", self._directory, e)
         finally:
-            for fd, _ in files.values():
+            for fd in files.values():
                 os.close(fd)
 
 

@@ -214,7 +214,7 @@ def _checkpoint(
 
     Raises:
         InvalidRequestError: `variables/` is in neither form (see the module
-            docstring) or TensorFlow cannot read it.
+            docstring) or its index cannot be read.
     """
     shards = sorted(n for n in names if n.startswith(_DATA_SHARD))
     graph_file = TEMPLATE_OBJECT_GRAPH in names

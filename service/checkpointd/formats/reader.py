@@ -50,7 +50,7 @@ class SaveValues:
         """Each variable's bytes in manifest order, then each numpy entry's.
 
         Raises:
-            ChecksumError: TensorFlow found a tensor corrupt on disk.
+            ChecksumError: a tensor fails its CRC32C on disk.
             SaveFailedError: a tensor could not be read (e.g. the save was
                 replaced while it was being read).
         """

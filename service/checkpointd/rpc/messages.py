@@ -13,7 +13,7 @@ from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec
 from checkpointd.core.lane import LaneStats
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyStateSpec
-from checkpointd.core.ports import CommittedSave
+from checkpointd.core.ports import CheckpointValues, CommittedSave
 from checkpointd.protocol import wire
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
@@ -253,8 +253,8 @@ def restore_responses(
     )
     if values.numpy_state is not None:
         header.numpy_state.CopyFrom(numpy_state_to_pb(values.numpy_state))
-    # Only a training checkpoint's values describe themselves (see SaveValues).
-    checkpoint: CheckpointSpec | None = getattr(values, "checkpoint", None)
+    # Only a training checkpoint's values describe themselves (CheckpointValues).
+    checkpoint = values.checkpoint if isinstance(values, CheckpointValues) else None
     if checkpoint is not None:
         header.training_checkpoint.CopyFrom(wire.training_checkpoint_to_pb(checkpoint.object_graph, checkpoint.tensors))
     yield pb.RestoreResponse(header=header)

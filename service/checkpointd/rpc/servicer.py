@@ -185,8 +185,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         response = self._status([messages.run_status(v) for v in views])
         # One run: its folder only (as GetLatest searches); else every folder.
         folders = None if run is None else [self._pipeline.folder(run)]
-        leases = getattr(self._pipeline, "leases", None)  # a fleet's store has leases
-        found = catalog.stored_runs(self._pipeline.store, leases, folders=folders, run=run)
+        found = catalog.stored_runs(self._pipeline.store, self._pipeline.leases, folders=folders, run=run)
         messages.add_stored_runs(response, found, self._pipeline.store.location)
         return response
 

@@ -17,7 +17,7 @@ On an object store (`RemoteBases`: S3) the base is the newest committed
 checkpoint's data object, named with the ETag its manifest recorded; its
 ranges are not copied here but referred to (`BundleSink.refer`), and the
 store copies them server-side at commit on condition of that ETag
-(`checkpointd.storage.s3_part_copy`). A base that replaces itself (the same
+(`checkpointd.storage.s3.part_copy`). A base that replaces itself (the same
 export dir) is not offered there: its object is the one being replaced.
 
 `Incremental` is the save's sink with the base beside it: the receiver hands
@@ -39,11 +39,10 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from checkpointd.core import chunk_record as chunks
 from checkpointd.core.manifest import VariableSpec
-from checkpointd.core.ports import CommittedSave, SaveSink, Staged, Store
+from checkpointd.core.ports import CommittedSave, CopyingSink, OrderedSink, RemoteBases, Staged, Store
 from checkpointd.core.retention import age
 from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
@@ -87,13 +86,6 @@ class OpenBase:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
-
-
-class RemoteBases(Protocol):
-    """A store whose committed saves are objects another save's parts may be copied from (S3)."""
-
-    def base_source(self, save: CommittedSave, data_file: str, size: int) -> object | None:
-        """The committed data object `save`'s path + `data_file` of `size` bytes as copies name it; None if unusable."""
 
 
 # A save of less than one chunk has nothing worth copying: opening its base and
@@ -159,6 +151,7 @@ def open_base(
     local: bool,
     newest: Newest | None = None,
     variables: Sequence[VariableSpec] = (),
+    remote: RemoteBases | None = None,
 ) -> OpenBase | None:
     """The base the request's save may copy from, opened; None if there is none to use.
 
@@ -166,14 +159,15 @@ def open_base(
         store: where the run's saves are.
         folder: the run's folder.
         request: an accepted, incremental save.
-        local: whether the store's saves are files on this host (else the
-            store must be `RemoteBases` for a base to be offered).
+        local: whether the store's saves are files on this host (else
+            `remote` must be given for a base to be offered).
         newest: what is known of each dir's newest checkpoint; None lists the dir.
         variables: a policy save's variables (its manifest's), its payload
             parts but the numpy state; a training checkpoint's come with it.
+        remote: the store as `RemoteBases`, if it is one (the pipeline decides once).
     """
     checkpoint = request.checkpoint
-    remote = None if local else getattr(store, "base_source", None)
+    remote = None if local else remote
     if checkpoint is not None:
         keyed = [(t.checkpoint_key, t.dtype, t.shape, t.nbytes) for t in checkpoint.tensors]
     else:  # as the policy's bundle names them: a SavedModel's keys or a checkpoint's
@@ -193,7 +187,7 @@ def open_base(
     if remote is not None:
         if newest_save.export_dir == request.export_dir:
             return None
-        source = remote(newest_save, record.data_file, record.identity[2])
+        source = remote.base_source(newest_save, record.data_file, record.identity[2])
         if source is None:
             return None
         fd = -1
@@ -220,20 +214,6 @@ def open_base(
             os.close(fd)
         return None
     return OpenBase(newest_save.export_dir, path, fd, record.identity, record.chunk_bytes, parts, source=source)
-
-
-class CopyingSink(SaveSink, Protocol):
-    """A save's sink that can copy whole chunks from another file (`checkpointd.formats.sink.BundleSink`)."""
-
-    def copy(
-        self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]
-    ) -> None: ...
-
-    def refer(
-        self, part: int, offset: int, nbytes: int, source: object, source_offset: int, crcs: Sequence[int]
-    ) -> None: ...
-
-    def settle(self) -> None: ...
 
 
 class Incremental:
@@ -290,8 +270,7 @@ class Incremental:
         Raises:
             as `SaveSink.write`.
         """
-        order = getattr(self._sink, "order", None)
-        ordered = order() if order is not None else None
+        ordered = self._sink.order() if isinstance(self._sink, OrderedSink) else None
         size = chunks.CHUNK_BYTES
         for j in ordered if ordered is not None else range(len(views)):
             view = memoryview(views[j]).cast("B")

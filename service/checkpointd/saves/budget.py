@@ -3,8 +3,11 @@
 A save's snapshot is held in memory from accept to write. Without a cap, many
 trainers (or one hostile client) could make the daemon allocate more than the
 machine has and be OOM-killed, losing every save in flight. The budget
-reserves a save's bytes before its lane decides; past a limit the request is
-refused with RESOURCE_EXHAUSTED, before anything is allocated or counted.
+reserves a save's bytes before its lane decides. At a limit the request waits
+a little (`wait`, `--admission-wait`) for a slot or the bytes to free up, as a
+burst of many trainers' saves would otherwise be refused while the saves ahead
+of it end within milliseconds; still at the limit, it is refused with
+RESOURCE_EXHAUSTED, before anything is allocated or counted.
 """
 
 from __future__ import annotations
@@ -28,10 +31,16 @@ def default_staging_bytes() -> int:
 class UploadBudget:
     """Counts saves between admission and their end, and their snapshot bytes."""
 
-    def __init__(self, max_uploads: int, max_bytes: int) -> None:
+    def __init__(self, max_uploads: int, max_bytes: int, wait: float = 0.0) -> None:
+        """Args:
+        max_uploads: saves admitted at once.
+        max_bytes: their snapshots' bytes at once.
+        wait: seconds a save at a limit waits for room before it is refused (0: refused at once).
+        """
         self.max_uploads = max_uploads
         self.max_bytes = max_bytes
-        self._lock = threading.Lock()
+        self.wait = wait
+        self._lock = threading.Condition()
         self._uploads = 0
         self._bytes = 0
 
@@ -51,6 +60,11 @@ class UploadBudget:
                 staging memory left.
         """
         with self._lock:
+            if nbytes <= self.max_bytes:  # one that can never fit is refused without waiting
+                self._lock.wait_for(
+                    lambda: self._uploads < self.max_uploads and self._bytes + nbytes <= self.max_bytes,
+                    timeout=self.wait,
+                )
             if self._uploads >= self.max_uploads:
                 raise LimitExceededError(
                     f"run {run!r}: the daemon is at its limit of {self.max_uploads} saves at "
@@ -72,6 +86,7 @@ class UploadBudget:
                     held[0] = False
                     self._uploads -= 1
                     self._bytes -= nbytes
+                    self._lock.notify_all()
 
         try:
             yield release

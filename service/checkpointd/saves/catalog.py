@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from checkpointd.core.ports import CommittedSave, Leases, Store
+from checkpointd.core.ports import CommittedSave, LeaseHolders, Leases, Store
 from checkpointd.core.retention import age
 from checkpointd.protocol.kinds import SaveKind
 
@@ -149,7 +149,6 @@ def _runs_in(store: Store, folder: str, run: str | None) -> list[StoredRun]:
 
 def _holders(leases: Leases, runs: list[str], pool: ThreadPoolExecutor) -> Mapping[str, str | None]:
     """Each run's lease holder: in one call if the Leases offer `holders`, else one lookup per run."""
-    bulk = getattr(leases, "holders", None)  # optional: one listing of the lease objects
-    if callable(bulk):
-        return dict(bulk(runs))
+    if isinstance(leases, LeaseHolders):  # one listing of the lease objects
+        return dict(leases.holders(runs))
     return dict(zip(runs, pool.map(leases.holder, runs), strict=True))

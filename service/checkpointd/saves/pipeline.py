@@ -40,9 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
 
-from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.lane import Cancelled, Failed, SaveSpec, Skipped, Ticket, Written
 from checkpointd.core.manifest import Manifest, VariableSpec
@@ -52,31 +50,31 @@ from checkpointd.core.ports import (
     NoLeases,
     NullPhases,
     PhaseSink,
-    SaveFormat,
+    RemoteBases,
     SaveMeta,
     SaveSink,
-    Staged,
     Store,
     StreamingStore,
-    WholePartsSink,
 )
 from checkpointd.protocol.errors import (
-    AlreadyExistsError,
-    InvalidRequestError,
     LimitExceededError,
     RunNotFoundError,
     SaveFailedError,
     describe,
 )
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.protocol.names import check_export_dir, check_run_name
-from checkpointd.saves import bases, writes
+from checkpointd.protocol.names import check_run_name
+from checkpointd.saves import admission, bases, writes
 from checkpointd.saves.budget import UploadBudget
-from checkpointd.saves.checkpoint_dirs import CheckpointDirs, directory_of
+from checkpointd.saves.checkpoint_dirs import directory_of
+from checkpointd.saves.kinds import Formats, own_spec
+from checkpointd.saves.outcomes import log_outcome, notice_outcome
 from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.requests import BaseOffer, Decision, LocalSkip, Receiver, Result, SaveRequest, TrainerDecided
+from checkpointd.saves.retention import Retainer
 from checkpointd.saves.runs import Lanes, TrainerDecidedError
 from checkpointd.saves.shm import RunLock, SharedMemory
+from checkpointd.saves.sinks import AtWriterPriority
 from checkpointd.saves.skip_log import SkipLog
 
 # The request and answer types are defined with the Save call's other values; importable from here too.
@@ -84,24 +82,6 @@ __all__ = ["Decision", "Formats", "LocalSkip", "Receiver", "Result", "SavePipeli
 
 _LOGGER = logging.getLogger(__name__)
 _LOCAL_REASON = "skipped by the trainer: another save of the run was in flight (its busy lock was taken)"
-
-
-class Formats:
-    """The SaveFormat of each kind; `checkpointd.server` registers them."""
-
-    def __init__(self, *formats: SaveFormat) -> None:
-        self._by_kind: dict[SaveKind, SaveFormat] = {}
-        for fmt in formats:
-            for kind in fmt.kinds:
-                if kind in self._by_kind:
-                    raise ValueError(f"two formats for {kind.value}")
-                self._by_kind[kind] = fmt
-
-    def __call__(self, kind: SaveKind) -> SaveFormat:
-        try:
-            return self._by_kind[kind]
-        except KeyError:
-            raise InvalidRequestError(f"this daemon has no format for {kind.value} saves") from None
 
 
 class SavePipeline:
@@ -140,6 +120,7 @@ class SavePipeline:
         self._run_kinds: dict[str, tuple[SaveKind, ...]] = {}
         self._bases = bases.Newest()  # each checkpoint dir's newest save: an incremental save's base
         self._local = not isinstance(store, StreamingStore)  # an object store's saves are not files here
+        self._remote_bases = store if isinstance(store, RemoteBases) else None  # copied from server-side
 
     @property
     def upload_timeout(self) -> float:
@@ -193,8 +174,8 @@ class SavePipeline:
             SaveFailedError: the template could not be stored (the OS's reason).
         """
         run = check_run_name(run)
-        folder = check_folder(folder) if folder else run
-        claim = _claimed_dir(run, kind, checkpoint_dir)
+        folder = admission.check_folder(folder) if folder else run
+        claim = admission.claimed_dir(run, kind, checkpoint_dir)
         # A policy run's template goes to the format of policy saves; a
         # training run's (empty) registration to the training format.
         fmt = self.formats(kind or SaveKind.SAVED_MODEL)
@@ -235,7 +216,7 @@ class SavePipeline:
     def folder(self, run: str, asked: str = "") -> str:
         """The folder to search: the one asked for, else the registered one, else the run's name."""
         if asked:
-            return check_folder(asked)
+            return admission.check_folder(asked)
         try:
             return self.lanes.folder(run)
         except RunNotFoundError:
@@ -279,23 +260,13 @@ class SavePipeline:
         self.count_local_skips(run, request.local_skips)  # counted even if this save is refused
         self.store.target(folder, request.export_dir)  # refuses a bad export dir now
         fmt = self.formats(request.kind)
-        kinds = self._run_kinds.get(run, fmt.kinds)
-        if request.kind not in kinds:
-            raise InvalidRequestError(
-                f"run {run!r} was registered for {', '.join(k.value for k in kinds)} saves, not "
-                f"{request.kind.value}; register a run of its own for them"
-            )
+        admission.check_kind(run, self._run_kinds.get(run, fmt.kinds), request.kind)
         if request.kind is SaveKind.TRAINING_CHECKPOINT:
-            claim = self.lanes.claim(run)
-            if claim is not None and directory_of(request.export_dir) != claim:
-                raise InvalidRequestError(
-                    f"run {run!r} writes checkpoint dir {claim!r}, not {directory_of(request.export_dir)!r} "
-                    f"(export_dir {request.export_dir!r}): register a run of its own for another dir"
-                )
-            self._refuse_replacing_another_runs(run, folder, request.export_dir)
+            admission.check_claimed_dir(run, self.lanes.claim(run), request.export_dir)
+            admission.refuse_replacing_another_runs(self.store, run, folder, request.export_dir)
         fmt.check(
             manifest, request.variables, request.snapshot_bytes, request.numpy_state,
-            self._config.max_snapshot_bytes, **_own(request),
+            self._config.max_snapshot_bytes, **own_spec(request.checkpoint),
         )  # fmt: skip
         # This daemon writes the run only while it holds its lease (no request
         # while it does); held elsewhere: refused before anything is counted.
@@ -326,28 +297,6 @@ class SavePipeline:
                 return
             self._phases.observe_phase(request.kind.value, "queue", time.monotonic() - asked)
             yield from self._accepted(request, run, folder, manifest, decision, receive, release, is_active)
-
-    def _refuse_replacing_another_runs(self, run: str, folder: str, export_dir: str) -> None:
-        """Raises AlreadyExistsError if another run committed the training checkpoint at `export_dir`.
-
-        A run that takes over a dir (a renamed job) resumes from its newest
-        checkpoint, so its steps go on from there; a save at a step another
-        stream already committed would replace that stream's checkpoint. The
-        same run saving a step again (a trainer restarted after a crash) may.
-        """
-        try:
-            there = self.store.committed_at(folder, export_dir)
-        except RunNotFoundError:
-            return
-        if there.run != run:
-            directory = directory_of(export_dir)
-            raise AlreadyExistsError(
-                f"{export_dir!r} in folder {folder!r} is a checkpoint run {there.run!r} committed (step "
-                f"{there.step}); run {run!r} does not replace another stream's checkpoint. Restore the "
-                f"dir's newest checkpoint first (RemoteCheckpointer restores it at construction: call "
-                f"initialize_or_restore() and save from its step on), or give this checkpointer another "
-                f"ckpt_dir than {directory!r}"
-            )
 
     def count_local_skips(self, run: str, skips: Sequence[LocalSkip]) -> None:
         """Counts and logs saves of `run` its trainer skipped on its own.
@@ -413,7 +362,9 @@ class SavePipeline:
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
             incremental = request.incremental and bases.worth_a_base(parts)
             if incremental:  # through shared memory too: the daemon compares the chunks itself
-                base = bases.open_base(self.store, folder, request, self._local, self._bases, manifest.variables)
+                base = bases.open_base(
+                    self.store, folder, request, self._local, self._bases, manifest.variables, self._remote_bases
+                )
             meta = SaveMeta(run, request.kind, request.step, request.export_dir, request.trainer_versions)
             fmt = self.formats(request.kind)
             # The save's files are open before the accept is answered, and are
@@ -438,17 +389,17 @@ class SavePipeline:
                 yield decision
                 # A phase is timed when it ends, failed or not, as save_duration is.
                 transferred = _Once(lambda: self._phases.observe_phase(kind, "transfer", time.monotonic() - accepted))
-                sink: SaveSink = _AtWriterPriority(save.sink, self._pool)
-                if base is not None:
-                    sink = bases.Incremental(_AtWriterPriority(save.sink, self._pool), base, parts)
+                at_priority = AtWriterPriority(save.sink, self._pool)
+                incremental_sink = None if base is None else bases.Incremental(at_priority, base, parts)
+                sink: SaveSink = at_priority if incremental_sink is None else incremental_sink
 
                 def commit(came_by: str) -> tuple[str, int]:
                     """The received save's commit, on the thread that wrote it (already at writer priority: no hop)."""
                     nonlocal transport
                     transport = came_by
                     try:
-                        if base is not None:
-                            sink.settle()  # type: ignore[attr-defined]
+                        if base is not None and incremental_sink is not None:
+                            incremental_sink.settle()
                             base.check()  # the copied ranges were the bytes its digests describe
                         self._phases.snapshot_received(kind, came_by)
                     finally:
@@ -487,9 +438,9 @@ class SavePipeline:
             release()  # before the caller hears the result, so its next save fits
             self.lanes.finish(run, ticket, outcome)
             seconds = time.time() - (ticket.accepted_at or time.time())
-            _log_outcome(request, run, outcome, seconds, transport)
+            log_outcome(request, run, outcome, seconds, transport)
             if request.on_notice:
-                self._phases.preemption_save(*_notice_outcome(request, outcome))
+                self._phases.preemption_save(*notice_outcome(request, outcome))
         assert isinstance(outcome, Written)
         yield Result(
             outcome.path, outcome.bytes_written, seconds, request.step, request.kind,
@@ -526,59 +477,6 @@ class SavePipeline:
         _LOGGER.info("closed run=%s", run)
 
 
-class _AtWriterPriority:
-    """A save's sink that lowers whichever thread writes into it to the writer pool's priority.
-
-    The receiver writes the files as the bytes arrive, on its own thread, not
-    the pool's: lowered like the pool's threads (`--write-nice`, per thread and
-    never raised back), a save still takes only the CPU training leaves.
-    """
-
-    def __init__(self, sink: SaveSink, pool: WriterPool) -> None:
-        self._sink = sink
-        self._pool = pool
-        self._lowered: set[int] = set()
-
-    def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
-        self._lower()
-        self._sink.write(part, offset, data, crc)
-
-    def write_parts(self, views: Sequence[memoryview]) -> None:
-        self._lower()
-        if isinstance(self._sink, WholePartsSink):
-            self._sink.write_parts(views)
-            return
-        for part, view in enumerate(views):
-            if view.nbytes:
-                self._sink.write(part, 0, view)
-
-    def _lower(self) -> None:
-        if threading.get_ident() not in self._lowered:
-            self._pool.initializer()
-            self._lowered.add(threading.get_ident())
-
-    def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
-        self._sink.copy(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]
-
-    def order(self) -> list[int] | None:
-        order = getattr(self._sink, "order", None)
-        return list(order()) if order is not None else None
-
-    def refer(
-        self, part: int, offset: int, nbytes: int, source: object, source_offset: int, crcs: Sequence[int]
-    ) -> None:
-        self._sink.refer(part, offset, nbytes, source, source_offset, crcs)  # type: ignore[attr-defined]
-
-    def settle(self) -> None:
-        self._sink.settle()  # type: ignore[attr-defined]
-
-    def finish(self) -> Staged:
-        return self._sink.finish()
-
-    def close(self) -> None:
-        self._sink.close()
-
-
 class _Once:
     """Calls `action` the first time it is called, and never again."""
 
@@ -593,84 +491,3 @@ class _Once:
 
 def _offer(base: bases.OpenBase | None) -> BaseOffer | None:
     return None if base is None else BaseOffer(base.export_dir, base.chunk_bytes, tuple(base.offer()))
-
-
-class Retainer(Protocol):
-    """Retention as the pipeline uses it (`checkpointd.saves.retention.Retention`)."""
-
-    checkpoints: CheckpointDirs | None  # training checkpoint dirs' state files, if the daemon takes them
-
-    def holding(self, folder: str) -> contextlib.AbstractContextManager[None]: ...
-
-    def after_save(self, run: str, folder: str) -> None: ...
-
-    def after_checkpoint(self, folder: str, directory: str, rules: CheckpointRetention) -> None: ...
-
-    def wait_idle(self) -> None:
-        """Blocks until every queued tidying has run."""
-
-
-def _own(request: SaveRequest) -> dict[str, CheckpointSpec]:
-    """The keyword a training checkpoint's format takes; nothing for the policy formats."""
-    return {} if request.checkpoint is None else {"checkpoint": request.checkpoint}
-
-
-def check_folder(folder: str) -> str:
-    """A run folder's name: the rules of run names, said for folders."""
-    try:
-        return check_run_name(folder)
-    except InvalidRequestError:
-        raise InvalidRequestError(
-            f"folder {folder!r} is invalid: like a run name, use 1-128 characters of "
-            "A-Z a-z 0-9 . _ -, starting with a letter or digit"
-        ) from None
-
-
-def _log_outcome(
-    request: SaveRequest, run: str, outcome: Written | Failed | Cancelled, seconds: float, transport: str
-) -> None:
-    if isinstance(outcome, Written):
-        # held=yes: the trainer decided it under the run's busy lock (no skip decision here).
-        _LOGGER.info(
-            "saved run=%s kind=%s export_dir=%s step=%d bytes=%d duration=%.3fs%s%s transport=%s",
-            run, request.kind.value, request.export_dir, request.step, outcome.bytes_written,
-            seconds, " held=yes" if request.trainer_decided is not None else "",
-            " on_notice=yes" if request.on_notice else "", transport,
-        )  # fmt: skip
-    elif isinstance(outcome, Cancelled):
-        _LOGGER.info(
-            "cancelled run=%s kind=%s export_dir=%s step=%d duration=%.3fs: %s; nothing was written",
-            run, request.kind.value, request.export_dir, request.step, seconds, outcome.reason,
-        )  # fmt: skip
-    else:
-        _LOGGER.warning(
-            "failed run=%s kind=%s export_dir=%s step=%d duration=%.3fs: %s",
-            run, request.kind.value, request.export_dir, request.step, seconds, outcome.error,
-        )  # fmt: skip
-
-
-def _notice_outcome(request: SaveRequest, outcome: Written | Failed | Cancelled) -> tuple[str, float | None]:
-    """A save on notice's outcome label, and seconds from its notice to durable (None: not written, or unknown)."""
-    if not isinstance(outcome, Written):
-        return ("failed" if isinstance(outcome, Failed) else "cancelled"), None
-    if request.notice_unix_seconds <= 0:
-        return "ok", None
-    return "ok", max(0.0, time.time() - request.notice_unix_seconds)  # two hosts' clocks: never negative
-
-
-def _claimed_dir(run: str, kind: SaveKind | None, checkpoint_dir: str | None) -> str | None:
-    """The checkpoint dir a registration claims, checked: a training run's, normalized; None: no claim.
-
-    Raises:
-        InvalidRequestError: a policy run names a dir, or the dir is not a valid export dir.
-    """
-    if checkpoint_dir is None:
-        return None
-    if kind is not SaveKind.TRAINING_CHECKPOINT:
-        raise InvalidRequestError(
-            f"run {run!r}: checkpoint_dir is for training checkpoint runs; a policy run names its dirs per save"
-        )
-    try:
-        return check_export_dir(checkpoint_dir).as_posix()
-    except InvalidRequestError as e:
-        raise InvalidRequestError(f"run {run!r}: checkpoint_dir {checkpoint_dir!r}: {e}") from None

@@ -23,6 +23,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from checkpointd.core.checkpoint_spec import CheckpointRetention
 from checkpointd.core.ports import Store
@@ -31,6 +32,21 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.checkpoint_dirs import CheckpointDirs
 
 _LOGGER = logging.getLogger(__name__)
+
+
+class Retainer(Protocol):
+    """Retention as the pipeline uses it (`Retention` below)."""
+
+    checkpoints: CheckpointDirs | None  # training checkpoint dirs' state files, if the daemon takes them
+
+    def holding(self, folder: str) -> contextlib.AbstractContextManager[None]: ...
+
+    def after_save(self, run: str, folder: str) -> None: ...
+
+    def after_checkpoint(self, folder: str, directory: str, rules: CheckpointRetention) -> None: ...
+
+    def wait_idle(self) -> None:
+        """Blocks until every queued tidying has run."""
 
 
 class Retention:

@@ -22,19 +22,16 @@ lane without a decision.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 from checkpointd.core.lane import (
     Cancelled,
     Failed,
     Lane,
     LaneState,
-    LaneStats,
     SaveSpec,
     Skipped,
     Ticket,
@@ -44,23 +41,12 @@ from checkpointd.core.lane import (
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.notice import Notice, WindowEnd
 from checkpointd.core.ports import Clock, MetricsSink, NullSink
-from checkpointd.protocol.errors import AlreadyExistsError, DeadlineError, RunClosedError, RunNotFoundError
+from checkpointd.protocol.errors import DeadlineError, RunClosedError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
+from checkpointd.saves.registrations import RunEntry, RunView, check_registration, unknown_run
 from checkpointd.saves.shm import RunLock
 
 _LOGGER = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunView:
-    """A copy of one run's state, safe to read without the lock."""
-
-    run: str
-    state: LaneState
-    in_flight: Ticket | None
-    waiting: int
-    stats: LaneStats
-    manifest: Manifest
 
 
 class TrainerDecidedError(RunClosedError):
@@ -71,22 +57,6 @@ class TrainerDecidedError(RunClosedError):
 _POLL_FIRST, _POLL_MOST = 0.001, 0.02
 
 
-@dataclass
-class _Run:
-    lane: Lane
-    manifest: Manifest
-    folder: str
-    claim: str | None = None  # the checkpoint dir of `folder` a training run writes (None: no claim)
-    kinds: tuple[SaveKind, ...] = ()  # the saves it makes (a policy run's or a training run's)
-    lock: RunLock | None = None  # the run's busy lock
-    decided_ticket: Ticket | None = None  # the trainer-decided save in flight (its trainer holds the lock)
-
-    @property
-    def locked(self) -> bool:
-        """The daemon holds the run's busy lock (for the save in flight)."""
-        return self.lock is not None and self.lock.held
-
-
 class Lanes:
     """The daemon's runs: register, begin/finish saves, flush, close, drain."""
 
@@ -95,7 +65,7 @@ class Lanes:
         self._clock = clock
         self._sink = sink or NullSink()
         self._cond = threading.Condition()
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, RunEntry] = {}
         self._notice = Notice(notice_window)
         self._registering: dict[str, str] = {}  # run -> the folder its registration in progress names
 
@@ -150,7 +120,7 @@ class Lanes:
             self._check_registration(run, folder, claim, kinds)
             entry = self._runs.get(run)
             if entry is None:
-                self._runs[run] = _Run(Lane(run, self._clock, self._sink), manifest, folder, claim, kinds)
+                self._runs[run] = RunEntry(Lane(run, self._clock, self._sink), manifest, folder, claim, kinds)
             else:
                 entry.manifest = manifest
                 entry.folder = folder
@@ -199,24 +169,7 @@ class Lanes:
         entry = self._runs.get(run)
         # A daemon on notice takes no new run (UNAVAILABLE, naming it) before anything else is said.
         self._notice.check_register(run, entry is not None and entry.lane.state is LaneState.OPEN)
-        if claim is not None:
-            holder = self._claimant(folder, claim)
-            if holder is not None and holder != run:
-                raise AlreadyExistsError(
-                    f"checkpoint dir {claim!r} of folder {folder!r} is written by run {holder!r}, which is "
-                    f"open on this daemon: one checkpointer per dir, as one CheckpointManager per dir. Give "
-                    f"this checkpointer another ckpt_dir, or close run {holder!r} first (`checkpointd close --run "
-                    f"{holder}`); to only read its checkpoints, use RemoteCheckpointer(..., read_only=True)"
-                )
-        if entry is not None and entry.lane.state is not LaneState.CLOSED:
-            _refuse_another_stream(run, entry, folder, claim, kinds)
-
-    def _claimant(self, folder: str, claim: str) -> str | None:
-        """The open run that claims `claim` of `folder`, if any; the caller holds the lock."""
-        for name, entry in self._runs.items():
-            if entry.claim == claim and entry.folder == folder and entry.lane.state is not LaneState.CLOSED:
-                return name
-        return None
+        check_registration(self._runs, run, folder, claim, kinds)
 
     def claim(self, run: str) -> str | None:
         """The checkpoint dir the run claims (None: none).
@@ -328,7 +281,7 @@ class Lanes:
                 self._cond.wait(remaining)  # `wake` when a caller goes away
             return decision
 
-    def _begin_trainer_decided(self, run: str, entry: _Run, spec: SaveSpec) -> Ticket:
+    def _begin_trainer_decided(self, run: str, entry: RunEntry, spec: SaveSpec) -> Ticket:
         lane = entry.lane
         lane.check_open(spec, draining=self._draining)  # a closed or draining run says so first
         if not lane.idle:
@@ -365,7 +318,7 @@ class Lanes:
             )
         self._cond.wait(poll if remaining is None else min(poll, remaining))
 
-    def _unlock_idle(self, entry: _Run) -> None:
+    def _unlock_idle(self, entry: RunEntry) -> None:
         """Lets go of the run's busy lock once its lane is idle."""
         if entry.lock is not None and entry.lane.idle:
             entry.lock.release()  # a no-op unless the daemon holds it
@@ -497,23 +450,9 @@ class Lanes:
         """Copies of the runs' state, for status."""
         with self._cond:
             names = [run] if run else sorted(self._runs)
-            out = []
-            for name in names:
-                entry = self._named(name)
-                lane = entry.lane
-                out.append(
-                    RunView(
-                        run=name,
-                        state=lane.state,
-                        in_flight=dataclasses.replace(lane.in_flight) if lane.in_flight else None,
-                        waiting=len(lane.waiting),
-                        stats=dataclasses.replace(lane.stats),
-                        manifest=entry.manifest,
-                    )
-                )
-            return out
+            return [RunView.of(name, self._named(name)) for name in names]
 
-    def _get(self, run: str) -> _Run:
+    def _get(self, run: str) -> RunEntry:
         """The run a trainer names (its saver registers it again on NOT_FOUND)."""
         entry = self._runs.get(run)
         if entry is None:
@@ -523,49 +462,12 @@ class Lanes:
             )
         return entry
 
-    def _named(self, run: str) -> _Run:
+    def _named(self, run: str) -> RunEntry:
         """The run an operator names (flush, close, status): unknown ones are told apart from the rest."""
         entry = self._runs.get(run)
         if entry is None:
-            open_runs = sorted(n for n, e in self._runs.items() if e.lane.state is not LaneState.CLOSED)
-            closed = sorted(set(self._runs) - set(open_runs))
-            raise RunNotFoundError(
-                f"no run named {run!r} is open on this daemon; open runs: {_listed(open_runs)}"
-                + (f"; closed runs: {_listed(closed)}" if closed else "")
-                + " (a run is known from its trainer's registration until the daemon restarts)"
-            )
+            raise unknown_run(run, self._runs)
         return entry
 
 
 _HELD_REASON = "a save of this run is in flight (a trainer on the daemon's host holds its busy lock)"
-
-
-def _listed(names: list[str], most: int = 20) -> str:
-    """Names for a message, at most `most` of them."""
-    if not names:
-        return "none"
-    more = f" and {len(names) - most} more" if len(names) > most else ""
-    return ", ".join(names[:most]) + more
-
-
-def _refuse_another_stream(run: str, entry: _Run, folder: str, claim: str | None, kinds: tuple[SaveKind, ...]) -> None:
-    """Raises AlreadyExistsError unless a registration of open `run` is its own stream again.
-
-    A restarted trainer registers the same folder, kinds and dir; another
-    saver whose name came out the same (another job's folder, a policy
-    saver named like a job's checkpointer) would take the run over: its
-    saves would land in the other's folder, or fail the other's.
-    """
-    differences = []
-    if entry.folder != folder:
-        differences.append(f"folder {entry.folder!r}, not {folder!r}")
-    if entry.kinds and kinds and entry.kinds != kinds:
-        differences.append(f"{', '.join(k.value for k in entry.kinds)} saves, not {', '.join(k.value for k in kinds)}")
-    if entry.claim != claim:
-        differences.append(f"checkpoint dir {entry.claim!r}, not {claim!r}")
-    if differences:
-        raise AlreadyExistsError(
-            f"run {run!r} is open on this daemon for {'; '.join(differences)}: another saver of that name "
-            f"is writing. Give this job another run= (a checkpointer's run is <run>.<ckpt_dir>, a policy "
-            f"saver's <run>), or close run {run!r} first (`checkpointd close --run {run}`) if its trainer is gone"
-        )

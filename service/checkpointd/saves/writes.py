@@ -35,6 +35,7 @@ from checkpointd.core.ports import (
     WatchedSink,
 )
 from checkpointd.protocol.errors import CheckpointdError, SaveFailedError, describe
+from checkpointd.saves.kinds import own_spec
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -58,12 +59,6 @@ class StreamedSave:
         """
         staged = self.sink.finish()
         return self.store.commit(staged, target, self.meta)
-
-
-def _own_spec(checkpoint: CheckpointSpec | None) -> dict[str, CheckpointSpec]:
-    # Formats of the policy kinds (and fakes of them) predate the argument:
-    # it is passed only when there is one to pass.
-    return {} if checkpoint is None else {"checkpoint": checkpoint}
 
 
 @contextlib.contextmanager
@@ -97,7 +92,7 @@ def streamed(
     if os.path.dirname(staging) != parent:  # staged elsewhere (an object store's local dir)
         made = []
     try:
-        sink = fmt.open(meta.run, meta.kind, manifest, staging, parts, numpy_state, **_own_spec(checkpoint))
+        sink = fmt.open(meta.run, meta.kind, manifest, staging, parts, numpy_state, **own_spec(checkpoint))
         try:
             if _is(type(store), StreamingStore) and _is(type(sink), WatchedSink):
                 # An object store sends parts as they fill.
@@ -170,7 +165,7 @@ def write_save(
     except OSError as e:
         raise write_failed(meta, target, e) from e
     try:
-        staged = fmt.write(meta.run, meta.kind, manifest, staging, snapshot, numpy_state, **_own_spec(checkpoint))
+        staged = fmt.write(meta.run, meta.kind, manifest, staging, snapshot, numpy_state, **own_spec(checkpoint))
         return store.commit(staged, target, meta)
     except BaseException as e:
         store.discard(staging)

@@ -13,13 +13,11 @@ import logging
 import re
 import shutil
 import time
-from typing import TYPE_CHECKING
 
 from checkpointd.protocol.names import TMP_PREFIX
-from checkpointd.storage import s3_keys, save_manifest
-
-if TYPE_CHECKING:
-    from checkpointd.storage.s3 import S3Store
+from checkpointd.storage import save_manifest
+from checkpointd.storage.s3.bucket import Bucket
+from checkpointd.storage.s3.keys import keys_of, save_of
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -29,56 +27,56 @@ _SAVE_DIR_FILE = re.compile(r"^(saved_model\.pb|fingerprint\.pb|policy_specs\.pb
 _PREFIX_FILE = re.compile(r"^(?P<name>.+)\.(index|data-\d{5}-of-\d{5})$")
 
 
-def recover(store: S3Store) -> int:
+def recover(bucket: Bucket, grace_seconds: float) -> int:
     """Deletes local staging leftovers, stale multipart uploads and uncommitted objects; returns how many."""
     fixed = 0
-    if store.staging_root.is_dir():
-        for entry in store.staging_root.iterdir():
+    if bucket.staging_root.is_dir():
+        for entry in bucket.staging_root.iterdir():
             if entry.name.startswith(TMP_PREFIX):
                 shutil.rmtree(entry, ignore_errors=True)
                 fixed += 1
-    cutoff = time.time() - store.grace_seconds
+    cutoff = time.time() - grace_seconds
     # Tidying only: a bucket policy that denies listing uploads or
     # deleting must not stop the daemon from serving (leftovers are not saves).
     try:
-        fixed += _abort_stale_uploads(store, cutoff)
+        fixed += _abort_stale_uploads(bucket, cutoff)
     except Exception as e:
-        _LOGGER.warning("recover: could not abort stale multipart uploads under %s: %s", store.url, e)
+        _LOGGER.warning("recover: could not abort stale multipart uploads under %s: %s", bucket.url, e)
     try:
-        for folder in store.folders():
-            doomed = _uncommitted(store, store.folder_key(folder), cutoff)
+        for folder in bucket.folders():
+            doomed = _uncommitted(bucket, bucket.folder_key(folder), cutoff)
             for key in doomed:
                 _LOGGER.info("recover: deleting %s, of no committed save", key)
-            store.delete_keys(doomed)
+            bucket.delete_keys(doomed)
             fixed += len(doomed)
     except Exception as e:
-        _LOGGER.warning("recover: could not delete uncommitted objects under %s: %s", store.url, e)
+        _LOGGER.warning("recover: could not delete uncommitted objects under %s: %s", bucket.url, e)
     return fixed
 
 
-def _abort_stale_uploads(store: S3Store, cutoff: float) -> int:
+def _abort_stale_uploads(bucket: Bucket, cutoff: float) -> int:
     aborted = 0
-    paginator = store.client.get_paginator("list_multipart_uploads")
-    for page in paginator.paginate(Bucket=store.bucket, Prefix=store.key_base()):
+    paginator = bucket.client.get_paginator("list_multipart_uploads")
+    for page in paginator.paginate(Bucket=bucket.name, Prefix=bucket.key_base()):
         for upload in page.get("Uploads", []):
             if upload["Initiated"].timestamp() < cutoff:
                 _LOGGER.info("recover: aborting the stale multipart upload of %s", upload["Key"])
-                store.client.abort_multipart_upload(Bucket=store.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                bucket.client.abort_multipart_upload(Bucket=bucket.name, Key=upload["Key"], UploadId=upload["UploadId"])
                 aborted += 1
     return aborted
 
 
-def _uncommitted(store: S3Store, folder_key: str, cutoff: float) -> list[str]:
+def _uncommitted(bucket: Bucket, folder_key: str, cutoff: float) -> list[str]:
     """Keys under a folder that no manifest lists, that checkpointd writes, older than `cutoff`."""
-    objects = {key: obj for key, obj in store.list_objects(folder_key)}
+    objects = {key: obj for key, obj in bucket.list_objects(folder_key)}
     listed: set[str] = set()
     for key in objects:
-        found = s3_keys.save_of(key)
+        found = save_of(key)
         if found is None:
             continue
-        base = s3_keys.keys_of(found[0], prefix=found[1]).files_base
+        base = keys_of(found[0], prefix=found[1]).files_base
         try:
-            document = store.manifest(key, objects[key]["ETag"])
+            document = bucket.manifest(key, objects[key]["ETag"])
         except save_manifest.ManifestError:
             continue
         if document is not None:

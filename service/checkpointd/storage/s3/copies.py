@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from checkpointd.storage.s3_client import error_code
+from checkpointd.storage.s3.client import error_code
 
 # Codes of a copy whose source is gone or no longer the committed bytes.
 _SOURCE_GONE = frozenset({"404", "NoSuchKey", "NotFound", "412", "PreconditionFailed"})

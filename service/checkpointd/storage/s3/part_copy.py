@@ -3,7 +3,7 @@
 An incremental save's unchanged chunks are never received: the bundle sink
 names each such range of the new data file with the base object and offset
 it equals (`Reference`), and leaves it unwritten in staging. At commit the
-parts the stream has not sent (`checkpointd.storage.s3_parts`) are made
+parts the stream has not sent (`checkpointd.storage.s3.parts`) are made
 here: a referred run of at least S3's minimum part size (5 MiB) goes up as
 one `UploadPartCopy` (`CopySourceRange`) of the base object, server-side;
 the written bytes go up from staging, and where a changed run is shorter
@@ -23,15 +23,10 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from checkpointd.core.ports import CommittedSave
 from checkpointd.protocol.errors import ChecksumError
-from checkpointd.storage.s3_client import error_code
-from checkpointd.storage.s3_keys import ETAGS
-
-if TYPE_CHECKING:
-    from checkpointd.storage.s3 import S3Store
+from checkpointd.storage.s3.client import error_code
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -259,29 +254,3 @@ def send(client: Any, bucket: str, key: str, upload_id: str, number: int, part: 
                 "or was replaced while this save copied from it; nothing was committed: send the save again in full"
             ) from e
         raise
-
-
-def base_of(store: S3Store, save: CommittedSave, data_file: str, size: int) -> Source | None:
-    """The committed data object (`save`'s path + `data_file`, `size` bytes) a new save's parts may copy, or None.
-
-    None for a file not streamed in parts (under the store's part size), one
-    of too many parts to leave part numbers for copies, or an object its
-    manifest does not list with that size and an ETag.
-    """
-    if size < store.part_bytes or -(-size // store.part_bytes) > MAX_PARTS // 4:
-        return None
-    place = store.keys_of(save)
-    try:
-        document = store.manifest(place.manifest, None)
-    except Exception as e:  # noqa: BLE001 - no base: the save is sent in full
-        _LOGGER.info("no S3 base in %s: %s", place.manifest, e)
-        return None
-    if document is None:
-        return None
-    key = str(save.path) + data_file
-    rel = key[len(place.files_base) :] if key.startswith(place.files_base) else None
-    etag = (document.get(ETAGS) or {}).get(rel)
-    sizes = {e.path: e.size for e in document.get("files", [])}
-    if rel is None or not etag or sizes.get(rel) != size:
-        return None
-    return Source(key, str(etag).strip('"'))

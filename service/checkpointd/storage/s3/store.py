@@ -1,6 +1,6 @@
 """The object-store Store: saves committed to S3 or an S3-compatible server (Ceph's radosgw).
 
-Layout as on local disk, under `s3://<bucket>/<prefix>/` (`checkpointd.storage.s3_keys`).
+Layout as on local disk, under `s3://<bucket>/<prefix>/` (`checkpointd.storage.s3.keys`).
 
 Rename is not atomic in an object store, so a save is committed thus:
 1. The format writes it into a private local staging dir (SaveV2 needs a
@@ -13,16 +13,16 @@ Rename is not atomic in an object store, so a save is committed thus:
 2. An older save at the same place (a HEAD of its manifest) loses its
    manifest first: it stops counting before any of its objects is replaced.
    An export dir known to hold nothing while the run's lease is held
-   (`s3_places`) needs no HEAD.
+   (`places`) needs no HEAD.
 3. Every file goes up under its final key through s3transfer (multipart
    above `part_bytes`, in parallel), each body checked by the server
-   (`checkpointd.storage.s3_client.make_client`); each object's ETag is the
-   one the server answered its upload with (`s3_commit.upload`). A streamed save's
+   (`checkpointd.storage.s3.client.make_client`); each object's ETag is the
+   one the server answered its upload with (`commit.upload`). A streamed save's
    data file of at least one part has been going up since the accept, part
-   by part as it filled (`stream`, `s3_parts`): its multipart upload is
+   by part as it filled (`stream`, `parts`): its multipart upload is
    completed here, so its object too appears only after step 2. A file the
    run's previous save committed with the same bytes (a policy's graph) is
-   copied server-side instead (`s3_copies`), uploaded if that source is gone.
+   copied server-side instead (`copies`), uploaded if that source is gone.
 4. The manifest, with the ETags and the writer (the daemon's lease owner
    id), is created LAST with `IfNoneMatch='*'`: a 412 means another writer
    committed there meanwhile, and the save fails.
@@ -32,7 +32,7 @@ Rename is not atomic in an object store, so a save is committed thus:
    deletes it after the grace age.
 
 A fleet of daemons shares the bucket; each run is written by the daemon
-holding its lease (`checkpointd.storage.s3_lease`). The store calls the
+holding its lease (`checkpointd.storage.s3.lease`). The store calls the
 lease's fence (`fence(run)`, no request) before step 2, right before the
 manifest PUT and again after it: a daemon that lost the lease commits
 nothing, and one that lost it during the PUT (paused past the margin)
@@ -45,8 +45,8 @@ new names (checkpoint steps, numbered export dirs) never meet this.
 
 Readers trust manifests only; a save without one never counts. Delete: the
 manifest first, then the objects it lists. Start-up tidying is in
-`s3_recovery`, restore's download in `s3_restore`, the boto3 client
-(credentials from the standard AWS chain, never flags or logs) in `s3_client`.
+`recovery`, restore's download in `restore`, the boto3 client
+(credentials from the standard AWS chain, never flags or logs) in `client`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ import contextlib
 import logging
 import secrets
 import shutil
-import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -64,38 +63,31 @@ from typing import Any
 
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged, WatchedSink
 from checkpointd.protocol.errors import RunHeldError, RunNotFoundError, UnavailableError, describe
-from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name, is_run_name
-from checkpointd.storage import (
-    prefix,
-    s3_commit,
-    s3_copies,
-    s3_keys,
-    s3_parts,
-    s3_places,
-    s3_recovery,
-    s3_restore,
-    save_manifest,
-)
-from checkpointd.storage.s3_client import (
+from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name
+from checkpointd.storage import prefix, save_manifest
+from checkpointd.storage.s3 import commit, parts, recovery, restore
+from checkpointd.storage.s3.bucket import Bucket
+from checkpointd.storage.s3.client import (
     ETagLog,
     S3Url,
-    StoreSetupError,
-    create_bucket_command,
-    endpoint_hint,
+    check_bucket,
     error_code,
     make_client,
     small_requests,
     store_failed,
-    unavailable_on_error,
 )
-from checkpointd.storage.s3_keys import MANIFEST, PREFIX_MANIFEST, STORE_FIELDS
-from checkpointd.storage.s3_part_copy import Source, base_of
+from checkpointd.storage.s3.keys import ETAGS, MANIFEST, PREFIX_MANIFEST, STORE_FIELDS, SaveKeys, keys_of, save_of
+from checkpointd.storage.s3.part_copy import MAX_PARTS, Source
+from checkpointd.storage.s3.places import Places
 
 _LOGGER = logging.getLogger(__name__)
 
 
 class S3Store:
-    """Committed saves in an S3 bucket under a prefix. Implements `Store` and `LocalCopies`.
+    """Committed saves in an S3 bucket under a prefix.
+
+    Implements `Store` and the capabilities `StreamingStore`, `RemoteBases`,
+    `LocalCopies`, `SaveFiles`, `StagesFiles` and `Closing` (`checkpointd.core.ports`).
 
     Thread-safe: boto3 clients and the transfer manager are; the manifest
     cache has a lock.
@@ -137,7 +129,7 @@ class S3Store:
                 server-side, and the manifest; 0 bytes if it failed).
             tenure: the run's lease tenure (`S3Leases.tenure`): with it, a
                 save into an export dir known empty skips step 2's HEAD
-                (`s3_places`); None: every save makes it.
+                (`places`); None: every save makes it.
         """
         from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
@@ -146,28 +138,33 @@ class S3Store:
         self.staging_root = Path(staging_root)
         self.grace_seconds = grace_seconds
         self.client = client if client is not None else make_client(endpoint_url, region, 4 * max_concurrency)
-        self.transfer = create_transfer_manager(
-            self.client,
-            TransferConfig(
-                multipart_threshold=part_bytes,
-                multipart_chunksize=part_bytes,
-                max_concurrency=max_concurrency,
-                use_threads=True,
-            ),
-        )
-        self._etag_log = ETagLog(self.client)
-        self.small = small_requests(self.client)  # a save's small requests (s3_signed where it can)
-        self._lock = threading.Lock()
-        self._manifests: dict[str, tuple[str, dict[str, Any]]] = {}  # key -> (ETag, parsed)
-        self._fence = fence or (lambda run: None)
+        self.part_bytes = part_bytes
         self.writer = writer
+        self.shared = Bucket(
+            self.url,
+            self.staging_root,
+            self.client,
+            create_transfer_manager(
+                self.client,
+                TransferConfig(
+                    multipart_threshold=part_bytes,
+                    multipart_chunksize=part_bytes,
+                    max_concurrency=max_concurrency,
+                    use_threads=True,
+                ),
+            ),
+            small_requests(self.client),
+            part_bytes,
+            ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-parts"),
+            fence or (lambda run: None),
+            writer,
+            ETagLog(self.client),
+        )
+        self.transfer, self.small = self.shared.transfer, self.shared.small
+        self._fence = self.shared.fence
         self._on_upload = on_upload or (lambda kind, seconds, nbytes: None)
         self._folder_runs: dict[str, str] = {}  # folder -> the run last committed there (state-file fences)
-        self.part_bytes = part_bytes
-        self._parts_pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-parts")
-        self._streams: dict[str, s3_parts.PartUpload] = {}  # staging dir -> its data file's upload
-        self._sources = s3_copies.Sources()  # what a run's next save may copy server-side
-        self._places = s3_places.Places(self._dirs_under, tenure)  # export dirs known to hold nothing
+        self._places = Places(self._dirs_under, tenure)  # export dirs known to hold nothing
 
     # Start-up.
 
@@ -177,34 +174,7 @@ class S3Store:
         Raises:
             StoreSetupError: with what to fix (credentials, bucket, endpoint).
         """
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
-        try:
-            self.client.head_bucket(Bucket=self.bucket)
-            self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.key_base(), MaxKeys=1)
-        except NoCredentialsError:
-            raise StoreSetupError(
-                f"no AWS credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                "or AWS_PROFILE with ~/.aws/credentials"
-            ) from None
-        except ClientError as e:
-            code = error_code(e)
-            if code in ("404", "NoSuchBucket"):
-                raise StoreSetupError(
-                    f"bucket {self.bucket!r} does not exist (--root {self.url}) at {self.client.meta.endpoint_url}; "
-                    f"create it first: {create_bucket_command(self.bucket, self.client.meta.endpoint_url)}"
-                ) from None
-            if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-                raise StoreSetupError(
-                    f"access to bucket {self.bucket!r} was refused ({code}): check the AWS credentials "
-                    "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the AWS config) and the bucket's policy"
-                    f"{endpoint_hint(self.client.meta.endpoint_url)}"
-                ) from None
-            raise StoreSetupError(f"cannot use bucket {self.bucket!r}: {code or e}") from None
-        except BotoCoreError as e:
-            raise StoreSetupError(
-                f"cannot reach the S3 server for {self.url}: {e}{endpoint_hint(self.client.meta.endpoint_url)}"
-            ) from None
+        check_bucket(self.client, self.url, self.key_base())
 
     def describe(self) -> str:
         return str(self.url)
@@ -214,19 +184,19 @@ class S3Store:
 
     def close(self) -> None:
         self.transfer.shutdown()
-        self._parts_pool.shutdown(wait=False, cancel_futures=True)
+        self.shared.parts_pool.shutdown(wait=False, cancel_futures=True)
 
     # Keys.
 
     def key_base(self) -> str:
-        return f"{self.url.prefix}/" if self.url.prefix else ""
+        return self.shared.key_base()
 
     def target(self, folder: str, export_dir: str) -> PurePosixPath:
         relative = check_export_dir(export_dir)
         return PurePosixPath(self.key_base() + check_run_name(folder)) / relative
 
     def folder_key(self, folder: str) -> str:
-        return f"{self.key_base()}{check_run_name(folder)}/"
+        return self.shared.folder_key(folder)
 
     def _folder_of(self, key: PurePath) -> str:
         return PurePosixPath(str(key)[len(self.key_base()) :]).parts[0]
@@ -240,19 +210,19 @@ class S3Store:
         return staging
 
     def stream(self, staging: Path, target: PurePath, meta: SaveMeta, sink: WatchedSink) -> None:
-        """Starts the data file's multipart upload under its final key; parts go up as they fill (`s3_parts`).
+        """Starts the data file's multipart upload under its final key; parts go up as they fill (`parts`).
 
         Never raises: a save that cannot stream goes up whole at commit.
         """
         try:
             self._fence(meta.run)  # no lease, no request
-            part = s3_parts.start(self.client, self.bucket, self.part_bytes, self._parts_pool, staging, target, sink)
+            part = parts.start(self.client, self.bucket, self.part_bytes, self.shared.parts_pool, staging, target, sink)
         except Exception as e:
             _LOGGER.info("run %s: the data file of %s goes up at commit (%s)", meta.run, target, e)
             return
         if part is not None:
-            with self._lock:
-                self._streams[str(staging)] = part
+            with self.shared.lock:
+                self.shared.streams[str(staging)] = part
 
     def discard(self, staged: Path) -> None:
         self.discard_stream(staged)  # not completed: the save failed or was given up
@@ -262,11 +232,11 @@ class S3Store:
         target = PurePosixPath(target)
         if staged.files_prefix is not None:
             staged = prefix.rename_staged_save(staged, target.name)
-        place = s3_keys.keys_of(target, prefix=staged.files_prefix is not None)
+        place = keys_of(target, prefix=staged.files_prefix is not None)
         files_base, manifest_key = place.files_base, place.manifest
         self._fence(meta.run)  # a daemon without the run's lease touches nothing of it
         folder = self._folder_of(target)
-        with self._lock:
+        with self.shared.lock:
             self._folder_runs[folder] = meta.run
         uploading, uploaded, replacing = time.monotonic(), 0, False
         try:
@@ -277,7 +247,7 @@ class S3Store:
             )
             if not empty:
                 replacing = self._unpublish(manifest_key)  # an old save here stops counting first
-            uploaded, listed, _ = s3_commit.upload(self, staged, files_base, manifest_key, meta)
+            uploaded, listed, _ = commit.upload(self.shared, staged, files_base, manifest_key, meta)
         except Exception as e:
             if not store_failed(e):
                 raise
@@ -316,10 +286,7 @@ class S3Store:
 
     def discard_stream(self, staged: Path) -> None:
         """Aborts the streamed upload of a staged save, if it has one."""
-        with self._lock:
-            part = self._streams.pop(str(staged), None)
-        if part is not None:
-            part.abort()
+        self.shared.discard_stream(staged)
 
     def _drop_unlisted(self, files_base: str, prefix_name: str | None, listed: set[str]) -> None:
         """Deletes what a replaced save left under the new one's names (best effort)."""
@@ -340,16 +307,10 @@ class S3Store:
 
     def list_objects(self, key_prefix: str, *, recursive: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
         """(key, object) of every object under `key_prefix`, without crossing '/' unless recursive."""
-        paginator = self.client.get_paginator("list_objects_v2")
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": key_prefix}
-        if not recursive:
-            kwargs["Delimiter"] = "/"
-        for page in paginator.paginate(**kwargs):
-            for obj in page.get("Contents", []):
-                yield obj["Key"], obj
+        return self.shared.list_objects(key_prefix, recursive=recursive)
 
     def reading(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return unavailable_on_error(f"{what} in {self.url} (at {self.client.meta.endpoint_url})")
+        return self.shared.reading(what)
 
     def committed(self, folder: str, run: str | None) -> list[CommittedSave]:
         folder_key = self.folder_key(folder)
@@ -359,7 +320,7 @@ class S3Store:
                 relative = key[len(folder_key) :]
                 if any(part.startswith(RESERVED_PREFIX) for part in relative.split("/")):
                     continue
-                found = s3_keys.save_of(relative)
+                found = save_of(relative)
                 if found is None:
                     continue
                 save = self._read(key, folder_key + found[0], folder_key, obj["ETag"], is_prefix=found[1])
@@ -371,13 +332,9 @@ class S3Store:
         target = self.target(folder, export_dir)
         folder_key = self.folder_key(folder)
         with self.reading(f"reading {export_dir!r} of folder {folder!r}"):
-            save = self._read(
-                s3_keys.keys_of(target, prefix=False).manifest, str(target), folder_key, None, is_prefix=False
-            )
+            save = self._read(keys_of(target, prefix=False).manifest, str(target), folder_key, None, is_prefix=False)
             if save is None:
-                save = self._read(
-                    s3_keys.keys_of(target, prefix=True).manifest, str(target), folder_key, None, is_prefix=True
-                )
+                save = self._read(keys_of(target, prefix=True).manifest, str(target), folder_key, None, is_prefix=True)
         if save is None:
             raise RunNotFoundError(
                 f"no committed save at {export_dir!r} in folder {folder!r} of {self.url} (no {MANIFEST})"
@@ -386,27 +343,11 @@ class S3Store:
 
     def manifest(self, key: str, etag: str | None) -> dict[str, Any] | None:
         """The parsed manifest at `key`, from the cache if its ETag is known and unchanged; None if absent."""
-        with self._lock:
-            cached = self._manifests.get(key)
-        if cached is not None and etag is not None and cached[0] == etag:
-            return cached[1]
-        try:
-            response = self.small.get_object(Bucket=self.bucket, Key=key)
-        except Exception as e:
-            if error_code(e) in ("NoSuchKey", "404"):
-                return None
-            raise
-        data = response["Body"].read()
-        document = save_manifest.parse_manifest(data, key.rpartition("/")[2])
-        with self._lock:
-            self._manifests[key] = (response["ETag"], document)
-        return document
+        return self.shared.manifest(key, etag)
 
     def last_read_manifest(self, key: str) -> dict[str, Any] | None:
         """The manifest at `key` as this store last read it (a lookup or listing), with no round trip; None if never."""
-        with self._lock:
-            cached = self._manifests.get(key)
-        return cached[1] if cached is not None else None
+        return self.shared.last_read_manifest(key)
 
     def _read(
         self, manifest_key: str, save_key: str, folder_key: str, etag: str | None, *, is_prefix: bool
@@ -426,23 +367,45 @@ class S3Store:
             _LOGGER.debug("not a committed save: %s (%s)", manifest_key, e)
             return None
 
-    def keys_of(self, save: CommittedSave) -> s3_keys.SaveKeys:
+    def keys_of(self, save: CommittedSave) -> SaveKeys:
         """Where a committed save's files and manifest are in the bucket."""
-        return s3_keys.keys_of(save.path, prefix=save.prefix)
+        return self.shared.keys_of(save)
 
     def base_source(self, save: CommittedSave, data_file: str, size: int) -> Source | None:
-        """The committed data object an incremental save's parts may copy (`checkpointd.saves.bases.RemoteBases`)."""
-        return base_of(self, save, data_file, size)
+        """The committed data object (`save`'s path + `data_file`, `size` bytes) a new save's parts may copy, or None.
+
+        See `checkpointd.saves.bases.RemoteBases`. None for a file not
+        streamed in parts (under the store's part size), one of too many
+        parts to leave part numbers for copies, or an object its manifest
+        does not list with that size and an ETag.
+        """
+        if size < self.part_bytes or -(-size // self.part_bytes) > MAX_PARTS // 4:
+            return None
+        place = self.keys_of(save)
+        try:
+            document = self.manifest(place.manifest, None)
+        except Exception as e:  # noqa: BLE001 - no base: the save is sent in full
+            _LOGGER.info("no S3 base in %s: %s", place.manifest, e)
+            return None
+        if document is None:
+            return None
+        key = str(save.path) + data_file
+        rel = key[len(place.files_base) :] if key.startswith(place.files_base) else None
+        etag = (document.get(ETAGS) or {}).get(rel)
+        sizes = {e.path: e.size for e in document.get("files", [])}
+        if rel is None or not etag or sizes.get(rel) != size:
+            return None
+        return Source(key, str(etag).strip('"'))
 
     def local_copy(
         self, save: CommittedSave, progress: Callable[[int], None] | None = None
     ) -> contextlib.AbstractContextManager[CommittedSave]:
-        return s3_restore.local_copy(self, save, progress)
+        return restore.local_copy(self.shared, save, progress)
 
     # RestoreFiles (ports.SaveFiles).
 
     def files_of(self, save: CommittedSave) -> list[SavedFile]:
-        return s3_restore.files_of(self, save)
+        return restore.files_of(self.shared, save)
 
     def local_dir(self, save: CommittedSave) -> Path | None:
         return None
@@ -451,12 +414,12 @@ class S3Store:
         return {}
 
     def read_ranges(self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
-        return s3_restore.read_ranges(self, save, ranges)
+        return restore.read_ranges(self.shared, save, ranges)
 
     def stage_ranges(
         self, save: CommittedSave, ranges: Sequence[tuple[str, int, int]], fds: Mapping[str, int]
     ) -> Generator[tuple[str, int, int, int], None, None]:
-        return s3_restore.stage_ranges(self, save, ranges, fds)
+        return restore.stage_ranges(self.shared, save, ranges, fds)
 
     # Deleting.
 
@@ -484,37 +447,16 @@ class S3Store:
         return True
 
     def delete_keys(self, keys: list[str]) -> None:
-        for start in range(0, len(keys), 1000):
-            batch = keys[start : start + 1000]
-            if len(batch) == 1:
-                self.client.delete_object(Bucket=self.bucket, Key=batch[0])
-                continue
-            response = self.client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-            )
-            errors = response.get("Errors", [])
-            if errors:
-                raise OSError(f"could not delete {len(errors)} objects, e.g. {errors[0].get('Key')}: {errors[0]}")
-        with self._lock:
-            for key in keys:
-                self._manifests.pop(key, None)
+        self.shared.delete_keys(keys)
 
     # Recovery.
 
     def folders(self) -> list[str]:
-        found = []
-        with self.reading("listing run folders"):
-            paginator = self.client.get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key_base(), Delimiter="/"):
-                for common in page.get("CommonPrefixes", []):
-                    name = common["Prefix"][len(self.key_base()) :].rstrip("/")
-                    if not name.startswith(RESERVED_PREFIX) and is_run_name(name):
-                        found.append(name)
-        return sorted(found)
+        return self.shared.folders()
 
     def recover(self) -> int:
         """Deletes local staging leftovers, stale multipart uploads and uncommitted objects; returns how many."""
-        return s3_recovery.recover(self)
+        return recovery.recover(self.shared, self.grace_seconds)
 
     # State files beside the saves.
 
@@ -536,7 +478,7 @@ class S3Store:
             OSError: it could not be written.
         """
         folder = self._folder_of(path)
-        with self._lock:
+        with self.shared.lock:
             run = self._folder_runs.get(folder)
         runs = {run} if run is not None else {s.run for s in self.committed(folder, None)}
         for name in sorted(runs):

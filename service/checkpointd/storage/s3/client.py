@@ -1,7 +1,7 @@
 """The S3 client the object store uses: URL, connection and retries, body checks, and what its answers carry.
 
 `make_client` makes a boto3 client that works on AWS and on radosgw, every
-upload's body checked by the server (with `s3_signed` beside it for the
+upload's body checked by the server (with `signed` beside it for the
 store's small requests to a plain-HTTP endpoint, `small_requests`); `ETagLog` reads the ETag of each upload
 from the client's own answers; `Progress` reports a transfer's bytes. boto3
 is imported when a client is made, so the rest of the daemon does not need it.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointd.protocol.errors import UnavailableError
-from checkpointd.storage import s3_signed
+from checkpointd.storage.s3 import signed
 
 
 class StoreSetupError(OSError):
@@ -86,7 +86,7 @@ def count_errors(client: Any, count: Callable[[str, str], None]) -> None:
     botocore emits `needs-retry.s3.<operation>` after every attempt, the last
     one included, with the parsed answer or the exception caught; the hook
     returns None, so the retry handler's answer is the one taken. The
-    requests `s3_signed` sends are counted from its own event, `s3_signed.FAILED_ATTEMPT`.
+    requests `signed` sends are counted from its own event, `signed.FAILED_ATTEMPT`.
     """
 
     def after_attempt(event_name: str = "", response: Any = None, caught_exception: Any = None, **_: Any) -> None:
@@ -103,7 +103,7 @@ def count_errors(client: Any, count: Callable[[str, str], None]) -> None:
         count(event_name.rpartition(".")[2] or "unknown", kind)
 
     client.meta.events.register("needs-retry.s3", after_attempt)
-    client.meta.events.register(s3_signed.FAILED_ATTEMPT, failed_attempt)
+    client.meta.events.register(signed.FAILED_ATTEMPT, failed_attempt)
 
 
 def make_client(
@@ -151,18 +151,18 @@ def make_client(
             client.meta.events.register(f"before-call.s3.{operation}", content_md5)
     credentials = session.get_credentials()
     if endpoint_url is not None and body_is_signed(endpoint_url) and credentials is not None:
-        signed = s3_signed.SignedRequests(
+        requests = signed.SignedRequests(
             endpoint_url, client.meta.region_name or "us-east-1", credentials, client.meta.events,
             connect_timeout=5, read_timeout=read_timeout,
         )  # fmt: skip
-        setattr(client, s3_signed.ATTRIBUTE, signed)  # the store's small requests go this way (s3_signed)
+        setattr(client, signed.ATTRIBUTE, requests)  # the store's small requests go this way (`signed`)
     return client
 
 
 def small_requests(client: Any) -> Any:
     """What sends the store's small PutObject/CopyObject/HeadObject/GetObject: the client's
-    `s3_signed.SignedRequests` if `make_client` gave it one, else the client itself (same arguments)."""
-    return s3_signed.of(client) or client
+    `signed.SignedRequests` if `make_client` gave it one, else the client itself (same arguments)."""
+    return signed.of(client) or client
 
 
 def _is_aws(endpoint_url: str | None) -> bool:
@@ -185,6 +185,41 @@ def create_bucket_command(bucket: str, endpoint_url: str | None) -> str:
     endpoint = "" if _is_aws(endpoint_url) else f"endpoint_url={endpoint_url!r}"
     python = f"python -c \"import boto3; boto3.client('s3', {endpoint}).create_bucket(Bucket={bucket!r})\""
     return f"{aws} (or, without the AWS CLI: {python})".replace("('s3', )", "('s3')")
+
+
+def check_bucket(client: Any, url: S3Url, key_base: str) -> None:
+    """Proves the bucket reachable and ours (a HEAD and a one-key listing under `key_base`).
+
+    Raises:
+        StoreSetupError: with what to fix (credentials, bucket, endpoint).
+    """
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    bucket, endpoint_url = url.bucket, client.meta.endpoint_url
+    try:
+        client.head_bucket(Bucket=bucket)
+        client.list_objects_v2(Bucket=bucket, Prefix=key_base, MaxKeys=1)
+    except NoCredentialsError:
+        raise StoreSetupError(
+            f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "or AWS_PROFILE with ~/.aws/credentials"
+        ) from None
+    except ClientError as e:
+        code = error_code(e)
+        if code in ("404", "NoSuchBucket"):
+            raise StoreSetupError(
+                f"bucket {bucket!r} does not exist (--root {url}) at {endpoint_url}; "
+                f"create it first: {create_bucket_command(bucket, endpoint_url)}"
+            ) from None
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise StoreSetupError(
+                f"access to bucket {bucket!r} was refused ({code}): check the AWS credentials "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the AWS config) and the bucket's policy"
+                f"{endpoint_hint(endpoint_url)}"
+            ) from None
+        raise StoreSetupError(f"cannot use bucket {bucket!r}: {code or e}") from None
+    except BotoCoreError as e:
+        raise StoreSetupError(f"cannot reach the S3 server for {url}: {e}{endpoint_hint(endpoint_url)}") from None
 
 
 def resolve_endpoint(endpoint_url: str | None) -> str | None:

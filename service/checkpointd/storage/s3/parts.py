@@ -10,7 +10,7 @@ upload overlaps the receive.
 
 An incremental save's unchanged ranges are never written to staging: the
 sink names them (`referred`), and `complete` has the parts that hold any
-copied from the base object server-side (`checkpointd.storage.s3_part_copy`).
+copied from the base object server-side (`checkpointd.storage.s3.part_copy`).
 A part sent early is one wholly written; the parts planned at `complete`
 take the part numbers after it (each early part leaves room for them).
 
@@ -18,7 +18,7 @@ Nothing is visible under the object's key until `complete`, which the
 store calls at commit after the old save's manifest is gone and before the
 new manifest: the commit protocol is unchanged. `abort` (a failed or given
 up save) drops the parts; a crash leaves a multipart upload that
-`s3_recovery` aborts after the grace age.
+`recovery` aborts after the grace age.
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from pathlib import Path, PurePath, PurePosixPath
-from typing import Any
+from typing import Any, cast
 
-from checkpointd.core.ports import WatchedSink
-from checkpointd.storage import s3_keys, s3_part_copy
+from checkpointd.core.ports import ReferencingSink, WatchedSink
+from checkpointd.storage.s3 import part_copy
+from checkpointd.storage.s3.keys import keys_of
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -52,8 +54,8 @@ class PartUpload:
         self.part_bytes = part_bytes
         self.count = max(1, -(-size // part_bytes))
         # Part numbers per part_bytes of the file: room for the parts a plan cuts it into.
-        self.stride = max(1, s3_part_copy.MAX_PARTS // self.count)
-        self._refs: list[s3_part_copy.Reference] = []
+        self.stride = max(1, part_copy.MAX_PARTS // self.count)
+        self._refs: list[part_copy.Reference] = []
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # kept: the commit may rename the file
         self._executor = executor
         self._lock = threading.Lock()
@@ -61,7 +63,7 @@ class PartUpload:
         self._sent: dict[int, list[Future[dict[str, Any]]]] = {}  # per part_bytes slot: its part(s)
         self._ended = False
         self._uploaded = 0  # bytes sent from here (not copied server-side)
-        self._max_bytes = max(part_bytes, 2 * s3_part_copy.MIN_PART_BYTES)
+        self._max_bytes = max(part_bytes, 2 * part_copy.MIN_PART_BYTES)
         self._created: Future[str] = executor.submit(self._create)
 
     def _create(self) -> str:
@@ -88,8 +90,8 @@ class PartUpload:
                 refs = [r for r in self._refs if r.start < hi and lo < r.end]
                 if not refs:
                     self._sent[part] = [self._executor.submit(self._send, part)]
-                elif self.part_bytes >= s3_part_copy.MIN_PART_BYTES:  # its copies and uploads, planned now
-                    planned = s3_part_copy.plan(lo, hi, refs, object_end=self.size, max_bytes=self._max_bytes)
+                elif self.part_bytes >= part_copy.MIN_PART_BYTES:  # its copies and uploads, planned now
+                    planned = part_copy.plan(lo, hi, refs, object_end=self.size, max_bytes=self._max_bytes)
                     if len(planned) <= self.stride:
                         self._sent[part] = self._submit(part, planned)
 
@@ -107,7 +109,7 @@ class PartUpload:
         )
         return {"ETag": answer["ETag"], "PartNumber": number}
 
-    def referred(self, start: int, end: int, source: s3_part_copy.Source, offset: int) -> None:
+    def referred(self, start: int, end: int, source: part_copy.Source, offset: int) -> None:
         """Counts `[start, end)` as equal to `source`'s bytes at `offset`: copied at `complete`, not read from staging.
 
         Raises:
@@ -116,7 +118,7 @@ class PartUpload:
         if self.stride < 4:  # a part_bytes slot may need up to part_bytes / 5 MiB + 1 parts
             raise ValueError(f"{self.key}: {self.count} parts leave no part numbers for copies")
         with self._lock:
-            self._refs.append(s3_part_copy.Reference(start, end, source, offset))
+            self._refs.append(part_copy.Reference(start, end, source, offset))
             self._cover(start, end)
 
     @property
@@ -130,7 +132,7 @@ class PartUpload:
         """The bytes sent from this daemon, not copied server-side (once complete)."""
         return self._uploaded
 
-    def _submit(self, slot: int, planned: list[s3_part_copy.Part]) -> list[Future[dict[str, Any]]]:
+    def _submit(self, slot: int, planned: list[part_copy.Part]) -> list[Future[dict[str, Any]]]:
         """Sends planned parts numbered from `slot`'s first number. Locked."""
         futures = []
         for n, part in enumerate(planned):
@@ -138,9 +140,9 @@ class PartUpload:
             futures.append(self._executor.submit(self._send_planned, slot * self.stride + 1 + n, part))
         return futures
 
-    def _send_planned(self, number: int, part: s3_part_copy.Part) -> dict[str, Any]:
+    def _send_planned(self, number: int, part: part_copy.Part) -> dict[str, Any]:
         upload_id = self._created.result()
-        return s3_part_copy.send(self.client, self.bucket, self.key, upload_id, number, part, self._fd)
+        return part_copy.send(self.client, self.bucket, self.key, upload_id, number, part, self._fd)
 
     def _planned(self) -> list[Future[dict[str, Any]]]:
         """The parts not sent early, planned around the referred ranges and sent (copies and uploads). Locked."""
@@ -154,7 +156,7 @@ class PartUpload:
             while slot < self.count and slot not in self._sent:
                 slot += 1
             lo, hi = self._span(first)[0], self._span(slot - 1)[1]
-            parts = s3_part_copy.plan(lo, hi, self._refs, object_end=self.size, max_bytes=self._max_bytes)
+            parts = part_copy.plan(lo, hi, self._refs, object_end=self.size, max_bytes=self._max_bytes)
             if len(parts) > (slot - first) * self.stride:
                 raise ValueError(f"{self.key}: {len(parts)} parts for bytes [{lo}, {hi}) exceed their part numbers")
             futures += self._submit(first, parts)
@@ -241,16 +243,16 @@ def start(
     path, size = sink.watch(on_range)
     if size < part_bytes:
         return None
-    refer = getattr(sink, "watch_references", None)  # an incremental save's unchanged ranges
     rel = Path(path).relative_to(staging).as_posix()
     is_prefix = "/" not in rel  # a training checkpoint's files sit in staging, renamed at commit
     if is_prefix:
         rel = PurePosixPath(target).name + "." + rel.partition(".")[2]
-    key = s3_keys.keys_of(target, prefix=is_prefix).files_base + rel
+    key = keys_of(target, prefix=is_prefix).files_base + rel
     part = PartUpload(client, bucket, key, Path(path), size, part_bytes, executor)
     for start_at, end_at in early:
         part.on_range(start_at, end_at)
     upload.append(part)
-    if refer is not None:
-        refer(part.referred)
+    if isinstance(sink, ReferencingSink):  # an incremental save's unchanged ranges
+        # The sources it names are those `S3Store.base_source` gave the save's base: `part_copy.Source`.
+        sink.watch_references(cast(Callable[[int, int, object, int], None], part.referred))
     return part

@@ -14,9 +14,9 @@ URLs under the client's endpoint, the client's own credentials (refreshed as
 boto3 refreshes them), every body's SHA-256 signed (`S3SigV4Auth` signs the
 payload of any request to a plain-HTTP URL), so the server refuses a body that
 does not match it. A failure raises botocore's `ClientError` with the S3 error
-code, as the client would, so `s3_client.error_code` and every caller's
+code, as the client would, so `client.error_code` and every caller's
 handling stay the same; each attempt is counted through the client's own
-`before-send` event, so `s3_client.count_requests` sees it.
+`before-send` event, so `client.count_requests` sees it.
 
 It is made only for a client of a plain-HTTP endpoint (radosgw or MinIO on
 a private network: `make_client` attaches it, `of` finds it), where boto3
@@ -162,7 +162,7 @@ class SignedRequests:
         raise AssertionError("unreachable")
 
     def _failed(self, operation: str, kind: str) -> None:
-        """Emits one failed attempt (`s3_client.ERROR_KINDS`), which `s3_client.count_errors` counts."""
+        """Emits one failed attempt (`client.ERROR_KINDS`), which `client.count_errors` counts."""
         if self._events is not None:
             self._events.emit(f"{FAILED_ATTEMPT}.{operation}", kind=kind)
 

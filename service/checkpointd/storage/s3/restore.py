@@ -21,7 +21,6 @@ import shutil
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING
 
 from checkpointd.core.ports import CommittedSave, SavedFile
 from checkpointd.protocol import wire
@@ -29,16 +28,14 @@ from checkpointd.protocol.errors import ChecksumError, RunNotFoundError, SaveFai
 from checkpointd.protocol.names import TMP_PREFIX
 from checkpointd.protocol.wire import FILE_CHUNK_BYTES
 from checkpointd.storage import save_manifest
-from checkpointd.storage.s3_client import Progress
-from checkpointd.storage.s3_keys import MANIFEST
-
-if TYPE_CHECKING:
-    from checkpointd.storage.s3 import S3Store
+from checkpointd.storage.s3.bucket import Bucket
+from checkpointd.storage.s3.client import Progress
+from checkpointd.storage.s3.keys import MANIFEST
 
 
 @contextlib.contextmanager
 def local_copy(
-    store: S3Store, save: CommittedSave, progress: Callable[[int], None] | None = None
+    bucket: Bucket, save: CommittedSave, progress: Callable[[int], None] | None = None
 ) -> Iterator[CommittedSave]:
     """Downloads a committed save into the store's staging dir, checks it against its manifest, yields it there.
 
@@ -50,26 +47,26 @@ def local_copy(
         ChecksumError: a file does not match its manifest's size or CRC32C.
         UnavailableError: the object store failed.
     """
-    place = store.keys_of(save)
+    place = bucket.keys_of(save)
     files_base, manifest_key = place.files_base, place.manifest
-    with store.reading(f"reading {save.path}"):
-        document = store.manifest(manifest_key, None)
+    with bucket.reading(f"reading {save.path}"):
+        document = bucket.manifest(manifest_key, None)
     if document is None:
-        raise RunNotFoundError(f"the save {save.path} in {store.url} is no longer committed")
-    store.staging_root.mkdir(parents=True, exist_ok=True)
-    copy = store.staging_root / f"{TMP_PREFIX}restore-{secrets.token_hex(8)}"
+        raise RunNotFoundError(f"the save {save.path} in {bucket.url} is no longer committed")
+    bucket.staging_root.mkdir(parents=True, exist_ok=True)
+    copy = bucket.staging_root / f"{TMP_PREFIX}restore-{secrets.token_hex(8)}"
     local = copy / PurePosixPath(save.path).name
     base = copy if save.prefix else local
     try:
         base.mkdir(parents=True)
         entries: list[save_manifest.FileEntry] = document["files"]
-        with store.reading(f"downloading {save.path}"):
+        with bucket.reading(f"downloading {save.path}"):
             futures = []
             for entry in entries:
                 (base / entry.path).parent.mkdir(parents=True, exist_ok=True)
                 futures.append(
-                    store.transfer.download(
-                        store.bucket,
+                    bucket.transfer.download(
+                        bucket.name,
                         files_base + entry.path,
                         str(base / entry.path),
                         subscribers=[Progress(progress)] if progress is not None else None,
@@ -81,7 +78,7 @@ def local_copy(
             size, value = save_manifest.file_checksum(base / entry.path)
             if size != entry.size or f"{value:08x}" != entry.crc32c.lower():
                 raise ChecksumError(
-                    f"{files_base + entry.path} in {store.url} does not match its manifest "
+                    f"{files_base + entry.path} in {bucket.url} does not match its manifest "
                     f"({size} bytes, CRC32C {value:08x}; the manifest says {entry.size}, {entry.crc32c})"
                 )
         if not save.prefix:  # the dir as the local store has it, manifest included
@@ -100,7 +97,7 @@ GET_BYTES = FILE_CHUNK_BYTES
 GETS_IN_FLIGHT = 8
 
 
-def files_of(store: S3Store, save: CommittedSave) -> list[SavedFile]:
+def files_of(bucket: Bucket, save: CommittedSave) -> list[SavedFile]:
     """Every file of a committed save in the bucket, from its manifest.
 
     The manifest that found the save (read by its lookup, just before) is
@@ -111,18 +108,18 @@ def files_of(store: S3Store, save: CommittedSave) -> list[SavedFile]:
         RunNotFoundError: the save is no longer committed.
         UnavailableError: the object store failed.
     """
-    key = store.keys_of(save).manifest
-    document = store.last_read_manifest(key)
+    key = bucket.keys_of(save).manifest
+    document = bucket.last_read_manifest(key)
     if document is None:
-        with store.reading(f"reading {save.path}"):
-            document = store.manifest(key, None)
+        with bucket.reading(f"reading {save.path}"):
+            document = bucket.manifest(key, None)
     if document is None:
-        raise RunNotFoundError(f"the save {save.path} in {store.url} is no longer committed")
+        raise RunNotFoundError(f"the save {save.path} in {bucket.url} is no longer committed")
     entries: list[save_manifest.FileEntry] = document["files"]
     return [SavedFile(e.path, e.size, int(e.crc32c, 16)) for e in entries]
 
 
-def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
+def read_ranges(bucket: Bucket, save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> Iterator[bytes]:
     """Each (path, offset, length) of the save's files, in order, in pieces of at most FILE_CHUNK_BYTES.
 
     Ranged GETs of `GET_BYTES` run `GETS_IN_FLIGHT` at a time on a pool of
@@ -133,7 +130,7 @@ def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str,
         UnavailableError: a GET failed.
         SaveFailedError: the bucket answered fewer bytes than asked.
     """
-    files_base = store.keys_of(save).files_base
+    files_base = bucket.keys_of(save).files_base
     gets = [
         (files_base + path, at, min(GET_BYTES, offset + length - at))
         for path, offset, length in ranges
@@ -141,10 +138,10 @@ def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str,
     ]
 
     def get(key: str, at: int, size: int) -> bytes:
-        answer = store.client.get_object(Bucket=store.bucket, Key=key, Range=f"bytes={at}-{at + size - 1}")
+        answer = bucket.client.get_object(Bucket=bucket.name, Key=key, Range=f"bytes={at}-{at + size - 1}")
         data: bytes = answer["Body"].read()
         if len(data) != size:
-            raise SaveFailedError(f"{key} in {store.url}: {len(data)} bytes at {at}, {size} asked")
+            raise SaveFailedError(f"{key} in {bucket.url}: {len(data)} bytes at {at}, {size} asked")
         return data
 
     pool = concurrent.futures.ThreadPoolExecutor(GETS_IN_FLIGHT, thread_name_prefix="restore-get")
@@ -156,7 +153,7 @@ def read_ranges(store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str,
             if len(pending) >= GETS_IN_FLIGHT:
                 break
         while pending:
-            with store.reading(f"reading {save.path}"):
+            with bucket.reading(f"reading {save.path}"):
                 data = pending.popleft().result()
             for key, at, size in queued:  # one more in flight for the one taken
                 pending.append(pool.submit(get, key, at, size))
@@ -181,7 +178,7 @@ STAGE_GETS_IN_FLIGHT = 8
 
 
 def stage_ranges(
-    store: S3Store, save: CommittedSave, ranges: Sequence[tuple[str, int, int]], fds: Mapping[str, int]
+    bucket: Bucket, save: CommittedSave, ranges: Sequence[tuple[str, int, int]], fds: Mapping[str, int]
 ) -> Generator[tuple[str, int, int, int], None, None]:
     """Each (path, offset, length) of the save's files written into `fds[path]` at its offset, by ranged GETs.
 
@@ -199,14 +196,14 @@ def stage_ranges(
         SaveFailedError: the bucket answered fewer bytes than asked.
         OSError: a write failed (ENOSPC: the staging dir is full).
     """
-    files_base = store.keys_of(save).files_base
+    files_base = bucket.keys_of(save).files_base
 
     def get(path: str, at: int, size: int, before: concurrent.futures.Future[int] | None) -> int:
         key = files_base + path
-        answer = store.client.get_object(Bucket=store.bucket, Key=key, Range=f"bytes={at}-{at + size - 1}")
+        answer = bucket.client.get_object(Bucket=bucket.name, Key=key, Range=f"bytes={at}-{at + size - 1}")
         data: bytes = answer["Body"].read()  # (its readinto would read into a bytes first, then copy)
         if len(data) != size:
-            raise SaveFailedError(f"{key} in {store.url}: {len(data)} bytes at {at}, {size} asked")
+            raise SaveFailedError(f"{key} in {bucket.url}: {len(data)} bytes at {at}, {size} asked")
         view, done = memoryview(data), 0
         while done < size:
             done += os.pwrite(fds[path], view[done:], at + done)
@@ -220,7 +217,7 @@ def stage_ranges(
     def ready(wait: bool) -> Iterator[tuple[str, int, int, int]]:
         while ends and (wait or ends[0][1] is None or ends[0][1].done()):
             one, last = ends.popleft()
-            with store.reading(f"reading {save.path}"):
+            with bucket.reading(f"reading {save.path}"):
                 yield (*one, last.result() if last is not None else 0)
 
     try:
@@ -228,7 +225,7 @@ def stage_ranges(
             before: concurrent.futures.Future[int] | None = None
             for at in range(offset, offset + length, STAGE_GET_BYTES):
                 while len(submitted) >= STAGE_GETS_IN_FLIGHT:  # the window: wait for the oldest
-                    with store.reading(f"reading {save.path}"):
+                    with bucket.reading(f"reading {save.path}"):
                         submitted.popleft().result()
                     yield from ready(False)
                 before = pool.submit(get, path, at, min(STAGE_GET_BYTES, offset + length - at), before)

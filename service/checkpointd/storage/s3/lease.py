@@ -36,35 +36,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from checkpointd.core import lease
 from checkpointd.core.lease import Holding, LeaseDoc, LeaseDocError, Sighting
+from checkpointd.core.ports import LeaseSink, NullLeaseSink
 from checkpointd.protocol.errors import RunHeldError, UnavailableError
 from checkpointd.protocol.names import RESERVED_PREFIX, check_run_name
-from checkpointd.storage.s3_client import error_code, small_requests
+from checkpointd.storage.s3.client import error_code, small_requests
 
 _LOGGER = logging.getLogger(__name__)
 
 LEASES_DIR = RESERVED_PREFIX + "-leases"
 _POLL_SECONDS = 0.5  # how often a waiting hold() reads the lease again (to see a release soon)
 _RENEWERS = 8  # leases renewed at once (a request each; the client has connections for more)
-
-
-class LeaseSink(Protocol):
-    """Counts leases (`checkpointd.metrics.Metrics`)."""
-
-    def leases_held(self, count: int) -> None: ...
-
-    def lease_lost(self, run: str) -> None: ...
-
-
-class _NullSink:
-    def leases_held(self, count: int) -> None:
-        pass
-
-    def lease_lost(self, run: str) -> None:
-        pass
 
 
 @dataclass
@@ -127,7 +112,7 @@ class S3Leases:
         """
         lease.check_timing(ttl, idle)
         self.client = client
-        self._small = small_requests(client)  # a lease's GET and PUT are small requests (s3_signed)
+        self._small = small_requests(client)  # a lease's GET and PUT are small requests (signed)
         self.bucket = bucket
         self._base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.ttl = ttl
@@ -137,7 +122,7 @@ class S3Leases:
         self._pid = os.getpid()
         self._busy = busy or (lambda run: False)
         self._taken = taken or (lambda run: None)
-        self._sink = sink or _NullSink()
+        self._sink = sink or NullLeaseSink()
         self._clock = clock
         self._wall = wall
         self._cond = threading.Condition()
