@@ -5,8 +5,10 @@ The index is TensorFlow's sorted string table (LevelDB's format, as
 index block, whose entries point at the data blocks, whose entries map each
 checkpoint key to its BundleEntryProto. Each block's entries are prefix
 compressed (`varint32 shared, varint32 unshared, varint32 value length, key
-suffix, value`) and end with their restart offsets and count. Only what a
-partial restore needs is read: each key's dtype, shape, shard, offset and size.
+suffix, value`) and end with their restart offsets and count. The table is
+read by `checkpointd.protocol.bundle_table`, the daemon's reader too (each
+block's CRC32C checked). Only what a partial restore needs is kept: each
+key's dtype, shape, shard, offset and size.
 
 `needed_keys` names the tensors TensorFlow's restore can read for objects
 under the given children of the checkpoint's root: every attribute of a
