@@ -12,6 +12,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 TRAINER_ONLY = ("tensorflow", "tensorflow-cpu", "tf-agents", "tensorflow-probability", "numpy", "tensorboard")
@@ -37,3 +39,16 @@ def test_the_image_installs_the_daemon_extra_alone() -> None:
     installs = re.findall(r"pip install (\S+)", dockerfile)
     assert installs == ['".[daemon]"']
     assert "TF_CPP_MIN_LOG_LEVEL" not in dockerfile
+
+
+def test_trainer_versions_are_bounded() -> None:
+    from checkpointd.protocol.errors import InvalidRequestError
+    from checkpointd.rpc import messages
+
+    assert messages.trainer_versions({"tensorflow": "2.15.1", "tf_agents": "0.19.0"}) == {
+        "tensorflow": "2.15.1",
+        "tf_agents": "0.19.0",
+    }
+    for bad in ({"": "1"}, {"tensorflow": "x" * 129}, {f"k{i}": "1" for i in range(17)}):
+        with pytest.raises(InvalidRequestError, match="trainer_versions"):
+            messages.trainer_versions(bad)
