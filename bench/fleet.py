@@ -28,7 +28,9 @@ leaves its profile in DIR (local.txt, s3-0.txt, ...; the sampler's own CPU
 counts in CPU/save then; CHECKPOINTD_BENCH_PROFILE_MODE=cprofile: cProfile
 on every thread, by thread CPU time, instead of sampling);
 CHECKPOINTD_BENCH_FLEET_S3=0 skips the S3 phase, CHECKPOINTD_BENCH_FLEET_LOCAL=0
-the local one (to measure the other alone).
+the local one (to measure the other alone); CHECKPOINTD_BENCH_FLEET_DAEMON_ARGS
+adds flags to every daemon's command line (e.g. "--admission-wait 0", to
+measure a flag against its default).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import asyncio
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -102,7 +105,7 @@ def _local_phase(
     from tests.integration.daemon import start_daemon
 
     progress(f"9. fleet, one daemon on a local root: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s")
-    local = start_daemon(work / "local-root", work / "local-daemon", wrap=_profiled("local"))
+    local = start_daemon(work / "local-root", work / "local-daemon", *_daemon_args(), wrap=_profiled("local"))
     out: dict[str, Any] = {}
     try:
         out = run_phase([local], spec, trainers, seconds, work / "local", progress)
@@ -110,6 +113,11 @@ def _local_phase(
     finally:
         out["daemon_exit_codes"] = [local.terminate()]
     return out
+
+
+def _daemon_args() -> list[str]:
+    """Extra flags for every daemon of the section, from CHECKPOINTD_BENCH_FLEET_DAEMON_ARGS."""
+    return shlex.split(os.environ.get("CHECKPOINTD_BENCH_FLEET_DAEMON_ARGS", ""))
 
 
 def _s3_phase(
@@ -149,6 +157,7 @@ def _s3_phase(
                         endpoint,
                         "--s3-region",
                         REGION,
+                        *_daemon_args(),
                         env=aws,
                         wrap=_profiled(f"s3-{i}"),
                     )  # fmt: skip

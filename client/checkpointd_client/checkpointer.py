@@ -9,24 +9,21 @@ slots, target network and replay buffer included.
 Here `save()` costs the trainer what a point-in-time save must: describing
 the checkpoint with TensorFlow's own saver code and copying its values to
 host memory (or into the daemon's shared memory on its host); the daemon
-writes them with SaveV2 as `<root>/<folder>/<ckpt_dir>/ckpt-<step>.*`, keeps
-the dir's `checkpoint` state file, and applies `max_to_keep` and
-`keep_checkpoint_every_n_hours` as CheckpointManager does, off the save path.
-Each save has the semantics of every checkpointd save: one in flight per run,
-a non-blocking save skipped (reported, counted) while one is in flight,
-`blocking=True` waits its turn and returns once durable, failures reach the
-ticket, and the run keeps saving.
+writes the tensor bundle `<root>/<folder>/<ckpt_dir>/ckpt-<step>.*` itself
+(it runs no TensorFlow), keeps the dir's `checkpoint` state file, and applies
+`max_to_keep` and `keep_checkpoint_every_n_hours` as CheckpointManager does,
+off the save path. Each save has the semantics of every checkpointd save:
+one in flight per run, a non-blocking save skipped (reported, counted) while
+one is in flight, `blocking=True` waits its turn and returns once durable,
+failures reach the ticket, and the run keeps saving.
 
-A restarted trainer restores over the daemon's Restore call, so it need not
-share the daemon's disk: build the same objects, construct the checkpointer,
-call `initialize_or_restore()`. See `checkpointd_client.tf_checkpoint` for what
-is saved and how it is put back.
+A restarted trainer restores through the daemon, so it need not share its
+disk: build the same objects, then the checkpointer (`tf_checkpoint` says
+what is saved and how it is put back).
 
-The connection, busy accounting, flush, close and what a non-blocking save
-does when the daemon cannot take it are the session's
-(`checkpointd_client.session`): the Learner's interval saves never stop
-training. Lock discipline: the session's lock guards `_spare`,
-`_segment` and `_durable_step`, and is never held across an RPC or a TF call.
+How a save moves (describe, the one save call, the copy, only what changed
+into shared memory: `checkpointd_client.delta`) is `training_saves`'s; the
+connection, flush, close and a save the daemon cannot take are the session's.
 
 By default a checkpointer also saves on notice: on SIGTERM it saves the
 step reached, blocking, waits until it is durable within `notice_deadline`,
@@ -36,8 +33,7 @@ snapshot is taken (never inside this client's own calls) is
 
 With `continuous=True`, `save()` may be called after every step: each call
 decides locally whether it saves, within a budget of training time
-(`checkpointd_client.continuous`), and the last call not saved is saved by
-flush(), close() or a save on notice.
+(`continuous`); flush(), close() and a save on notice save the last one not saved.
 """
 
 from __future__ import annotations
@@ -45,35 +41,35 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 import numpy as np
 import tensorflow as tf
 
-from checkpointd.protocol import increments, wire
-from checkpointd.protocol.errors import CheckpointdError, InvalidRequestError, RunClosedError
-from checkpointd.protocol.kinds import SaveKind, to_wire
-from checkpointd.protocol.names import check_export_dir, checkpoint_prefix
-from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import checkpoint_restore, notice, shm, streams, tf_checkpoint
-from checkpointd_client.checkpoint_manager import Latest, RemoteCheckpointManager, checked_max_to_keep
+from checkpointd.protocol import wire
+from checkpointd.protocol.errors import CheckpointdError, RunClosedError
+from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.names import check_export_dir
+from checkpointd_client import checkpoint_restore, delta, notice, streams, training_saves
+from checkpointd_client.checkpoint_manager import (
+    Latest,
+    RemoteCheckpointManager,
+    checked_keep_hours,
+    checked_max_to_keep,
+    latest_checkpoint,
+)
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.continuous import DEFAULT_BUDGET, ContinuousSaves, Decisions, NotSavedTicket, check_budget
 from checkpointd_client.notice import Notice, NoticeOutcome, client_call
-from checkpointd_client.outage import survivable
+from checkpointd_client.save_call import guarded
 from checkpointd_client.session import DaemonSession, deadline_after, time_left
-from checkpointd_client.stream import SaveStream
 from checkpointd_client.ticket import SaveCounts, SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
 
 # tf.train.Checkpoint's own child, restored with the objects given.
 _SAVE_COUNTER = "save_counter"
-# The objects whose value is the step a save on notice is named by, as TF-Agents names them.
-_STEP_NAMES = ("global_step", "train_step", "step")
-_NOTICE_POLL = 0.005  # seconds between looks at the save in flight that a save on notice waits for
 
 
 class RemoteCheckpointer:
@@ -194,24 +190,10 @@ class RemoteCheckpointer:
             ) from None
         self._folder = folder if folder is not None else job
         self._run = streams.checkpointer_run(job, self._dir)
-        self._max_to_keep = checked_max_to_keep(max_to_keep)
-        if keep_checkpoint_every_n_hours is not None and not (
-            isinstance(keep_checkpoint_every_n_hours, int | float)
-            and not isinstance(keep_checkpoint_every_n_hours, bool)
-            and 0 < keep_checkpoint_every_n_hours < float("inf")
-        ):
-            raise ValueError(
-                "keep_checkpoint_every_n_hours must be a finite number of hours > 0, or None; got "
-                f"{keep_checkpoint_every_n_hours!r}"
-            )
-        for argument, value in (
-            ("shared_memory", shared_memory),
-            ("incremental", incremental),
-            ("read_only", read_only),
-            ("save_on_notice", save_on_notice),
-            ("continuous", continuous),
-            ("skip_if_busy", skip_if_busy),
-        ):
+        retention = (checked_max_to_keep(max_to_keep), checked_keep_hours(keep_checkpoint_every_n_hours))
+        flags = dict(shared_memory=shared_memory, incremental=incremental, read_only=read_only,
+                     save_on_notice=save_on_notice, continuous=continuous, skip_if_busy=skip_if_busy)  # fmt: skip
+        for argument, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{argument} must be True or False, got {value!r}")
         self._read_only = read_only
@@ -225,28 +207,25 @@ class RemoteCheckpointer:
             chunk_bytes=chunk_bytes, channel_credentials=channel_credentials, timeout=timeout, token=token,
             token_file=token_file, shared_memory=shared_memory,
         )  # fmt: skip
-        self._keep_hours = keep_checkpoint_every_n_hours
         self._checkpoint = tf.train.Checkpoint(**objects)
         self._objects = tuple(objects)
-        self._step = _step_variable(objects)
+        self._step = training_saves.step_variable(objects)
         self._last_ticket: SaveTicket | None = None  # of the last save call
-        self._durable_step: int | None = None  # of the dir's newest checkpoint known durable
         self._daemon = DaemonSession(address, self._run, connection, owner="checkpointer", upload_threads=2)
-        self._use_shm = shared_memory
-        self._incremental = incremental
-        self._segment: shm.SegmentMap | None = None
-        # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
-        self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
+        self._saves = training_saves.TrainingSaves(
+            self._daemon, self._checkpoint, (self._folder, self._dir), retention,
+            shared_memory=shared_memory, incremental=incremental,
+        )  # fmt: skip
         self._copies: list[checkpoint_restore.Copy] = []  # restored checkpoints TF may still read
-        self._manager = RemoteCheckpointManager(self)
+        self._manager = RemoteCheckpointManager(self._dir, self._checkpoint, self._latest)
         try:
             if not read_only:
-                self._register()
+                self._saves.register()
             latest = self._latest()
             if latest is not None:
                 _LOGGER.info("run %s: checkpoint available: %s (step %d)", self._run, latest.path, latest.step)
                 self._load_status = self._restore(latest.export_dir)
-                self._durable_step = latest.step
+                self._saves.durable(latest.step)
             else:
                 _LOGGER.info("run %s: no checkpoint available in %r", self._run, self._dir)
                 self._load_status = self._checkpoint.restore(None)
@@ -263,7 +242,7 @@ class RemoteCheckpointer:
     @property
     def checkpoint_exists(self) -> bool:
         """True if a checkpoint was restored at construction, or one was saved since."""
-        return self._checkpoint_exists
+        return self._checkpoint_exists or self._saves.copied
 
     @property
     def manager(self) -> RemoteCheckpointManager:
@@ -296,6 +275,11 @@ class RemoteCheckpointer:
     @property
     def folder(self) -> str:
         return self._folder
+
+    @property
+    def snapshot_copy(self) -> delta.SnapshotCopy | None:
+        """What the last save copied into the daemon's shared memory (bytes, and why whole); None before one."""
+        return self._saves.deltas.last
 
     @property
     def read_only(self) -> bool:
@@ -372,11 +356,7 @@ class RemoteCheckpointer:
         return ticket
 
     def _name_of(self, step: int) -> str:
-        """`<ckpt_dir>/ckpt-<step>`; ValueError for a negative step."""
-        try:
-            return checkpoint_prefix(self._dir, step)
-        except InvalidRequestError as e:
-            raise ValueError(str(e)) from None
+        return training_saves.checkpoint_name(self._dir, step)  # ValueError for a negative step
 
     def _save_pending(self) -> None:
         """Saves the last continuous call not saved (unless a save came after it), blocking: flush and close."""
@@ -399,168 +379,19 @@ class RemoteCheckpointer:
                 "it restores, it does not save"
             )
         daemon = self._daemon
-        daemon.begin()
-        handed_off = False
-        try:
+        deadline = on_notice.monotonic + self._notice_deadline if on_notice is not None else None
+
+        def early() -> SaveTicket:
             step = int(np.asarray(global_step))
-            export_dir = self._name_of(step)
-            daemon.last_step = step
-            ticket = daemon.ticket(export_dir, SaveKind.TRAINING_CHECKPOINT, step)
-            self._last_ticket = ticket
-            if not blocking and daemon.fail_fast(ticket):
-                return ticket
-            try:
-                handed_off = self._save_now(ticket, blocking, on_notice)
-            except CheckpointdError as e:
-                if blocking or not survivable(e) or ticket.done():
-                    raise
-                return daemon.survive(ticket, e)
+            ticket = daemon.ticket(self._name_of(step), SaveKind.TRAINING_CHECKPOINT, step)
+            daemon.last_step, self._last_ticket = step, ticket
             return ticket
-        finally:
-            if not handed_off:
-                daemon.release()
 
-    def _save_now(self, ticket: SaveTicket, blocking: bool, on_notice: Notice | None = None) -> bool:
-        """Asks the daemon, copies and uploads; True if an upload thread took the save over."""
-        counter = self._checkpoint.save_counter
-        counter.assign_add(1)  # as CheckpointManager.save does, before the write
-        try:
-            state = tf_checkpoint.describe(self._checkpoint)
-            self._daemon.before_trying()
-            # Not skipped without skip_if_busy: the daemon queues it behind this run's save in flight.
-            stream, offer, base = self._decide(ticket, state, blocking or not self._skip_if_busy, on_notice=on_notice)
-        except BaseException:
-            counter.assign_sub(1)  # refused before a decision: nothing was saved
-            raise
-        self._daemon.answered()
-        if ticket.skipped:
-            counter.assign_sub(1)  # nothing was saved
-            return False
-        try:
-            requests, spare, parts = self._copy(state, offer, base)
-        except BaseException:
-            stream.close()
-            raise
-        self._checkpoint_exists = True
-        resend = self._resender(ticket, state, parts, on_notice) if base is not None else None
-        if blocking:
-            self._upload(stream, requests, ticket, state, spare, resend)
-            ticket.result()
-            return False
-        self._daemon.uploads.submit(self._upload_then_release, stream, requests, ticket, state, spare, resend)
-        return True
+        def save(ticket: SaveTicket | None) -> tuple[SaveTicket, bool]:
+            assert ticket is not None
+            return ticket, self._saves.save(ticket, blocking, self._skip_if_busy, on_notice, deadline)
 
-    def _decide(
-        self,
-        ticket: SaveTicket,
-        state: tf_checkpoint.TrainingState,
-        blocking: bool,
-        incremental: bool = True,
-        on_notice: Notice | None = None,
-    ) -> tuple[SaveStream, pb.SharedMemory | None, pb.IncrementalBase | None]:
-        """Opens the Save call and reads the decision; registers again once on NOT_FOUND.
-
-        A save on notice is marked so, and its call ends by the notice's deadline.
-        Returns the call, and the shared memory and base its accept offered.
-        """
-        header = pb.SaveHeader(
-            run=self._run,
-            kind=to_wire(SaveKind.TRAINING_CHECKPOINT),
-            export_dir=self._dir,
-            blocking=blocking,
-            step=ticket.step,
-            snapshot_bytes=state.nbytes,
-            shared_memory=self._use_shm,
-            training_checkpoint=state.to_proto(self._max_to_keep, self._keep_hours),
-            incremental=self._incremental and incremental,
-            on_notice=on_notice is not None,
-            notice_unix_seconds=on_notice.unix_seconds if on_notice is not None else 0.0,
-        )
-        daemon = self._daemon
-        timeout = daemon.timeout
-        if on_notice is not None:
-            left = time_left(on_notice.monotonic + self._notice_deadline) or 0.0
-            timeout = left if timeout is None else min(timeout, left)
-
-        def attempt() -> tuple[SaveStream, pb.SaveDecision]:
-            stream = SaveStream(daemon.save_stub, header, timeout)
-            try:
-                return stream, stream.decision()
-            except BaseException:
-                stream.close()
-                raise
-
-        doing = f"saving run {self._run!r} step {ticket.step} to {ticket.export_dir!r}"
-        stream, decision = daemon.retrying_lost_run(attempt, self._register, doing)
-        if not decision.accepted:
-            stream.skip(ticket, decision.reason, self._run)
-        offer = decision.shared_memory if decision.HasField("shared_memory") else None
-        return stream, offer, decision.base if decision.HasField("base") else None
-
-    def _copy(
-        self, state: tf_checkpoint.TrainingState, offer: pb.SharedMemory | None, base: pb.IncrementalBase | None
-    ) -> tuple[Iterable[bytes], list[np.ndarray] | None, list[Any]]:
-        """Copies the values now: into the offered segment, else into spare buffers.
-
-        Returns the requests that complete the call, serialized (against
-        `base`'s digests, if offered: computed as gRPC sends them, off the
-        trainer's thread), the arrays the next save may reuse (None for a
-        segment's), and the payload's parts ([] for a segment's).
-        """
-        if offer is not None and self._use_shm:
-            with self._daemon.lock:
-                current = self._segment
-            segment = shm.open_offer(offer, current, self._run)
-            if segment is not None and len(offer.offsets) == len(state.tensors) + 1:
-                with self._daemon.lock:
-                    self._segment = segment
-                whole = segment.view()
-                views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
-                state.copy(views, strings=True)
-                return [shm.WRITTEN], None, []
-            self._use_shm = False  # the daemon is not on this host (or not this user's)
-        with self._daemon.lock:
-            spare, self._spare = self._spare, None
-        buffers = spare[1] if spare is not None and spare[0] == state.layout else None
-        if buffers is None:  # Python state needs none: it is bytes already
-            buffers = [np.empty(0 if tf_checkpoint.is_string(t) else t.nbytes, np.uint8) for t in state.tensors]
-        parts = list(state.copy([b.data for b in buffers]))
-        if base is not None:
-            return increments.save_requests(parts, base, self._daemon.chunk_bytes), buffers, parts
-        return wire.save_request_chunks(parts, self._daemon.chunk_bytes), buffers, parts
-
-    def _resender(
-        self, ticket: SaveTicket, state: tf_checkpoint.TrainingState, parts: list[Any], on_notice: Notice | None
-    ) -> Callable[[], tuple[SaveStream, Iterable[bytes]]]:
-        """Opens the save again, blocking and not incremental, to send `parts` in full (see SaveStream.finish)."""
-
-        def resend() -> tuple[SaveStream, Iterable[bytes]]:
-            stream, _, _ = self._decide(ticket, state, blocking=True, incremental=False, on_notice=on_notice)
-            return stream, wire.save_request_chunks(parts, self._daemon.chunk_bytes)
-
-        return resend
-
-    def _upload(
-        self,
-        stream: SaveStream,
-        requests: Iterable[bytes],
-        ticket: SaveTicket,
-        state: tf_checkpoint.TrainingState,
-        spare: list[np.ndarray] | None,
-        resend: Callable[[], tuple[SaveStream, Iterable[bytes]]] | None = None,
-    ) -> None:
-        stream.finish(ticket, requests, self._run, resend=resend)
-        if ticket.done() and ticket.exception(0) is None:
-            with self._daemon.lock:
-                self._durable_step = max(ticket.step, self._durable_step or 0)
-                if spare is not None:  # gRPC has let go of every chunk: the next save may reuse them
-                    self._spare = (state.layout, spare)
-
-    def _upload_then_release(self, *args: Any) -> None:
-        try:
-            self._upload(*args)
-        finally:
-            self._daemon.release()
+        return guarded(daemon, blocking, early, save, lambda ticket: ticket or early())
 
     # The save on notice (`checkpointd_client.notice` calls it at a safe point of the main thread).
 
@@ -581,51 +412,30 @@ class RemoteCheckpointer:
                     return NoticeOutcome(
                         self._run, None, False,
                         lost="none of its objects is a step (global_step, train_step, step, or an agent's "
-                        f"train_step_counter), which names a checkpoint; {self._lost(None)}",
+                        f"train_step_counter), which names a checkpoint; {self._saves.lost(None)}",
                     )  # fmt: skip
                 step = int(self._step.numpy() if self._step is not None else np.asarray(pending))
                 last = self._last_ticket
                 if last is not None and last.step == step and not last.skipped:
-                    _wait_unlocked(last, deadline)
+                    training_saves.wait_unlocked(last, deadline)
                     if last._error is None:  # noqa: SLF001 - read once ended, without the ticket's lock
                         return self._durable(step, on_notice)
                     # That one failed: the save on notice sends its own.
                 ticket = self._save(step, True, on_notice)
                 ticket.result(time_left(deadline))
         except Exception as e:  # noqa: BLE001 - the outcome reports it
-            return NoticeOutcome(self._run, step, False, lost=f"{type(e).__name__}: {e}; {self._lost(step)}")
+            return NoticeOutcome(self._run, step, False, lost=f"{type(e).__name__}: {e}; {self._saves.lost(step)}")
         return self._durable(step, on_notice)
 
     def _durable(self, step: int, on_notice: Notice) -> NoticeOutcome:
         return NoticeOutcome(self._run, step, True, durable_ms=(time.monotonic() - on_notice.monotonic) * 1000)
 
-    def _lost(self, step: int | None) -> str:
-        """What is not in a durable checkpoint if the save on notice is not made."""
-        with self._daemon.lock:
-            durable = self._durable_step
-        if durable is None:
-            return f"lost: every step (no durable checkpoint in {self._dir!r})"
-        if step is None:
-            return f"lost: the steps after step {durable}, the newest durable checkpoint"
-        return f"lost: the {step - durable} step(s) after step {durable}, the newest durable checkpoint"
-
     # Registration and restore.
-
-    def _register(self) -> None:
-        header = pb.RegisterRunHeader(
-            run=self._run, folder=self._folder, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), checkpoint_dir=self._dir
-        )
-        self._daemon.register_run(iter([pb.RegisterRunRequest(header=header)]), f"registering run {self._run!r}")
 
     @client_call
     def _latest(self) -> Latest | None:
         """The newest checkpoint in this dir of the folder, whichever run committed it (as latest_checkpoint(dir))."""
-        request = pb.LatestRequest(
-            run=self._run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), folder=self._folder, checkpoint_dir=self._dir
-        )
-        with self._daemon.calling(f"looking up the newest checkpoint in {self._dir!r} of folder {self._folder!r}"):
-            response = self._daemon.stub.GetLatest(request, timeout=self._daemon.timeout)
-        return Latest(response) if response.found else None
+        return latest_checkpoint(self._daemon, self._folder, self._dir)
 
     def _restore(self, export_dir: str) -> Any:
         children = {*self._objects, _SAVE_COUNTER}
@@ -681,33 +491,10 @@ class RemoteCheckpointer:
         for copy in self._copies:
             copy.close()
         self._copies.clear()
-        with self._daemon.lock:
-            self._spare, self._segment = None, None
+        self._saves.release()
 
     def __enter__(self) -> RemoteCheckpointer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _wait_unlocked(ticket: SaveTicket, deadline: float) -> None:
-    """Waits until `ticket` ends by looking, not on its lock: the notice may have interrupted a wait holding that lock.
-
-    Raises:
-        TimeoutError: it has not ended by `deadline` (monotonic).
-    """
-    while not ticket.done():
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"the save of step {ticket.step} in flight did not end by the notice's deadline")
-        time.sleep(_NOTICE_POLL)
-
-
-def _step_variable(objects: dict[str, Any]) -> tf.Variable | None:
-    """The integer scalar variable that is the training step: by its name, else an agent's counter."""
-    candidates = [objects.get(name) for name in _STEP_NAMES]
-    candidates += [getattr(o, "train_step_counter", None) for o in objects.values()]
-    for candidate in candidates:
-        if isinstance(candidate, tf.Variable) and candidate.dtype.is_integer and candidate.shape.rank == 0:
-            return candidate
-    return None

@@ -3,8 +3,8 @@
 RemotePolicySaver keeps a real `PolicySaver` to export its templates. This
 base class hands that saver's properties and function registrations through,
 as AsyncPolicySaver does, so the saving class holds only what differs: the
-daemon, the snapshots and the tickets. A registration marks the template
-dirty, so it is exported again before the next save.
+daemon, the save path (`PolicySaves`) and the tickets. A registration tells
+the save path, so the template is exported again before the next save.
 """
 
 from __future__ import annotations
@@ -16,19 +16,21 @@ import tensorflow as tf
 from tf_agents.policies import policy_saver
 from tf_agents.typing import types
 
+from checkpointd_client.policy_saves import PolicySaves
+
 
 class PolicySaverFacade:
     """The pass-through half of RemotePolicySaver.
 
     Subclasses set `_saver` (the PolicySaver), `_run`, `_folder`, `_address`
-    and `_dirty` in their constructor.
+    and `_saves` (the save path) in their constructor.
     """
 
     _saver: policy_saver.PolicySaver
     _run: str
     _folder: str | None
     _address: str
-    _dirty: bool  # the template must be (re-)exported before the next save
+    _saves: PolicySaves
 
     @property
     def run(self) -> str:
@@ -79,12 +81,12 @@ class PolicySaverFacade:
     ) -> None:
         """As PolicySaver's; the template is exported again before the next save."""
         self._saver.register_function(name, fn, input_spec, outer_dims)
-        self._dirty = True
+        self._saves.template_changed()
 
     def register_concrete_function(self, name: str, fn: Any, assets: Any | None = None) -> None:
         """As PolicySaver's; the template is exported again before the next save."""
         self._saver.register_concrete_function(name, fn, assets)
-        self._dirty = True
+        self._saves.template_changed()
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this class lacks; forward them like AsyncPolicySaver.

@@ -16,6 +16,11 @@ daemon to know whether it is skipped:
   the Save call, whose header carries `held`, is made on the upload thread;
   the lock is let go when that call ends, whatever its end.
 
+`LocalDecision` is the saver's collaborator for this: it holds the busy
+lock and the segment once a save was accepted into shared memory, decides,
+copies into the segment, and sends the save through the one save call
+(`checkpointd_client.save_call`, `SaveCall.send_held`).
+
 Skips decided here are reported to the daemon on the saver's next Save
 header or Flush (`session.LocalSkips`), so its counts and skip log lag by at
 most one save or flush. The lock file's st_nlink drops to 0 when the daemon
@@ -25,25 +30,21 @@ way (which registers again if the daemon lost the run).
 
 from __future__ import annotations
 
-import functools
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
+import numpy as np
 import tensorflow as tf
 
 from checkpointd.protocol.busy_lock import BusyLock
-from checkpointd.protocol.errors import SaveFailedError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import options as options_lib
 from checkpointd_client import shm, snapshot
-from checkpointd_client.graph_mode import GraphReads
 from checkpointd_client.numpy_state import NumpySnapshot
-from checkpointd_client.outage import survivable
+from checkpointd_client.save_call import Payload, SaveCall
 from checkpointd_client.session import DaemonSession, LocalSkips
-from checkpointd_client.stream import SaveStream
-from checkpointd_client.ticket import SaveTicket
+from checkpointd_client.ticket import SaveResult, SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -64,35 +65,56 @@ class LocalDecisionPath:
         return pb.HeldSave(segment_path=self.segment.path, lock_path=self.lock.path)
 
 
-class DecidesLocally:
-    """RemotePolicySaver's saves decided under the run's busy lock (see the module docstring).
+@dataclass(frozen=True)
+class LocalSave:
+    """One non-blocking save to decide here: where it goes and what it copies.
 
-    The saver sets these in its constructor; `_local_path`, `_local_owner`
-    and `_busy_locks` are guarded by the session's lock.
+    Attributes:
+        read_step: reads the train step (and records it as the session's last).
+        values: a graph-mode policy's values, read in one session run; None
+            for an eager policy, whose step is then the snapshot's own.
+        durable: called once the save is durable (write callbacks).
     """
 
-    _daemon: DaemonSession
-    _graph_reads: GraphReads | None
-    _local_skips: LocalSkips
-    # The busy lock and segment once a save was accepted into shared memory.
-    _local_path: LocalDecisionPath | None
-    # This saver's locally decided save in flight, if any: its token, so that
-    # only its own end lets go of the lock (the next one may hold it by then).
-    _local_owner: object | None
-    _busy_locks: dict[str, BusyLock]  # by path: one fd each, closed by close()
+    export_dir: str
+    kind: SaveKind
+    bindings: snapshot.Bindings
+    train_step: tf.Variable
+    numpy_state: NumpySnapshot | None
+    read_step: Callable[[], int]
+    values: Callable[[], Sequence[np.ndarray]] | None = None
+    durable: Callable[[SaveResult], None] | None = None
 
-    def _read_step(self, train_step: tf.Variable) -> int:
-        raise NotImplementedError
 
-    def _save_deciding_locally(
-        self,
-        export_dir: str,
-        kind: SaveKind,
-        bindings: snapshot.Bindings,
-        train_step: tf.Variable,
-        numpy_state: NumpySnapshot | None,
-        callbacks: tuple[options_lib.WriteCallback, ...],
-    ) -> SaveTicket | None:
+class LocalDecision:
+    """A saver's saves decided under the run's busy lock (see the module docstring).
+
+    Lock discipline: the session's lock guards `_path`, `_owner` and `_busy_locks`.
+    """
+
+    def __init__(self, daemon: DaemonSession, local_skips: LocalSkips, *, incremental: bool) -> None:
+        """No path yet: saves ask the daemon until one is accepted into shared memory (`adopt`).
+
+        Args:
+            local_skips: where skips decided here wait to be reported.
+            incremental: the saver's: the daemon compares the segment's chunks.
+        """
+        self._daemon = daemon
+        self._local_skips = local_skips
+        self._incremental = incremental
+        # The busy lock and segment once a save was accepted into shared memory.
+        self._path: LocalDecisionPath | None = None
+        # This saver's locally decided save in flight, if any: its token, so that
+        # only its own end lets go of the lock (the next one may hold it by then).
+        self._owner: object | None = None
+        self._busy_locks: dict[str, BusyLock] = {}  # by path: one fd each, closed by close()
+
+    @property
+    def ready(self) -> bool:
+        """Whether a save was accepted into shared memory with a busy lock: the next may be decided here."""
+        return self._path is not None
+
+    def save(self, save: LocalSave) -> SaveTicket | None:
         """A non-blocking save decided here under the run's busy lock.
 
         Returns None if it must go the ordinary way (another layout, or the
@@ -102,24 +124,25 @@ class DecidesLocally:
         An eager policy's step is the snapshot's own (one read fewer).
         """
         daemon = self._daemon
-        path = self._local_path
-        nbytes = snapshot.nbytes(bindings) + (numpy_state.nbytes if numpy_state is not None else 0)
-        if path is None or not path.fits(bindings, nbytes):
+        path = self._path
+        numpy_state = save.numpy_state
+        nbytes = snapshot.nbytes(save.bindings) + (numpy_state.nbytes if numpy_state is not None else 0)
+        if path is None or not path.fits(save.bindings, nbytes):
             return None
         with daemon.lock:
-            reason = ""
-            if self._local_owner is not None:
+            reason, stale = "", False
+            if self._owner is not None:
                 reason = "this saver's previous save of the run is in flight"
             elif path.lock.stale():
-                self._local_path = None  # the daemon that made it stopped
-                return None
+                self._path, stale = None, True  # the daemon that made it stopped
             elif not path.lock.try_take():
                 reason = "another save of the run is in flight (its busy lock is taken)"
             else:
-                owner = self._local_owner = object()
-                daemon.uploading += 1
+                owner = self._owner = object()
+        if stale:
+            return None
         if reason:
-            ticket = daemon.ticket(export_dir, kind, self._read_step(train_step))
+            ticket = daemon.ticket(save.export_dir, save.kind, save.read_step())
             _LOGGER.warning(
                 "run %s: %s of step %s to %r skipped: %s",
                 *(daemon.run, ticket.kind.value, ticket.step, ticket.export_dir, reason),
@@ -128,91 +151,29 @@ class DecidesLocally:
             ticket._skip(reason)  # noqa: SLF001 - the saver's side completes tickets
             return ticket
         try:
-            reads = self._graph_reads
-            step = self._read_step(train_step) if reads is not None else None
-            values = reads.values(bindings) if reads is not None else None
-            snap = path.segment.snapshot(bindings, train_step, numpy_state, values)
+            step = save.read_step() if save.values is not None else None
+            values = save.values() if save.values is not None else None
+            snap = path.segment.snapshot(save.bindings, save.train_step, numpy_state, values)
             if step is None:
                 step = daemon.last_step = snap.step
-            ticket = daemon.ticket(export_dir, kind, step)
-            daemon.uploads.submit(self._upload_decided_locally, path, owner, ticket, bindings, numpy_state, snap,
-                                   callbacks)  # fmt: skip
+            ticket = daemon.ticket(save.export_dir, save.kind, step)
+            call = SaveCall(
+                daemon, ticket, lambda: Payload(
+                    ticket.export_dir, path.snapshot_bytes, save.bindings.header_protos,
+                    numpy_state.to_proto() if numpy_state is not None else None,
+                ),
+                shared_memory=True, incremental=self._incremental, local_skips=self._local_skips,
+            )  # fmt: skip
+            call.send_held(
+                path.to_proto(), path.segment.path, chunks=lambda: snap.encoded_chunks(daemon.chunk_bytes),
+                unlock=lambda: self._unlock(path, owner), drop=lambda: self._drop(path), durable=save.durable,
+            )  # fmt: skip
         except BaseException:
-            self._end_local_decision(path, owner)
+            self._unlock(path, owner)
             raise
         return ticket
 
-    def _upload_decided_locally(
-        self, path: LocalDecisionPath, owner: object, ticket: SaveTicket, bindings: snapshot.Bindings,
-        numpy_state: NumpySnapshot | None, snap: snapshot.Snapshot, callbacks: tuple[options_lib.WriteCallback, ...],
-    ) -> None:  # fmt: skip
-        """The locally decided save's call, on the upload thread: header, decision, then the end of the snapshot."""
-        daemon = self._daemon
-        try:
-            header = pb.SaveHeader(
-                run=daemon.run,
-                kind=to_wire(ticket.kind),
-                export_dir=ticket.export_dir,
-                step=ticket.step,
-                variables=bindings.header_protos,
-                snapshot_bytes=path.snapshot_bytes,
-                numpy_state=numpy_state.to_proto() if numpy_state is not None else None,
-                shared_memory=True,
-                held=path.to_proto(),
-                incremental=getattr(self, "_incremental", False),  # the daemon compares the segment's chunks
-                local_skips=self._local_skips.take(),
-            )
-            stream = SaveStream(daemon.save_stub, header, daemon.timeout)
-            try:
-                decision = stream.decision()
-                if not decision.accepted:
-                    raise SaveFailedError(
-                        f"the daemon skipped a save sent holding the run's busy lock: {decision.reason}"
-                    )
-            except BaseException as e:
-                stream.close()
-                self._drop_local_decision(path)  # the next save asks (and registers again after NOT_FOUND)
-                error = e
-                if isinstance(e, grpc.RpcError):
-                    doing = f"saving run {daemon.run!r} step {ticket.step} to {ticket.export_dir!r}"
-                    error = daemon.domain_error(e, doing)
-                self._unlock_local_decision(path, owner)
-                if survivable(error):
-                    daemon.survive(ticket, error)  # an outage: warned once, the next saves wait for its backoff
-                else:
-                    _LOGGER.warning(
-                        "run %s: %s of step %s to %r failed: %s: %s",
-                        *(daemon.run, ticket.kind.value, ticket.step, ticket.export_dir, type(error).__name__, error),
-                    )
-                    ticket._fail(error)  # noqa: SLF001 - the saver's side completes tickets
-                if not isinstance(e, Exception):
-                    raise
-                return
-            daemon.answered()
-            offer = decision.shared_memory if decision.HasField("shared_memory") else None
-            unlock = functools.partial(self._unlock_local_decision, path, owner)
-            if offer is not None and offer.path == path.segment.path:
-                stream.finish(ticket, [shm.WRITTEN], daemon.run, unlock)
-            else:
-                # The daemon let the segment go (its cap, a re-registration): the
-                # snapshot goes as chunks from our map of it; the next save asks.
-                self._drop_local_decision(path)
-                stream.finish(ticket, snap.encoded_chunks(daemon.chunk_bytes), daemon.run, unlock)
-            result = ticket.result(0) if callbacks and ticket.exception(0) is None else None
-            if result is not None:
-                options_lib.call_write_callbacks(callbacks, result.path)
-        except Exception:
-            if not ticket.done():
-                raise
-            _LOGGER.exception(
-                "run %s: a write callback of the save of step %s to %r raised", daemon.run, ticket.step,
-                ticket.export_dir,
-            )  # fmt: skip
-        finally:
-            self._end_local_decision(path, owner)
-            daemon.release()
-
-    def _unlock_local_decision(self, path: LocalDecisionPath, owner: object) -> None:
+    def _unlock(self, path: LocalDecisionPath, owner: object) -> None:
         """Lets go of the busy lock the save `owner` took, once its call has ended; idempotent.
 
         Only while that save is still this saver's locally decided one: once
@@ -220,22 +181,17 @@ class DecidesLocally:
         lock (the same file description), and must keep it.
         """
         with self._daemon.lock:
-            if self._local_owner is owner:
+            if self._owner is owner:
                 path.lock.release()
-                self._local_owner = None
+                self._owner = None
 
-    def _end_local_decision(self, path: LocalDecisionPath, owner: object) -> None:
-        """Lets go of the busy lock (if `owner` still holds it), then of the save."""
-        self._unlock_local_decision(path, owner)
-        self._daemon.uploaded()
-
-    def _drop_local_decision(self, path: LocalDecisionPath) -> None:
+    def _drop(self, path: LocalDecisionPath) -> None:
         """Stops deciding saves through `path`; its lock fd goes once no save holds it."""
         with self._daemon.lock:
-            if self._local_path is path:
-                self._local_path = None
+            if self._path is path:
+                self._path = None
 
-    def _adopt_local_decision(
+    def adopt(
         self, segment: shm.SegmentMap, offer: pb.SharedMemory, bindings: snapshot.Bindings, snapshot_bytes: int
     ) -> None:
         """After an accept into shared memory: later non-blocking saves of this layout need not ask."""
@@ -255,10 +211,11 @@ class DecidesLocally:
                 return
         with daemon.lock:
             self._busy_locks[offer.lock_path] = lock
-            self._local_path = LocalDecisionPath(segment, lock, bindings, snapshot_bytes)
+            self._path = LocalDecisionPath(segment, lock, bindings, snapshot_bytes)
 
-    def _close_busy_locks(self) -> None:
+    def close(self) -> None:
+        """Closes the busy locks' fds: no save follows."""
         with self._daemon.lock:
-            locks, self._busy_locks, self._local_path = list(self._busy_locks.values()), {}, None
+            locks, self._busy_locks, self._path = list(self._busy_locks.values()), {}, None
         for lock in locks:
             lock.close()

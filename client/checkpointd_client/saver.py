@@ -2,10 +2,10 @@
 
 The trainer keeps a real `PolicySaver` (same arguments, same errors) and uses
 it once per template: at the first save, and again after `register_function`.
-The save path is `checkpointd_client.policy_saves`; on the daemon's host,
-once a save has been accepted into shared memory, a later non-blocking save
-of the same layout decides skip-if-busy itself under the run's busy lock
-(`checkpointd_client.local_decision`). The connection, busy accounting,
+The save path is a collaborator, `checkpointd_client.policy_saves`; on the
+daemon's host, once a save has been accepted into shared memory, a later
+non-blocking save of the same layout decides skip-if-busy itself under the
+run's busy lock (`checkpointd_client.local_decision`). The connection, busy accounting,
 flush, close and what a non-blocking save does when the daemon cannot take
 it are the session's (`checkpointd_client.session`).
 """
@@ -13,33 +13,29 @@ it are the session's (`checkpointd_client.session`).
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 
 import grpc
-import numpy as np
 import tensorflow as tf
 from tf_agents.policies import policy_saver, tf_policy
 from tf_agents.typing import types
 from tf_agents.utils import numpy_storage
 
 from checkpointd.protocol import wire
-from checkpointd.protocol.busy_lock import BusyLock
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd_client import graph_mode, shm, snapshot, streams
+from checkpointd_client import graph_mode, snapshot, streams
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import options as options_lib
 from checkpointd_client import restore as restore_lib
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.facade import PolicySaverFacade
-from checkpointd_client.local_decision import LocalDecisionPath
 from checkpointd_client.notice import client_call
 from checkpointd_client.policy_saves import PolicySaves
-from checkpointd_client.session import DaemonSession, LocalSkips
+from checkpointd_client.session import DaemonSession
 from checkpointd_client.ticket import SaveCounts, SaveTicket
 
 
-class RemotePolicySaver(PolicySaverFacade, PolicySaves):
+class RemotePolicySaver(PolicySaverFacade):
     """Saves a TF-Agents policy through a checkpointd daemon.
 
     A drop-in for `AsyncPolicySaver(PolicySaver(policy, ...))`: `save()` and
@@ -165,7 +161,8 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         if graph is None and session is not None:
             raise ValueError("session= is for a policy built in graph mode; this one was built eagerly")
         train_step_variable = self._saver._train_step  # noqa: SLF001 - PolicySaver exposes no other way
-        self._graph_reads = graph_mode.GraphReads(graph, train_step_variable, session) if graph else None
+        graph_reads = graph_mode.GraphReads(graph, train_step_variable, session) if graph else None
+        self._graph_reads = graph_reads
         self._daemon = DaemonSession(address, job, connection, owner="saver", upload_threads=4)
         self._address = self._daemon.address
         # Another policy's open saver of the job in this process has a run of its own (streams.PolicyRuns).
@@ -176,26 +173,20 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         self._release_run = weakref.finalize(
             self, streams.POLICY_RUNS.release, self._address, self._folder, self._run, policy
         )
-        self._register_lock = threading.Lock()
-        self._bindings: snapshot.Bindings | None = None
-        self._dirty = True  # the template must be (re-)exported before the next save
-        # The options the template was exported with, and their template_key.
-        self._template_options: tf.saved_model.SaveOptions | None = None
-        self._template_key = options_lib.template_key(None)
-        # (bindings, arrays) of the last uploaded snapshot, reused by the next one.
-        self._spare: tuple[snapshot.Bindings, tuple[np.ndarray, ...]] | None = None
-        self._use_shm = shared_memory
-        self._incremental = incremental
-        self._segment: shm.SegmentMap | None = None  # the daemon's segment, mapped here
-        self._local_path: LocalDecisionPath | None = None
-        self._local_owner: object | None = None
-        self._busy_locks: dict[str, BusyLock] = {}
-        self._local_skips = LocalSkips()  # skipped under the busy lock, not yet reported
+        self._saves = PolicySaves(
+            self._daemon, self._saver, folder=self._folder, numpy_source=self._numpy, graph_reads=graph_reads,
+            shared_memory=shared_memory, incremental=incremental,
+        )  # fmt: skip
 
     @property
     def counts(self) -> SaveCounts:
         """How this saver's saves ended so far (durable, skipped, failed)."""
         return self._daemon.counts
+
+    @property
+    def _bindings(self) -> snapshot.Bindings | None:
+        """The registered template's bindings (None before the first registration)."""
+        return self._saves.bindings
 
     # Saving.
 
@@ -261,7 +252,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         """
         blocking, options = options_lib.options_in_blocking(blocking, options, tf.saved_model.SaveOptions)
         template_options = options_lib.template_options(options) or tf.saved_model.SaveOptions()
-        return self._save(export_dir, SaveKind.SAVED_MODEL, blocking, template_options=template_options)
+        return self._saves.save(export_dir, SaveKind.SAVED_MODEL, blocking, template_options=template_options)
 
     @client_call
     def save_checkpoint(
@@ -289,7 +280,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         if not self._saver.policy.model_variables:
             snapshot.checkpoint_root(self._saver)  # raises what PolicySaver.save_checkpoint raises
         callbacks = options_lib.write_callbacks(options)
-        return self._save(export_dir, SaveKind.CHECKPOINT, blocking, callbacks=callbacks)
+        return self._saves.save(export_dir, SaveKind.CHECKPOINT, blocking, callbacks=callbacks)
 
     # Restoring (a restarted trainer).
 
@@ -338,7 +329,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         self._daemon.check_open()
         reads = self._graph_reads
         return restore_lib.restore(
-            self._daemon, export_dir, self._register_template, self._numpy, self._folder,
+            self._daemon, export_dir, self._saves.register_template, self._numpy, self._folder,
             assign=reads.assign if reads is not None else None,
         )  # fmt: skip
 
@@ -355,7 +346,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
         Raises:
             CheckpointdError: the daemon refused the template or is unreachable.
         """
-        self._register_template()
+        self._saves.register_template()
 
     # Flush and close.
 
@@ -371,7 +362,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             CheckpointdError: a subclass for another status the daemon answered
                 (UnavailableError, naming the address, if it cannot be reached).
         """
-        self._daemon.flush(timeout, self._bindings is not None, self._local_skips)
+        self._daemon.flush(timeout, self._saves.bindings is not None, self._saves.local_skips)
 
     @client_call
     def close(self, timeout: float | None = None) -> None:
@@ -387,7 +378,7 @@ class RemotePolicySaver(PolicySaverFacade, PolicySaves):
             DeadlineError: if the saves did not end in time.
             CheckpointdError: a subclass for another status the daemon answered.
         """
-        self._daemon.close(timeout, self.flush, lambda: self._bindings is not None, self._close_busy_locks)
+        self._daemon.close(timeout, self.flush, lambda: self._saves.bindings is not None, self._saves.close)
         self._release_run()
 
     def __enter__(self) -> RemotePolicySaver:

@@ -165,15 +165,22 @@ class DaemonSession:
             if not self.busy:
                 self.idle.notify_all()
 
-    def start_upload(self) -> None:
+    @contextlib.contextmanager
+    def counting_upload(self) -> Iterator[None]:
+        """Counts an accepted save's upload while inside: `before_trying` keeps its channel open meanwhile.
+
+        The save call (`checkpointd_client.save_call`) holds it from the
+        accept until the call has ended, on whichever thread that is.
+        """
         with self.lock:
             self.uploading += 1
-
-    def uploaded(self) -> None:
-        with self.idle:
-            self.uploading -= 1
-            if not self.uploading:
-                self.idle.notify_all()
+        try:
+            yield
+        finally:
+            with self.idle:
+                self.uploading -= 1
+                if not self.uploading:
+                    self.idle.notify_all()
 
     def await_uploads(self) -> None:
         """Waits until the accepted saves have ended (each is bounded by its RPC deadline)."""

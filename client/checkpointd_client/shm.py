@@ -28,9 +28,6 @@ _LOGGER = logging.getLogger(__name__)
 # MAP_POPULATE (Linux) maps every page at once instead of faulting one by one.
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
-# The one message of a Save whose snapshot is in shared memory, serialized once.
-WRITTEN = pb.SaveRequest(shared_memory_written=pb.SharedMemoryWritten()).SerializeToString()
-
 
 class SegmentMap:
     """The daemon's segment for a run, mapped in this process."""

@@ -237,8 +237,8 @@ def take_snapshot(
         train_step: the step variable (read on its own if it is not bound).
         numpy_state: the NumpyState, serialized at the same call.
         into: arrays of a previous snapshot of the same bindings, no longer in
-            use, to copy into: memory already touched copies 3-4x faster
-            than fresh memory (page faults).
+            use, to copy into: memory already touched copies without the
+            page faults that fresh memory takes on its first write.
         values: the variables' values already read at this instant, in
             bindings order (a graph-mode policy's one session run,
             `checkpointd_client.graph_mode`); None reads each variable now.

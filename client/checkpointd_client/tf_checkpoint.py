@@ -12,6 +12,8 @@ metric: whatever `tf.train.Checkpoint` can save is described the same way.
 each variable read and copied (large ones in parallel pieces), into arrays
 of a previous save or straight into the daemon's shared-memory segment;
 Python state is already bytes. Values changed after the call are not in it.
+Into a segment that holds the previous snapshot, only the rows of a replay
+buffer's table written since are copied (`checkpointd_client.delta`).
 
 `restore_into` assigns a checkpoint fetched from the daemon through
 TensorFlow's own restore (`tf.train.Checkpoint.restore` over a local copy of
@@ -28,7 +30,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +82,13 @@ class TrainingState:
     def to_proto(self, max_to_keep: int | None, keep_hours: float | None) -> pb.TrainingCheckpoint:
         return wire.training_checkpoint_to_pb(self.object_graph, self.tensors, max_to_keep, keep_hours)
 
-    def copy(self, into: Sequence[memoryview] | None = None, *, strings: bool = False) -> list[memoryview]:
+    def copy(
+        self,
+        into: Sequence[memoryview] | None = None,
+        *,
+        strings: bool = False,
+        rows: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+    ) -> list[memoryview]:
         """Every value's bytes now, in tensor order: numeric ones copied, Python state as taken.
 
         Args:
@@ -90,7 +98,17 @@ class TrainingState:
             strings: copy Python state into `into` too (a segment the
                 daemon reads every part from); else its bytes are used as
                 they are.
+            rows: tensor index -> the [start, stop) ranges of its first
+                dimension to copy into `into`, whose other rows already
+                hold the value (`checkpointd_client.delta` says when);
+                tensors not in it are copied whole.
+
+        Raises:
+            ValueError: `rows` without `into`.
         """
+        if rows and into is None:
+            raise ValueError("copying some rows needs the buffers that hold the others (into=)")
+        rows = rows or {}
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         out: list[memoryview] = []
         for i, t in enumerate(self.tensors):
@@ -102,14 +120,28 @@ class TrainingState:
                     out.append(memoryview(t.source))
                 continue
             dtype = np.dtype(tf.as_dtype(t.dtype).as_numpy_dtype)
-            value = np.asarray(read_variable(t.source)) if isinstance(t.source, tf.Variable) else t.source
             target = None
             if into is not None:
                 target = np.frombuffer(into[i], dtype, math.prod(t.shape)).reshape(t.shape)
             else:
                 target = np.empty(t.shape, dtype)
-            pairs.append((target, value))
             out.append(wire.byte_view(target))
+            ranges = rows.get(i)
+            if ranges is not None and not ranges:
+                continue  # nothing written since: not even read
+            if ranges is None:
+                value = np.asarray(read_variable(t.source)) if isinstance(t.source, tf.Variable) else t.source
+                pairs.append((target, value))
+            elif isinstance(t.source, tf.Variable):
+                # Gathered, not read: a variable a sparse op wrote (a replay buffer's table) is in
+                # TensorFlow's copy-on-read mode, where a dense read copies all of it first.
+                gathered = np.asarray(t.source.sparse_read(np.concatenate([np.arange(*r) for r in ranges])))
+                at = 0
+                for start, stop in ranges:
+                    pairs.append((target[start:stop], gathered[at : at + stop - start]))
+                    at += stop - start
+            else:
+                pairs += [(target[start:stop], t.source[start:stop]) for start, stop in ranges]
         copy_all(pairs)
         return out
 

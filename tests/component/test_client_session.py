@@ -17,7 +17,6 @@ import threading
 from collections.abc import Iterator
 from concurrent import futures
 
-import grpc
 import pytest
 
 from checkpointd.protocol.errors import UnavailableError
@@ -27,6 +26,7 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.session import DaemonSession
+from tests.component.serving import serving
 
 WAIT = 10.0  # seconds; every wait here is bounded by it
 SENTENCE = "run 'r' is held by host node-a pid 4242, renewed 3.0 s ago; waiting up to 30 s for its lease"
@@ -77,15 +77,11 @@ def records() -> Iterator[_Records]:
 @pytest.fixture
 def lease_waiting() -> Iterator[tuple[_LeaseWaitingDaemon, str]]:
     fake = _LeaseWaitingDaemon()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    checkpointd_pb2_grpc.add_CheckpointServiceServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield fake, f"127.0.0.1:{port}"
-    finally:
-        fake.release.set()
-        server.stop(None)
+    with serving(fake) as address:
+        try:
+            yield fake, address
+        finally:
+            fake.release.set()
 
 
 def _session(address: str) -> DaemonSession:

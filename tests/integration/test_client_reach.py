@@ -6,6 +6,9 @@
   blocking save and flush still raise; once the daemon is back on the same
   port, saves succeed again: the saver dials again and registers the run again
   on its own.
+- A save that dials a fresh channel during an outage leaves the old one open
+  while an upload still uses it: a RemoteCheckpointer's background upload
+  ends durable, as a RemotePolicySaver's does (both count their uploads).
 - A URL is refused at construction ("HOST:PORT, not a URL"); the daemon's
   metrics port given as the address is named as not its gRPC port; the
   checkpointer's errors name the address as the policy saver's do.
@@ -14,12 +17,18 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import tensorflow as tf
 
+from checkpointd.protocol import wire
+from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client import DeadlineError, RemoteCheckpointer, RemotePolicySaver, UnavailableError
+from checkpointd_client.session import DaemonSession
+from checkpointd_client.ticket import SaveCounts, SaveTicket
 from tests.integration import policies
 from tests.integration.daemon import Daemon
 
@@ -103,6 +112,51 @@ def test_a_live_checkpointer_survives_a_daemon_stop_and_saves_again_after_its_re
         assert prefix.endswith("ckpt-4")
         assert tf.train.load_checkpoint(prefix).get_tensor("weights/.ATTRIBUTES/VARIABLE_VALUE").tolist() == [4, 5, 6]
     finally:
+        checkpointer.close(WAIT)
+
+
+def test_a_checkpointers_upload_in_flight_keeps_its_channel_when_a_save_dials_a_fresh_one(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The upload of save 1 is held on the wire until save 2 has dialled a fresh channel.
+    go, dialled = threading.Event(), threading.Event()
+    chunks = wire.save_request_chunks
+
+    def held(*args: Any, **kwargs: Any) -> Iterator[bytes]:
+        assert go.wait(WAIT)
+        yield from chunks(*args, **kwargs)
+
+    before_trying = DaemonSession.before_trying
+
+    def trying(self: DaemonSession) -> None:
+        before_trying(self)
+        dialled.set()
+
+    monkeypatch.setattr(wire, "save_request_chunks", held)
+    weights = tf.Variable([1.0, 2.0, 3.0])
+    checkpointer = RemoteCheckpointer(
+        "train", daemon.address, run="channel-in-use", shared_memory=False, incremental=False,
+        timeout=RPC_DEADLINE, weights=weights, global_step=tf.Variable(0),
+    )  # fmt: skip
+    try:
+        first = checkpointer.save(1)  # accepted; its upload runs on the channel of now
+        assert not first.skipped and not first.done()
+        # An outage begins, as a non-blocking save the daemon could not take begins one:
+        # the next save dials a fresh channel (the old one may be in gRPC's backoff).
+        session = checkpointer._daemon  # noqa: SLF001 - the session the checkpointer saves through
+        lost = SaveTicket("elsewhere", SaveKind.TRAINING_CHECKPOINT, 0, SaveCounts())
+        session.survive(lost, UnavailableError("a save the daemon could not take"))
+        monkeypatch.setattr(DaemonSession, "before_trying", trying)
+        second: list[Any] = []
+        saving = threading.Thread(target=lambda: second.append(checkpointer.save(2, blocking=True)))
+        saving.start()
+        assert dialled.wait(WAIT)
+        go.set()
+        assert first.result(WAIT).step == 1  # its channel was not closed under it
+        saving.join(WAIT)
+        assert second and second[0].result(0).step == 2
+    finally:
+        go.set()
         checkpointer.close(WAIT)
 
 

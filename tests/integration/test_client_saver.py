@@ -42,6 +42,7 @@ from checkpointd_client import (
     UnavailableError,
 )
 from checkpointd_client import snapshot as snapshot_lib
+from checkpointd_client.save_call import SaveCall
 
 CHUNK = 256
 WAIT = 10.0  # seconds; every wait in these tests is bounded by it
@@ -176,8 +177,8 @@ def _reassemble(chunks) -> bytes:
 def test_accepted_save_uploads_the_snapshot_taken_at_the_call(daemon, saver, monkeypatch) -> None:
     # Hold the client's background work (everything after save() returns) until
     # training has moved on, so a snapshot read late would send the new values.
-    upload, go = RemotePolicySaver._upload, threading.Event()
-    monkeypatch.setattr(RemotePolicySaver, "_upload", lambda self, *a: go.wait(WAIT) and upload(self, *a))
+    upload, go = SaveCall._upload, threading.Event()
+    monkeypatch.setattr(SaveCall, "_upload", lambda self, *a: go.wait(WAIT) and upload(self, *a))
     ticket = saver.save("policies/p1")
     header = daemon.saves[0]["header"]
     at_call = _values(saver, header)
@@ -425,7 +426,7 @@ def test_a_skipped_save_copies_no_variable(daemon, saver, monkeypatch) -> None:
 
 def test_saves_reusing_the_last_snapshots_arrays_send_their_own_values(daemon, saver) -> None:
     saver.save("p1").result(timeout=WAIT)
-    first = saver._spare  # noqa: SLF001 - what the next snapshot copies into
+    first = saver._saves._spare  # noqa: SLF001 - what the next snapshot copies into
     assert first is not None
     for v in saver.policy.model_variables:
         v.assign_add(tf.ones_like(v))
@@ -439,4 +440,4 @@ def test_saves_reusing_the_last_snapshots_arrays_send_their_own_values(daemon, s
     assert _reassemble(daemon.saves[1]["chunks"]) == at_call
     assert _reassemble(daemon.saves[0]["chunks"]) != at_call
     assert header.step == ticket.step == 8
-    assert saver._spare[1][0] is first[1][0]  # noqa: SLF001 - the arrays were reused
+    assert saver._saves._spare[1][0] is first[1][0]  # noqa: SLF001 - the arrays were reused

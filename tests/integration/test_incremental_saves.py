@@ -25,7 +25,7 @@ from tf_agents.utils import common
 from checkpointd.protocol import increments
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
-from checkpointd_client import RemoteCheckpointer, checkpointer
+from checkpointd_client import RemoteCheckpointer, training_saves
 from tests.integration import training_state
 from tests.integration.daemon import Daemon
 from tests.integration.scrape import Metrics
@@ -139,7 +139,7 @@ def test_a_base_written_to_during_the_save_makes_the_client_send_it_again_in_ful
             os.close(fd)
         yield from real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointer.increments, "save_requests", tamper_first)
+    monkeypatch.setattr(training_saves.increments, "save_requests", tamper_first)
     trainer.rewrite(0, 1, 3.0)
     second = trainer.save()
     assert second.bytes_copied == 0  # the resent save, in full

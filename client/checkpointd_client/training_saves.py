@@ -1,0 +1,204 @@
+"""A training checkpoint's save: describe, the one save call, and the copy into the segment or reused buffers.
+
+`RemoteCheckpointer` checks the call and owns the ticket; `TrainingSaves`
+moves the save: it describes the `tf.train.Checkpoint` with TensorFlow's own
+saver code, asks the daemon through `checkpointd_client.save_call`, and,
+once accepted, copies the values into the daemon's shared-memory segment
+(on its host) or into the buffers of the last uploaded snapshot of the same
+layout, so the next save's memory is already touched.
+
+Lock discipline: the session's lock guards `_spare`, `_segment` and
+`_durable_step`, and is never held across an RPC or a TF call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from checkpointd.protocol import increments, wire
+from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.protocol.kinds import SaveKind, to_wire
+from checkpointd.protocol.names import checkpoint_prefix
+from checkpointd.v1 import checkpointd_pb2 as pb
+from checkpointd_client import delta, shm, tf_checkpoint
+from checkpointd_client.notice import Notice
+from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload
+from checkpointd_client.session import DaemonSession
+from checkpointd_client.ticket import SaveResult, SaveTicket
+
+# The objects whose value is the step a save on notice is named by, as TF-Agents names them.
+_STEP_NAMES = ("global_step", "train_step", "step")
+_NOTICE_POLL = 0.005  # seconds between looks at the save in flight that a save on notice waits for
+
+
+class TrainingSaves:
+    """How a RemoteCheckpointer's accepted save moves (see the module docstring)."""
+
+    def __init__(
+        self,
+        daemon: DaemonSession,
+        checkpoint: tf.train.Checkpoint,
+        where: tuple[str, str],
+        retention: tuple[int | None, float | None],
+        *,
+        shared_memory: bool,
+        incremental: bool,
+    ) -> None:
+        """Saves of `checkpoint` on the run of `daemon`.
+
+        Args:
+            where: (folder, ckpt_dir): the job's folder and the dir in it.
+            retention: (max_to_keep, keep_checkpoint_every_n_hours), as the wire carries them.
+        """
+        self._daemon = daemon
+        self._checkpoint = checkpoint
+        self._folder, self._dir = where
+        self._retention = retention
+        self._use_shm = shared_memory
+        self._incremental = incremental
+        self._segment: shm.SegmentMap | None = None
+        self.deltas = delta.SegmentDeltas(daemon.run, checkpoint)  # what a save copies into the segment
+        # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
+        self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
+        self._durable_step: int | None = None  # of the dir's newest checkpoint known durable
+        self.copied = False  # a save's values were copied (a checkpoint exists, or soon will)
+
+    @property
+    def durable_step(self) -> int | None:
+        """The step of the dir's newest checkpoint known durable, or None."""
+        with self._daemon.lock:
+            return self._durable_step
+
+    def register(self) -> None:
+        """Registers the run: this folder's dir, for training checkpoints."""
+        run = self._daemon.run
+        kind = to_wire(SaveKind.TRAINING_CHECKPOINT)
+        header = pb.RegisterRunHeader(run=run, folder=self._folder, kind=kind, checkpoint_dir=self._dir)
+        self._daemon.register_run(iter([pb.RegisterRunRequest(header=header)]), f"registering run {run!r}")
+
+    def lost(self, step: int | None) -> str:
+        """What is not in a durable checkpoint if the save on notice of `step` is not made."""
+        durable = self.durable_step
+        if durable is None:
+            return f"lost: every step (no durable checkpoint in {self._dir!r})"
+        if step is None:
+            return f"lost: the steps after step {durable}, the newest durable checkpoint"
+        return f"lost: the {step - durable} step(s) after step {durable}, the newest durable checkpoint"
+
+    def durable(self, step: int) -> None:
+        """Records that a checkpoint of `step` is durable (restored, or saved)."""
+        with self._daemon.lock:
+            self._durable_step = max(step, self._durable_step or 0)
+
+    def save(self, ticket: SaveTicket, blocking: bool, skip_if_busy: bool, notice: Notice | None,
+             deadline: float | None) -> bool:  # fmt: skip
+        """Asks the daemon, copies and uploads; True if an upload thread took the save over.
+
+        `notice`, `deadline`: a save on notice, ended by the notice's deadline.
+        """
+        counter = self._checkpoint.save_counter
+        counter.assign_add(1)  # as CheckpointManager.save does, before the write
+        try:
+            state = tf_checkpoint.describe(self._checkpoint)
+            self._daemon.before_trying()
+            payload = Payload(self._dir, state.nbytes, training_checkpoint=state.to_proto(*self._retention))
+            call = SaveCall(
+                self._daemon, ticket, lambda: payload, shared_memory=self._use_shm, incremental=self._incremental,
+                register_again=self.register, notice=notice, deadline=deadline,
+            )  # fmt: skip
+            # Not skipped without skip_if_busy: the daemon queues it behind this run's save in flight.
+            decision = call.decide(blocking or not skip_if_busy)
+        except BaseException:
+            counter.assign_sub(1)  # refused before a decision: nothing was saved
+            raise
+        if ticket.skipped:
+            counter.assign_sub(1)  # nothing was saved
+            return False
+        return call.send(decision, blocking, lambda d: self._copy(state, ticket, d))
+
+    def _copy(self, state: tf_checkpoint.TrainingState, ticket: SaveTicket, decision: Decision) -> Upload:
+        """Copies the values now: into the offered segment, else into spare buffers.
+
+        Requests over gRPC are serialized against the base's digests, if
+        offered: computed as gRPC sends them, off the trainer's thread.
+        """
+        offer, base = decision.offer, decision.base
+        if offer is not None and self._use_shm:
+            with self._daemon.lock:
+                current = self._segment
+            segment = shm.open_offer(offer, current, self._daemon.run)
+            if segment is not None and len(offer.offsets) == len(state.tensors) + 1:
+                with self._daemon.lock:
+                    self._segment = segment
+                whole = segment.view()
+                views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
+                self.deltas.copy(self._checkpoint, state, segment, views)
+                self.copied = True
+                return self._upload([WRITTEN], ticket, state, None, [] if base is not None else None)
+            self._use_shm = False  # the daemon is not on this host (or not this user's)
+        with self._daemon.lock:
+            spare, self._spare = self._spare, None
+        buffers = spare[1] if spare is not None and spare[0] == state.layout else None
+        if buffers is None:  # Python state needs none: it is bytes already
+            buffers = [np.empty(0 if tf_checkpoint.is_string(t) else t.nbytes, np.uint8) for t in state.tensors]
+        parts = list(state.copy([b.data for b in buffers]))
+        self.copied = True
+        size = self._daemon.chunk_bytes
+        if base is not None:
+            return self._upload(increments.save_requests(parts, base, size), ticket, state, buffers, parts)
+        return self._upload(wire.save_request_chunks(parts, size), ticket, state, buffers, None)
+
+    def _upload(
+        self, requests: Any, ticket: SaveTicket, state: tf_checkpoint.TrainingState,
+        spare: list[np.ndarray] | None, parts: list[Any] | None,
+    ) -> Upload:  # fmt: skip
+        """The upload of `requests`; `parts` sent again whole after DATA_LOSS (an incremental save's)."""
+        size = self._daemon.chunk_bytes
+
+        def durable(result: SaveResult) -> None:
+            with self._daemon.lock:
+                self._durable_step = max(ticket.step, self._durable_step or 0)
+                if spare is not None:  # gRPC has let go of every chunk: the next save may reuse them
+                    self._spare = (state.layout, spare)
+
+        whole = (lambda: wire.save_request_chunks(parts, size)) if parts is not None else None
+        return Upload(requests, whole, durable)
+
+    def release(self) -> None:
+        """Drops the spare snapshot buffers and unmaps the segment: no save follows, and each holds the state's bytes."""
+        with self._daemon.lock:
+            self._spare, self._segment = None, None
+
+
+def checkpoint_name(ckpt_dir: str, step: int) -> str:
+    """`<ckpt_dir>/ckpt-<step>`; ValueError for a negative step."""
+    try:
+        return checkpoint_prefix(ckpt_dir, step)
+    except InvalidRequestError as e:
+        raise ValueError(str(e)) from None
+
+
+def step_variable(objects: dict[str, Any]) -> tf.Variable | None:
+    """The integer scalar variable that is the training step: by its name, else an agent's counter."""
+    candidates = [objects.get(name) for name in _STEP_NAMES]
+    candidates += [getattr(o, "train_step_counter", None) for o in objects.values()]
+    for candidate in candidates:
+        if isinstance(candidate, tf.Variable) and candidate.dtype.is_integer and candidate.shape.rank == 0:
+            return candidate
+    return None
+
+
+def wait_unlocked(ticket: SaveTicket, deadline: float) -> None:
+    """Waits until `ticket` ends by looking, not on its lock: the notice may have interrupted a wait holding that lock.
+
+    Raises:
+        TimeoutError: it has not ended by `deadline` (monotonic).
+    """
+    while not ticket.done():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the save of step {ticket.step} in flight did not end by the notice's deadline")
+        time.sleep(_NOTICE_POLL)
