@@ -8,4 +8,4 @@ out="${1:-service}"
 cd "$(dirname "$0")/.."
 python -m grpc_tools.protoc -I protos \
   --python_out="$out" --grpc_python_out="$out" --pyi_out="$out" \
-  protos/checkpointd/v1/checkpointd.proto
+  protos/checkpointd/v1/checkpointd.proto protos/checkpointd/v1/tf_formats.proto

@@ -5,8 +5,10 @@ The index is TensorFlow's sorted string table (LevelDB's format, as
 index block, whose entries point at the data blocks, whose entries map each
 checkpoint key to its BundleEntryProto. Each block's entries are prefix
 compressed (`varint32 shared, varint32 unshared, varint32 value length, key
-suffix, value`) and end with their restart offsets and count. Only what a
-partial restore needs is read: each key's dtype, shape, shard, offset and size.
+suffix, value`) and end with their restart offsets and count. The table is
+read by `checkpointd.protocol.bundle_table`, the daemon's reader too (each
+block's CRC32C checked). Only what a partial restore needs is kept: each
+key's dtype, shape, shard, offset and size.
 
 `needed_keys` names the tensors TensorFlow's restore can read for objects
 under the given children of the checkpoint's root: every attribute of a
@@ -16,17 +18,12 @@ variables), so deferred restorations find their bytes too.
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tensorflow.core.protobuf import tensor_bundle_pb2, trackable_object_graph_pb2
 
-from checkpointd.protocol import varint
-
-_FOOTER_BYTES = 48
-_MAGIC = 0xDB4775248B80FB57
-_TRAILER_BYTES = 5  # after each block: its compression type byte and masked CRC32C
+from checkpointd.protocol import bundle_table, varint
 
 
 @dataclass(frozen=True)
@@ -40,55 +37,20 @@ class Location:
     size: int
 
 
-def _block(index: bytes, handle: bytes, at: int = 0) -> tuple[bytes, int]:
-    """The block the handle at `at` of `handle` points at, and where the handle ends."""
-    offset, at = varint.decode(handle, at)
-    size, at = varint.decode(handle, at)
-    if offset + size + _TRAILER_BYTES > len(index):
-        raise ValueError(f"a block at {offset} of {size} bytes runs past the index's {len(index)}")
-    if index[offset + size] != 0:
-        raise ValueError("a compressed block (TensorFlow writes bundles uncompressed)")
-    return index[offset : offset + size], at
-
-
-def _entries(block: bytes) -> Iterator[tuple[bytes, bytes]]:
-    (restarts,) = struct.unpack_from("<I", block, len(block) - 4)
-    end = len(block) - 4 - 4 * restarts
-    at, key = 0, b""
-    while at < end:
-        shared, at = varint.decode(block, at)
-        unshared, at = varint.decode(block, at)
-        length, at = varint.decode(block, at)
-        key = key[:shared] + block[at : at + unshared]
-        at += unshared
-        yield key, block[at : at + length]
-        at += length
-
-
 def locations(index: bytes) -> dict[str, Location]:
     """Every tensor's location, by checkpoint key (the header entry left out).
 
     Raises:
         ValueError: the bytes are not a tensor bundle's index.
     """
-    if len(index) < _FOOTER_BYTES:
-        raise ValueError(f"{len(index)} bytes is too short for an index")
-    footer = len(index) - _FOOTER_BYTES
-    low, high = struct.unpack_from("<II", index, len(index) - 8)
-    if (high << 32 | low) != _MAGIC:
-        raise ValueError("not a TensorFlow table (wrong magic number)")
-    _, at = _block(index, index, footer)  # the metaindex (empty)
-    index_block, _ = _block(index, index, at)
     found: dict[str, Location] = {}
-    for _, handle in _entries(index_block):
-        block, _ = _block(index, handle)
-        for key, value in _entries(block):
-            if not key:
-                continue  # the BundleHeaderProto
-            entry = tensor_bundle_pb2.BundleEntryProto.FromString(value)
-            found[key.decode()] = Location(
-                entry.dtype, tuple(d.size for d in entry.shape.dim), entry.shard_id, entry.offset, entry.size
-            )
+    for key, value in bundle_table.entries(index):
+        if not key:
+            continue  # the BundleHeaderProto
+        entry = tensor_bundle_pb2.BundleEntryProto.FromString(value)
+        found[key.decode()] = Location(
+            entry.dtype, tuple(d.size for d in entry.shape.dim), entry.shard_id, entry.offset, entry.size
+        )
     return found
 
 

@@ -22,6 +22,7 @@ from checkpointd.protocol.codes import error_for
 from checkpointd.protocol.errors import ChecksumError, DeadlineError, SaveFailedError
 from checkpointd.protocol.kinds import from_wire
 from checkpointd.v1 import checkpointd_pb2
+from checkpointd_client import trainer_versions
 from checkpointd_client.ticket import SaveResult, SaveTicket
 
 _LOGGER = logging.getLogger(__name__)
@@ -45,7 +46,9 @@ class SaveStream:
 
     def __init__(self, stub: SaveStub, header: checkpointd_pb2.SaveHeader, timeout: float | None) -> None:
         self._queue: queue.SimpleQueue[Iterable[checkpointd_pb2.SaveRequest | bytes] | None] = queue.SimpleQueue()
-        self._queue.put([checkpointd_pb2.SaveRequest(header=header)])
+        request = checkpointd_pb2.SaveRequest(header=header)
+        request.header.trainer_versions.update(trainer_versions.versions())  # for the save's manifest
+        self._queue.put([request])
         self._timeout = timeout
         self._responses = stub.Save(self._requests(), timeout=timeout)
 

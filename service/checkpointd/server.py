@@ -11,7 +11,6 @@ kind is one module and one line here.
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 import socket
@@ -73,15 +72,15 @@ class Server:
         formats: Sequence[SaveFormat] | None = None,
         auth: ServerAuth | None = None,
     ) -> None:
-        """Builds the daemon; nothing binds and TensorFlow does not load until start().
+        """Builds the daemon; nothing binds until start().
 
         Args:
             config: what to serve and where.
             registry: the metrics registry; a fresh one by default.
             store: where saves are committed; by default the local store on
                 config.root, made in start().
-            formats: the save formats; by default the policy format
-                (TensorFlow loads in start()).
+            formats: the save formats; by default the policy and training
+                formats, made in start().
             auth: TLS credentials and tokens; by default loaded in start() from
                 the config and CHECKPOINTD_TOKENS (see checkpointd.rpc.auth).
         """
@@ -143,13 +142,10 @@ class Server:
         if fixed:
             _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, self._store.describe())
         if self._formats is None:
-            from checkpointd.formats.policy import PolicyFormat  # TensorFlow loads in its writes
+            from checkpointd.formats.policy import PolicyFormat
             from checkpointd.formats.training_checkpoint import TrainingFormat
 
             self._formats = [PolicyFormat(config.state_dir, fsync=config.fsync), TrainingFormat()]
-            # Import TensorFlow (seconds) while the port opens, not inside the
-            # first registration a trainer is waiting on.
-            threading.Thread(target=_preload_tensorflow, name="tf-preload", daemon=True).start()
         # A fleet's daemon touches only the runs it holds: each run's holder
         # rewrites its state files (from the manifests) at its next checkpoint.
         fleet = not isinstance(self.leases, NoLeases)
@@ -466,17 +462,6 @@ def _checkpoint_dirs(store: Store, formats: Sequence[SaveFormat], *, recover: bo
     if deleted:
         _LOGGER.info("recovered training checkpoint dirs: %d checkpoints past their max_to_keep deleted", deleted)
     return dirs
-
-
-def _preload_tensorflow() -> None:
-    started = time.monotonic()
-    import tensorflow  # noqa: F401  (the import is the point)
-
-    # TensorFlow's modules are millions of objects that live as long as the
-    # daemon: out of the collector's generations, its full collections stop
-    # walking them at every few thousand saves' allocations.
-    gc.freeze()
-    _LOGGER.info("TensorFlow loaded in %.1fs", time.monotonic() - started)
 
 
 def _write_port(path: Path | None, port: int) -> None:

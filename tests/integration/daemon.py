@@ -77,6 +77,7 @@ def start_daemon(
     env: Mapping[str, str] | None = None,
     host: str | None = None,
     wrap: Sequence[str] = (),
+    python: str = sys.executable,
 ) -> Daemon:
     """Runs `checkpointd serve --port 0` and waits until health says SERVING.
 
@@ -91,6 +92,7 @@ def start_daemon(
         wrap: a command the daemon runs under, e.g. `ip netns exec NS`
             for a daemon on another host of the fleet tests (it must exec,
             so the process is the daemon's).
+        python: the interpreter that runs the daemon (another venv's, e.g. one without TensorFlow).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     port_file, metrics_file = workdir / "port", workdir / "metrics-port"
@@ -102,7 +104,7 @@ def start_daemon(
         proc = subprocess.Popen(
             [
                 *wrap,
-                sys.executable,
+                python,
                 "-m",
                 "checkpointd",
                 "serve",

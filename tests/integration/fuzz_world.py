@@ -407,7 +407,11 @@ def random_message(cls: type, depth: int, strings: st.SearchStrategy[str] | None
         for f in cls.DESCRIPTOR.fields:
             if not draw(st.booleans()):
                 continue
-            if f.type == pb_descriptor.FieldDescriptor.TYPE_MESSAGE:
+            if f.message_type is not None and f.message_type.GetOptions().map_entry:  # e.g. trainer_versions
+                key, value = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+                if value.type != pb_descriptor.FieldDescriptor.TYPE_MESSAGE:
+                    getattr(msg, f.name).update(draw(st.dictionaries(scalar[key.type], scalar[value.type], max_size=3)))
+            elif f.type == pb_descriptor.FieldDescriptor.TYPE_MESSAGE:
                 if depth <= 0:
                     continue
                 sub = random_message(f.message_type._concrete_class, depth - 1, strings)

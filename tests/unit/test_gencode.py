@@ -41,6 +41,9 @@ def test_regenerated_code_is_byte_identical_to_the_committed_code(tmp_path: Path
         "checkpointd_pb2.py",
         "checkpointd_pb2.pyi",
         "checkpointd_pb2_grpc.py",
+        "tf_formats_pb2.py",
+        "tf_formats_pb2.pyi",
+        "tf_formats_pb2_grpc.py",
     ]
     assert sorted(fresh) == sorted(committed)
     for name in fresh:

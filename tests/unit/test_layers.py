@@ -8,7 +8,7 @@ module's source with `ast` and looks at every `import` statement in it, those
 inside functions and `if TYPE_CHECKING:` blocks too. That is stricter than a
 fresh interpreter importing the package (test_purity does that, for what a
 layer pulls in at run time): lazy imports, such as the server's S3 store and
-the formats' TensorFlow, are never executed by an import probe, yet they are
+the storage's boto3, are never executed by an import probe, yet they are
 dependencies all the same. It is also exact (the module that imports, the
 line) and needs no subprocess.
 """
@@ -48,16 +48,14 @@ LAYERS: dict[str, Layer] = {
     "core": _layer({"protocol"}),
     # The durability toolkit: below formats and storage, so neither imports the other.
     "durable": _layer({"core", "protocol"}),
-    "formats": _layer(
-        {"checkpointd", "core", "durable", "protocol"}, {"crc32c", "farmhash", "google.protobuf", "numpy", "tensorflow"}
-    ),
+    "formats": _layer({"checkpointd", "core", "durable", "protocol", "v1"}, {"crc32c", "farmhash", "google.protobuf"}),
     "storage": _layer({"core", "durable", "protocol"}, {"crc32c"}),
     # The object store: a package with one public face (its __init__), over what local storage shares.
     "storage.s3": _layer({"core", "durable", "protocol", "storage"}, {"boto3", "botocore", "crc32c"}),
     "metrics": _layer({"core", "protocol"}, {"prometheus_client"}),
     # The use cases reach formats and storage only through core.ports' Protocols; server.py picks them.
     "saves": _layer({"core", "durable", "protocol"}),
-    "rpc": _layer({"core", "protocol", "saves", "v1"}, {"grpc", "numpy"}),
+    "rpc": _layer({"core", "protocol", "saves", "v1"}, {"grpc"}),
     # The composition root: everything below the CLI.
     "server": _layer(
         {
@@ -73,7 +71,7 @@ LAYERS: dict[str, Layer] = {
             "storage.s3",
             "v1",
         },
-        {"grpc", "grpc_health", "grpc_reflection", "prometheus_client", "tensorflow"},
+        {"grpc", "grpc_health", "grpc_reflection", "prometheus_client"},
     ),
     "cli": _layer(
         {"checkpointd", "core", "protocol", "rpc", "saves", "server", "storage", "storage.s3", "v1"},
@@ -222,7 +220,14 @@ def test_the_scan_sees_the_imports_the_layers_rely_on() -> None:
     )
     name = "checkpointd.formats.policy_template"
     template = {i.target for i in imports(name, found[name], set(found))}
-    assert {"tensorflow", "checkpointd.formats.object_graph"} <= template
+    assert {"checkpointd.v1.tf_formats_pb2", "checkpointd.formats.object_graph"} <= template
+
+
+def test_no_daemon_layer_may_import_tensorflow() -> None:
+    # The daemon moves bytes; TensorFlow lives in the trainer (the client's layer).
+    daemon = {name: layer for name, layer in LAYERS.items() if name != "checkpointd_client"}
+    assert not [name for name, layer in daemon.items() if {"tensorflow", "tf_agents"} & layer.distributions]
+    assert "tensorflow" in LAYERS["checkpointd_client"].distributions  # the check reads the names it means
 
 
 # --- the checker itself -------------------------------------------------------

@@ -48,6 +48,7 @@ PROTOCOL_NEEDS: dict[str, set[str]] = {
     **{module: set() for module in CORE_MAY_USE},
     "checkpointd.protocol.busy_lock": set(),  # stdlib only (fcntl, os)
     "checkpointd.protocol.varint": set(),  # stdlib only
+    "checkpointd.protocol.bundle_table": {"crc32c"},  # the index table, shared with the client
     "checkpointd.protocol.codes": {"grpc"},
     "checkpointd.protocol.credentials": {"grpc"},
     "checkpointd.protocol.wire": {"crc32c", "protobuf", "checkpointd.v1"},
@@ -191,6 +192,31 @@ def test_the_protocol_the_core_uses_is_stdlib_only(module: str) -> None:
     probe = _probe(module, walk=False)
     assert module in probe.added
     assert [m for m in probe.added if _owner(m) not in ("stdlib", "checkpointd", "checkpointd.protocol")] == []
+
+
+# --- the daemon ---------------------------------------------------------------
+
+
+_DAEMON_PROBE = """
+import importlib, json, pkgutil, sys
+import checkpointd
+before = set(sys.modules)
+for info in pkgutil.walk_packages(checkpointd.__path__, "checkpointd."):
+    if not info.name.endswith(".__main__"):  # it runs the CLI
+        importlib.import_module(info.name)
+print(json.dumps({"added": sorted(set(sys.modules) - before)}))
+"""
+
+
+def test_no_daemon_module_loads_tensorflow() -> None:
+    # The daemon moves bytes: with every module of it imported, TensorFlow is not among what they loaded.
+    done = subprocess.run([sys.executable, "-c", _DAEMON_PROBE], capture_output=True, text=True, timeout=LIMIT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    added = json.loads(done.stdout.splitlines()[-1])["added"]
+    assert {"checkpointd.server", "checkpointd.formats.policy_template", "checkpointd.formats.bundle_reader"} <= set(
+        added
+    )
+    assert [m for m in added if _within(m, ("tensorflow", "tf_agents", "keras", "tensorboard"))] == []
 
 
 # --- the client ---------------------------------------------------------------

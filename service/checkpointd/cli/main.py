@@ -15,7 +15,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, level = config_from_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if isinstance(command, ServeConfig):
-        from checkpointd.cli.serve import serve  # grpc; TensorFlow only once started
+        from checkpointd.cli.serve import serve  # grpc, and the daemon's modules
 
         return serve(command)
     if isinstance(command, VerifyCommand):

@@ -37,14 +37,11 @@ _LOGGER = logging.getLogger("checkpointd")
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _DRAINED = 0  # the byte the drain thread writes to the pipe when it is done
 # What the daemon extra brings that the client extra does not (pyproject.toml).
-_DAEMON_MODULES = frozenset({"grpc_health", "grpc_reflection", "prometheus_client", "tensorflow"})
+_DAEMON_MODULES = frozenset({"grpc_health", "grpc_reflection", "prometheus_client"})
 
 
 def serve(config: ServeConfig) -> int:
     """Runs the daemon until SIGTERM or SIGINT; returns the exit code (0, 1 or 2)."""
-    # TensorFlow's C++ INFO lines (oneDNN, CPU features) say nothing an operator
-    # can act on; its warnings and errors still show. An explicit setting wins.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     try:
         return _serve(config)
     except ModuleNotFoundError as exc:
@@ -59,7 +56,7 @@ def serve(config: ServeConfig) -> int:
 
 
 def _serve(config: ServeConfig) -> int:
-    from checkpointd.rpc.auth import load_server_auth  # grpc only: refuse before TensorFlow loads
+    from checkpointd.rpc.auth import load_server_auth  # grpc only: refuse before anything starts
 
     try:
         auth = load_server_auth(config)
@@ -112,7 +109,7 @@ def _stop_now(server: Server, name: str) -> None:
         _LOGGER.error("%s again: told %d open calls the daemon stopped at once (UNAVAILABLE)", name, told)
     logging.shutdown()  # flush the log: os._exit skips it
     # Not sys.exit: the threads of the abandoned saves (an upload waiting on
-    # its stream, a write in TensorFlow) would hold the interpreter's exit.
+    # its stream, a write on a slow disk) would hold the interpreter's exit.
     os._exit(1 if unfinished else 0)
 
 

@@ -1,1 +1,1 @@
-"""The save-kind seam: how each kind of save is checked, written and read back (TensorFlow, imported lazily)."""
+"""The save-kind seam: how each kind of save is checked, written and read back, with no TensorFlow."""

@@ -9,7 +9,7 @@ Each array is a scalar string tensor holding NumPy's `.npy` serialization (what
 order of the object graph's attributes (TensorFlow's saver order), then the
 object graph itself. The daemon never parses the arrays.
 
-TensorFlow is imported inside functions only (to read), as in `checkpointd.formats.policy`.
+It is read back by `checkpointd.formats.bundle_reader`, each tensor's CRC32C checked.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from checkpointd.core.numpy_state import PREFIX, NumpyEntry, NumpyPayload, NumpyStateSpec
 from checkpointd.formats import bundle, object_graph
+from checkpointd.formats.bundle_reader import BundleReader
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 
@@ -99,20 +100,20 @@ def read(save_dir: Path) -> NumpyStateRead | None:
 
     Raises:
         InvalidRequestError: the checkpoint's keys disagree with its object graph.
-        tf.errors.OpError: the files are unreadable or corrupt.
+        UnreadableBundleError: the files are unreadable (CorruptBundleError: corrupt).
     """
-    import tensorflow as tf
-
     prefix = Path(save_dir) / PREFIX
     if not os.path.exists(f"{prefix}.index"):
         return None
-    reader = tf.train.load_checkpoint(str(prefix))
-    graph = reader.get_tensor(OBJECT_GRAPH_KEY)
+    reader = BundleReader(prefix)
+    if OBJECT_GRAPH_KEY not in reader.tensors:
+        raise InvalidRequestError(f"the numpy state of {save_dir} has no {OBJECT_GRAPH_KEY}")
+    graph = reader.string(OBJECT_GRAPH_KEY)
     keys = graph_keys(graph)
-    stored = set(reader.get_variable_to_shape_map()) - {OBJECT_GRAPH_KEY}
+    stored = set(reader.tensors) - {OBJECT_GRAPH_KEY}
     if stored != set(keys):
         first = min(stored.symmetric_difference(keys))
         raise InvalidRequestError(f"the numpy state of {save_dir} does not match its object graph at {first!r}")
-    values = tuple(bytes(reader.get_tensor(k)) for k in keys)
+    values = tuple(reader.string(k) for k in keys)
     spec = NumpyStateSpec(graph, tuple(NumpyEntry(k, len(v)) for k, v in zip(keys, values, strict=True)))
     return NumpyStateRead(spec, values)

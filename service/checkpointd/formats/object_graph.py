@@ -5,7 +5,7 @@ trackable object, with named edges to its children and attributes (its saved
 tensors, each under a checkpoint key). The daemon reads three: a template's
 SavedModel graph, the graph `PolicySaver.save_checkpoint` writes for the same
 policy, and a NumpyState's. `parse` turns the serialized proto into the plain
-values below (TensorFlow's protos are imported inside it only); the rest is
+values below (with `checkpointd.v1.tf_formats_pb2`, wire-identical with TensorFlow's proto); the rest is
 pure and runs on those values.
 
 `checkpoint_keys` is why the daemon need not trust a trainer's pairing of a
@@ -22,7 +22,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf import message
+
 from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.v1 import tf_formats_pb2
 
 # The child of tf.train.Checkpoint(policy=..., ...) that holds the policy.
 POLICY_CHILD = "policy"
@@ -80,12 +83,8 @@ def parse(data: bytes, what: str) -> ObjectGraph:
     Raises:
         InvalidRequestError: it does not parse, or a child points at no node.
     """
-    import tensorflow  # noqa: F401 - first: waits for a preload's import; a proto module alone can meet it half-done
-    from google.protobuf import message
-    from tensorflow.core.protobuf import trackable_object_graph_pb2
-
     try:
-        return from_message(trackable_object_graph_pb2.TrackableObjectGraph.FromString(data))
+        return from_message(tf_formats_pb2.TrackableObjectGraph.FromString(data))
     except (message.DecodeError, ValueError) as e:
         raise InvalidRequestError(f"{what} is not a TrackableObjectGraph ({e})") from None
 

@@ -2,8 +2,8 @@
 
 `PolicyFormat` implements `checkpointd.core.ports.SaveFormat` for the two kinds
 `PolicySaver` writes. Like `checkpointd.formats.policy_template`, which checks
-the uploaded templates, it imports tensorflow only inside functions, so
-importing it (and `checkpointd --help`) stays fast.
+the uploaded templates, it needs no TensorFlow: the protos it reads are
+`checkpointd.v1.tf_formats_pb2`, wire-identical with TensorFlow's.
 
 A SAVED_MODEL save copies the template's graph files and writes a new
 `variables/` checkpoint holding the snapshot, under the SavedModel's own
@@ -57,6 +57,7 @@ from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
+from checkpointd.v1 import tf_formats_pb2
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ class PolicyFormat:
         """Refuses a save header that does not fit the run's manifest (see `check_payload`)."""
         check_payload(manifest, variables, snapshot_bytes, numpy_state, max_snapshot_bytes)
         if numpy_state is not None:
-            numpy_files.check(numpy_state)  # TensorFlow's protos parse the object graph
+            numpy_files.check(numpy_state)  # parses the object graph (checkpointd.formats.object_graph)
 
     def read(self, save: CommittedSave, manifest: Manifest) -> SaveValues:
         """Opens a committed policy save for Restore (see `checkpointd.formats.reader`)."""
@@ -414,9 +415,7 @@ def _fingerprint_around(template_fingerprint: bytes) -> tuple[bytes, bytes]:
     around it: fields go out in field-number order, so the marker's tag and
     varint sit where any save's value goes.
     """
-    from tensorflow.core.protobuf import fingerprint_pb2
-
-    fingerprint = fingerprint_pb2.FingerprintDef.FromString(template_fingerprint)
+    fingerprint = tf_formats_pb2.FingerprintDef.FromString(template_fingerprint)
     fingerprint.checkpoint_hash = _MARK
     data = fingerprint.SerializeToString()
     mark = _CHECKPOINT_HASH_TAG + varint.encode(_MARK)

@@ -24,7 +24,13 @@ object (`object_graph.checkpoint_keys`). Else two variables of one shape and
 dtype could be declared with their checkpoint keys swapped, and every
 CHECKPOINT save would hold each one's values under the other's name.
 
-TensorFlow is imported inside functions only, as in `checkpointd.formats.policy`.
+The template's fingerprint is the trainer's: `tf.saved_model.save` writes
+`fingerprint.pb` at the export (TensorFlow's `CreateFingerprintDef`), and the
+upload carries it. The daemon checks that it parses and keeps it; each save
+replaces only its checkpoint_hash (`checkpointd.formats.policy`). No
+TensorFlow here: the protos are `checkpointd.v1.tf_formats_pb2` (wire-identical
+with TensorFlow's), the checkpoint's index is read by
+`checkpointd.formats.bundle_reader`.
 """
 
 from __future__ import annotations
@@ -33,17 +39,19 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import crc32c
+from google.protobuf import message, text_format
 
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.numpy_state import DIRECTORY as NUMPY_STATE_DIRECTORY
 from checkpointd.formats import object_graph
+from checkpointd.formats.bundle_reader import BundleReader, UnreadableBundleError
 from checkpointd.formats.object_graph import ObjectGraph
 from checkpointd.protocol.errors import InvalidRequestError, describe
 from checkpointd.protocol.names import MANIFEST_NAME
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY, TEMPLATE_OBJECT_GRAPH, VARIABLE_ATTRIBUTE
+from checkpointd.v1 import tf_formats_pb2
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -52,7 +60,8 @@ _INDEX = "variables/variables.index"
 _DATA_SHARD = "variables/variables.data-"  # a data shard's path starts so
 _REQUIRED_SIGNATURES = ("action", "get_initial_state", "get_train_step", "get_metadata")
 # Written anew for every SAVED_MODEL save, never copied from the template.
-_NOT_COPIED = ("variables", "fingerprint.pb")
+_FINGERPRINT = "fingerprint.pb"
+_NOT_COPIED = ("variables", _FINGERPRINT)
 # Top-level names every save gets from the daemon: the manifest, and NumPy state beside the variables.
 _WRITTEN_BY_THE_DAEMON = (MANIFEST_NAME, NUMPY_STATE_DIRECTORY)
 
@@ -92,10 +101,6 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
         InvalidRequestError: the upload is not a TF-Agents policy SavedModel,
             or the manifest or the object graph disagree with it.
     """
-    import tensorflow  # noqa: F401 - first: its protos, imported before it, import it half-way and fail
-    from google.protobuf import message, text_format
-    from tensorflow.core.protobuf import saved_model_pb2, struct_pb2
-
     if not staged_dir.is_dir():
         raise _invalid(run, "is not a directory")
     dirs, files, variable_files = _read_tree(run, staged_dir)
@@ -110,7 +115,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
     if "saved_model.pb" not in contents:
         raise _invalid(run, "has no saved_model.pb; upload the output of PolicySaver.save()")
     try:
-        saved_model = saved_model_pb2.SavedModel.FromString(contents["saved_model.pb"])
+        saved_model = tf_formats_pb2.SavedModel.FromString(contents["saved_model.pb"])
     except message.DecodeError as e:
         raise _invalid(run, f"saved_model.pb is not a SavedModel ({e})") from None
     if len(saved_model.meta_graphs) != 1:
@@ -127,7 +132,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
     if "policy_specs.pbtxt" not in contents:
         raise _invalid(run, "has no policy_specs.pbtxt; upload PolicySaver.save()'s output")
     try:
-        text_format.Parse(contents["policy_specs.pbtxt"].decode("utf-8"), struct_pb2.StructuredValue())
+        text_format.Parse(contents["policy_specs.pbtxt"].decode("utf-8"), tf_formats_pb2.StructuredValue())
     except (text_format.ParseError, UnicodeDecodeError) as e:
         raise _invalid(run, f"policy_specs.pbtxt does not parse ({e})") from None
 
@@ -139,11 +144,11 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
     if want - have:
         raise _invalid(run, f"variable {min(want - have)!r} is not in its checkpoint")
     for v in manifest.variables:
-        if dtypes[v.key].name != v.dtype or tuple(shapes[v.key]) != v.shape:
+        if dtypes[v.key] != v.dtype or shapes[v.key] != v.shape:
             raise _invalid(
                 run,
                 f"variable {v.key!r} is declared {v.dtype}{list(v.shape)}; the template has "
-                f"{dtypes[v.key].name}{list(shapes[v.key])}",
+                f"{dtypes[v.key]}{list(shapes[v.key])}",
             )
 
     saved_model_parsed = _parse(run, graph_source, saved_model_graph)
@@ -164,7 +169,7 @@ def validate(run: str, staged_dir: Path, manifest: Manifest, checkpoint_graph: b
         checkpoint_order=checkpoint_order,
         # Only files copied verbatim: fingerprint.pb is rewritten for every save.
         checksums={p: size_and_crc(b) for p, b in copied},
-        fingerprint=_fingerprint(run, staged_dir),
+        fingerprint=_fingerprint(run, contents),
     )
 
 
@@ -173,22 +178,35 @@ def size_and_crc(content: bytes) -> tuple[int, int]:
     return len(content), crc32c.crc32c(content)
 
 
-def _fingerprint(run: str, staged_dir: Path) -> bytes:
-    """TensorFlow's FingerprintDef of the uploaded SavedModel (its checkpoint_hash is the template's).
+def _fingerprint(run: str, contents: dict[str, bytes]) -> bytes:
+    """The template's fingerprint.pb, as the trainer's export wrote it (TensorFlow's FingerprintDef).
 
-    Computed once here: it parses and hashes the whole graph (a few ms), so a
-    save only replaces checkpoint_hash, the hash of its own variables.index
-    (`checkpointd.formats.policy`).
+    Every field but checkpoint_hash hashes saved_model.pb alone, which every
+    save copies unchanged, so a save only replaces checkpoint_hash, the hash
+    of its own variables.index (`checkpointd.formats.policy`).
+
+    Raises:
+        InvalidRequestError: the upload has no fingerprint.pb, or it is not a FingerprintDef.
     """
-    from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
-
+    data = contents.get(_FINGERPRINT)
+    if data is None:
+        raise _invalid(
+            run,
+            f"has no {_FINGERPRINT}; send every file PolicySaver.save() wrote (TensorFlow 2.15 writes "
+            f"{_FINGERPRINT}, the SavedModel's fingerprint, which every save's is made from)",
+        )
     try:
-        return bytes(fingerprinting.CreateFingerprintDef(str(staged_dir)))
-    except Exception as e:  # noqa: BLE001 - TF raises several types; all mean the graph cannot be fingerprinted
-        raise _invalid(run, f"saved_model.pb cannot be fingerprinted ({describe(e)})") from None
+        fingerprint = tf_formats_pb2.FingerprintDef.FromString(data)
+    except message.DecodeError as e:
+        raise _invalid(run, f"{_FINGERPRINT} is not a FingerprintDef ({e})") from None
+    if not fingerprint.saved_model_checksum:
+        raise _invalid(run, f"{_FINGERPRINT} has no saved_model_checksum: is it TensorFlow's fingerprint?")
+    return data
 
 
-def _checkpoint(run: str, staged_dir: Path, names: set[str]) -> tuple[dict[str, Any], dict[str, Any], bytes, str]:
+def _checkpoint(
+    run: str, staged_dir: Path, names: set[str]
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str], bytes, str]:
     """The template checkpoint's shapes and dtypes by key, its object graph, and where that came from.
 
     Args:
@@ -196,10 +214,8 @@ def _checkpoint(run: str, staged_dir: Path, names: set[str]) -> tuple[dict[str, 
 
     Raises:
         InvalidRequestError: `variables/` is in neither form (see the module
-            docstring) or TensorFlow cannot read it.
+            docstring) or its index cannot be read.
     """
-    import tensorflow as tf
-
     shards = sorted(n for n in names if n.startswith(_DATA_SHARD))
     graph_file = TEMPLATE_OBJECT_GRAPH in names
     if _INDEX not in names:
@@ -222,15 +238,14 @@ def _checkpoint(run: str, staged_dir: Path, names: set[str]) -> tuple[dict[str, 
             "bytes), or the whole checkpoint",
         )
     try:
-        reader = tf.train.load_checkpoint(str(staged_dir / VARIABLES_PREFIX))
-        shapes = reader.get_variable_to_shape_map()
-        dtypes = reader.get_variable_to_dtype_map()
+        reader = BundleReader(staged_dir / VARIABLES_PREFIX)
+        shapes = {key: t.shape for key, t in reader.tensors.items()}
+        dtypes = {key: t.dtype for key, t in reader.tensors.items()}
         if graph_file:
             graph: bytes | None = (staged_dir / TEMPLATE_OBJECT_GRAPH).read_bytes()
         else:
-            graph = reader.get_tensor(OBJECT_GRAPH_KEY) if OBJECT_GRAPH_KEY in shapes else None
-    except (tf.errors.OpError, ValueError, IndexError) as e:
-        # IndexError: TF's reader on a data file shorter than its index says.
+            graph = reader.string(OBJECT_GRAPH_KEY) if OBJECT_GRAPH_KEY in shapes else None
+    except UnreadableBundleError as e:
         _LOGGER.debug("run %s: template checkpoint unreadable: %s", run, describe(e))
         raise _invalid(
             run,

@@ -8,7 +8,8 @@ shapes, before anything is sent, then yields each value's raw little-endian
 C-order bytes in manifest order, one tensor in memory at a time, followed by
 the numpy state's entries (see `checkpointd.formats.numpy_files`).
 
-TensorFlow is imported inside functions only, as in `checkpointd.formats.policy`.
+The checkpoints are read by the daemon's own `checkpointd.formats.bundle_reader`,
+each tensor's CRC32C checked as it is read.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from checkpointd.core.manifest import Manifest
 from checkpointd.core.numpy_state import NumpyStateSpec
 from checkpointd.formats import numpy_files
+from checkpointd.formats.bundle_reader import BundleReader, CorruptBundleError, UnreadableBundleError
 from checkpointd.formats.policy_template import VARIABLES_PREFIX
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError, describe
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
-from checkpointd.protocol.wire import byte_view
 
 
 @dataclass
@@ -41,7 +41,7 @@ class SaveValues:
     manifest: Manifest
     numpy_state: NumpyStateSpec | None
     nbytes: int
-    _reader: Any
+    _reader: BundleReader
     _keys: tuple[str, ...]
     _numpy_values: tuple[bytes, ...]
     _where: str
@@ -50,21 +50,18 @@ class SaveValues:
         """Each variable's bytes in manifest order, then each numpy entry's.
 
         Raises:
-            ChecksumError: TensorFlow found a tensor corrupt on disk.
+            ChecksumError: a tensor fails its CRC32C on disk.
             SaveFailedError: a tensor could not be read (e.g. the save was
                 replaced while it was being read).
         """
-        import numpy as np
-        import tensorflow as tf
-
         for key in self._keys:
             try:
-                value = self._reader.get_tensor(key)
-            except tf.errors.DataLossError as e:
+                value = self._reader.raw(key)
+            except CorruptBundleError as e:
                 raise ChecksumError(f"{self._where}: {key!r} is corrupt ({describe(e)})") from None
-            except tf.errors.OpError as e:
+            except UnreadableBundleError as e:
                 raise SaveFailedError(f"{self._where}: could not read {key!r} ({describe(e)})") from None
-            yield byte_view(np.asarray(value))  # a 0-d value comes as a NumPy scalar
+            yield memoryview(value)
         for value in self._numpy_values:
             yield memoryview(value)
 
@@ -86,16 +83,14 @@ def open_save(save_dir: Path, kind: SaveKind, manifest: Manifest, where: str) ->
             excess, or holds with another dtype or shape than the manifest.
         ChecksumError, SaveFailedError: its files are corrupt or unreadable.
     """
-    import tensorflow as tf
-
     try:
-        reader = tf.train.load_checkpoint(str(Path(save_dir) / VARIABLES_PREFIX))
-        shapes = reader.get_variable_to_shape_map()
-        dtypes = reader.get_variable_to_dtype_map()
+        reader = BundleReader(Path(save_dir) / VARIABLES_PREFIX)
+        shapes = {key: t.shape for key, t in reader.tensors.items()}
+        dtypes = {key: t.dtype for key, t in reader.tensors.items()}
         numpy_state = numpy_files.read(Path(save_dir))
-    except tf.errors.DataLossError as e:
+    except CorruptBundleError as e:
         raise ChecksumError(f"{where}: its checkpoint is corrupt ({describe(e)})") from None
-    except (tf.errors.OpError, ValueError) as e:
+    except UnreadableBundleError as e:
         raise SaveFailedError(f"{where}: its checkpoint is unreadable ({describe(e)})") from None
     keys = tuple(v.key if kind is SaveKind.SAVED_MODEL else v.checkpoint_key for v in manifest.variables)
     for key, v in zip(keys, manifest.variables, strict=True):
@@ -103,9 +98,9 @@ def open_save(save_dir: Path, kind: SaveKind, manifest: Manifest, where: str) ->
             raise InvalidRequestError(
                 f"{where}: the save has no {key!r}, which the run's manifest has; was it " "written by another policy?"
             )
-        if dtypes[key].name != v.dtype or tuple(shapes[key]) != v.shape:
+        if dtypes[key] != v.dtype or shapes[key] != v.shape:
             raise InvalidRequestError(
-                f"{where}: {key!r} is {dtypes[key].name}{list(shapes[key])} in the save; the "
+                f"{where}: {key!r} is {dtypes[key]}{list(shapes[key])} in the save; the "
                 f"run's manifest has {v.dtype}{list(v.shape)}"
             )
     extra = set(shapes) - set(keys) - {OBJECT_GRAPH_KEY}

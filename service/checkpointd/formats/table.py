@@ -25,7 +25,8 @@ comparator. `build` returns the whole file for entries given in key order:
 the same and whose values' last bytes change (a run's bundle index from save
 to save: only the CRCs), from the parts made once.
 
-Stdlib and crc32c only; TensorFlow's own writer is the reference in tests.
+The format's constants and its reader are `checkpointd.protocol.bundle_table`, shared
+with the client. Stdlib and crc32c only; TensorFlow's own writer is the reference in tests.
 """
 
 from __future__ import annotations
@@ -35,30 +36,27 @@ from collections.abc import Iterable, Sequence
 
 import crc32c
 
+from checkpointd.protocol.bundle_table import FOOTER_BYTES, MAGIC, NO_COMPRESSION, mask, unmask
 from checkpointd.protocol.varint import encode as varint
+
+__all__ = [
+    "BLOCK_SIZE",
+    "FOOTER_BYTES",
+    "MAGIC",
+    "RESTART_INTERVAL",
+    "FixedRows",
+    "build",
+    "mask",
+    "short_successor",
+    "shortest_separator",
+    "unmask",
+]
 
 # table_options.h's defaults, which BundleWriter keeps (it changes only the compression).
 BLOCK_SIZE = 262144
 RESTART_INTERVAL = 16
-# format.h: the leading 64 bits of sha1("http://code.google.com/p/leveldb/").
-MAGIC = 0xDB4775248B80FB57
-FOOTER_BYTES = 48
-_NO_COMPRESSION = b"\x00"
+_NO_COMPRESSION = bytes((NO_COMPRESSION,))
 _HANDLE_MAX_BYTES = 20  # two varint64s at most
-# crc32c.h: CRCs stored beside the data they cover are rotated and offset,
-# so that the CRC of a string holding CRCs is not trivially related to them.
-_MASK_DELTA = 0xA282EAD8
-
-
-def mask(crc: int) -> int:
-    """`crc32c::Mask`: the CRC rotated right by 15 bits, plus a constant (mod 2**32)."""
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
-
-
-def unmask(masked: int) -> int:
-    """`crc32c::Unmask`, the inverse of `mask`."""
-    rot = (masked - _MASK_DELTA) & 0xFFFFFFFF
-    return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
 
 
 def shortest_separator(start: bytes, limit: bytes) -> bytes:

@@ -22,8 +22,8 @@ serialized object graph) and sends it with each save. Here:
   object graph, and lists what it holds.
 
 No model code, no registration state: a new trackable type needs nothing
-here. TensorFlow is imported inside functions only, as in
-`checkpointd.formats.policy`.
+here, and no TensorFlow: a committed checkpoint is read back by
+`checkpointd.formats.bundle_reader`.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from checkpointd.core.checkpoint_spec import CheckpointSpec, TensorSpec, check_dtypes, check_keys
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave, SnapshotBytes, Staged
 from checkpointd.formats import bundle, chunks, object_graph, sink, versions
+from checkpointd.formats.bundle_reader import BundleReader, CorruptBundleError, UnreadableBundleError
 from checkpointd.formats.sink import BundleSink
-from checkpointd.protocol import tensors, wire
+from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import (
     ChecksumError,
     InvalidRequestError,
@@ -219,17 +219,15 @@ class TrainingFormat:
                 or one has a dtype the wire cannot carry (naming the key).
             ChecksumError, SaveFailedError: its files are corrupt or unreadable.
         """
-        import tensorflow as tf
-
         where = repr(save.export_dir)
         try:
-            reader = tf.train.load_checkpoint(str(save.path))
-            shapes = reader.get_variable_to_shape_map()
-            dtypes = reader.get_variable_to_dtype_map()
-            graph = reader.get_tensor(tensors.OBJECT_GRAPH_KEY) if tensors.OBJECT_GRAPH_KEY in shapes else b""
-        except tf.errors.DataLossError as e:
+            reader = BundleReader(save.path)
+            shapes = {key: t.shape for key, t in reader.tensors.items()}
+            dtypes = {key: t.dtype for key, t in reader.tensors.items()}
+            graph = reader.string(tensors.OBJECT_GRAPH_KEY) if tensors.OBJECT_GRAPH_KEY in shapes else b""
+        except CorruptBundleError as e:
             raise ChecksumError(f"{where}: its checkpoint is corrupt ({describe(e)})") from None
-        except (tf.errors.OpError, ValueError) as e:
+        except UnreadableBundleError as e:
             raise SaveFailedError(f"{where}: its checkpoint is unreadable ({describe(e)})") from None
         if not graph:
             raise InvalidRequestError(f"{where}: the checkpoint has no {tensors.OBJECT_GRAPH_KEY}")
@@ -242,16 +240,16 @@ class TrainingFormat:
         specs, strings = [], {}
         for key, _ in pairs:
             dtype = dtypes[key]
-            if dtype == tf.string:
+            if tensors.is_string(dtype):
                 if shapes[key]:
-                    raise InvalidRequestError(f"{where}: {key!r} is a string tensor of shape {shapes[key]}")
-                strings[key] = _read(reader, key, where)
+                    raise InvalidRequestError(f"{where}: {key!r} is a string tensor of shape {list(shapes[key])}")
+                strings[key] = _read(reader, key, where, string=True)
                 specs.append(TensorSpec(key, tensors.STRING, (), len(strings[key])))
-            elif dtype.name in tensors.ITEMSIZE:
-                shape = tuple(shapes[key])
-                specs.append(TensorSpec(key, dtype.name, shape, tensors.nbytes(dtype.name, shape)))
+            elif dtype in tensors.ITEMSIZE:
+                shape = shapes[key]
+                specs.append(TensorSpec(key, dtype, shape, tensors.nbytes(dtype, shape)))
             else:
-                raise InvalidRequestError(f"{where}: {key!r} has dtype {dtype.name}, which Restore cannot carry")
+                raise InvalidRequestError(f"{where}: {key!r} has dtype {dtype}, which Restore cannot carry")
         spec = CheckpointSpec(graph, tuple(specs))
         return TrainingValues(spec, None, spec.nbytes, reader, strings, where)
 
@@ -263,7 +261,7 @@ class TrainingValues:
     checkpoint: CheckpointSpec
     numpy_state: NumpyStateSpec | None
     nbytes: int
-    _reader: Any
+    _reader: BundleReader
     _strings: dict[str, bytes]
     _where: str
 
@@ -273,13 +271,11 @@ class TrainingValues:
         Raises:
             ChecksumError, SaveFailedError: a tensor is corrupt or unreadable.
         """
-        import numpy as np
-
         for t in self.checkpoint.tensors:
             if tensors.is_string(t.dtype):
                 yield memoryview(self._strings[t.checkpoint_key])
             else:
-                yield wire.byte_view(np.ascontiguousarray(_read(self._reader, t.checkpoint_key, self._where)))
+                yield memoryview(_read(self._reader, t.checkpoint_key, self._where))
 
 
 def graph_attributes(data: bytes, what: str) -> list[tuple[str, str]]:
@@ -292,12 +288,11 @@ def graph_attributes(data: bytes, what: str) -> list[tuple[str, str]]:
     return [(key, name) for node in graph.nodes for name, key in node.attributes]
 
 
-def _read(reader: Any, key: str, where: str) -> Any:
-    import tensorflow as tf
-
+def _read(reader: BundleReader, key: str, where: str, *, string: bool = False) -> bytes:
+    """A tensor's value bytes (a scalar string's value with `string`), its CRC32C checked."""
     try:
-        return reader.get_tensor(key)
-    except tf.errors.DataLossError as e:
+        return reader.string(key) if string else reader.raw(key)
+    except CorruptBundleError as e:
         raise ChecksumError(f"{where}: {key!r} is corrupt ({describe(e)})") from None
-    except tf.errors.OpError as e:
+    except UnreadableBundleError as e:
         raise SaveFailedError(f"{where}: could not read {key!r} ({describe(e)})") from None

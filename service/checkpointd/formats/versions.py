@@ -1,24 +1,15 @@
-"""The software versions a save manifest records.
+"""The software versions a save manifest records of the daemon itself.
 
-TensorFlow is imported when the function is called, not with this module.
+The trainer's (TensorFlow's, TF-Agents') come with each save
+(SaveHeader.trainer_versions) and are recorded beside these: the daemon
+runs no TensorFlow.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
-
 from checkpointd import __version__
 
 
-@functools.cache
 def recorded() -> dict[str, str]:
-    """Versions recorded in save manifests; tf-agents only if it is installed here."""
-    import tensorflow as tf
-
-    found = {"checkpointd": __version__, "tensorflow": tf.__version__}
-    try:
-        found["tf_agents"] = importlib.metadata.version("tf-agents")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    return found
+    """The daemon's versions recorded in save manifests."""
+    return {"checkpointd": __version__}

@@ -6,7 +6,7 @@ the request-stream readers in `checkpointd.rpc.upload`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import PurePath
 
 from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec, TensorSpec
@@ -97,7 +97,25 @@ def save_request(header: pb.SaveHeader) -> SaveRequest:
         incremental=header.incremental,
         on_notice=header.on_notice,
         notice_unix_seconds=header.notice_unix_seconds if header.on_notice else 0.0,
+        trainer_versions=trainer_versions(header.trainer_versions),
     )
+
+
+# SaveHeader.trainer_versions: a few names and versions, recorded in every manifest.
+MAX_TRAINER_VERSIONS = 16
+MAX_VERSION_CHARS = 128
+
+
+def trainer_versions(versions: Mapping[str, str]) -> dict[str, str]:
+    """A Save header's trainer_versions; InvalidRequestError past the limits the proto states."""
+    if len(versions) > MAX_TRAINER_VERSIONS or any(
+        not k or len(k) > MAX_VERSION_CHARS or len(v) > MAX_VERSION_CHARS for k, v in versions.items()
+    ):
+        raise InvalidRequestError(
+            f"Save: trainer_versions takes at most {MAX_TRAINER_VERSIONS} entries, each a non-empty name and a "
+            f"version of at most {MAX_VERSION_CHARS} characters"
+        )
+    return dict(versions)
 
 
 def local_skips(skips: Sequence[pb.LocalSkip], rpc: str) -> tuple[LocalSkip, ...]:

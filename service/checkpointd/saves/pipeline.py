@@ -365,7 +365,7 @@ class SavePipeline:
                 base = bases.open_base(
                     self.store, folder, request, self._local, self._bases, manifest.variables, self._remote_bases
                 )
-            meta = SaveMeta(run, request.kind, request.step, request.export_dir)
+            meta = SaveMeta(run, request.kind, request.step, request.export_dir, request.trainer_versions)
             fmt = self.formats(request.kind)
             # The save's files are open before the accept is answered, and are
             # written as the chunks land; no deletions in the folder meanwhile.

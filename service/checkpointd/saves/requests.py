@@ -6,8 +6,8 @@ protocol's messages; `checkpointd.saves.pipeline` takes and yields them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from checkpointd.core.checkpoint_spec import CheckpointSpec
@@ -47,6 +47,8 @@ class SaveRequest:
     # notice came by its clock (0: unknown).
     on_notice: bool = False
     notice_unix_seconds: float = 0.0
+    # The trainer's software versions (SaveHeader.trainer_versions), for the save's manifest.
+    trainer_versions: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,14 @@ class NumpyState(_message.Message):
     def __init__(self, object_graph: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[NumpyStateEntry, _Mapping]]] = ...) -> None: ...
 
 class SaveHeader(_message.Message):
-    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state", "shared_memory", "training_checkpoint", "held", "local_skips", "incremental", "on_notice", "notice_unix_seconds")
+    __slots__ = ("run", "kind", "export_dir", "blocking", "step", "variables", "snapshot_bytes", "numpy_state", "shared_memory", "training_checkpoint", "held", "local_skips", "incremental", "on_notice", "notice_unix_seconds", "trainer_versions")
+    class TrainerVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     RUN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +119,7 @@ class SaveHeader(_message.Message):
     INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
     ON_NOTICE_FIELD_NUMBER: _ClassVar[int]
     NOTICE_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     run: str
     kind: SaveKind
     export_dir: str
@@ -127,7 +135,8 @@ class SaveHeader(_message.Message):
     incremental: bool
     on_notice: bool
     notice_unix_seconds: float
-    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., shared_memory: bool = ..., training_checkpoint: _Optional[_Union[TrainingCheckpoint, _Mapping]] = ..., held: _Optional[_Union[HeldSave, _Mapping]] = ..., local_skips: _Optional[_Iterable[_Union[LocalSkip, _Mapping]]] = ..., incremental: bool = ..., on_notice: bool = ..., notice_unix_seconds: _Optional[float] = ...) -> None: ...
+    trainer_versions: _containers.ScalarMap[str, str]
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., export_dir: _Optional[str] = ..., blocking: bool = ..., step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Variable, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ..., numpy_state: _Optional[_Union[NumpyState, _Mapping]] = ..., shared_memory: bool = ..., training_checkpoint: _Optional[_Union[TrainingCheckpoint, _Mapping]] = ..., held: _Optional[_Union[HeldSave, _Mapping]] = ..., local_skips: _Optional[_Iterable[_Union[LocalSkip, _Mapping]]] = ..., incremental: bool = ..., on_notice: bool = ..., notice_unix_seconds: _Optional[float] = ..., trainer_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class HeldSave(_message.Message):
     __slots__ = ("segment_path", "lock_path")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ class SaveMeta:
     kind: SaveKind
     step: int
     export_dir: str  # as the trainer named it
+    trainer_versions: Mapping[str, str] = field(default_factory=dict)  # the trainer's (SaveHeader), e.g. tensorflow's
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Staged:
     Attributes:
         path: the local staging dir holding the files.
         bytes_written: their total size.
-        versions: software versions for the save manifest (e.g. tensorflow's).
+        versions: the daemon's software versions for the save manifest (checkpointd's).
         known: (size, CRC32C) of files whose content the format already
             checksummed (template files written from memory), by
             '/'-separated path, so the store need not read them back.
