@@ -184,25 +184,18 @@ def _committed(train: Path) -> set[int]:
     }
 
 
-def _until(condition: Callable[[], bool], timeout: float) -> bool:
-    """Polls `condition` (a kill point's trigger, so as often as the disk allows) until true or `timeout`."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-    return False
-
-
 def _kill_point(point: str, train: Path, before: set[int], rng: random.Random) -> bool:
     """Waits for `point`'s moment of the save on notice; whether it came (else the save was quicker)."""
+    from tests.integration.crash_harness import until
+
     if point.endswith("-staged"):
-        return _until(lambda: bool(_staged(train)), 10.0)
+        return until(lambda: bool(_staged(train)), 10.0)
     if point == "daemon-commit":
         from checkpointd.storage import save_manifest
 
-        return _until(lambda: any((t / save_manifest.MANIFEST_NAME).exists() for t in _staged(train)), 10.0)
+        return until(lambda: any((t / save_manifest.MANIFEST_NAME).exists() for t in _staged(train)), 10.0)
     if point == "daemon-published":
-        return _until(lambda: bool(_committed(train) - before), 10.0)
+        return until(lambda: bool(_committed(train) - before), 10.0)
     threading.Event().wait(rng.uniform(0.0, EARLY_SECONDS))
     return True
 
@@ -261,7 +254,7 @@ def run_trials(
     trials: int, root: Path, workdir: Path, *, seed: int = 0, log: Callable[[str], None] = lambda line: None
 ) -> Figures:
     """Runs `trials` trials, the kill points in turn; each on a fresh run in `root`."""
-    from tests.integration.crash_harness import SLOW_SYNC
+    from tests.integration.crash_harness import SLOW_SYNC  # imports TensorFlow: not in the trainer's process
     from tests.integration.daemon import start_daemon
 
     rng = random.Random(seed)
@@ -314,20 +307,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["trainer"]:
         return trainer_main(argv[1], argv[2], int(argv[3]))
+    from tests.integration.crash_harness import conclude
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=len(POINTS) * 4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="checkpointd-notice-crash-"))
     figures = run_trials(args.trials, base / "root", base / "work", seed=args.seed, log=print)
-    for failure in figures.failures:
-        print("FAILURE", failure)
-    print(figures.summary())
-    if figures.failures:
-        print(f"root, daemon and trainer logs kept in {base}")
-        return 1
-    shutil.rmtree(base, ignore_errors=True)
-    return 0
+    return conclude(figures.failures, [figures.summary()], base)
 
 
 if __name__ == "__main__":
