@@ -91,7 +91,9 @@ def _state(case_name: str, scratch: Path) -> tuple[dict[str, Any], Any, Callable
     return objects, agent.train_step_counter, step, state_bytes
 
 
-def notice(address: str, objects: dict[str, Any], step: Any, train: Callable[[], None], reps: int, shm: bool) -> dict:
+def notice(
+    address: str, objects: dict[str, Any], step: Any, train: Callable[[], None], reps: int, shm: bool
+) -> dict[str, Any]:
     """A normal save's stall and call -> durable, and a save on notice's notice -> durable, alternating."""
     from bench.stats import summarize
     from checkpointd_client import RemoteCheckpointer, preempted
@@ -183,7 +185,9 @@ def continuous(
     }
 
 
-def _losses(reached: list[tuple[float, int]], durable: list[tuple[float, int]], spans: list[tuple[float, float]]):
+def _losses(
+    reached: list[tuple[float, int]], durable: list[tuple[float, int]], spans: list[tuple[float, float]]
+) -> dict[str, Any]:
     """At KILL_SAMPLES moments within the continuous windows: the steps and seconds since the newest durable save."""
     rng = random.Random(0)
     at_step = {s: t for t, s in reached}
