@@ -65,6 +65,12 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
         choices=("small", "medium", "large", "none"),
         help="the resume section's state: medium (370 MB, the default), large (1.23 GB), small or none; quick: none",
     )
+    p.add_argument(
+        "--preemption",
+        help="the preemption section's cases (bench/preemption.py: the save on notice, continuous saves, the moves), "
+        "of small,medium, or none (default: small,medium; quick: none); `--preemption-only` runs it alone",
+    )
+    p.add_argument("--preemption-only", action="store_true", help="only the preemption section")
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
     p.add_argument(
         "--workdir", type=Path, help="scratch directory, kept (default: a new temp dir, removed after success)"
@@ -93,6 +99,8 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
             fleet_seconds=a.fleet_seconds,
             incremental=a.incremental or ("none" if quick else "medium"),
             resume=a.resume or ("none" if quick else "medium"),
+            preemption=a.preemption or ("none" if quick else "small,medium"),
+            preemption_only=a.preemption_only,
             workdir=workdir,
             keep_workdir=a.workdir is not None,
             out=a.out,
@@ -237,6 +245,9 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
             "quick": config.quick,
         },
     }
+    if config.preemption_only:
+        results["preemption"] = run_preemption(config)
+        return results
     if config.fleet == "only":
         results["fleet"] = fleet.run_section(config, progress)
         return results
@@ -280,7 +291,20 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
         results["resume"] = run_worker(config, "resume", extra)
     if config.fleet == "on":
         results["fleet"] = fleet.run_section(config, progress)
+    if config.preemption != "none":
+        results["preemption"] = run_preemption(config)
     return results
+
+
+def run_preemption(config: BenchConfig) -> dict[str, Any]:
+    """The preemption section (bench/preemption.py), and bench.continuous's DQN CartPole, in worker processes."""
+    progress(f"preemption: the save on notice, continuous saves and the moves, {config.preemption}")
+    config.workdir.mkdir(parents=True, exist_ok=True)  # the section may run alone (--preemption-only)
+    extra = ["--cases", config.preemption] + ([] if config.s3 != "off" else ["--no-move"])
+    section = run_worker(config, "preemption", extra)
+    progress("preemption: the demo's DQN CartPole with save() after every step (bench.continuous)")
+    section["cartpole"] = run_worker(config, "continuous", ["--window", "8"])
+    return section
 
 
 def run_incremental(config: BenchConfig) -> dict[str, Any]:

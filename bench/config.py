@@ -66,6 +66,8 @@ class BenchConfig:
         fleet_seconds: how long each of them saves, once a second.
         incremental: the incremental case's state (bench/incremental.py).
         resume: the resume section's case (bench/resume.py): "small", "medium", "large" or "none".
+        preemption: the preemption section's cases (bench/preemption.py), comma-separated of
+            "small", "medium", or "none"; preemption_only: that section alone.
     """
 
     sizes: tuple[str, ...]
@@ -87,6 +89,8 @@ class BenchConfig:
     fleet_seconds: float = 60.0
     incremental: str = "medium"  # bench/incremental.py's case: "medium", "large" (1.23 GB state) or "none"
     resume: str = "medium"
+    preemption: str = "small,medium"
+    preemption_only: bool = False
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sizes if s not in SIZES]
@@ -102,6 +106,8 @@ class BenchConfig:
             raise ValueError(f"fleet must be on, off or only, saw {self.fleet!r}")
         if self.fleet_trainers < 1 or self.fleet_seconds <= 0:
             raise ValueError("the fleet needs >= 1 trainer and > 0 seconds (--fleet-trainers, --fleet-seconds)")
+        if self.preemption != "none" and not set(self.preemption.split(",")) <= {"small", "medium"}:
+            raise ValueError(f"--preemption takes small,medium or none, saw {self.preemption!r}")
         if self.limit_bytes < 1 << 20:
             raise ValueError("limit_bytes must be at least 1 MiB")
 

@@ -8,12 +8,16 @@ collect step and one train step per iteration), starts its own
 so the machine's drift falls on both alike: one with no saves, then one
 calling `RemoteCheckpointer(continuous=True).save(train_step)` after every
 step. It prints each window's steps/s, the medians, their ratio, the
-checkpointer's decisions and the mean time of a call that did not save.
+checkpointer's decisions and the mean time of a call that did not save
+(with `--out FILE`, as JSON too: `python -m bench` runs it in its preemption
+section, bench/preemption.py judges it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -30,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=10.0, help="seconds of training per window")
     parser.add_argument("--budget", type=float, default=0.05)
     parser.add_argument("--workdir", type=Path, help="where the daemon writes (default: a temp dir)")
+    parser.add_argument("--out", type=Path, help="also write the figures here, as JSON")
     args = parser.parse_args(argv)
 
     import tensorflow as tf
@@ -123,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
               f"a call that did not save: {skip_seconds / max(skips, 1) * 1e6:.0f} us mean")  # fmt: skip
         print(f"time in save(): {statistics.median(shares) * 100:.1f} % of the window (median; budget "
               f"{args.budget * 100:g} %); durable checkpoints: {checkpointer.counts}")  # fmt: skip
+        if args.out is not None:
+            args.out.write_text(json.dumps({
+                "steps_per_second": {"none": none, "continuous": continuous, "samples": rates},
+                "ratio": continuous / none, "budget": args.budget, "in_save_share": statistics.median(shares),
+                "decisions": {k: getattr(after, k) - getattr(before, k) for k in dataclasses.asdict(after)},
+            }, indent=1))  # fmt: skip
     finally:
         daemon.terminate()
     return 0

@@ -25,6 +25,7 @@ OBJECT_STORE = "object store"
 INCREMENTAL = "incremental"  # bench/incremental.py
 SAME_HOST = "same host"
 RESUME = "resume"  # bench/resume.py, bench/move.py
+PREEMPTION = "preemption"  # bench/preemption.py
 
 GROUPS = {
     CROSS_HOST: "cross-host path: a save over gRPC, against the machine's limits and the in-process saver",
@@ -38,6 +39,7 @@ GROUPS = {
     INCREMENTAL: "incremental: training checkpoints over gRPC that send only the chunks changed since the last",
     SAME_HOST: "same host: a save through shared memory, against the same save over gRPC (sections 3, 3b)",
     RESUME: "resume: a restarted trainer's restore, against the in-process Checkpointer (bench/resume.py)",
+    PREEMPTION: "preemption: the save on notice, continuous saves, a run's move (bench/preemption.py)",
 }
 
 
@@ -120,3 +122,16 @@ def at_or(node: Any, default: Any, *path: str) -> Any:
         return at(node, *path)
     except Missing:
         return default
+
+
+def targets_text(rows: list[dict[str, Any]]) -> str:
+    """The report's targets block: `rows` (bench.report.targets, judged from a run's results) by group."""
+    lines = ["", "targets (ratios against this run's own anchors; medians)"]
+    group = None
+    for t in rows:
+        if t["group"] != group:
+            group = t["group"]
+            lines.append(f"  {GROUPS.get(group, group)}")
+        where = f" [{t['size']}]" if t["size"] else ""
+        lines.append(f"    {t['status']:<12}  {t['target']}{where}: {t['detail']}")
+    return "\n".join(lines) + "\n"

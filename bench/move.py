@@ -18,6 +18,13 @@ bench/resume.py calls these (one hook each) with its live objects:
   step (a new `tf.function` of `agent.train`, traced as in a new process).
   Shown apart: register -> wait starts, the lease wait, the restore, the
   first step; their sum is the move.
+- `graceful_move`: the same two nodes, but node A is drained, not lost:
+  daemon A gets SIGTERM while the trainer holds the run on it (its
+  --notice-window of NOTICE_WINDOW s for final saves, then it drains and
+  releases its leases as it exits), and the trainer registers the run on B,
+  which takes it at once. Timed from A's exit to the trainer restored on B
+  (the target: the restore's own time + 1 s, not a lease ttl).
+  `moves` runs both on one radosgw (bench/preemption.py).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ LEASE_SECONDS = 10.0
 # The client's log lines the move's phases are read from (their record times).
 _WAIT_LOG = ("checkpointd_client.session", "waits for the run's lease")
 _FOUND_LOG = ("checkpointd_client.checkpointer", "checkpoint available")
+NOTICE_WINDOW = 1.0  # daemon A's --notice-window in the graceful move (its default is 5 s)
 
 
 def _timed(reps: int, fn: Callable[[], Any], before: Callable[[], Any]) -> dict[str, Any]:
@@ -144,59 +152,128 @@ def whole_move(
         The phases in seconds (register_to_wait, lease_wait, restore,
         first_step, total), the ttl, the bytes restored, or {"skipped": why}.
     """
-    from bench import agents
-    from checkpointd.protocol.errors import CheckpointdError
-    from checkpointd_client import RemoteCheckpointer
-    from tests.integration.daemon import start_daemon
-
     with rgw.radosgw(work / "move-rgw") as (s3, why):
         if s3 is None:
             return {"skipped": why}
-        url = f"s3://{s3.bucket}/move-{secrets.token_hex(4)}"
+        return _node_loss(s3, work, objects, step, say, lease_seconds)
 
-        def node(name: str) -> Any:
-            return start_daemon(
-                url, work / f"move-{name}", "--work-dir", str(work / f"move-{name}-state"),
-                "--s3-endpoint-url", s3.endpoint, "--s3-region", REGION,
-                "--lease-seconds", f"{lease_seconds:g}", "--no-shm", env=s3.env,
-            )  # type: ignore[arg-type]  # fmt: skip
 
-        a, b = node("a"), node("b")
+def moves(
+    work: Path, objects: dict[str, Any], step: Any, say: Callable[[str], None], lease_seconds: float = LEASE_SECONDS
+) -> dict[str, Any]:
+    """`graceful_move`, then the node loss of `whole_move`, on one radosgw: {"graceful": ..., "node_loss": ...}."""
+    with rgw.radosgw(work / "move-rgw") as (s3, why):
+        if s3 is None:
+            return {"skipped": why}
+        graceful = graceful_move(s3, work, objects, step, say, lease_seconds)
+        return {"graceful": graceful, "node_loss": _node_loss(s3, work, objects, step, say, lease_seconds)}
+
+
+def _nodes(s3: rgw.S3, work: Path, lease_seconds: float, *extra: str) -> tuple[Any, Any]:
+    """Daemons A and B on one new prefix of the bucket (two nodes), gRPC only, each `extra` flags."""
+    from tests.integration.daemon import start_daemon
+
+    url = f"s3://{s3.bucket}/move-{secrets.token_hex(4)}"
+
+    def node(name: str) -> Any:
+        return start_daemon(
+            url, work / f"move-{name}", "--work-dir", str(work / f"move-{name}-state-{secrets.token_hex(2)}"),
+            "--s3-endpoint-url", s3.endpoint, "--s3-region", REGION,
+            "--lease-seconds", f"{lease_seconds:g}", "--no-shm", *extra, env=s3.env,
+        )  # type: ignore[arg-type]  # fmt: skip
+
+    return node("a"), node("b")
+
+
+def graceful_move(
+    s3: rgw.S3, work: Path, objects: dict[str, Any], step: Any, say: Callable[[str], None], lease_seconds: float
+) -> dict[str, Any]:
+    """Node A drained (daemon A SIGTERMed while the trainer holds the run), the trainer restored on B.
+
+    Returns:
+        Seconds: A's SIGTERM -> exit (`drain`), A's exit -> restored on B
+        (`after_exit`), of which the restore itself (`restore`, from the
+        client's "checkpoint available" line); whether B waited for a lease.
+    """
+    from checkpointd.protocol.errors import CheckpointdError
+    from checkpointd_client import RemoteCheckpointer
+
+    a, b = _nodes(s3, work, lease_seconds, "--notice-window", f"{NOTICE_WINDOW:g}")
+    try:
+        say(
+            f"graceful move: a checkpoint through daemon A, then A drained (SIGTERM, --notice-window {NOTICE_WINDOW:g})"
+        )
+        old = RemoteCheckpointer("train", a.address, run="graceful", timeout=TIMEOUT, save_on_notice=False, **objects)
+        old.save(step, blocking=True).result()
+        told = time.time()
+        a.proc.terminate()  # the trainer still holds the run on A
+        code = a.proc.wait(TIMEOUT)
+        exited = time.time()
+        with contextlib.suppress(CheckpointdError):
+            old.close(timeout=1.0)
+        del old
+        with _LogTimes(_WAIT_LOG, _FOUND_LOG).installed() as log:
+            new = RemoteCheckpointer("train", b.address, run="graceful", timeout=TIMEOUT, **objects)
+            restored = time.time()
+        new.close()
+        found = log.times.get(_FOUND_LOG, exited)
+        return {
+            "notice_window": NOTICE_WINDOW,
+            "daemon_a_exit_code": code,
+            "drain": exited - told,
+            "waited": _WAIT_LOG in log.times,
+            "after_exit": restored - exited,
+            "restore": restored - found,
+        }
+    finally:
+        for d in (a, b):
+            if d.proc.poll() is None:
+                d.terminate()
+
+
+def _node_loss(
+    s3: rgw.S3, work: Path, objects: dict[str, Any], step: Any, say: Callable[[str], None], lease_seconds: float
+) -> dict[str, Any]:
+    from bench import agents
+    from checkpointd.protocol.errors import CheckpointdError
+    from checkpointd_client import RemoteCheckpointer
+
+    a, b = _nodes(s3, work, lease_seconds)
+    try:
+        say(f"move: a checkpoint through daemon A (node A), its lease ttl {lease_seconds:g} s")
+        old = RemoteCheckpointer("train", a.address, run="move", timeout=TIMEOUT, **objects)
+        old.save(step, blocking=True).result()
+        a.proc.kill()  # node A dies with its daemon, which holds the run's lease
+        a.proc.wait()
+        with contextlib.suppress(CheckpointdError):
+            old.close(timeout=1.0)  # the trainer of node A died too: nothing of it is waited for
+        del old  # its snapshot buffers (as many bytes as the state) go with it
+        say("move: the trainer registers on node B (daemon B waits out A's lease), restores, trains a step")
+        with _LogTimes(_WAIT_LOG, _FOUND_LOG).installed() as log:
+            started = time.time()
+            new = RemoteCheckpointer("train", b.address, run="move", timeout=TIMEOUT, **objects)
+            restored = time.time()
         try:
-            say(f"move: a checkpoint through daemon A (node A), its lease ttl {lease_seconds:g} s")
-            old = RemoteCheckpointer("train", a.address, run="move", timeout=TIMEOUT, **objects)
-            old.save(step, blocking=True).result()
-            a.proc.kill()  # node A dies with its daemon, which holds the run's lease
-            a.proc.wait()
-            with contextlib.suppress(CheckpointdError):
-                old.close(timeout=1.0)  # the trainer of node A died too: nothing of it is waited for
-            del old  # its snapshot buffers (as many bytes as the state) go with it
-            say("move: the trainer registers on node B (daemon B waits out A's lease), restores, trains a step")
-            with _LogTimes(_WAIT_LOG, _FOUND_LOG).installed() as log:
-                started = time.time()
-                new = RemoteCheckpointer("train", b.address, run="move", timeout=TIMEOUT, **objects)
-                restored = time.time()
-            try:
-                agents.Trainer(objects["agent"])  # the first training step, traced as in a new process
-                stepped = time.time()
-            finally:
-                new.close()
-            waited = log.times.get(_WAIT_LOG, started)
-            found = log.times.get(_FOUND_LOG, waited)
-            return {
-                "lease_seconds": lease_seconds,
-                "waited": _WAIT_LOG in log.times,
-                "register_to_wait": waited - started,
-                "lease_wait": found - waited,
-                "restore": restored - found,
-                "first_step": stepped - restored,
-                "total": stepped - started,
-                "trainer_peak_rss_bytes": _peak_rss(),
-            }
+            agents.Trainer(objects["agent"])  # the first training step, traced as in a new process
+            stepped = time.time()
         finally:
-            for d in (a, b):
-                if d.proc.poll() is None:
-                    d.terminate()
+            new.close()
+        waited = log.times.get(_WAIT_LOG, started)
+        found = log.times.get(_FOUND_LOG, waited)
+        return {
+            "lease_seconds": lease_seconds,
+            "waited": _WAIT_LOG in log.times,
+            "register_to_wait": waited - started,
+            "lease_wait": found - waited,
+            "restore": restored - found,
+            "first_step": stepped - restored,
+            "total": stepped - started,
+            "trainer_peak_rss_bytes": _peak_rss(),
+        }
+    finally:
+        for d in (a, b):
+            if d.proc.poll() is None:
+                d.terminate()
 
 
 def _peak_rss() -> int:

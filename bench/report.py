@@ -36,6 +36,7 @@ from bench.judge import (
     judge,
     median,
     not_measured,
+    targets_text,
 )
 
 # The limits of the targets judged here.
@@ -70,9 +71,10 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.extend(_grpc_memory(r, sizes))
     out.extend(incremental.targets(r))
     out.extend(_same_host(r, sizes))
-    from bench import move, resume
+    from bench import move, preemption, resume
 
     out.extend(move.report_targets(r.get("resume"), resume.SAME_HOST_VS_INPROCESS, resume.PARTIAL_VS_ALONE))
+    out.extend(preemption.targets(r.get("preemption")))
     order = list(GROUPS)
     return sorted(out, key=lambda t: order.index(t["group"]))  # stable: each group keeps its rows' order
 
@@ -415,16 +417,10 @@ def table(r: dict[str, Any]) -> str:
         ),
     )
 
-    from bench import checkpointer  # section 7, whose rows live with it
+    from bench import checkpointer, incremental, resume  # sections whose rows live with them
 
-    lines.extend(checkpointer.table(r))
-    from bench import incremental
-
-    lines.extend(incremental.table(r))
-    if r.get("resume"):
-        from bench import resume
-
-        lines.extend(["", *resume.table(r["resume"])])
+    lines.extend([*checkpointer.table(r), *incremental.table(r)])
+    lines.extend(["", *resume.table(r["resume"])] if r.get("resume") else [])
     return "\n".join(lines) + "\n"
 
 
@@ -460,33 +456,20 @@ def _counts(c: dict[str, int]) -> str:
     return text
 
 
-def targets_text(r: dict[str, Any]) -> str:
-    """The targets block, judged now from `r` (not the list the run stored)."""
-    lines = ["", "targets (ratios against this run's own anchors; medians)"]
-    group = None
-    for t in targets(r):
-        if t["group"] != group:
-            group = t["group"]
-            lines.append(f"  {GROUPS.get(group, group)}")
-        where = f" [{t['size']}]" if t["size"] else ""
-        lines.append(f"    {t['status']:<12}  {t['target']}{where}: {t['detail']}")
-    return "\n".join(lines) + "\n"
-
-
 def render(r: dict[str, Any]) -> str:
     """The whole printed report of a run's results: the table, sections 8 and 9, the targets.
 
     A part whose rows an older run cannot fill says so; the targets always print.
     """
-    from bench import fleet_report, s3_report
+    from bench import fleet_report, preemption, s3_report
 
     parts = []
-    for part in (table if "sizes" in r else s3_report.header, s3_report.table, fleet_report.table):
+    for part in (table if "sizes" in r else s3_report.header, s3_report.table, fleet_report.table, preemption.render):
         try:
             parts.append(part(r))
         except (KeyError, TypeError) as e:
             parts.append(f"\n({part.__module__}.{part.__name__}: not rendered, the results lack {e})\n")
-    return "".join(parts) + targets_text(r)
+    return "".join(parts) + targets_text(targets(r))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

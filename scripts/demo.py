@@ -6,8 +6,13 @@ state (agent, replay buffer, train step, metrics) with `RemoteCheckpointer` and
 its policies with `RemotePolicySavedModelTrigger`, preempts it part way with
 SIGTERM (the notice Kubernetes and spot VMs give: the trainer saves the step it
 reached and exits), starts a new trainer that resumes from the daemon at that
-step (0 steps lost) and finishes, then prints what happened from the daemon's
-own /metrics and the newest policy's CartPole return.
+step (0 steps lost) and finishes. Then a second job (run `<run>-continuous`)
+whose trainer calls `save()` after every step (`continuous=True`: each call
+decides locally whether it saves, within 5 % of training time) is SIGKILLed
+part way, with no notice; its next trainer resumes from the newest continuous
+save, and the demo prints the steps lost and the seconds of training they
+were. Last, what happened from the daemon's own /metrics and the newest
+policy's CartPole return.
 
 Fleet mode (`--fleet`, needs root for Ceph's packages): a local radosgw
 (scripts/rgw.sh), three daemons on one s3:// root, the trainer on daemon A;
@@ -60,7 +65,9 @@ def _print_metrics(daemon: procs.Daemon) -> None:
 def run_local(args: argparse.Namespace, cleanup: list[Callable[[], object]]) -> int:
     root = args.root.resolve()
     base = root.parent
-    shutil.rmtree(root / args.run, ignore_errors=True)  # a fresh run each time, not a resume of the last demo's
+    continuous_run = f"{args.run}-continuous"
+    for run in (args.run, continuous_run):
+        shutil.rmtree(root / run, ignore_errors=True)  # a fresh run each time, not a resume of the last demo's
     daemon = procs.start_daemon("A", ["--root", str(root)], base / "daemon")
     cleanup.append(daemon.stop)
     print(
@@ -74,12 +81,24 @@ def run_local(args: argparse.Namespace, cleanup: list[Callable[[], object]]) -> 
     job.finish(resumed)
     score, checkpoint = resumed.wait_for("return")
     resumed.proc.wait(60)
+
+    print(f"run {continuous_run}: save() after every step (continuous saves, 5 % budget), then a SIGKILL (no notice)")
+    saving = Job(
+        args, base / "logs", cleanup, run=continuous_run, trainer_args=["--continuous"], numbered_after=job.started
+    )
+    trainer = saving.train(daemon)
+    trainer.wait_for("step", lambda t: t.step >= args.kill_at and bool(t.saved))
+    saving.preempt(trainer, daemon, notice=False)
+    resumed, _ = saving.resume(daemon)
+    saving.finish(resumed)
+    resumed.proc.wait(60)
     _print_metrics(daemon)
     print(f"newest policy ({procs.shown(Path(checkpoint))}): CartPole return {score}")
     code = daemon.stop()
     print(f"daemon A stopped (exit {code})")
     print(
-        f"on disk: training checkpoints {procs.shown(root / args.run / 'train')}, "
+        f"on disk: training checkpoints {procs.shown(root / args.run / 'train')} and "
+        f"{procs.shown(root / continuous_run / 'train')}, "
         f"policies {procs.shown(root / args.run / 'policies')}, logs {procs.shown(base / 'logs')} and {procs.shown(daemon.log)}"
     )
     return 0

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job: a TF-Agents DQN trainer on CartPole that saves its whole state
 # through checkpointd, is preempted part way with SIGTERM (it saves the step it
-# reached and exits) and resumed from the daemon by a new process at that step
-# (scripts/demo.py says what it prints).
+# reached and exits) and resumed from the daemon by a new process at that step;
+# then a second trainer that saves after every step (continuous saves) is
+# SIGKILLed and resumed, and the demo prints the steps and seconds of training
+# that lost (scripts/demo.py says what it prints).
 #
 #   scripts/demo.sh            # one daemon on ./demo/checkpoints; no root needed
 #   scripts/demo.sh --fleet    # three daemons on a local S3 server (radosgw); needs root for Ceph

@@ -8,7 +8,8 @@ the trainer's daemon goes too: told with SIGTERM (a node drained: it takes
 its runs' final saves, drains, releases their leases and exits) or, without
 notice, SIGKILLed with it (a node lost). A resume starts the next trainer and
 says how many steps were lost: the step the last one reached less the step
-the new one restored.
+the new one restored, and, after a SIGKILL, the seconds of training they were
+(from the killed trainer's own step lines).
 """
 
 from __future__ import annotations
@@ -33,11 +34,25 @@ DRAIN_SECONDS = 90.0
 class Job:
     """The trainers of one run, started one after another on the daemons they are given."""
 
-    def __init__(self, args: argparse.Namespace, logs: Path, cleanup: list[Callable[[], object]]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        logs: Path,
+        cleanup: list[Callable[[], object]],
+        *,
+        run: str | None = None,
+        trainer_args: Sequence[str] = (),
+        numbered_after: int = 0,
+    ) -> None:
+        """`run` (default `args.run`) and `trainer_args` for each of its trainers; they are numbered from
+        `numbered_after` + 1 (after another job's in the same demo)."""
         self.args = args
         self.logs = logs
         self.cleanup = cleanup
-        self.started = 0
+        self.run = run or args.run
+        self.trainer_args = list(trainer_args)
+        self.started = numbered_after
+        self.killed: procs.Trainer | None = None  # the last trainer preempted without notice
         self.reached = 0  # the step the last preempted trainer reached
         self.ended = 0.0  # when it ended (time.monotonic())
         self.since = ""  # what ended it, for the resume's line
@@ -49,7 +64,8 @@ class Job:
         self.started += 1
         a = self.args
         trainer = procs.Trainer.start(
-            ["--address", daemon.address, "--run", a.run, "--steps", str(a.steps), "--save-every", str(a.save_every)]
+            ["--address", daemon.address, "--run", self.run, "--steps", str(a.steps), "--save-every", str(a.save_every)]
+            + self.trainer_args
             + list(extra),
             self.logs / f"trainer-{self.started}.log",
         )
@@ -69,9 +85,11 @@ class Job:
     def preempt(self, trainer: procs.Trainer, daemon: procs.Daemon, notice: bool, node: bool = False) -> int:
         """Preempts the newest trainer (with `node`, its daemon too); returns the step it reached."""
         n = self.started
-        self.drained = self.lost = None
+        self.drained = self.lost = self.killed = None
         if not notice:
             trainer.kill()
+            trainer.read_to_end()  # the steps it said before the kill landed
+            self.killed = trainer
             if node:
                 daemon.kill()
                 self.lost = daemon
@@ -134,6 +152,11 @@ class Job:
             f"(process start {float(process_seconds) - float(restore_seconds):.1f} s, "
             f"restore from the daemon {float(restore_seconds):.2f} s)"
         )
+        killed = self.killed
+        if killed is not None:
+            seconds = killed.seconds_between(int(step), self.reached)
+            lost = "?" if seconds is None else f"{seconds:.2f}"
+            print(f"the SIGKILL lost {self.reached - int(step)} steps: {lost} s of trainer {n - 1}'s training")
         return trainer, int(step)
 
     def finish(self, trainer: procs.Trainer) -> int:

@@ -128,6 +128,7 @@ class Trainer:
     log_start: int = 0  # where this trainer's lines begin in `log` (appended to by every demo run)
     step: int = 0
     saved: list[int] = field(default_factory=list)
+    at: dict[int, float] = field(default_factory=dict)  # each step it reached, and when (seconds since it started)
     _lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
 
     @classmethod
@@ -164,12 +165,24 @@ class Trainer:
                 code = self.proc.wait()
                 raise DemoError(f"the trainer exited ({code}) before '{kind}'; see {self.log}")
             fields = line.split()
-            if fields[0] == "step":
-                self.step = int(fields[1])
-            elif fields[0] == "saved" and fields[2] == "accepted":
-                self.saved.append(int(fields[1]))
+            self._note(fields)
             if fields[0] == kind and until(self):
                 return fields[1:]
+
+    def _note(self, fields: list[str]) -> None:
+        """Keeps what one line says of the trainer's progress."""
+        if fields[0] == "step":
+            self.step = int(fields[1])
+            self.at[self.step] = float(fields[2])
+        elif fields[0] == "saved" and fields[2] == "accepted":
+            self.saved.append(int(fields[1]))
+        elif fields[0] == "restored":  # the step it restored, when its training began
+            self.at[int(fields[1])] = float(fields[3])
+
+    def seconds_between(self, first: int, last: int) -> float | None:
+        """The seconds this trainer took from step `first` to step `last` (None: it did not say both)."""
+        start, end = self.at.get(first), self.at.get(last)
+        return None if start is None or end is None else end - start
 
     def notice(self, seconds: float = 60) -> int:
         """SIGTERM, as a preemption announced (Kubernetes, a spot VM) sends; waits until the trainer exits.
@@ -191,9 +204,7 @@ class Trainer:
                 raise DemoError(f"the trainer did not exit {seconds:.0f} s after SIGTERM; see {self.log}") from None
             if line is None:
                 return self.proc.wait()
-            fields = line.split()
-            if fields[0] == "step":
-                self.step = int(fields[1])
+            self._note(line.split())
 
     def logged(self, pattern: str) -> re.Match[str] | None:
         """The first match of `pattern` in what this trainer wrote to its log (stderr)."""
@@ -206,3 +217,15 @@ class Trainer:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+    def read_to_end(self, seconds: float = 10) -> None:
+        """After the trainer ended: reads what it said before it ended, so `step` is the last step it reached."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return  # its output was not closed (a child of it holds the pipe): what was read stands
+            if line is None:
+                return
+            self._note(line.split())

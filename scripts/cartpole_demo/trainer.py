@@ -12,12 +12,19 @@ reached before the process ends (its default, `save_on_notice=True`) and logs
 "run R: preempted at step N: saved, durable in X ms"; the trainer's log goes
 to stderr, which the demo keeps in a file.
 
+With `--continuous` it calls `save()` after every step instead of every
+`--save-every` steps, on a `RemoteCheckpointer(continuous=True)`: each call
+decides locally whether it saves, within a budget of training time (5 %), so
+a SIGKILL, which gives no notice, loses only the steps since the newest save.
+
 It talks to the demo on stdout in lines starting with `@` (the demo reads
 them; TensorFlow's own output goes to stderr too):
-`@restored STEP SECONDS`, `@step STEP`, `@saved STEP accepted|skipped`,
+`@restored STEP SECONDS`, `@step STEP SECONDS` (seconds since the process started),
+`@saved STEP accepted|skipped`,
 `@done STEP`, and with `--evaluate`, `@return RETURN CHECKPOINT`.
 
-Usage: python scripts/cartpole_demo/trainer.py --address HOST:PORT --run RUN --steps N [--evaluate ROOT]
+Usage: python scripts/cartpole_demo/trainer.py --address HOST:PORT --run RUN --steps N [--continuous]
+       [--evaluate ROOT]
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True, help="train until the train step reaches this")
     parser.add_argument("--save-every", type=int, default=1000)
     parser.add_argument("--max-to-keep", type=int, default=20)
+    parser.add_argument("--continuous", action="store_true", help="save() after every step, within a 5 %% budget")
     parser.add_argument(
         "--evaluate", type=Path, help="the daemon's local root: play one episode with the newest policy"
     )
@@ -92,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         replay_buffer=buffer,
         global_step=train_step,
         metrics=metric_utils.MetricsGroup(train_metrics, "train_metrics"),
+        continuous=args.continuous,  # each save() decides locally whether it saves (5 % of training time)
     )
     restored = int(train_step.numpy())
     _say("restored", restored, f"{time.monotonic() - restoring:.2f}", f"{time.monotonic() - _STARTED:.2f}")
@@ -113,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         train(next(iterator)[0])
         step = int(train_step.numpy())
         trigger(step)  # the policies, every --save-every steps
-        if step % args.save_every == 0:
+        if args.continuous or step % args.save_every == 0:
             ticket = checkpointer.save(train_step)  # returns at once; the daemon writes
-            _say("saved", step, "skipped" if ticket.skipped else "accepted")
-            if not ticket.skipped:  # skipped: the previous save was still in flight
+            if not ticket.skipped or not args.continuous:  # continuous: most calls decide not to save
+                _say("saved", step, "skipped" if ticket.skipped else "accepted")
+            if not ticket.skipped:  # skipped: the previous save was still in flight (or, continuous, the budget)
                 last_saved = step
-        _say("step", step)
+        _say("step", step, f"{time.monotonic() - _STARTED:.3f}")
     if last_saved != step:  # the last step's state, unless the loop's save of it was accepted
         checkpointer.save(train_step, blocking=True)
     trigger(step, force_trigger=True)  # blocks until durable

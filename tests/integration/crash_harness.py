@@ -317,7 +317,7 @@ def _published(root: Path, run: _Run, driver: _Driver) -> bool:
         return False
 
 
-def _until(condition: Callable[[], bool], timeout: float) -> bool:
+def until(condition: Callable[[], bool], timeout: float) -> bool:
     """Polls `condition` (a kill point's trigger, so as often as the disk allows) until true or `timeout`."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -451,11 +451,11 @@ def _trial(
         driver.wait_saves(rng.choice((0, 1, 2)), _DEADLINE)
         aim = rng.random()
         if aim < 1 / 3:
-            _until(lambda: _streaming(daemon.root / run.name), 3.0 * cycle[run.size] + 1.0)
+            until(lambda: _streaming(daemon.root / run.name), 3.0 * cycle[run.size] + 1.0)
         elif aim < 1 / 2:
-            _until(lambda: _batched(daemon.root / run.name), 3.0 * cycle[run.size] + 1.0)
+            until(lambda: _batched(daemon.root / run.name), 3.0 * cycle[run.size] + 1.0)
         elif aim < 2 / 3:
-            _until(lambda: _published(daemon.root, run, driver), 3.0 * cycle[run.size] + 1.0)
+            until(lambda: _published(daemon.root, run, driver), 3.0 * cycle[run.size] + 1.0)
         else:
             threading.Event().wait(rng.uniform(0.0, 1.5 * cycle[run.size]))
         driver.killed.set()
@@ -490,14 +490,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="checkpointd-crash-"))
     root = args.root or base / "root"
     figures = run_trials(args.trials, root, base / "work", sizes=sizes, seed=args.seed, log=print)
-    for failure in figures.failures:
+    counters = {"kills": dict(figures.kills), "kills_by_size": dict(figures.kills_by_size)}
+    as_json = [json.dumps({**figures.__dict__, **counters})] if args.json else []
+    return conclude(figures.failures, [figures.summary(), *as_json], base)
+
+
+def conclude(failures: Sequence[str], summary: Sequence[str], base: Path) -> int:
+    """A long mode's end: prints each failure and the summary lines; keeps `base` (the root, the logs) if any
+    failed, else removes it. Returns the exit code."""
+    for failure in failures:
         print("FAILURE", failure)
-    print(figures.summary())
-    if args.json:
-        counters = {"kills": dict(figures.kills), "kills_by_size": dict(figures.kills_by_size)}
-        print(json.dumps({**figures.__dict__, **counters}))
-    if figures.failures:
-        print(f"root and daemon log kept in {base}")
+    print("\n".join(summary))
+    if failures:
+        print(f"root and logs kept in {base}")
         return 1
     shutil.rmtree(base, ignore_errors=True)
     return 0

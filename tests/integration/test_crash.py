@@ -2,7 +2,10 @@
 
 The crash test runs a short subset of `tests.integration.crash_harness`
 (CHECKPOINTD_CRASH_TRIALS trials, default 6, small policy); the long mode is
-`python -m tests.integration.crash_harness --trials 100`.
+`python -m tests.integration.crash_harness --trials 100`. The save on notice
+has kill points of its own (`tests.integration.notice_crash`: a trainer
+SIGTERMed, then it or its daemon SIGKILLed during that save), one trial each
+here; its long mode is `python -m tests.integration.notice_crash --trials 20`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from tf_agents.trajectories import time_step as ts
 import checkpointd
 from checkpointd.storage import save_manifest
 from checkpointd_client import RemotePolicySaver
-from tests.integration import crash_harness, policies
+from tests.integration import crash_harness, notice_crash, policies
 from tests.integration.daemon import Daemon
 
 DEADLINE = 60.0
@@ -133,3 +136,16 @@ def test_kill_9_during_saves_leaves_every_save_absent_or_complete(
     assert figures.trials == trials
     assert sum(figures.kills.values()) == trials
     assert figures.saves_durable > 0 and figures.loads > 0
+
+
+def test_kill_9_during_a_save_on_notice_leaves_it_absent_or_complete_and_restore_takes_the_newest(
+    tmp_path: Path,
+    record_property,  # noqa: ANN001
+) -> None:
+    trials = len(notice_crash.POINTS)  # one per kill point: the daemon staged, committing, published; the trainer
+    figures = notice_crash.run_trials(trials, tmp_path / "root", tmp_path / "work", seed=0)
+    record_property("notice_crash_figures", figures.summary())
+    print(figures.summary())
+    assert figures.failures == [], "\n".join(figures.failures)
+    assert figures.trials == trials and figures.restores == trials
+    assert set(figures.points) == set(notice_crash.POINTS)

@@ -3,7 +3,10 @@
 A preemption with notice (SIGTERM: the local mode's, and the fleet mode's
 node A drained) must show the trainer saving the step it reached and the
 next trainer resuming there, 0 steps lost; in the fleet mode daemon B takes
-the run as drained daemon A exits, without waiting out A's lease. A node lost
+the run as drained daemon A exits, without waiting out A's lease. In the
+local mode a second job's trainer, saving continuously (`save()` after every
+step), is then SIGKILLed: its next trainer resumes from its newest committed
+save, and the demo says how many steps and seconds of training that lost. A node lost
 (the fleet mode's B, SIGKILLed with its trainer) loses the steps since the
 newest committed save, where the next trainer, on daemon C, resumes.
 
@@ -45,6 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "scripts" / "demo.sh"
 SMALL = ["--steps", "400", "--save-every", "100", "--kill-at", "250"]
 RUN = "cartpole-dqn"
+CONTINUOUS_RUN = "cartpole-dqn-continuous"  # the local mode's second job, saving after every step
 LIMIT = 600.0  # seconds any one demo run may take on a loaded machine before the test gives up
 _CANNOT_INSTALL_CEPH = 3
 
@@ -159,10 +163,14 @@ def _pids(out: str) -> list[int]:
 
 def test_local_demo_resumes_a_trainer_preempted_with_sigterm_at_the_step_it_reached(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    train = root / RUN / "train"
-    code, out, err, at_resumes = _demo("--root", str(root), *SMALL, committed=lambda _: _local_committed(train))
+    train, continuous = root / RUN / "train", root / CONTINUOUS_RUN / "train"
+
+    def committed(so_far: str) -> set[int]:  # the first resume is of RUN, the second of CONTINUOUS_RUN
+        return _local_committed(train if so_far.count("resumed at step") == 1 else continuous)
+
+    code, out, err, at_resumes = _demo("--root", str(root), *SMALL, committed=committed)
     assert code == 0, out + err
-    (at_resume,) = at_resumes
+    at_resume, at_continuous_resume = at_resumes
     sent, saved = _notice_claims(out, "preempted")
     daemon, resumed, lost, _ = _resume_claims(out, 2)
     assert daemon == "A", out
@@ -182,10 +190,26 @@ def test_local_demo_resumes_a_trainer_preempted_with_sigterm_at_the_step_it_reac
     assert reader.get_tensor("global_step/.ATTRIBUTES/VARIABLE_VALUE") == resumed
     assert max(committed) == 400 and Path(state.model_checkpoint_path).name == "ckpt-400", out
 
-    # The counts come from the daemon's /metrics: they match the saves on disk.
+    # The continuous job: trainer 3 saved after every step and was SIGKILLed past --kill-at; trainer 4 resumed
+    # from its newest committed save (one it made continuously: the job's first save would come only at
+    # --save-every without them), and the demo said the steps lost and the seconds of training they were.
+    killed = re.search(r"^preempted: SIGKILLed trainer 3 at step (\d+)$", out, re.M)
+    assert killed and int(killed[1]) >= 250, out
+    daemon, resumed, lost, _ = _resume_claims(out, 4)
+    assert daemon == "A", out
+    _check_resume(int(killed[1]), resumed, lost, at_continuous_resume)
+    # Saves between the intervals (every 100 steps here) were committed: the trainer's calls made them.
+    assert any(step % 100 for step in at_continuous_resume), sorted(at_continuous_resume)
+    said = re.search(r"^the SIGKILL lost (\d+) steps: ([\d.]+) s of trainer 3's training$", out, re.M)
+    assert said and int(said[1]) == lost and float(said[2]) >= 0, out
+    assert "trainer 4: finished at step 400, every save durable" in out
+    assert all(r.ok for r in verify_paths([continuous]))
+    assert max(_local_committed(continuous)) == 400, out
+
+    # The counts come from the daemon's /metrics (both jobs): they match the saves on disk.
     counts = re.search(r"(\d+) saves accepted, (\d+) skipped, (\d+) written \([\d.,]+ MiB\), (\d+) failed", out)
     assert counts, out
-    on_disk = verify_paths([root / RUN])
+    on_disk = verify_paths([root / RUN, root / CONTINUOUS_RUN])
     assert all(r.ok for r in on_disk)
     assert int(counts[3]) == len(on_disk) and int(counts[4]) == 0
     assert int(counts[1]) == int(counts[3]) + int(counts[4])
