@@ -71,6 +71,12 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
         "of small,medium, or none (default: small,medium; quick: none); `--preemption-only` runs it alone",
     )
     p.add_argument("--preemption-only", action="store_true", help="only the preemption section")
+    p.add_argument(
+        "--orbax",
+        choices=("on", "off"),
+        help="the Orbax row (bench/orbax.py; makes .venv-orbax with jax[cpu] and orbax-checkpoint on first use, "
+        "about 730 MB): on by default, off with --quick",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
     p.add_argument(
         "--workdir", type=Path, help="scratch directory, kept (default: a new temp dir, removed after success)"
@@ -101,6 +107,7 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
             resume=a.resume or ("none" if quick else "medium"),
             preemption=a.preemption or ("none" if quick else "small,medium"),
             preemption_only=a.preemption_only,
+            orbax=(a.orbax or ("off" if quick else "on")) == "on",
             workdir=workdir,
             keep_workdir=a.workdir is not None,
             out=a.out,
@@ -293,6 +300,9 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
         results["fleet"] = fleet.run_section(config, progress)
     if config.preemption != "none":
         results["preemption"] = run_preemption(config)
+    if config.orbax:  # issue 35's peer, in a worker process: the medians of 8, as the row was specified
+        progress("Orbax beside checkpointd: the same arrays, interleaved (bench/orbax.py)")
+        results["orbax"] = run_worker(config, "orbax", ["--reps", "8"])
     return results
 
 

@@ -68,6 +68,8 @@ class BenchConfig:
         resume: the resume section's case (bench/resume.py): "small", "medium", "large" or "none".
         preemption: the preemption section's cases (bench/preemption.py), comma-separated of
             "small", "medium", or "none"; preemption_only: that section alone.
+        orbax: run the Orbax row (bench/orbax.py: Orbax's async CheckpointManager beside
+            RemoteCheckpointer on the same arrays; its venv .venv-orbax is made on first use).
     """
 
     sizes: tuple[str, ...]
@@ -91,6 +93,7 @@ class BenchConfig:
     resume: str = "medium"
     preemption: str = "small,medium"
     preemption_only: bool = False
+    orbax: bool = True
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sizes if s not in SIZES]

@@ -431,6 +431,12 @@ def _moved(case: dict[str, Any], side: str) -> str:
     return f"{fmt_bytes(case[side]['bytes_received']['median'])} / {fmt_bytes(case[side]['bytes_copied']['median'])}"
 
 
+def render(r: dict[str, Any]) -> str:
+    """The row's part of bench.report's printed report ("" in a run without it)."""
+    lines = table(r)
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 35's: the DQN state's stall at most Orbax's, and call -> durable at most Orbax's in both cases."""
     from bench.fmt import fmt_time

@@ -71,10 +71,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.extend(_grpc_memory(r, sizes))
     out.extend(incremental.targets(r))
     out.extend(_same_host(r, sizes))
-    from bench import move, preemption, resume
+    from bench import move, orbax, preemption, resume
 
     out.extend(move.report_targets(r.get("resume"), resume.SAME_HOST_VS_INPROCESS, resume.PARTIAL_VS_ALONE))
     out.extend(preemption.targets(r.get("preemption")))
+    out.extend(orbax.targets(r))
     order = list(GROUPS)
     return sorted(out, key=lambda t: order.index(t["group"]))  # stable: each group keeps its rows' order
 
@@ -461,10 +462,11 @@ def render(r: dict[str, Any]) -> str:
 
     A part whose rows an older run cannot fill says so; the targets always print.
     """
-    from bench import fleet_report, preemption, s3_report
+    from bench import fleet_report, orbax, preemption, s3_report
 
     parts = []
-    for part in (table if "sizes" in r else s3_report.header, s3_report.table, fleet_report.table, preemption.render):
+    sections = (s3_report.table, fleet_report.table, preemption.render, orbax.render)
+    for part in (table if "sizes" in r else s3_report.header, *sections):
         try:
             parts.append(part(r))
         except (KeyError, TypeError) as e:
