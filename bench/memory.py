@@ -47,7 +47,7 @@ def daemon_memory(
 
     Call it on a daemon that has served nothing yet. "Idle" is measured
     after one save of the tiny `warmup` policy, so it is a daemon ready to
-    work (TensorFlow loaded, whether at start or at a first registration)
+    work (its first registration done)
     holding nothing of this run. The fresh daemon's RSS is reported too.
 
     Args:

@@ -393,7 +393,7 @@ def table(r: dict[str, Any]) -> str:
     mem = r["memory"]
     head("6. daemon memory (VmRSS, VmHWM)")
     per_size("fresh daemon", lambda s: fmt_bytes(mem[s]["fresh_rss_bytes"]))
-    per_size("idle (TensorFlow loaded, another run)", lambda s: fmt_bytes(mem[s]["idle_rss_bytes"]))
+    per_size("idle (after another run's save)", lambda s: fmt_bytes(mem[s]["idle_rss_bytes"]))
     per_size("peak: registration + 1st save", lambda s: fmt_bytes(mem[s]["first_save_peak_bytes"]))
     per_size("before a save (run registered)", lambda s: fmt_bytes(mem[s]["rss_before_save_bytes"]["median"]))
     per_size("peak during a save", lambda s: fmt_bytes(mem[s]["save_peak_bytes"]["median"]))

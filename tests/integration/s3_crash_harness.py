@@ -69,12 +69,10 @@ listed but gone, or gone from the listing but there): radosgw completes its
 bucket index asynchronously, and a listing once showed an object recovery
 had just deleted.
 
-Two waits are not what the trials test and are kept short: the daemon
-runs with the shortest lease ttl (`--lease-seconds 3`, where leases exist),
-since the killed daemon's leases hold its runs until they expire; and runs
-are registered once the daemon's TensorFlow preload is over (its log says
-so), since a RegisterRun during that import can fail INTERNAL on a
-circular import (a daemon bug, reported with this harness).
+One wait is not what the trials test and is kept short: the daemon runs
+with the shortest lease ttl (`--lease-seconds 3`, where leases exist),
+since the killed daemon's leases hold its runs until they expire. (The
+daemon imports no TensorFlow, so a run registers as soon as it listens.)
 
 Long mode (the pytest test runs a short subset; CHECKPOINTD_CRASH_TRIALS
 changes its count; without CHECKPOINTD_TEST_S3_ENDPOINT it starts its own
@@ -138,7 +136,6 @@ _LEASE_ARGS = ("--lease-seconds", "3") if "lease_seconds" in {f.name for f in da
 # dirs to each run's holder, which rewrites them at its next checkpoint; a
 # daemon alone rewrites them and applies max_to_keep in its start's recovery.
 _FLEET = bool(_LEASE_ARGS)
-_TF_LOADED = "TensorFlow loaded in"  # the daemon's log line once its import thread is done
 _DEADLINE = 120.0
 
 
@@ -264,21 +261,6 @@ class _S3:
             env=self.rgw.daemon_env(),
         )  # fmt: skip
 
-    def tf_loaded(self) -> int:
-        """How many daemons of this harness have logged that their TensorFlow preload is over."""
-        log = self.work / "daemon" / "daemon.log"
-        return log.read_text(errors="replace").count(_TF_LOADED) if log.exists() else 0
-
-    def wait_tf_loaded(self, daemon: Daemon, before: int) -> None:
-        """Waits until the daemon's TensorFlow preload is over (see the report of this harness:
-        a RegisterRun that arrives while the preload thread imports TensorFlow can fail INTERNAL
-        with a circular-import AttributeError; that is not what these trials test)."""
-        deadline = time.monotonic() + _DEADLINE
-        while self.tf_loaded() <= before:
-            if daemon.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not load TensorFlow:\n{daemon.log()[-3000:]}")
-            time.sleep(0.05)  # polling the daemon's log for a result, with a deadline
-
 
 class _Harness:
     def __init__(self, s3: _S3, size: str, seed: int, figures: Figures, log: Callable[[str], None]) -> None:
@@ -324,7 +306,6 @@ class _Harness:
             # peer's save in progress is younger): the kill's must be older.
             threading.Event().wait(max(0.0, self.killed_at + 2 * GRACE_SECONDS - time.monotonic()))
             began = time.monotonic()
-            loaded = self.s3.tf_loaded()
             daemon = self.s3.start()
             self.timing["start"] += time.monotonic() - began
             try:
@@ -334,7 +315,7 @@ class _Harness:
                     problems += self._final()
                     self.figures.failures += [f"after trial {trial}: {p}" for p in problems]
                     break
-                before = self._trial(daemon, loaded, problems)
+                before = self._trial(daemon, problems)
                 self.figures.failures += [f"trial {trial}: {p}" for p in problems]
                 for problem in problems:
                     self.log(f"PROBLEM trial {trial}: {problem}")
@@ -390,10 +371,8 @@ class _Harness:
         problems += s3_bucket.check_manifests(after, self.reader)
         return problems
 
-    def _trial(self, daemon: Daemon, loaded: int, problems: list[str]) -> s3_bucket.Bucket:
+    def _trial(self, daemon: Daemon, problems: list[str]) -> s3_bucket.Bucket:
         """Registers both runs, saves, kills; checks the bucket; returns it as the kill left it."""
-        with self._timed("tf preload"):
-            self.s3.wait_tf_loaded(daemon, loaded)
         # Both runs at once: each may wait for the killed daemon's lease to expire.
         opened: dict[str, Any] = {}
 
