@@ -23,6 +23,7 @@ from typing import Any
 
 from bench import fleet, report, s3
 from bench.config import FANIN_RATE_HZ, SIZES, BenchConfig
+from bench.stats import busy_cpu_seconds, own_cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_WINDOWS = {"small": 3.0, "medium": 4.0, "large": 8.0}
@@ -186,19 +187,6 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _busy_cpu_seconds() -> float:
-    """CPU-seconds every process on the machine has spent busy since boot."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_seconds() -> float:
-    """CPU-seconds of this process and every child it has waited for (workers, daemons)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def run_size(config: BenchConfig, size: str) -> dict[str, Any]:
     """Sections 1, 2, 3 and 6 for one size, in a worker process."""
     out = config.workdir / f"{size}.json"
@@ -340,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config = config_from_args(argv)
     progress(f"workdir {config.workdir}")
-    busy0, own0 = _busy_cpu_seconds(), _own_cpu_seconds()
+    busy0, own0 = busy_cpu_seconds(), own_cpu_seconds()
     try:
         results = run(config, argv)
     except BaseException:
@@ -351,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["meta"]["duration_seconds"] = time.monotonic() - _START
     results["meta"]["load_average_at_end"] = os.getloadavg()
     # Noise from outside the benchmark: CPU the rest of the machine used meanwhile.
-    other = max(0.0, (_busy_cpu_seconds() - busy0) - (_own_cpu_seconds() - own0))
+    other = max(0.0, (busy_cpu_seconds() - busy0) - (own_cpu_seconds() - own0))
     results["meta"]["other_cpu_seconds"] = other
     results["meta"]["other_cpu_share"] = other / (results["meta"]["duration_seconds"] * (os.cpu_count() or 1))
     # Every section's targets, as judged at the run (`python -m bench.report` judges a JSON anew).

@@ -26,6 +26,7 @@ INCREMENTAL = "incremental"  # bench/incremental.py
 SAME_HOST = "same host"
 RESUME = "resume"  # bench/resume.py, bench/move.py
 PREEMPTION = "preemption"  # bench/preemption.py
+PEER = "orbax"  # bench/orbax.py
 
 GROUPS = {
     CROSS_HOST: "cross-host path: a save over gRPC, against the machine's limits and the in-process saver",
@@ -40,6 +41,7 @@ GROUPS = {
     SAME_HOST: "same host: a save through shared memory, against the same save over gRPC (sections 3, 3b)",
     RESUME: "resume: a restarted trainer's restore, against the in-process Checkpointer (bench/resume.py)",
     PREEMPTION: "preemption: the save on notice, continuous saves, a run's move (bench/preemption.py)",
+    PEER: "orbax: Orbax's async CheckpointManager beside RemoteCheckpointer on the same arrays (bench/orbax.py)",
 }
 
 

@@ -327,10 +327,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = set(cases) - set(CASES)
     if unknown:
         raise ValueError(f"--orbax-cases takes {','.join(CASES)}, saw {','.join(sorted(unknown))}")
-    from bench.__main__ import _busy_cpu_seconds, _own_cpu_seconds  # the full bench's noise meter
+    from bench.stats import busy_cpu_seconds, own_cpu_seconds  # the full bench's noise meter
 
     python, install_seconds = ensure_venv(args.orbax_venv, args.orbax_python)
-    started, busy, own = time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds()
+    started, busy, own = time.monotonic(), busy_cpu_seconds(), own_cpu_seconds()
     scratch = Path(args.workdir or tempfile.mkdtemp(prefix="bench-orbax-"))
     work = scratch / "orbax"
     result: dict[str, Any] = {
@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work if args.workdir else scratch, ignore_errors=True)
     result["load_average_at_end"] = os.getloadavg()
     # Noise from outside the row (the machine is shared): CPU the rest of the machine used meanwhile.
-    other = max(0.0, (_busy_cpu_seconds() - busy) - (_own_cpu_seconds() - own))
+    other = max(0.0, (busy_cpu_seconds() - busy) - (own_cpu_seconds() - own))
     result["other_cpu_share"] = other / ((time.monotonic() - started) * (os.cpu_count() or 1))
     progress("done")
     return result
@@ -440,7 +440,7 @@ def render(r: dict[str, Any]) -> str:
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 35's: the DQN state's stall at most Orbax's, and call -> durable at most Orbax's in both cases."""
     from bench.fmt import fmt_time
-    from bench.judge import TRAINING_STATE, at_most, judge, median, not_measured
+    from bench.judge import PEER, at_most, judge, median, not_measured
 
     names = {
         ("dqn", "stall"): "Orbax row: a DQN state's save() stall (1 % of the buffer written) <= Orbax's async save",
@@ -451,7 +451,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for (case, key), name in names.items():
         if case not in cases:
-            out.append({"group": TRAINING_STATE, **not_measured(name, case, f"no {case} case of the Orbax row")})
+            out.append({"group": PEER, **not_measured(name, case, f"no {case} case of the Orbax row")})
             continue
         c = cases[case]
 
@@ -459,7 +459,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             peer = median(c, "orbax", key)
             return at_most(median(c, "shm", key), peer, fmt_time, f"Orbax {fmt_time(peer)}; checkpointd shm")
 
-        out.append(judge(name, case, measure, TRAINING_STATE))
+        out.append(judge(name, case, measure, PEER))
     return out
 
 

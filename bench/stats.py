@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -43,3 +45,16 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def busy_cpu_seconds() -> float:
+    """CPU-seconds every process on the machine has spent busy since boot (the runs' noise meter)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU-seconds of this process and every child it has waited for (workers, daemons)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system

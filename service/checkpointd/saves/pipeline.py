@@ -457,7 +457,14 @@ class SavePipeline:
             dirs.replacing(folder, request.export_dir)  # the state file lets go of an old one first
         written = save.commit(target)
         if dirs is not None:
-            dirs.committed(folder, request.export_dir)  # the state file names it once committed
+            try:  # the state file names it once committed; it is derived from the manifests, and rewritten whole
+                dirs.committed(folder, request.export_dir)
+            except Exception as e:  # the save is committed: it is durable, and the caller is told so
+                _LOGGER.warning(
+                    "committed %s of %s, but its dir's checkpoint state file was not updated (%s); the dir's "
+                    "next checkpoint writes it again from the committed saves",
+                    request.export_dir, folder, e,
+                )  # fmt: skip
         return self.store.location(target), written
 
     # Closing.
