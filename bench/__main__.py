@@ -288,7 +288,7 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
         results["fleet"] = fleet.run_section(config, progress)
     if config.preemption != "none":
         results["preemption"] = run_preemption(config)
-    if config.orbax:  # issue 35's peer, in a worker process: the medians of 8, as the row was specified
+    if config.orbax:  # the peer a JAX user would pick, in a worker process: medians of 8
         progress("Orbax beside checkpointd: the same arrays, interleaved (bench/orbax.py)")
         results["orbax"] = run_worker(config, "orbax", ["--reps", "8"])
     return results

@@ -18,8 +18,7 @@ it may still be retrying when the path comes back, and must not land.
 from __future__ import annotations
 
 import secrets
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import RemoteCheckpointer
-from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.daemon import Daemon, start_daemon, wait_until
 from tests.integration.fault_proxy import FaultProxy
 from tests.integration.rgw import Rgw
 from tests.integration.scrape import Metrics
@@ -63,15 +62,6 @@ def _steps(objects: dict[str, str]) -> set[int]:
     """The steps of the training checkpoints committed among `objects` (a manifest each)."""
     names = (k.rpartition("/")[2] for k in objects)
     return {int(n[len("ckpt-") : -len(MANIFEST)]) for n in names if n.startswith("ckpt-") and n.endswith(MANIFEST)}
-
-
-def _until(condition: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 @pytest.fixture
@@ -136,11 +126,15 @@ def test_a_lease_not_renewed_past_its_ttl_stops_the_daemon_writing_that_run_and_
 
             # A says so: its renewal, answered again, finds B's lease (checkpointd_leases_lost, its log).
             lost = lambda: Metrics(a.metrics_url).total("checkpointd_leases_lost_total")  # noqa: E731
-            assert _until(lambda: lost() >= 1, WAIT), a.log()[-3000:]
+            wait_until(lambda: lost() >= 1, "A counts the lease it lost (checkpointd_leases_lost_total)", WAIT)
             assert f"lease: lost run={RUN}" in a.log()
             # Once A holds no save in flight (the outage save's retries over), the run's objects are those A
             # left before B took it and B's save: A wrote nothing of the run since.
-            assert _until(lambda: Metrics(a.metrics_url).total("checkpointd_saves_in_flight") == 0, WAIT)
+            wait_until(
+                lambda: Metrics(a.metrics_url).total("checkpointd_saves_in_flight") == 0,
+                "A has no save in flight",
+                WAIT,
+            )
             now = _objects(client, rgw.bucket, run_prefix)
             changed = {k for k in now.keys() | as_a_left_it.keys() if now.get(k) != as_a_left_it.get(k)}
             by_b = {k for k in changed if k.rpartition("/")[2].startswith("ckpt-1001.") or k.endswith("/checkpoint")}
