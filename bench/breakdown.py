@@ -10,7 +10,7 @@ the daemon's own phase timings:
   SaveRequests), and as Chunk messages;
 - daemon-side steps, run here with the same libraries: parsing the
   requests, `upload.receive_snapshot` writing each checked chunk into the
-  tensor bundle where it goes (`formats.sink.BundleSink`, the daemon's
+  tensor bundle where it goes (`bundle.sink.BundleSink`, the daemon's
   streamed write) into the page cache, then with fsync, without and with
   the format's writeback (`durable.Writeback`), alternated;
 - end to end: stall, call -> durable, and the daemon's transfer and write,
@@ -103,10 +103,9 @@ def run(
     from bench import agents, scrape
     from bench.config import SIZES
     from bench.inprocess import fsync_tree
-    from checkpointd import durable
+    from checkpointd import bundle, durable
+    from checkpointd.bundle.sink import BundleSink
     from checkpointd.core.ports import Staged
-    from checkpointd.formats import bundle
-    from checkpointd.formats.sink import BundleSink
     from checkpointd.protocol import wire
     from checkpointd.rpc import upload
     from checkpointd.v1 import checkpointd_pb2 as pb

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
         train_modules,
     )
     from checkpointd_client.notice import NoticeOutcome, preempted
-    from checkpointd_client.restore import LatestSave
+    from checkpointd_client.restore.policies import LatestSave
     from checkpointd_client.saver import RemotePolicySaver
     from checkpointd_client.ticket import SaveCounts, SaveResult, SaveTicket
     from checkpointd_client.trigger import RemotePolicySavedModelTrigger
@@ -49,7 +49,7 @@ _LAZY = {
     "policy_saver_module": "checkpointd_client.learner",
     "ppo_learner_module": "checkpointd_client.learner",
     "train_modules": "checkpointd_client.learner",
-    "LatestSave": "checkpointd_client.restore",
+    "LatestSave": "checkpointd_client.restore.policies",
     "NoticeOutcome": "checkpointd_client.notice",
     "preempted": "checkpointd_client.notice",
     "RemotePolicySaver": "checkpointd_client.saver",

@@ -51,7 +51,7 @@ from checkpointd.protocol import wire
 from checkpointd.protocol.errors import CheckpointdError, RunClosedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_export_dir
-from checkpointd_client import checkpoint_restore, delta, notice, streams, training_saves
+from checkpointd_client import delta, notice, streams, training_saves
 from checkpointd_client.checkpoint_manager import (
     Latest,
     RemoteCheckpointManager,
@@ -62,6 +62,7 @@ from checkpointd_client.checkpoint_manager import (
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.continuous import DEFAULT_BUDGET, ContinuousSaves, Decisions, NotSavedTicket, check_budget
 from checkpointd_client.notice import Notice, NoticeOutcome, client_call
+from checkpointd_client.restore import checkpoints
 from checkpointd_client.save_call import guarded
 from checkpointd_client.session import DaemonSession, deadline_after, time_left
 from checkpointd_client.ticket import SaveCounts, SaveTicket
@@ -216,7 +217,7 @@ class RemoteCheckpointer:
             self._daemon, self._checkpoint, (self._folder, self._dir), retention,
             shared_memory=shared_memory, incremental=incremental,
         )  # fmt: skip
-        self._copies: list[checkpoint_restore.Copy] = []  # restored checkpoints TF may still read
+        self._copies: list[checkpoints.Copy] = []  # restored checkpoints TF may still read
         self._manager = RemoteCheckpointManager(self._dir, self._checkpoint, self._latest)
         try:
             if not read_only:
@@ -439,7 +440,7 @@ class RemoteCheckpointer:
 
     def _restore(self, export_dir: str) -> Any:
         children = {*self._objects, _SAVE_COUNTER}
-        restored = checkpoint_restore.restore(self._daemon, self._checkpoint, children, export_dir, self._folder)
+        restored = checkpoints.restore(self._daemon, self._checkpoint, children, export_dir, self._folder)
         if restored.copy is not None:
             self._copies.append(restored.copy)
         return restored.status

@@ -5,7 +5,7 @@ segment (`checkpointd_client.shm`). The segment still holds the previous
 snapshot when the next save is accepted: the daemon only reads it, one
 save of a run is in flight at a time, the trainer writes it only between
 the accept and its `shared_memory_written`, and the daemon lets go of it
-(`checkpointd.saves.shm.SharedMemory.release`) after that save's commit,
+(`checkpointd.transport.shm.SharedMemory.release`) after that save's commit,
 before its lane takes the next. So a save need not copy the bytes that
 are already there.
 

@@ -1,4 +1,4 @@
-"""Skip-if-busy decided by the trainer itself, under the run's busy lock (see `checkpointd.saves.shm`).
+"""Skip-if-busy decided by the trainer itself, under the run's busy lock (see `checkpointd.transport.shm`).
 
 A daemon on this host offers, with the run's segment, a lock file whose
 exclusive flock(2) is held exactly while a save of the run is in flight:

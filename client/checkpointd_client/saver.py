@@ -26,11 +26,11 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client import graph_mode, snapshot, streams
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import options as options_lib
-from checkpointd_client import restore as restore_lib
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.facade import PolicySaverFacade
 from checkpointd_client.notice import client_call
 from checkpointd_client.policy_saves import PolicySaves
+from checkpointd_client.restore import policies
 from checkpointd_client.session import DaemonSession
 from checkpointd_client.ticket import SaveCounts, SaveTicket
 
@@ -285,7 +285,7 @@ class RemotePolicySaver(PolicySaverFacade):
     # Restoring (a restarted trainer).
 
     @client_call
-    def latest(self, kind: SaveKind | None = None) -> restore_lib.LatestSave | None:
+    def latest(self, kind: SaveKind | None = None) -> policies.LatestSave | None:
         """The run's newest committed save on the daemon, or None if it has none.
 
         Found from the daemon's save manifests on disk, so it counts saves
@@ -300,10 +300,10 @@ class RemotePolicySaver(PolicySaverFacade):
             CheckpointdError: a subclass for the status the daemon answered.
         """
         self._daemon.check_open()
-        return restore_lib.latest(self._daemon, kind, self._folder)
+        return policies.latest(self._daemon, kind, self._folder)
 
     @client_call
-    def restore(self, export_dir: str | None = None) -> restore_lib.LatestSave:
+    def restore(self, export_dir: str | None = None) -> policies.LatestSave:
         """Assigns a committed save's values into the live policy, train_step and metadata.
 
         Registers the run first if this saver has not (the daemon reads the
@@ -328,7 +328,7 @@ class RemotePolicySaver(PolicySaverFacade):
         """
         self._daemon.check_open()
         reads = self._graph_reads
-        return restore_lib.restore(
+        return policies.restore_policy(
             self._daemon, export_dir, self._saves.register_template, self._numpy, self._folder,
             assign=reads.assign if reads is not None else None,
         )  # fmt: skip

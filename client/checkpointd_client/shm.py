@@ -1,4 +1,4 @@
-"""The trainer's side of the shared-memory transport (see `checkpointd.saves.shm`).
+"""The trainer's side of the shared-memory transport (see `checkpointd.transport.shm`).
 
 When the daemon's accept offers its run segment, the snapshot is copied
 straight into the mapped segment and the Save call carries one

@@ -243,7 +243,7 @@ class RestoreFilesStub:
 
     Parsing a chunk's message copies its data out of the message; the caller
     reads the chunks from the bytes gRPC received instead (see
-    `checkpointd_client.files`).
+    `checkpointd_client.restore.files`).
     """
 
     def __init__(self, channel: grpc.Channel) -> None:

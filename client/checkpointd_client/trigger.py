@@ -61,7 +61,7 @@ from tf_agents.utils import numpy_storage
 from checkpointd.protocol.errors import CheckpointdError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_export_dir, check_run_name
-from checkpointd_client.restore import LatestSave
+from checkpointd_client.restore.policies import LatestSave
 from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.ticket import SaveTicket
 

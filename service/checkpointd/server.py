@@ -42,9 +42,9 @@ from checkpointd.saves.pipeline import Formats, SavePipeline
 from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.retention import Retention
 from checkpointd.saves.runs import Lanes
-from checkpointd.saves.shm import SharedMemory
 from checkpointd.storage.local import LocalStore
 from checkpointd.storage.ownership import DirLock
+from checkpointd.transport.shm import SharedMemory
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 

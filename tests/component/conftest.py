@@ -26,9 +26,9 @@ import pytest
 
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.lane import LaneStats
-from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.ports import Leases, PhaseSink
 from checkpointd.core.retention import RetentionPolicy
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.rpc.auth import ServerAuth
 from checkpointd.saves.budget import UploadBudget

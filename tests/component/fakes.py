@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TypeVar
 
-from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.core.ports import CommittedSave, SaveMeta, SaveSink, SnapshotBytes, Staged
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol.errors import (
     InvalidRequestError,
     RunNotFoundError,
@@ -38,7 +38,7 @@ from checkpointd.protocol.errors import (
 )
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_export_dir, check_run_name
-from checkpointd.saves.shm import Segment
+from checkpointd.transport.shm import Segment
 
 _T = TypeVar("_T")
 

@@ -21,7 +21,7 @@ import crc32c
 import grpc
 import pytest
 
-from checkpointd.core.manifest import VariableSpec
+from checkpointd.core.variable_manifest import VariableSpec
 from checkpointd.rpc.messages import variable_to_pb
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc

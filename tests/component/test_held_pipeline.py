@@ -26,7 +26,7 @@ from checkpointd.saves.pipeline import Decision, Formats, LocalSkip, Result, Sav
 from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.retention import Retention
 from checkpointd.saves.runs import Lanes, TrainerDecidedError
-from checkpointd.saves.shm import SharedMemory
+from checkpointd.transport.shm import SharedMemory
 from tests.component.conftest import Rig, request
 from tests.component.fakes import LIMIT, FakeFormat, FakeStore, RecordingSink
 

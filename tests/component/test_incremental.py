@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from checkpointd.bundle import DATA_SUFFIX, INDEX_SUFFIX, chunks
 from checkpointd.core import chunk_record
 from checkpointd.core.checkpoint_spec import CheckpointSpec, TensorSpec
-from checkpointd.formats import chunks, versions
-from checkpointd.formats.bundle import DATA_SUFFIX, INDEX_SUFFIX
+from checkpointd.formats import versions
 from checkpointd.formats.training_checkpoint import STAGED_STEM, TrainingFormat
 from checkpointd.protocol import increments
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError

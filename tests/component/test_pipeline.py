@@ -17,9 +17,9 @@ from dataclasses import replace
 import pytest
 
 from checkpointd.core.lane import LaneState
-from checkpointd.core.manifest import VariableSpec
 from checkpointd.core.ports import NullPhases
 from checkpointd.core.retention import RetentionPolicy
+from checkpointd.core.variable_manifest import VariableSpec
 from checkpointd.protocol.errors import (
     ChecksumError,
     DeadlineError,

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from checkpointd.core.manifest import VariableSpec
+from checkpointd.core.variable_manifest import VariableSpec
 from checkpointd.v1 import checkpointd_pb2 as pb
 from tests.component.conftest import SNAPSHOT_BYTES, VARIABLES, Served, snapshot
 from tests.component.fakes import LIMIT, SNAPSHOT_FILE, FakeStore

@@ -65,12 +65,12 @@ import tensorflow as tf  # noqa: E402
 from checkpointd import durable  # noqa: E402
 from checkpointd.cli import verify
 from checkpointd.protocol.errors import CheckpointdError  # noqa: E402
-from checkpointd.saves import shm
-from checkpointd.saves.shm import default_shm_root  # noqa: E402
 from checkpointd.storage import (
     local,
     save_manifest,  # noqa: E402
 )
+from checkpointd.transport import shm
+from checkpointd.transport.shm import default_shm_root  # noqa: E402
 from checkpointd_client import RemotePolicySaver  # noqa: E402
 from tests.integration import policies  # noqa: E402
 from tests.integration.daemon import Daemon, start_daemon  # noqa: E402

@@ -113,9 +113,9 @@ from bench import rgw  # noqa: E402
 from bench.rgw import Rgw  # noqa: E402
 from checkpointd.core.config import ServeConfig  # noqa: E402
 from checkpointd.protocol.errors import CheckpointdError  # noqa: E402
-from checkpointd.saves import shm  # noqa: E402
-from checkpointd.saves.shm import default_shm_root  # noqa: E402
 from checkpointd.storage.s3 import S3Store, error_code  # noqa: E402
+from checkpointd.transport import shm  # noqa: E402
+from checkpointd.transport.shm import default_shm_root  # noqa: E402
 from checkpointd_client import RemoteCheckpointer, RemotePolicySaver  # noqa: E402
 from tests.integration import crash_harness, policies, s3_bucket  # noqa: E402
 from tests.integration.daemon import Daemon, start_daemon  # noqa: E402

@@ -3,7 +3,7 @@
 A property test draws random tensor sets (every dtype a TF-Agents policy,
 agent, optimizer, replay buffer or metric holds, strings, scalars, empty
 and zero-size shapes, keys with shared prefixes and non-ASCII characters),
-writes them with `checkpointd.formats.bundle` and with `tf.raw_ops.SaveV2`
+writes them with `checkpointd.bundle` and with `tf.raw_ops.SaveV2`
 in the same order, and compares both files byte for byte; then
 `tf.train.load_checkpoint` reads every value back from the daemon's copy.
 Fixed cases cover an index of several blocks and keys longer than a block.
@@ -21,7 +21,8 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpointd.formats import bundle, table
+from checkpointd import bundle
+from checkpointd.bundle import table
 
 # Every dtype the wire carries (checkpointd.protocol.tensors.ITEMSIZE), and strings.
 NUMERIC = (

@@ -3,9 +3,9 @@
 `test_bundle_identity`'s property test run the other way: TensorFlow writes
 random tensor sets (its strategy: every dtype the wire carries, strings,
 scalars, empty and zero-size shapes, keys sharing prefixes), and
-`checkpointd.formats.bundle_reader` reads every key's dtype, shape and bytes
+`checkpointd.bundle.reader` reads every key's dtype, shape and bytes
 back, each entry's CRC32C checked; the client's index reader
-(`checkpointd_client.bundle_index`, on the same table reader) agrees. A byte
+(`checkpointd_client.restore.bundle_index`, on the same table reader) agrees. A byte
 changed anywhere a checksum covers is refused as corrupt, as TensorFlow's
 reader refuses it.
 """
@@ -20,9 +20,9 @@ import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 
-from checkpointd.formats import bundle
-from checkpointd.formats.bundle_reader import BundleReader, CorruptBundleError, UnreadableBundleError
-from checkpointd_client import bundle_index
+from checkpointd import bundle
+from checkpointd.bundle.reader import BundleReader, CorruptBundleError, UnreadableBundleError
+from checkpointd_client.restore import bundle_index
 from tests.integration.test_bundle_identity import DRAWS, NUMERIC, tensors
 
 Items = list[tuple[str, str, tuple[int, ...], Any]]

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from checkpointd_client import RemoteCheckpointer, checkpoint_restore
+from checkpointd_client import RemoteCheckpointer
 from checkpointd_client.connection import ConnectionOptions
+from checkpointd_client.restore import checkpoints as checkpoint_restore
 from checkpointd_client.session import DaemonSession
 from tests.integration import training_state
 from tests.integration.daemon import Daemon, wait_until

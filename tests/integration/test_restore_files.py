@@ -28,8 +28,10 @@ import tensorflow as tf
 from checkpointd.protocol.errors import ChecksumError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import RemoteCheckpointer, checkpoint_restore, files
+from checkpointd_client import RemoteCheckpointer
 from checkpointd_client.connection import ConnectionOptions
+from checkpointd_client.restore import checkpoints as checkpoint_restore
+from checkpointd_client.restore import files
 from checkpointd_client.session import DaemonSession
 from tests.integration import training_state
 from tests.integration.daemon import Daemon

@@ -31,8 +31,10 @@ from checkpointd.protocol.errors import ChecksumError
 from checkpointd.storage.s3 import restore as s3_restore
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import RemoteCheckpointer, checkpoint_restore, files
+from checkpointd_client import RemoteCheckpointer
 from checkpointd_client.connection import ConnectionOptions
+from checkpointd_client.restore import checkpoints as checkpoint_restore
+from checkpointd_client.restore import files
 from checkpointd_client.session import DaemonSession
 from tests.integration.daemon import Daemon, start_daemon, wait_until
 

@@ -440,9 +440,9 @@ def _base_env() -> dict[str, str]:
 def test_a_streamed_data_file_goes_up_part_by_part_as_its_ranges_fill_and_commits_only_at_the_manifest(
     s3: S3, tmp_path: Path
 ) -> None:
+    from checkpointd.bundle import Entry
+    from checkpointd.bundle.sink import BundleSink
     from checkpointd.core.ports import SaveMeta, Staged
-    from checkpointd.formats.bundle import Entry
-    from checkpointd.formats.sink import BundleSink
     from checkpointd.protocol.kinds import SaveKind
     from checkpointd.storage.s3 import S3Store
 

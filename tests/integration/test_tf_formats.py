@@ -29,7 +29,7 @@ from tensorflow.core.protobuf import (
 )
 from tf_agents.policies import policy_saver
 
-from checkpointd.formats import bundle
+from checkpointd import bundle
 from checkpointd.protocol import bundle_table
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 from checkpointd.v1 import tf_formats_pb2 as ours

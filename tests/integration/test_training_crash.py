@@ -38,8 +38,8 @@ import tensorflow as tf
 
 from checkpointd.cli.verify import verify_paths
 from checkpointd.protocol.errors import CheckpointdError
-from checkpointd.saves import shm
-from checkpointd.saves.shm import default_shm_root
+from checkpointd.transport import shm
+from checkpointd.transport.shm import default_shm_root
 from checkpointd_client import RemoteCheckpointer
 from tests.integration.daemon import start_daemon
 

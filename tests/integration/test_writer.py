@@ -34,8 +34,8 @@ from tf_agents.policies import (
 from tf_agents.specs import tensor_spec
 from tf_agents.trajectories import time_step as ts
 
-from checkpointd.core.manifest import VariableSpec
 from checkpointd.core.ports import SaveMeta
+from checkpointd.core.variable_manifest import VariableSpec
 from checkpointd.formats.policy import PolicyFormat
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind

@@ -1,4 +1,4 @@
-"""checkpointd.formats.sink: a snapshot's wire parts routed into a tensor bundle as they arrive."""
+"""checkpointd.bundle.sink: a snapshot's wire parts routed into a tensor bundle as they arrive."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import crc32c
 import pytest
 
+from checkpointd import bundle
+from checkpointd.bundle import sink, table
 from checkpointd.core.ports import Staged
-from checkpointd.formats import bundle, sink, table
 from checkpointd.protocol.errors import InvalidRequestError, SaveFailedError
 
 

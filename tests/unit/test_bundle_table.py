@@ -12,7 +12,8 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from checkpointd.formats import bundle, table
+from checkpointd import bundle
+from checkpointd.bundle import table
 
 
 @pytest.mark.parametrize(

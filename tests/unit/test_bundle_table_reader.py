@@ -1,7 +1,7 @@
 """The index table's reader (checkpointd.protocol.bundle_table) and the bundle reader, on the daemon's own writer.
 
 TensorFlow's writer is the reference in tests/integration/test_bundle_reader.py;
-here, without TensorFlow: what `checkpointd.formats.table` and `bundle` write
+here, without TensorFlow: what `checkpointd.bundle.table` and `bundle` write
 reads back entry for entry, and a changed byte is refused.
 """
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.formats import bundle, table
-from checkpointd.formats.bundle_reader import BundleReader, CorruptBundleError, UnreadableBundleError, dtype_name
+from checkpointd import bundle
+from checkpointd.bundle import table
+from checkpointd.bundle.reader import BundleReader, CorruptBundleError, UnreadableBundleError, dtype_name
 from checkpointd.protocol import bundle_table
 
 

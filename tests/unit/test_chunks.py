@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpointd.bundle import chunks
 from checkpointd.core import chunk_record
 from checkpointd.durable import copies
-from checkpointd.formats import chunks
 
 C = chunks.CHUNK_BYTES
 

@@ -7,7 +7,7 @@ import random
 import crc32c
 import pytest
 
-from checkpointd.formats.crc import combine
+from checkpointd.bundle.crc import combine
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -1,6 +1,6 @@
 """Files read in place, held open: deleted or replaced at their path, they still read as the daemon vouched.
 
-`checkpointd_client.in_place.hold` opens a save's files on the daemon's
+`checkpointd_client.restore.held_files.hold` opens a save's files on the daemon's
 host, each only if its fstat is the stat the daemon vouched for, and gives
 a private dir of links to the open descriptors, which TensorFlow reads by
 path later (deferred restorations). Real files in a temp dir; no TF.
@@ -15,7 +15,7 @@ import pytest
 
 from checkpointd.protocol import wire
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import in_place
+from checkpointd_client.restore import held_files as in_place
 
 INDEX = b"the index " * 100
 DATA = os.urandom(1 << 16)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from checkpointd_client import in_place
+from checkpointd_client.restore import held_files as in_place
 
 
 def _dead_pid() -> int:

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from checkpointd.core.lane import LaneState, SaveSpec, Skipped, Ticket, TicketState, Written
-from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol.errors import (
     AlreadyExistsError,
     DeadlineError,

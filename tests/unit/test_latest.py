@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec, check_payload
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol.errors import AlreadyExistsError, InvalidRequestError, LimitExceededError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.catalog import find_latest

@@ -48,27 +48,38 @@ LAYERS: dict[str, Layer] = {
     "core": _layer({"protocol"}),
     # The durability toolkit: below formats and storage, so neither imports the other.
     "durable": _layer({"core", "protocol"}),
-    "formats": _layer({"checkpointd", "core", "durable", "protocol", "v1"}, {"crc32c", "farmhash", "google.protobuf"}),
+    # The tensor bundle, TensorFlow's format without TensorFlow: what each kind of save is written in.
+    "bundle": _layer({"core", "durable", "protocol", "v1"}, {"crc32c", "google.protobuf"}),
+    "formats": _layer(
+        {"bundle", "checkpointd", "core", "durable", "protocol", "v1"}, {"crc32c", "farmhash", "google.protobuf"}
+    ),
     "storage": _layer({"core", "durable", "protocol"}, {"crc32c"}),
     # The object store: a package with one public face (its __init__), over what local storage shares.
     "storage.s3": _layer({"core", "durable", "protocol", "storage"}, {"boto3", "botocore", "crc32c"}),
     "metrics": _layer({"core", "protocol"}, {"prometheus_client"}),
+    # The same-host shared-memory transport of snapshots (the run's segment and its busy lock).
+    "transport": _layer({"core", "protocol"}),
     # The use cases reach formats and storage only through core.ports' Protocols; server.py picks them.
-    "saves": _layer({"core", "durable", "protocol"}),
-    "rpc": _layer({"core", "protocol", "saves", "v1"}, {"grpc"}),
+    "saves": _layer({"core", "durable", "protocol", "transport"}),
+    # Restoring is a use case too: a committed save found through the saves' catalog.
+    "restores": _layer({"core", "protocol", "saves"}),
+    "rpc": _layer({"core", "protocol", "restores", "saves", "transport", "v1"}, {"grpc"}),
     # The composition root: everything below the CLI.
     "server": _layer(
         {
+            "bundle",
             "checkpointd",
             "core",
             "durable",
             "formats",
             "metrics",
             "protocol",
+            "restores",
             "rpc",
             "saves",
             "storage",
             "storage.s3",
+            "transport",
             "v1",
         },
         {"grpc", "grpc_health", "grpc_reflection", "prometheus_client"},

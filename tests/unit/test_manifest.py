@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol.errors import InvalidRequestError, LimitExceededError
 from checkpointd.protocol.tensors import ITEMSIZE
 

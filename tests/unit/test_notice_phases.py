@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from checkpointd.core.lane import SaveSpec, Ticket, TicketState, Written
-from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.notice import Notice, Phase, WindowEnd
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol.errors import UnavailableError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.runs import Lanes

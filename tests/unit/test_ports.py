@@ -7,8 +7,8 @@ capability off without an error. These pin which implementation offers what.
 
 from __future__ import annotations
 
+from checkpointd.bundle.sink import BundleSink
 from checkpointd.core import ports
-from checkpointd.formats.sink import BundleSink
 from checkpointd.saves.bases import Incremental
 from checkpointd.saves.sinks import AtWriterPriority
 from checkpointd.storage.local import LocalStore

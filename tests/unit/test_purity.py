@@ -136,7 +136,7 @@ def core() -> Probe:
 
 def test_the_probe_imported_every_core_module(core: Probe) -> None:
     _assert_walked_all_of(core, "checkpointd.core")
-    for module in ("lane", "manifest", "numpy_state", "retention", "config", "ports"):
+    for module in ("lane", "variable_manifest", "numpy_state", "retention", "config", "ports"):
         assert f"checkpointd.core.{module}" in core.imported
 
 
@@ -213,9 +213,7 @@ def test_no_daemon_module_loads_tensorflow() -> None:
     done = subprocess.run([sys.executable, "-c", _DAEMON_PROBE], capture_output=True, text=True, timeout=LIMIT)
     assert done.returncode == 0, done.stderr[-4000:]
     added = json.loads(done.stdout.splitlines()[-1])["added"]
-    assert {"checkpointd.server", "checkpointd.formats.policy_template", "checkpointd.formats.bundle_reader"} <= set(
-        added
-    )
+    assert {"checkpointd.server", "checkpointd.formats.policy_template", "checkpointd.bundle.reader"} <= set(added)
     assert [m for m in added if _within(m, ("tensorflow", "tf_agents", "keras", "tensorboard"))] == []
 
 

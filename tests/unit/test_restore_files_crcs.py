@@ -17,7 +17,7 @@ from checkpointd.core import chunk_record
 from checkpointd.core.ports import CommittedSave, SavedFile
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.saves.restore_files import cut, plan
+from checkpointd.restores.files import cut, plan
 
 CB = 10  # the record's chunk size, small so a few bytes hold many chunks
 LIMIT = 25  # the largest piece: two whole chunks fit, three do not

@@ -17,8 +17,8 @@ import pytest
 from checkpointd.core.ports import CommittedSave, SavedFile, StagesFiles
 from checkpointd.protocol.errors import ChecksumError, LimitExceededError
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.saves import restore_stage
-from checkpointd.saves.restore_files import FilePlan
+from checkpointd.restores import staged_files as restore_stage
+from checkpointd.restores.files import FilePlan
 
 PIECE = 1000
 DATA = bytes(range(256)) * 20  # 5120 bytes: several pieces, the last one short

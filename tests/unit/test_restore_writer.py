@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd_client import restore_writer
+from checkpointd_client.restore import chunk_writer as restore_writer
 
 
 def test_chunks_land_at_their_offsets_in_files_made_at_their_size(tmp_path: Path) -> None:

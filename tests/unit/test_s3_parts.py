@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from checkpointd.bundle import Entry
+from checkpointd.bundle.sink import BundleSink
 from checkpointd.core.ports import Staged
-from checkpointd.formats.bundle import Entry
-from checkpointd.formats.sink import BundleSink
 from checkpointd.storage.s3.parts import PartUpload
 
 

@@ -1,4 +1,4 @@
-"""checkpointd.saves.shm: per-run shared-memory segments, and receiving a snapshot through one."""
+"""checkpointd.transport.shm: per-run shared-memory segments, and receiving a snapshot through one."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from checkpointd.protocol import wire
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.rpc import upload
-from checkpointd.saves import shm
+from checkpointd.transport import shm
 from checkpointd.v1 import checkpointd_pb2 as pb
 from tests.unit.test_upload import Parts
 

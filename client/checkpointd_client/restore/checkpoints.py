@@ -1,6 +1,6 @@
 """RemoteCheckpointer's restore: TensorFlow's own restore over the save's files.
 
-The files come from `checkpointd_client.files` (read in place on the
+The files come from `checkpointd_client.restore.files` (read in place on the
 daemon's host, else fetched into memory, only the tensors under the
 checkpoint's own children when it holds more). `tf.train.Checkpoint.restore`
 reads them, so its semantics are TensorFlow's: deferred restoration of
@@ -28,8 +28,9 @@ import tensorflow as tf
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, describe
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import bundle_index, files, tf_checkpoint
-from checkpointd_client.restore import fetch as fetch_tensors
+from checkpointd_client import tf_checkpoint
+from checkpointd_client.restore import bundle_index, files
+from checkpointd_client.restore.policies import fetch_tensors
 from checkpointd_client.session import DaemonSession
 from checkpointd_client.stream import rpc_error
 

@@ -7,7 +7,7 @@ reader restores from them, so nothing is decoded or re-encoded:
   and the stat of each file the daemon checked against its manifest; if
   they are there with that stat, the restore reads them in place (no copy,
   no file byte over the connection), held open until closed
-  (`checkpointd_client.in_place`), so reads TensorFlow defers get the same
+  (`checkpointd_client.restore.held_files`), so reads TensorFlow defers get the same
   bytes even if retention deletes the save meanwhile. A file replaced or
   rewritten since has another stat: it is fetched, and checked, instead.
 - same host, files not local to it (an object store): the daemon lands the
@@ -43,8 +43,7 @@ from checkpointd.protocol import varint, wire
 from checkpointd.protocol.errors import ChecksumError, SaveFailedError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import bundle_index, restore_writer, staged
-from checkpointd_client import in_place as held_files
+from checkpointd_client.restore import bundle_index, chunk_writer, held_files, staged
 from checkpointd_client.stream import RestoreFilesStub
 
 _LOGGER = logging.getLogger(__name__)
@@ -260,7 +259,7 @@ def fetch(
         return Fetched(header, os.path.join(held.directory, prefix_path), held.index, 0, True, _held=held)
     stage = in_place and staged.stageable(header)
     directory = _private_dir()
-    writer = restore_writer.Writer(directory, {f.path: f.size for f in files})
+    writer = chunk_writer.Writer(directory, {f.path: f.size for f in files})
     try:
         request = pb.RestoreFilesRequest()
         request.CopyFrom(base)
@@ -401,7 +400,7 @@ def fetch_whole(stub: Stub, run: str, export_dir: str, timeout: float | None, *,
     if held is not None:
         return Fetched(header, held.directory, b"", 0, True, _held=held)
     directory = _private_dir()
-    writer = restore_writer.Writer(directory, {f.path: f.size for f in header.files})
+    writer = chunk_writer.Writer(directory, {f.path: f.size for f in header.files})
     try:
         request = pb.RestoreFilesRequest(run=run, export_dir=header.export_dir, folder=folder)
         if staged.stageable(header):

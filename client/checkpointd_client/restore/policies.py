@@ -2,7 +2,7 @@
 
 `latest` asks the daemon for a run's newest committed save; it needs no
 registration, so it works right after a trainer or daemon restart. `restore`
-registers the run, takes the save's files (`checkpointd_client.files`: read in
+registers the run, takes the save's files (`checkpointd_client.restore.files`: read in
 place on the daemon's host, else fetched into memory, each checked against its
 manifest's CRC32C), reads the values with TensorFlow's own reader, checks them
 against the policy's variables, and only then assigns them into the live
@@ -30,8 +30,9 @@ from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
 from checkpointd.protocol.names import check_export_dir
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import files, snapshot
 from checkpointd_client import numpy_state as numpy_state_lib
+from checkpointd_client import snapshot
+from checkpointd_client.restore import files
 from checkpointd_client.session import DaemonSession
 from checkpointd_client.stream import rpc_error
 
@@ -80,7 +81,7 @@ def latest(daemon: DaemonSession, kind: SaveKind | None, folder: str | None) -> 
     return LatestSave(response.path, response.export_dir, response.step, _kind(response.kind), response.unix_seconds)
 
 
-def restore(
+def restore_policy(
     daemon: DaemonSession,
     export_dir: str | None,
     register_template: RegisterTemplate,
@@ -135,7 +136,7 @@ def restore(
     # NOT_FOUND is a missing save or a daemon that forgot the run
     # (restarted): only the second is fixed by registering again.
     header, payload = daemon.retrying_lost_run(
-        lambda: fetch(daemon.stub, request, timeout), register_again, doing, lost=lambda: not _known(daemon)
+        lambda: fetch_tensors(daemon.stub, request, timeout), register_again, doing, lost=lambda: not _known(daemon)
     )
     bindings = current[0]
     bindings = bindings.ordered(header.variables)
@@ -226,7 +227,7 @@ def _known(daemon: DaemonSession) -> bool:
     return True
 
 
-def fetch(
+def fetch_tensors(
     stub: checkpointd_pb2_grpc.CheckpointServiceStub, request: pb.RestoreRequest, timeout: float | None
 ) -> tuple[pb.RestoreHeader, memoryview]:
     """The header and the whole checked payload of one Restore call.

@@ -24,8 +24,8 @@ from collections.abc import Iterator, Sequence
 
 import crc32c
 
+from checkpointd.bundle import crc as crc_math
 from checkpointd.core.chunk_record import CHUNK_BYTES, FIELD, BaseTensor, count, record
-from checkpointd.formats import crc as crc_math
 
 __all__ = ["CHUNK_BYTES", "FIELD", "BaseTensor", "ChunkLog", "count", "digests", "range_crc", "record", "spans"]
 

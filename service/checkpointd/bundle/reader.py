@@ -9,7 +9,7 @@ with TensorFlow's); a tensor's bytes are read from its shard
 masked CRC32C, as TensorFlow's `BundleReader` does before it returns a
 value. A fixed-size tensor's bytes are its little-endian C-order value; a
 string tensor's are its elements' varint64 lengths, the masked CRC32C of the
-lengths, then the elements (`checkpointd.formats.bundle` writes both).
+lengths, then the elements (`checkpointd.bundle` writes both).
 
 Errors: `CorruptBundleError` where a checksum fails (TensorFlow's DataLoss),
 `UnreadableBundleError` where the files are missing, short or not a bundle.
@@ -26,7 +26,7 @@ from pathlib import Path
 import crc32c
 from google.protobuf import message
 
-from checkpointd.formats.bundle import DATA_TYPES, INDEX_SUFFIX
+from checkpointd.bundle.writer import DATA_TYPES, INDEX_SUFFIX
 from checkpointd.protocol import bundle_table, varint
 from checkpointd.protocol.tensors import ITEMSIZE, STRING
 from checkpointd.v1 import tf_formats_pb2

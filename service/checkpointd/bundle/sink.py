@@ -7,7 +7,7 @@ wire part (a variable, a training checkpoint's tensor, the numpy state's
 bytes) goes one of three ways:
 
 - a fixed-size tensor: written into the bundle's data file where it goes
-  (`checkpointd.formats.bundle.BundleWriter`), its CRC32C folded in, never
+  (`checkpointd.bundle.BundleWriter`), its CRC32C folded in, never
   held here;
 - a string tensor (a training checkpoint's Python state): kept until
   complete, then written whole (strings are small, and their bytes follow
@@ -24,7 +24,7 @@ and CRC32C (`Staged.known`, combined from the tensors' as they were
 written), so the store's manifest does not read them back.
 
 Every fixed-size tensor's chunk digests are logged on the way
-(`checkpointd.formats.chunks`): from the CRC32C a caller checked, when its
+(`checkpointd.bundle.chunks`): from the CRC32C a caller checked, when its
 piece lies within one chunk, else summed here chunk by chunk. `copy` puts
 whole chunks in place from another bundle's data file (an incremental
 save's unchanged ranges), their CRC32Cs taken from that bundle's record:
@@ -51,10 +51,10 @@ from types import TracebackType
 
 import crc32c
 
+from checkpointd.bundle import chunks
+from checkpointd.bundle.writer import DATA_SUFFIX, INDEX_SUFFIX, BundleWriter, Entry
 from checkpointd.core.ports import Staged
 from checkpointd.durable import copies, writeback
-from checkpointd.formats import chunks
-from checkpointd.formats.bundle import DATA_SUFFIX, INDEX_SUFFIX, BundleWriter, Entry
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError
 from checkpointd.protocol.tensors import STRING
 

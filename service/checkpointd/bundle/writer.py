@@ -2,7 +2,7 @@
 
 Byte for byte what `tf.raw_ops.SaveV2` writes for the same tensors in the
 same order (`tensor_bundle.cc`, BundleWriter::Add and Finish, read for this
-module; the index is `checkpointd.formats.table`):
+module; the index is `checkpointd.bundle.table`):
 
 - the data file is the tensors one after another in the order they were
   added, with no padding (SaveV2's data_alignment is 1). A fixed-size
@@ -41,8 +41,8 @@ from types import TracebackType
 import crc32c
 
 from checkpointd import durable
-from checkpointd.formats import crc as crc_math
-from checkpointd.formats import table
+from checkpointd.bundle import crc as crc_math
+from checkpointd.bundle import table
 from checkpointd.protocol.tensors import ITEMSIZE, STRING
 
 DATA_SUFFIX = ".data-00000-of-00001"

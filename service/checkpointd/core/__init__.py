@@ -1,7 +1,7 @@
 """The pure core of checkpointd: lanes, manifests, retention choice, config, ports. Stdlib only."""
 
 from checkpointd.core.lane import Failed, Lane, LaneState, SaveSpec, Skipped, Ticket, TicketState, Written
-from checkpointd.core.manifest import Manifest, VariableSpec
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 
 __all__ = [
     "Failed",

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from checkpointd.core.manifest import check_limit
+from checkpointd.core.variable_manifest import check_limit
 from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import InvalidRequestError
 

@@ -3,7 +3,7 @@
 A committed save keeps, in its manifest (`FIELD`), its data file's suffix and
 identity (device, inode, size, modification time) and, for each fixed-size
 tensor, its place in the data file and the CRC32C of each of its chunks of
-`CHUNK_BYTES` (`checkpointd.formats.chunks` logs them as the bundle is
+`CHUNK_BYTES` (`checkpointd.bundle.chunks` logs them as the bundle is
 written). The next save of the run copies unchanged chunks from that file
 once its identity says it is still the file the digests describe.
 

@@ -83,7 +83,7 @@ class ServeConfig:
         keep_every_steps: retention: also keep older saves whose step is a
             multiple of this (needs keep_last).
         shm_root: a tmpfs where the daemon offers same-host trainers a
-            shared-memory segment per run (see checkpointd.saves.shm); default
+            shared-memory segment per run (see checkpointd.transport.shm); default
             /dev/shm where it exists; None: every snapshot comes over gRPC.
         write_nice: nice value (0-19) of the threads that write saves, so
             training on the same machine comes first; 0: normal priority.

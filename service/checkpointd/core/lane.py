@@ -11,7 +11,7 @@ holds one lock around every call and waits on its own condition variable for
 - a failure is reported to its caller and the lane keeps serving;
 - close() refuses new saves at once; queued and in-flight saves still finish.
 A save can also be in flight outside the lane's sight: a trainer that took
-the run's busy lock itself (`checkpointd.saves.shm`) and has not sent its
+the run's busy lock itself (`checkpointd.transport.shm`) and has not sent its
 header yet. Its caller then skips with `skip()`, and counts the saves a
 trainer skipped on its own with `skipped_elsewhere()`.
 """

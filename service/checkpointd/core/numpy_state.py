@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from checkpointd.core.manifest import Manifest, VariableSpec, check_limit
+from checkpointd.core.variable_manifest import Manifest, VariableSpec, check_limit
 from checkpointd.protocol.errors import InvalidRequestError
 
 # Relative to the export dir; mirrors SavedModel's variables/variables.

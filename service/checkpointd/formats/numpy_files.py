@@ -3,13 +3,13 @@
 A save's numpy state becomes `<export_dir>/numpy_state/numpy_state.{index,
 data-00000-of-00001}`: byte for byte the checkpoint that
 `tf.train.Checkpoint(numpy_arrays=state).write(prefix)` writes in the trainer,
-written by the daemon's own bundle writer (`checkpointd.formats.bundle`).
+written by the daemon's own bundle writer (`checkpointd.bundle`).
 Each array is a scalar string tensor holding NumPy's `.npy` serialization (what
 `NumpyState`'s PythonState produces), under its checkpoint key, written in the
 order of the object graph's attributes (TensorFlow's saver order), then the
 object graph itself. The daemon never parses the arrays.
 
-It is read back by `checkpointd.formats.bundle_reader`, each tensor's CRC32C checked.
+It is read back by `checkpointd.bundle.reader`, each tensor's CRC32C checked.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpointd import bundle
+from checkpointd.bundle.reader import BundleReader
 from checkpointd.core.numpy_state import PREFIX, NumpyEntry, NumpyPayload, NumpyStateSpec
-from checkpointd.formats import bundle, object_graph
-from checkpointd.formats.bundle_reader import BundleReader
+from checkpointd.formats import object_graph
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 

@@ -10,12 +10,12 @@ A SAVED_MODEL save copies the template's graph files and writes a new
 checkpoint keys and object graph, then a fingerprint computed from the result.
 A CHECKPOINT save writes the `variables/` checkpoint alone, under the keys and
 object graph of `PolicySaver.save_checkpoint`. The daemon writes the
-`variables/` bundle itself (`checkpointd.formats.bundle`), no SaveV2: the
+`variables/` bundle itself (`checkpointd.bundle`), no SaveV2: the
 tensors in the order of the object graph's nodes, which is the order
 TensorFlow's own saver uses, so the variable files are byte-identical to
 PolicySaver's for the same values. A save is opened before its snapshot
 arrives (`open`) and each variable is written where it goes as its bytes
-land (`checkpointd.formats.sink`).
+land (`checkpointd.bundle.sink`).
 The Store then commits the staged files with `checkpointd.manifest.json`
 listing each with its size and CRC32C (template files' sums are known here),
 so a crash or a bad disk can be told from a complete save without TensorFlow.
@@ -43,15 +43,16 @@ from pathlib import Path
 
 import farmhash
 
-from checkpointd import durable
+from checkpointd import bundle, durable
+from checkpointd.bundle import chunks, sink
+from checkpointd.bundle.sink import BundleSink
 from checkpointd.core.checkpoint_spec import CheckpointSpec
-from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import PREFIX as NUMPY_STATE_PREFIX
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec, check_payload
 from checkpointd.core.ports import CommittedSave, SaveValues, SnapshotBytes, Staged
-from checkpointd.formats import bundle, chunks, numpy_files, policy_template, reader, sink, versions
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
+from checkpointd.formats import numpy_files, policy_template, reader, versions
 from checkpointd.formats.policy_template import VARIABLES_PREFIX, Template
-from checkpointd.formats.sink import BundleSink
 from checkpointd.protocol import varint
 from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind

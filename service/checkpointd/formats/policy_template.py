@@ -30,7 +30,7 @@ upload carries it. The daemon checks that it parses and keeps it; each save
 replaces only its checkpoint_hash (`checkpointd.formats.policy`). No
 TensorFlow here: the protos are `checkpointd.v1.tf_formats_pb2` (wire-identical
 with TensorFlow's), the checkpoint's index is read by
-`checkpointd.formats.bundle_reader`.
+`checkpointd.bundle.reader`.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from pathlib import Path
 import crc32c
 from google.protobuf import message, text_format
 
-from checkpointd.core.manifest import Manifest
+from checkpointd.bundle.reader import BundleReader, UnreadableBundleError
 from checkpointd.core.numpy_state import DIRECTORY as NUMPY_STATE_DIRECTORY
+from checkpointd.core.variable_manifest import Manifest
 from checkpointd.formats import object_graph
-from checkpointd.formats.bundle_reader import BundleReader, UnreadableBundleError
 from checkpointd.formats.object_graph import ObjectGraph
 from checkpointd.protocol.errors import InvalidRequestError, describe
 from checkpointd.protocol.names import MANIFEST_NAME

@@ -8,7 +8,7 @@ shapes, before anything is sent, then yields each value's raw little-endian
 C-order bytes in manifest order, one tensor in memory at a time, followed by
 the numpy state's entries (see `checkpointd.formats.numpy_files`).
 
-The checkpoints are read by the daemon's own `checkpointd.formats.bundle_reader`,
+The checkpoints are read by the daemon's own `checkpointd.bundle.reader`,
 each tensor's CRC32C checked as it is read.
 """
 
@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpointd.core.manifest import Manifest
+from checkpointd.bundle.reader import BundleReader, CorruptBundleError, UnreadableBundleError
 from checkpointd.core.numpy_state import NumpyStateSpec
+from checkpointd.core.variable_manifest import Manifest
 from checkpointd.formats import numpy_files
-from checkpointd.formats.bundle_reader import BundleReader, CorruptBundleError, UnreadableBundleError
 from checkpointd.formats.policy_template import VARIABLES_PREFIX
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError, describe
 from checkpointd.protocol.kinds import SaveKind

@@ -12,7 +12,7 @@ serialized object graph) and sends it with each save. Here:
 - `open` (and `write`, for a snapshot in memory) writes the tensors under
   those keys, in the order sent, then the object graph, as the tensor bundle
   `ckpt.index` + `ckpt.data-00000-of-00001` in the staging dir
-  (`checkpointd.formats.bundle`: each tensor written as its bytes arrive);
+  (`checkpointd.bundle`: each tensor written as its bytes arrive);
   the Store commits them as `<dir>/ckpt-<step>.*` beside the dir's other
   checkpoints (`Staged.files_prefix`). The bundle is byte for byte what one
   SaveV2 call writes, and one SaveV2 call on one host device is what
@@ -23,7 +23,7 @@ serialized object graph) and sends it with each save. Here:
 
 No model code, no registration state: a new trackable type needs nothing
 here, and no TensorFlow: a committed checkpoint is read back by
-`checkpointd.formats.bundle_reader`.
+`checkpointd.bundle.reader`.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpointd import bundle
+from checkpointd.bundle import chunks, sink
+from checkpointd.bundle.reader import BundleReader, CorruptBundleError, UnreadableBundleError
+from checkpointd.bundle.sink import BundleSink
 from checkpointd.core.checkpoint_spec import CheckpointSpec, TensorSpec, check_dtypes, check_keys
-from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave, SnapshotBytes, Staged
-from checkpointd.formats import bundle, chunks, object_graph, sink, versions
-from checkpointd.formats.bundle_reader import BundleReader, CorruptBundleError, UnreadableBundleError
-from checkpointd.formats.sink import BundleSink
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
+from checkpointd.formats import object_graph, versions
 from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import (
     ChecksumError,

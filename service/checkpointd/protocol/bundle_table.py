@@ -10,8 +10,8 @@ with the handles (`varint64 offset, varint64 size`) of the metaindex and the
 index block, whose entries point at the data blocks.
 
 The one definition of these constants for the daemon's writer
-(`checkpointd.formats.table`), its bundle reader and the client's
-(`checkpointd_client.bundle_index`). `entries` reads every key and value,
+(`checkpointd.bundle.table`), its bundle reader and the client's
+(`checkpointd_client.restore.bundle_index`). `entries` reads every key and value,
 checking each block's CRC32C as TensorFlow's reader does. Stdlib and crc32c only.
 """
 

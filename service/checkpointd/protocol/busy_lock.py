@@ -1,6 +1,6 @@
 """A run's busy lock: one open file description of its lock file, and its exclusive flock(2).
 
-The daemon and same-host trainers share it (see `checkpointd.saves.shm` and
+The daemon and same-host trainers share it (see `checkpointd.transport.shm` and
 `checkpointd_client.local_decision`): a save of the run is in flight exactly while
 someone holds the lock. flock locks belong to an open file description, so
 each holder opens the file itself and holders contend even within one

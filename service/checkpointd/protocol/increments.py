@@ -1,6 +1,6 @@
 """An incremental save's requests: changed chunks as Chunks, unchanged runs of them as SameChunks.
 
-The client's side of `checkpointd.formats.chunks`: with the base's digests
+The client's side of `checkpointd.bundle.chunks`: with the base's digests
 from the accept (SaveDecision.base), each payload part is cut into the
 base's chunks, each chunk's CRC32C computed (lazily, on whichever thread
 pulls the requests: gRPC's sending thread, not the trainer's) and compared

@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from checkpointd.core.manifest import Manifest
 from checkpointd.core.ports import CommittedSave, LocalCopies, SaveFormat, SaveValues, Store
+from checkpointd.core.variable_manifest import Manifest
 from checkpointd.protocol.errors import RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves import catalog

@@ -30,7 +30,7 @@ from checkpointd.core.numpy_state import DIRECTORY as NUMPY_STATE_DIRECTORY
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveFiles, Store
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.wire import FILE_CHUNK_BYTES
-from checkpointd.saves import restore
+from checkpointd.restores import committed
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -94,13 +94,13 @@ def plan(
         header_only: send no ranges at all.
 
     Raises:
-        RunNotFoundError: no such committed save (see `checkpointd.saves.restore.find`).
+        RunNotFoundError: no such committed save (see `checkpointd.restores.committed.find`).
         InvalidRequestError: a bad export_dir, a range of no listed file or
             past its end, or a store that cannot send files.
     """
     if not isinstance(store, SaveFiles):
         raise InvalidRequestError(f"{store.describe()} cannot send a save's files; use Restore")
-    save = restore.find(store, folder, run, export_dir)
+    save = committed.find(store, folder, run, export_dir)
     files = sorted(
         (f for f in store.files_of(save) if save.prefix or f.path.startswith(_POLICY_DIRS)),
         key=lambda f: (not f.path.endswith(".index"), f.path),

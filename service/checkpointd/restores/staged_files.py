@@ -29,7 +29,7 @@ from pathlib import Path
 from checkpointd.core.ports import StagesFiles, Store
 from checkpointd.protocol import wire
 from checkpointd.protocol.errors import ChecksumError, LimitExceededError, SaveFailedError
-from checkpointd.saves.restore_files import FilePlan, pieces
+from checkpointd.restores.files import FilePlan, pieces
 
 _LOGGER = logging.getLogger(__name__)
 

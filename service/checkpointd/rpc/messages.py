@@ -11,20 +11,20 @@ from pathlib import PurePath
 
 from checkpointd.core.checkpoint_spec import CheckpointRetention, CheckpointSpec, TensorSpec
 from checkpointd.core.lane import LaneStats
-from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyStateSpec
 from checkpointd.core.ports import CheckpointValues, CommittedSave
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol import wire
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.protocol.wire import variable_to_pb
+from checkpointd.restores.committed import Opened
 from checkpointd.saves.catalog import StoredRuns
 from checkpointd.saves.pipeline import Decision, LocalSkip, Result, SaveRequest, TrainerDecided
 from checkpointd.saves.requests import BaseOffer
-from checkpointd.saves.restore import Opened
 from checkpointd.saves.runs import RunView
-from checkpointd.saves.shm import Segment
+from checkpointd.transport.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 Location = Callable[[PurePath], str]  # Store.location: where clients are told a save is

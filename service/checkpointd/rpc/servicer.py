@@ -26,11 +26,12 @@ from checkpointd.protocol import wire
 from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import LEASE_WAIT_METADATA, TMP_PREFIX, check_export_dir, check_run_name
+from checkpointd.restores import committed, files, staged_files
 from checkpointd.rpc import messages, upload
 from checkpointd.rpc.errors import grpc_errors
-from checkpointd.saves import catalog, restore, restore_files, restore_stage
+from checkpointd.saves import catalog
 from checkpointd.saves.pipeline import SavePipeline
-from checkpointd.saves.shm import Segment
+from checkpointd.transport.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 
@@ -53,7 +54,7 @@ def _wait_seconds(value: float, rpc: str) -> float | None:
     return max(value, 0.0) or 1e-9  # already passed: check once, do not wait
 
 
-def _chunk_response(piece: restore_files.Piece) -> bytes:
+def _chunk_response(piece: files.Piece) -> bytes:
     """A piece as a serialized RestoreFilesResponse(chunk=...): its bytes copied once, after a few header bytes.
 
     Its CRC32C is the one the save recorded at commit where the piece has one.
@@ -218,12 +219,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         run = check_run_name(request.run)
         manifest, folder = self._lanes.manifest(run), self._lanes.folder(run)
         with self._pipeline.retention.holding(folder):  # retention must not delete it mid-stream
-            with restore.opening(
+            with committed.opening(
                 self._pipeline.store, self._pipeline.formats, folder, run, request.export_dir, manifest
             ) as opened:  # an object store's save: a local copy until the stream ends
                 started = time.monotonic()
                 yield from messages.restore_responses(opened, manifest, location=self._pipeline.store.location)
-        restore.log_restored(run, opened, time.monotonic() - started)
+        committed.log_restored(run, opened, time.monotonic() - started)
 
     @grpc_errors
     def RestoreFiles(
@@ -241,7 +242,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 "RestoreFiles: this daemon has no staging dir (shared memory is off): ask without stage"
             )
         with self._pipeline.retention.holding(folder):  # retention must not delete it mid-stream
-            plan = restore_files.plan(store, folder, run, request.export_dir, asked, request.header_only)
+            plan = files.plan(store, folder, run, request.export_dir, asked, request.header_only)
             started = time.monotonic()
             save = plan.save
             root_stat = os.stat(root) if root is not None else None
@@ -255,14 +256,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 )
             )  # fmt: skip
             if request.stage and root is not None:
-                with restore_stage.staged(store, plan, root) as staged:
+                with staged_files.staged(store, plan, root) as staged:
                     yield pb.RestoreFilesResponse(staged=pb.StagedFiles(dir=str(staged.dir), paths=staged.paths))
-                    _until_ended(context, restore_stage.HOLD_SECONDS)
-                restore_stage.log_staged(run, plan, staged, time.monotonic() - started)
+                    _until_ended(context, staged_files.HOLD_SECONDS)
+                staged_files.log_staged(run, plan, staged, time.monotonic() - started)
                 return
-            for piece in restore_files.pieces(store, plan):
+            for piece in files.pieces(store, plan):
                 yield _chunk_response(piece)
-        restore_files.log_sent(run, plan, time.monotonic() - started)
+        files.log_sent(run, plan, time.monotonic() - started)
 
 
 def _reader_run(run: str, folder: str, call: str) -> str:

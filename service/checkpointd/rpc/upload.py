@@ -214,7 +214,7 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
 
 
 class SharedSegment(Protocol):
-    """A shared-memory segment holding a snapshot (`checkpointd.saves.shm.Segment`)."""
+    """A shared-memory segment holding a snapshot (`checkpointd.transport.shm.Segment`)."""
 
     def views(self) -> list[memoryview]: ...
 

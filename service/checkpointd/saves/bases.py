@@ -2,7 +2,7 @@
 
 A training checkpoint's base is the newest committed checkpoint of the run in
 the same dir whose manifest records its chunk digests
-(`checkpointd.formats.chunks`); a policy save's (`save`, `save_checkpoint`)
+(`checkpointd.bundle.chunks`); a policy save's (`save`, `save_checkpoint`)
 is the run's newest committed save of the same kind in the same parent dir
 (its `variables/` bundle: the same keys in the same layout). It is opened at the accept, before its
 digests are offered: the descriptor keeps its bytes readable should
@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkpointd.core import chunk_record as chunks
-from checkpointd.core.manifest import VariableSpec
 from checkpointd.core.ports import CommittedSave, CopyingSink, OrderedSink, RemoteBases, Staged, Store
 from checkpointd.core.retention import age
+from checkpointd.core.variable_manifest import VariableSpec
 from checkpointd.protocol import tensors
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind

@@ -20,7 +20,7 @@ held: no request), and the store fences the commit with it; closing the run
 releases it. A run held elsewhere is refused with RunHeldError (ABORTED).
 
 On the daemon's host a trainer may skip the decision's round trip: it takes
-the run's busy lock itself (`checkpointd.saves.shm`, `checkpointd.saves.runs`),
+the run's busy lock itself (`checkpointd.transport.shm`, `checkpointd.saves.runs`),
 copies into the run's segment and sends a trainer-decided request (`held`
 on the wire, `TrainerDecided` here), which is checked
 like any other and then started on the idle lane without a decision; the
@@ -43,7 +43,6 @@ from pathlib import Path
 
 from checkpointd.core.config import ServeConfig
 from checkpointd.core.lane import Cancelled, Failed, SaveSpec, Skipped, Ticket, Written
-from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.ports import (
     CommittedSave,
     Leases,
@@ -56,6 +55,7 @@ from checkpointd.core.ports import (
     Store,
     StreamingStore,
 )
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol.errors import (
     LimitExceededError,
     RunNotFoundError,
@@ -73,9 +73,9 @@ from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.requests import BaseOffer, Decision, LocalSkip, Receiver, Result, SaveRequest, TrainerDecided
 from checkpointd.saves.retention import Retainer
 from checkpointd.saves.runs import Lanes, TrainerDecidedError
-from checkpointd.saves.shm import RunLock, SharedMemory
 from checkpointd.saves.sinks import AtWriterPriority
 from checkpointd.saves.skip_log import SkipLog
+from checkpointd.transport.shm import RunLock, SharedMemory
 
 # The request and answer types are defined with the Save call's other values; importable from here too.
 __all__ = ["Decision", "Formats", "LocalSkip", "Receiver", "Result", "SavePipeline", "SaveRequest"]

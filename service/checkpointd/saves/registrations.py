@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from checkpointd.core.lane import Lane, LaneState, LaneStats, Ticket
-from checkpointd.core.manifest import Manifest
+from checkpointd.core.variable_manifest import Manifest
 from checkpointd.protocol.errors import AlreadyExistsError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.saves.shm import RunLock
+from checkpointd.transport.shm import RunLock
 
 
 @dataclass

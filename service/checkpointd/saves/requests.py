@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from checkpointd.core.checkpoint_spec import CheckpointSpec
-from checkpointd.core.manifest import VariableSpec
 from checkpointd.core.numpy_state import NumpyStateSpec
 from checkpointd.core.ports import SaveSink
+from checkpointd.core.variable_manifest import VariableSpec
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd.saves.shm import Segment
+from checkpointd.transport.shm import Segment
 
 _T = TypeVar("_T")
 

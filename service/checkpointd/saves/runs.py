@@ -6,7 +6,7 @@ received or written. Lock discipline: `_cond` guards `_runs`, every lane in
 it, and `_notice` (the daemon's phase, `checkpointd.core.notice`); it is
 released by `wait`, and notified whenever a lane or the phase changes state.
 
-Busy locks (`checkpointd.saves.shm.RunLock`, when the daemon has shared
+Busy locks (`checkpointd.transport.shm.RunLock`, when the daemon has shared
 memory): the daemon holds a run's lock from the accept of each save it
 decides (its lane goes from idle to busy) until the lane is idle again, so
 a trainer that takes the lock itself never meets a busy lane. While a
@@ -38,13 +38,13 @@ from checkpointd.core.lane import (
     TicketState,
     Written,
 )
-from checkpointd.core.manifest import Manifest
 from checkpointd.core.notice import Notice, WindowEnd
 from checkpointd.core.ports import Clock, MetricsSink, NullSink
+from checkpointd.core.variable_manifest import Manifest
 from checkpointd.protocol.errors import DeadlineError, RunClosedError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves.registrations import RunEntry, RunView, check_registration, unknown_run
-from checkpointd.saves.shm import RunLock
+from checkpointd.transport.shm import RunLock
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from pathlib import Path, PurePath
 from typing import cast
 
 from checkpointd.core.checkpoint_spec import CheckpointSpec
-from checkpointd.core.manifest import Manifest
 from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import (
     SaveFormat,
@@ -34,6 +33,7 @@ from checkpointd.core.ports import (
     StreamingStore,
     WatchedSink,
 )
+from checkpointd.core.variable_manifest import Manifest
 from checkpointd.protocol.errors import CheckpointdError, SaveFailedError, describe
 from checkpointd.saves.kinds import own_spec
 

@@ -18,8 +18,8 @@ from checkpointd.core.ports.sinks import SaveSink
 
 if TYPE_CHECKING:
     from checkpointd.core.checkpoint_spec import CheckpointSpec
-    from checkpointd.core.manifest import Manifest, VariableSpec
     from checkpointd.core.numpy_state import NumpyPayload, NumpyStateSpec
+    from checkpointd.core.variable_manifest import Manifest, VariableSpec
     from checkpointd.protocol.kinds import SaveKind
 
 

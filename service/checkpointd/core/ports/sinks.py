@@ -1,7 +1,7 @@
 """A save's sink: its files open in staging, taking the snapshot as it arrives, and what only some sinks do.
 
 `SaveSink` is what every format's sink does. The rest are capabilities a
-sink may have (`checkpointd.formats.sink.BundleSink` has them all), each a
+sink may have (`checkpointd.bundle.sink.BundleSink` has them all), each a
 Protocol of its own, checked with isinstance where it is used.
 """
 

@@ -1,0 +1,1 @@
+"""How a snapshot's bytes reach the daemon besides the gRPC stream: the same-host shared-memory segments."""
