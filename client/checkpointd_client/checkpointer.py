@@ -217,7 +217,7 @@ class RemoteCheckpointer:
             self._daemon, self._checkpoint, (self._folder, self._dir), retention,
             shared_memory=shared_memory, incremental=incremental,
         )  # fmt: skip
-        self._copies: list[checkpoints.Copy] = []  # restored checkpoints TF may still read
+        self._copies: list[checkpoints.KeptFiles] = []  # restored checkpoints TF may still read
         self._manager = RemoteCheckpointManager(self._dir, self._checkpoint, self._latest)
         try:
             if not read_only:

@@ -36,7 +36,7 @@ from checkpointd_client.stream import rpc_error
 
 _LOGGER = logging.getLogger(__name__)
 
-Copy = tf_checkpoint.LocalCopy | files.Fetched
+KeptFiles = tf_checkpoint.LocalCopy | files.Fetched
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Restored:
     """
 
     status: Any
-    copy: Copy | None
+    copy: KeptFiles | None
     received: int
     in_place: bool
 
@@ -109,7 +109,7 @@ def restore(
     except BaseException:
         fetched.close()
         raise
-    kept: Copy | None = fetched
+    kept: KeptFiles | None = fetched
     try:
         status.assert_consumed()  # every value found its object: none is left to defer
         fetched.close()

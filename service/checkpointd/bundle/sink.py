@@ -25,7 +25,7 @@ written), so the store's manifest does not read them back.
 
 Every fixed-size tensor's chunk digests are logged on the way
 (`checkpointd.bundle.chunks`): from the CRC32C a caller checked, when its
-piece lies within one chunk, else summed here chunk by chunk. `copy` puts
+piece lies within one chunk, else summed here chunk by chunk. `copy_from_base` puts
 whole chunks in place from another bundle's data file (an incremental
 save's unchanged ranges), their CRC32Cs taken from that bundle's record:
 the range is accounted for at once, in order, and copied by the kernel on a
@@ -180,7 +180,9 @@ class BundleSink:
                 self._writer.write_strings(route, [bytes(kept)])
                 self._written(self._writer.offsets[route], self._writer.entries[route].size)
 
-    def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
+    def copy_from_base(
+        self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]
+    ) -> None:
         """Copies `nbytes` of part `part` at `offset` from descriptor `source` at `source_offset`: whole chunks.
 
         `crcs` are the chunks' CRC32Cs as the source's record has them; the
@@ -201,13 +203,13 @@ class BundleSink:
         """Counts whole chunks of part `part` at `offset` as equal to `source`'s bytes at `source_offset`, unwritten.
 
         For a store that copies them itself (S3's UploadPartCopy): the range
-        is accounted for as `copy` does and reported to the callback given to
+        is accounted for as `copy_from_base` does and reported to the callback given to
         `watch_references`, and staging never holds its bytes.
 
         Raises:
             ChecksumError: no store takes the range (nothing watches): the
                 save is sent again in full.
-            InvalidRequestError, ValueError: as `copy`.
+            InvalidRequestError, ValueError: as `copy_from_base`.
         """
         with self._lock:
             if self._on_refer is None:

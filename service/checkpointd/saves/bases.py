@@ -259,7 +259,7 @@ class Incremental:
         if self._base.source is not None:  # an object: the store copies it server-side at commit
             self._sink.refer(part, within, length, self._base.source, base.offset + within, crcs)
         else:
-            self._sink.copy(part, within, length, self._base.fd, base.offset + within, crcs)
+            self._sink.copy_from_base(part, within, length, self._base.fd, base.offset + within, crcs)
         self._base.copied += length
 
     def write_parts(self, views: Sequence[memoryview]) -> None:

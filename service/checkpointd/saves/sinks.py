@@ -43,8 +43,10 @@ class AtWriterPriority:
             self._pool.initializer()
             self._lowered.add(threading.get_ident())
 
-    def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
-        self._copying().copy(part, offset, nbytes, source, source_offset, crcs)
+    def copy_from_base(
+        self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]
+    ) -> None:
+        self._copying().copy_from_base(part, offset, nbytes, source, source_offset, crcs)
 
     def order(self) -> list[int] | None:
         if not isinstance(self._sink, OrderedSink):

@@ -85,7 +85,9 @@ class OrderedSink(Protocol):
 class CopyingSink(SaveSink, Protocol):
     """A SaveSink that can put whole chunks in place from a base save instead of receiving them (incremental saves)."""
 
-    def copy(self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]) -> None:
+    def copy_from_base(
+        self, part: int, offset: int, nbytes: int, source: int, source_offset: int, crcs: Sequence[int]
+    ) -> None:
         """Copies part `part`'s bytes [offset, offset + nbytes) from the file open as `source`, at `source_offset`.
 
         `crcs` are the CRC32Cs of its chunks, as the base's manifest records them.
@@ -95,7 +97,7 @@ class CopyingSink(SaveSink, Protocol):
     def refer(
         self, part: int, offset: int, nbytes: int, source: object, source_offset: int, crcs: Sequence[int]
     ) -> None:
-        """As `copy`, from an object the store copies server-side at commit (`RemoteBases.base_source`)."""
+        """As `copy_from_base`, from an object the store copies server-side at commit (`RemoteBases.base_source`)."""
         ...
 
     def settle(self) -> None:
