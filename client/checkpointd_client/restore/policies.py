@@ -1,7 +1,7 @@
 """A restarted trainer's side of GetLatest and Restore.
 
 `latest` asks the daemon for a run's newest committed save; it needs no
-registration, so it works right after a trainer or daemon restart. `restore`
+registration, so it works right after a trainer or daemon restart. `restore_policy`
 registers the run, takes the save's files (`checkpointd_client.restore.files`: read in
 place on the daemon's host, else fetched into memory, each checked against its
 manifest's CRC32C), reads the values with TensorFlow's own reader, checks them
