@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from checkpointd_client import RemoteCheckpointer, checkpoint_restore
     from checkpointd_client.connection import ConnectionOptions
     from checkpointd_client.session import DaemonSession
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     case = CASES[args.case]
     work = args.workdir / f"resume-{case.name}"
@@ -251,7 +251,7 @@ def _s3(args: argparse.Namespace, work: Path, objects: dict[str, Any], children:
     from checkpointd_client import RemoteCheckpointer, checkpoint_restore
     from checkpointd_client.connection import ConnectionOptions
     from checkpointd_client.session import DaemonSession
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     rgw_dir = work / "rgw"
     say("S3: starting radosgw (scripts/rgw.sh)")

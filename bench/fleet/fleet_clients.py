@@ -7,7 +7,7 @@ writes what a trainer sends: the template files, the RegisterRunHeader
 
 `python -m bench.fleet clients ...` (`run_clients`: a client process, 64
 trainers in the section, on grpc.aio, no TensorFlow) speaks the contract
-directly, as tests/integration/raw.py does:
+directly, as tests/integration/support/raw.py does:
 
 - every trainer registers its own run (`fleet-<i>`) with those bytes and
   says so; when all have, the section writes a start time on each

@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import fleet_store
+from bench.fleet import fleet_store
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PER_PROCESS = 64  # simulated trainers per client process
 READY_TIMEOUT = 600.0
 
@@ -114,7 +114,7 @@ def run_phase(
         store0 = [fleet_store.counts(d.metrics_url) for d in daemons]
         if os.environ.get("CHECKPOINTD_BENCH_PROFILE"):
             for d in daemons:
-                os.kill(d.proc.pid, signal.SIGUSR1)  # bench.sampler: the samples start here
+                os.kill(d.proc.pid, signal.SIGUSR1)  # bench.probes.sampler: the samples start here
         for p, _ in procs:
             assert p.stdin is not None
             p.stdin.write(f"{start}\n")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench.fleet_clients import RATE_HZ
+from bench.fleet.fleet_clients import RATE_HZ
 
 P99_TARGET = 0.250
 TRAINERS = 256  # the scale, at which the p99 target is judged

@@ -9,21 +9,21 @@ TensorFlow in them (each client process checks `sys.modules` and reports
 it). One helper process with TensorFlow (`python -m bench.fleet template
 DIR`) exports the small policy once and writes what a trainer sends; then a
 few client processes (`python -m bench.fleet clients ...`, 64 trainers each,
-on grpc.aio) speak the contract directly. bench.fleet_clients is both
+on grpc.aio) speak the contract directly. bench.fleet.fleet_clients is both
 processes and says what a trainer does; this module is their command line.
 
 Phase one: one daemon on a local --root. Phase two: radosgw (scripts/rgw.sh,
 started by the section and stopped however it ends), 3 daemons on one
-`s3://BUCKET/PREFIX`, trainer i on daemon i % 3. For each, bench.fleet_phase
+`s3://BUCKET/PREFIX`, trainer i on daemon i % 3. For each, bench.fleet.fleet_phase
 runs the clients and measures (saves/s, call -> durable, the daemons' CPU,
 context switches and peak RSS per save, on S3 their requests and bytes per
 save and the object store's CPU), and this module counts the manifests
 committed (files under the local root; objects in the bucket) against the
-accepted saves. bench.fleet_report judges the targets (zero lost: accepted =
+accepted saves. bench.fleet.fleet_report judges the targets (zero lost: accepted =
 committed = manifests, and p99 <= 250 ms on one daemon) and prints the table.
 
 Diagnostics (environment, so a bench run's flags stay the same):
-CHECKPOINTD_BENCH_PROFILE=DIR runs each daemon under `bench.sampler` and
+CHECKPOINTD_BENCH_PROFILE=DIR runs each daemon under `bench.probes.sampler` and
 leaves its profile in DIR (local.txt, s3-0.txt, ...; the sampler's own CPU
 counts in CPU/save then; CHECKPOINTD_BENCH_PROFILE_MODE=cprofile: cProfile
 on every thread, by thread CPU time, instead of sampling);
@@ -48,11 +48,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import fleet_store, rgw
-from bench.fleet_clients import RATE_HZ, make_template, run_clients
-from bench.fleet_phase import ROOT, run_phase
-from bench.fleet_report import targets
-from bench.fleet_store import MANIFEST, REGION
+from bench import rgw
+from bench.fleet import fleet_store
+from bench.fleet.fleet_clients import RATE_HZ, make_template, run_clients
+from bench.fleet.fleet_phase import ROOT, run_phase
+from bench.fleet.fleet_report import targets
+from bench.fleet.fleet_store import MANIFEST, REGION
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +100,7 @@ def run_section(config: Any, progress: Callable[[str], None]) -> dict[str, Any]:
 def _local_phase(
     spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]
 ) -> dict[str, Any]:
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     progress(f"9. fleet, one daemon on a local root: {trainers} trainers x {RATE_HZ:g} save/s for {seconds:g} s")
     local = start_daemon(work / "local-root", work / "local-daemon", *_daemon_args(), wrap=_profiled("local"))
@@ -120,7 +121,7 @@ def _daemon_args() -> list[str]:
 def _s3_phase(
     config: Any, spec: Path, trainers: int, seconds: float, work: Path, progress: Callable[[str], None]
 ) -> dict[str, Any]:
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     rgw_dir = config.workdir / "fleet-rgw"
     shutil.rmtree(rgw_dir, ignore_errors=True)
@@ -167,13 +168,13 @@ def _s3_phase(
 
 
 def _profiled(name: str) -> list[str]:
-    """The command a daemon runs under: bench.sampler into $CHECKPOINTD_BENCH_PROFILE/<name>.txt, or nothing."""
+    """The command a daemon runs under: bench.probes.sampler into $CHECKPOINTD_BENCH_PROFILE/<name>.txt, or nothing."""
     folder = os.environ.get("CHECKPOINTD_BENCH_PROFILE")
     if not folder:
         return []
     Path(folder).mkdir(parents=True, exist_ok=True)
     mode = ["--cprofile"] if os.environ.get("CHECKPOINTD_BENCH_PROFILE_MODE") == "cprofile" else []
-    return [sys.executable, "-m", "bench.sampler", *mode, str(Path(folder) / f"{name}.txt"), "--"]
+    return [sys.executable, "-m", "bench.probes.sampler", *mode, str(Path(folder) / f"{name}.txt"), "--"]
 
 
 def _run(cmd: list[str], log: Path, timeout: float) -> None:

@@ -1,10 +1,10 @@
 """Orbax beside checkpointd: the same state, saved by each in turn, on the same machine and disk.
 
-`python -m bench.orbax [--reps 8] [--orbax-cases full,dqn] [--workdir DIR] [--out FILE]`
+`python -m bench.peers.orbax [--reps 8] [--orbax-cases full,dqn] [--workdir DIR] [--out FILE]`
 installs Orbax in a venv of its own on first use (`.venv-orbax/` at the repo
 root: `python3.11 -m venv`, then pip of the versions pinned below; about
 0.7 GB; reused when present) and runs Orbax there, in a child process
-(bench/orbax_peer.py, run by path, JSON over a pipe). This process holds the
+(bench/peers/orbax_peer.py, run by path, JSON over a pipe). This process holds the
 same arrays as tf.Variables and starts its own `checkpointd serve`, its root
 beside Orbax's dir. Per repetition each side changes its state the same way
 (not timed), then saves it; the order rotates each repetition so the
@@ -43,11 +43,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.orbax_peer import fill
+from bench.peers.orbax_peer import fill
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).with_name("orbax_peer.py")
 VENV = ROOT / ".venv-orbax"
 # The versions this row was measured with. Pinned because Orbax's defaults
@@ -104,11 +104,11 @@ def ensure_venv(venv: Path, python: str) -> tuple[Path, float | None]:
 
 
 class OrbaxPeer:
-    """The child process of Orbax's venv: one request, one reply (bench/orbax_peer.py says the protocol)."""
+    """The child process of Orbax's venv: one request, one reply (bench/peers/orbax_peer.py says the protocol)."""
 
     def __init__(self, python: Path, directory: Path, log: Path) -> None:
         self._log = log
-        # -I: neither this process's PYTHONPATH nor the script's dir (bench/, whose orbax.py would shadow Orbax).
+        # -I: neither this process's PYTHONPATH nor the script's dir (bench/peers/, whose orbax.py would shadow Orbax).
         with open(log, "ab") as err:
             self._proc = subprocess.Popen(
                 [str(python), "-I", str(PEER), str(directory)],
@@ -239,7 +239,7 @@ def run_case(case: str, args: argparse.Namespace, python: Path, work: Path) -> d
 
     from bench.stats import summarize
     from checkpointd_client import RemoteCheckpointer
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     progress(f"{case}: building the state")
     objects, specs, change = _state(case, tf)
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.orbax", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.peers.orbax", description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=8, help="interleaved repetitions per case (default 8)")
     parser.add_argument("--workdir", type=Path, help="where both sides write (default: a temp dir; one disk)")
     parser.add_argument("--out", type=Path, help="the results as JSON")

@@ -1,6 +1,6 @@
-"""The Orbax side of `bench.orbax`: run by path with the Orbax venv's Python, never imported by the bench.
+"""The Orbax side of `bench.peers.orbax`: run by path with the Orbax venv's Python, never imported by the bench.
 
-`.venv-orbax/bin/python bench/orbax_peer.py DIR` holds a pytree of JAX
+`.venv-orbax/bin/python bench/peers/orbax_peer.py DIR` holds a pytree of JAX
 arrays and an async `orbax.checkpoint.CheckpointManager` writing under DIR,
 and answers the bench over a pipe: one JSON object a line on stdin, one
 JSON reply a line on stdout (everything JAX and Orbax print goes to stderr).
@@ -9,7 +9,7 @@ in a venv without TensorFlow or checkpointd.
 
 Requests:
 - `{"op": "build", "arrays": [{"name", "shape", "dtype", "change"}], "seed": S}`:
-  the arrays, filled as the bench fills its own (see `bench.orbax.fill`);
+  the arrays, filled as the bench fills its own (see `bench.peers.orbax.fill`);
   `change` says what a save's change rewrites: "all" every value, "rows" the
   rows given with the save, "none" nothing. Reply: the bytes held, versions.
 - `{"op": "save", "step": N, "rows": [start, n] | null}`: the change (every
@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any
 
-# Run by path, this file's dir (bench/, which holds bench/orbax.py) would shadow the `orbax` package.
+# Run by path, this file's dir (bench/peers/, which holds orbax.py) would shadow the `orbax` package.
 if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]
 

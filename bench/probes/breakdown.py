@@ -1,6 +1,6 @@
 """Where a checkpointd save's time goes, step by step, for one policy size.
 
-`python -m bench.breakdown --size large` times, on the real policy, each step
+`python -m bench.probes.breakdown --size large` times, on the real policy, each step
 of the save path in isolation, then whole saves against a real daemon with
 the daemon's own phase timings:
 
@@ -59,7 +59,7 @@ def _time(label: str, fn: Callable[[], Any], reps: int, out: dict[str, float]) -
 
 def _py_spy() -> str | None:
     """The py-spy executable: on PATH, or in the repo's .venv-tools."""
-    tools = Path(__file__).resolve().parents[1] / ".venv-tools" / "bin" / "py-spy"
+    tools = Path(__file__).resolve().parents[2] / ".venv-tools" / "bin" / "py-spy"
     return shutil.which("py-spy") or (str(tools) if tools.exists() else None)
 
 
@@ -112,7 +112,7 @@ def run(
     from checkpointd.v1 import checkpointd_pb2 as pb
     from checkpointd_client import RemotePolicySaver
     from checkpointd_client import snapshot as snapshots
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     size = SIZES[size_name]
     daemon = start_daemon(workdir / "root", workdir / "work")
@@ -279,7 +279,9 @@ class _Active:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.breakdown", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.probes.breakdown",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--size", default="large")
     p.add_argument("--reps", type=int, default=3)

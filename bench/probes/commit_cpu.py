@@ -1,6 +1,6 @@
 """The daemon's CPU per small policy save, from accept to commit, measured in-process without gRPC.
 
-`python -m bench.commit_cpu` builds the real daemon (`checkpointd.server.Server`
+`python -m bench.probes.commit_cpu` builds the real daemon (`checkpointd.server.Server`
 on a local --root, at its defaults but for `--fsync`/`--no-fsync`), registers
 `--runs` runs with the fleet section's small policy (`bench.fleet`'s template:
 exported once with TensorFlow into `--template`, reused when it is there) and
@@ -214,7 +214,7 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.commit_cpu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.commit_cpu", description=__doc__.split("\n")[0])
     parser.add_argument("--template", type=Path, default=Path(tempfile.gettempdir()) / "checkpointd-fleet-template")
     parser.add_argument("--runs", type=int, default=16, help="runs saved round robin (default 16)")
     parser.add_argument("--saves", type=int, default=1000, help="measured saves (default 1000)")

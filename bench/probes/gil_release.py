@@ -1,6 +1,6 @@
 """What a call that lets go of the GIL costs a busy daemon: formats/policy.py's checkpoint_hash, two ways.
 
-`python -m bench.gil_release` times the fingerprint of a small policy's
+`python -m bench.probes.gil_release` times the fingerprint of a small policy's
 variables.index (800 bytes) by TensorFlow's Fingerprint op (eager) and by
 pyfarmhash's fingerprint64 (the same farmhash Fingerprint64), first alone,
 then beside one thread running Python. A call that drops the GIL (as the

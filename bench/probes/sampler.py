@@ -1,6 +1,6 @@
 """A sampling profiler for the daemon under a bench load: every thread's Python stack, a few hundred times a second.
 
-`python -m bench.sampler OUT -- python -m checkpointd serve ...` runs the
+`python -m bench.probes.sampler OUT -- python -m checkpointd serve ...` runs the
 command's module in this process (so the daemon keeps this pid) with a
 thread that samples `sys._current_frames()` every `--interval` seconds, and
 at exit writes OUT: per thread-name group (rpc, write, fsync, ...) the
@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interval, args = float(args[1]), args[2:]
     out, sep, command = args[0], args[1], args[2:]
     if sep != "--" or len(command) < 3 or command[1] != "-m":
-        raise SystemExit("usage: python -m bench.sampler [--interval S] OUT -- python -m MODULE ARGS...")
+        raise SystemExit("usage: python -m bench.probes.sampler [--interval S] OUT -- python -m MODULE ARGS...")
     sampler = Sampler(interval)
     started = time.monotonic()
 

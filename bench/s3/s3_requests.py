@@ -1,6 +1,6 @@
 """CPU per small S3 request: the store's `SignedRequests` beside the boto3 client, in one run.
 
-`python -m bench.s3_requests` starts a radosgw of its own (scripts/rgw.sh;
+`python -m bench.s3.s3_requests` starts a radosgw of its own (scripts/rgw.sh;
 `--endpoint URL --bucket B` with the AWS_* variables set uses another
 plain-HTTP S3 server instead) and makes `--requests` PutObjects of `--size`
 bytes through each contender, one at a time, in `--rounds` interleaved
@@ -126,7 +126,7 @@ def _cpu_per_request(put: Put, requests: int, body: bytes, round_: int) -> float
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.s3_requests", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.s3.s3_requests", description=__doc__.split("\n\n")[0])
     parser.add_argument("--endpoint", help="a plain-HTTP S3 endpoint (default: start a radosgw)")
     parser.add_argument("--bucket", help="the bucket at --endpoint")
     parser.add_argument("--requests", type=int, default=2000, help="PutObjects per contender and round")

@@ -35,7 +35,7 @@ own prefix from DIR's `service/` and saves to it in the same rotation; its
 stall and call -> committed are in the JSON under "s3_base" (not in the
 table, and not a target).
 
-bench.s3_report judges the targets (S3 commit throughput against the raw
+bench.s3.s3_report judges the targets (S3 commit throughput against the raw
 boto3 PUT, the stall on S3 against the local root's, the bytes uploaded per
 save) and prints the section's table.
 """
@@ -56,13 +56,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import rgw, s3_raw
+from bench import rgw
 from bench.rgw import unavailable as rgw_unavailable
-from bench.s3_report import targets
+from bench.s3 import s3_raw
+from bench.s3.s3_report import targets
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REGION = s3_raw.REGION
 SAVE_TIMEOUT = 900.0
 _START = time.monotonic()
@@ -230,7 +231,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     from checkpointd.storage.s3 import make_client
     from checkpointd.storage.save_manifest import MANIFEST_NAME
     from checkpointd_client import RemotePolicySaver
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     size = SIZES[args.size]
     say = lambda message: _progress(size.name, message)  # noqa: E731

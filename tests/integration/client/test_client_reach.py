@@ -29,8 +29,8 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client import DeadlineError, RemoteCheckpointer, RemotePolicySaver, UnavailableError
 from checkpointd_client.session import DaemonSession
 from checkpointd_client.ticket import SaveCounts, SaveTicket
-from tests.integration import policies
-from tests.integration.daemon import Daemon
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon
 
 WAIT = 60.0  # seconds; every wait here is bounded by it
 # The savers' RPC deadline: a call to the stopped daemon ends refused (UnavailableError)

@@ -38,12 +38,12 @@ from checkpointd_client import (
     RemotePolicySaver,
 )
 from checkpointd_client import template as client_template
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon
 
 # test_fuzz.py imports Template, export_template and listing from this module.
-from tests.integration.disk import listing
-from tests.integration.raw import (
+from tests.integration.support.disk import listing
+from tests.integration.support.raw import (
     RawSave,
     Run,
     Stub,

@@ -1,11 +1,11 @@
 """Crash consistency: save manifests, `checkpointd verify`, and kill -9 during saves.
 
-The crash test runs a short subset of `tests.integration.crash_harness`
+The crash test runs a short subset of `tests.integration.support.crash_harness`
 (CHECKPOINTD_CRASH_TRIALS trials, default 6, small policy); the long mode is
-`python -m tests.integration.crash_harness --trials 100`. The save on notice
-has kill points of its own (`tests.integration.notice_crash`: a trainer
+`python -m tests.integration.support.crash_harness --trials 100`. The save on notice
+has kill points of its own (`tests.integration.support.notice_crash`: a trainer
 SIGTERMed, then it or its daemon SIGKILLed during that save), one trial each
-here; its long mode is `python -m tests.integration.notice_crash --trials 20`.
+here; its long mode is `python -m tests.integration.support.notice_crash --trials 20`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from tf_agents.trajectories import time_step as ts
 import checkpointd
 from checkpointd.storage import save_manifest
 from checkpointd_client import RemotePolicySaver
-from tests.integration import crash_harness, notice_crash, policies
-from tests.integration.daemon import Daemon
+from tests.integration.support import crash_harness, notice_crash, policies
+from tests.integration.support.daemon import Daemon
 
 DEADLINE = 60.0
 RUN = "crash-manifest"

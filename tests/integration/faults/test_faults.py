@@ -7,7 +7,7 @@ the run's lane serves the next save at once (accepted, not skipped).
 Disk full uses a 2 MiB tmpfs as the daemon's --root (falling back to a
 loop-mounted ext4 image, else skipping with the reason): it needs root, as
 does a run folder remounted read-only under the running daemon (a tmpfs of its own).
-An fsync that fails EIO comes from a FUSE layer (tests/integration/eio_fs.py):
+An fsync that fails EIO comes from a FUSE layer (tests/integration/support/eio_fs.py):
 it needs /dev/fuse, root and fusepy (in the test extra),
 else it skips; device-mapper's error target would need the dm module, which
 this kernel lacks.
@@ -40,11 +40,11 @@ from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemotePolicySaver, snapshot, template
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.session import DaemonSession
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon, wait_until
-from tests.integration.disk import read_only
-from tests.integration.raw import RawSave, run_status
-from tests.integration.scrape import Metrics
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon, wait_until
+from tests.integration.support.disk import read_only
+from tests.integration.support.raw import RawSave, run_status
+from tests.integration.support.scrape import Metrics
 
 DEADLINE = 30.0  # any single wait in these tests
 
@@ -448,8 +448,8 @@ def eio_disk(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     )
     log = open(tmp_path / "eio_fs.log", "wb")  # noqa: SIM115 - open while the filesystem runs
     fs = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.eio_fs", str(backing), str(mount), str(flag)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2],
+        [sys.executable, "-m", "tests.integration.support.eio_fs", str(backing), str(mount), str(flag)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[3],
     )  # fmt: skip
     try:
         wait_until(lambda: os.path.ismount(mount) or fs.poll() is not None, "the FUSE filesystem mounted", DEADLINE)

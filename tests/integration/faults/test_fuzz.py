@@ -47,7 +47,7 @@ fails if one of those inputs gets INTERNAL again).
 
 The default run is derandomized (CI reproducible): 600 examples, ~620 requests,
 ~10 s of requests after ~15 s building the template on a 2-core box. Long mode, 10,000 examples:
-`CHECKPOINTD_FUZZ_EXAMPLES=10000 pytest tests/integration/test_fuzz.py -k fuzzed -s`
+`CHECKPOINTD_FUZZ_EXAMPLES=10000 pytest tests/integration/faults/test_fuzz.py -k fuzzed -s`
 (it prints the requests sent, the histogram of codes, crashes and wall time);
 add `CHECKPOINTD_FUZZ_SEED=N` for a fresh random sequence instead of the
 derandomized one (what found the export dir names too long for the daemon's
@@ -73,13 +73,22 @@ from checkpointd.protocol import wire
 from checkpointd.storage import save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import snapshot
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.disk import listing
-from tests.integration.fuzz_harness import RPC_TIMEOUT, Fuzzer, Stub, good_header, good_save, hold, plant, register
-from tests.integration.fuzz_requests import scenarios
-from tests.integration.fuzz_sequences import SEQUENCES
-from tests.integration.fuzz_world import (
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.disk import listing
+from tests.integration.support.fuzz.fuzz_harness import (
+    RPC_TIMEOUT,
+    Fuzzer,
+    Stub,
+    good_header,
+    good_save,
+    hold,
+    plant,
+    register,
+)
+from tests.integration.support.fuzz.fuzz_requests import scenarios
+from tests.integration.support.fuzz.fuzz_sequences import SEQUENCES
+from tests.integration.support.fuzz.fuzz_world import (
     BIG_TRAINING,
     CLOSABLE,
     CLOSED,
@@ -97,7 +106,7 @@ from tests.integration.fuzz_world import (
     crc_chunk,
     numpy_graph,
 )
-from tests.integration.raw import counts, export_template
+from tests.integration.support.raw import counts, export_template
 
 EXAMPLES = int(os.environ.get("CHECKPOINTD_FUZZ_EXAMPLES") or 600)
 # Unset: derandomized, the same examples every run (CI). Set: a fresh random

@@ -1,13 +1,13 @@
 """Crash consistency on S3: SIGKILL of the daemon during uploads and commits, against radosgw.
 
-A short subset of `tests.integration.s3_crash_harness` (read its docstring
+A short subset of `tests.integration.support.s3_crash_harness` (read its docstring
 for what each trial does and checks): CHECKPOINTD_CRASH_TRIALS trials,
 default 2, with the large policy and training state, whose variables go up
 in two multipart parts; CHECKPOINTD_FUZZ_SEED picks another seeded sequence
 of kill moments (default 0). The long mode, at least 50 trials, prints the
 kills per phase:
 
-    python -m tests.integration.s3_crash_harness --trials 50
+    python -m tests.integration.support.s3_crash_harness --trials 50
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.integration import s3_bucket, s3_crash_harness
-from tests.integration.rgw import Rgw
+from tests.integration.support import s3_bucket, s3_crash_harness
+from tests.integration.support.rgw import Rgw
 
 TRIALS = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "2"))
 SEED = int(os.environ.get("CHECKPOINTD_FUZZ_SEED", "0"))

@@ -29,10 +29,10 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import RemoteCheckpointer, SaveTicket, UnavailableError
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.fault_proxy import FaultProxy
-from tests.integration.rgw import Rgw
-from tests.integration.scrape import Metrics
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.fault_proxy import FaultProxy
+from tests.integration.support.rgw import Rgw
+from tests.integration.support.scrape import Metrics
 
 PERIOD = 0.3  # seconds between the trainer's saves
 FAULT_SECONDS = 4.0

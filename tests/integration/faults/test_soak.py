@@ -1,9 +1,9 @@
-"""The soak (tests.integration.soak): faults at random for CHECKPOINTD_SOAK_MINUTES (30), then the invariants.
+"""The soak (tests.integration.support.soak): faults at random for CHECKPOINTD_SOAK_MINUTES (30), then the invariants.
 
 Skipped unless CHECKPOINTD_SOAK=1: it runs for half an hour by default, so
 it is not in the default suite. Run it with
 
-    CHECKPOINTD_SOAK=1 CHECKPOINTD_SOAK_MINUTES=30 pytest tests/integration/test_soak.py -s -n 0
+    CHECKPOINTD_SOAK=1 CHECKPOINTD_SOAK_MINUTES=30 pytest tests/integration/faults/test_soak.py -s -n 0
 
 It needs radosgw (the `rgw` fixture) and root for the local daemon's tmpfs
 (without root the disk_full fault is left out, and the figures say so).
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration import soak
-from tests.integration.rgw import Rgw
+from tests.integration.support import soak
+from tests.integration.support.rgw import Rgw
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("CHECKPOINTD_SOAK") != "1", reason="the soak runs only with CHECKPOINTD_SOAK=1 (30 min by default)"

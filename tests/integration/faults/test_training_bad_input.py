@@ -25,8 +25,8 @@ from checkpointd.protocol import wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import InvalidRequestError, RemoteCheckpointer
 from checkpointd_client import tf_checkpoint as client_training
-from tests.integration.daemon import Daemon
-from tests.integration.raw import TIMEOUT, Stub, counts
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.raw import TIMEOUT, Stub, counts
 
 RUN = "tc-bad"
 
@@ -181,8 +181,8 @@ def test_the_good_header_of_the_same_run_is_accepted_and_written(daemon: Daemon,
 def test_a_training_save_on_a_policy_run_is_refused(
     daemon: Daemon, stub: Stub, state: client_training.TrainingState
 ) -> None:
-    from tests.integration import policies
-    from tests.integration.raw import export_template, register
+    from tests.integration.support import policies
+    from tests.integration.support.raw import export_template, register
 
     template = export_template(policies.build(policies.q()), daemon.root.parent / "tc-template")
     register(stub, "tc-bad-policy", template)

@@ -41,7 +41,7 @@ from checkpointd.protocol.errors import CheckpointdError
 from checkpointd.saves import shm
 from checkpointd.saves.shm import default_shm_root
 from checkpointd_client import RemoteCheckpointer
-from tests.integration.daemon import start_daemon
+from tests.integration.support.daemon import start_daemon
 
 TRIALS = int(os.environ.get("CHECKPOINTD_CRASH_TRIALS", "3"))
 RUN, DIR, MAX_TO_KEEP = "crash-train", "train", 2

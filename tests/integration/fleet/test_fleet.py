@@ -1,12 +1,12 @@
 """A fleet on one machine, as several hosts: 3 daemons on 3 network namespaces, one S3 server, trainers on each host.
 
-The hosts (tests/integration/netns.py) are network namespaces on a bridge;
+The hosts (tests/integration/support/netns.py) are network namespaces on a bridge;
 the S3 server is a radosgw of this module's own whose gateway listens on
 the bridge (scripts/rgw.sh with RGW_BIND), since a namespace cannot reach
 the root namespace's 127.0.0.1. Each host runs `checkpointd serve` on its
 own address (plaintext with --insecure: the bridge is private to the
 test), all on one bucket prefix, with 3 s run leases; its trainers
-(tests/integration/fleet_trainer.py) dial that host's daemon over TCP with
+(tests/integration/support/trainers/fleet_trainer.py) dial that host's daemon over TCP with
 shared memory off (`shared_memory=False`; the daemons' logs prove every
 snapshot came by gRPC). Where namespaces cannot be made (not root, no `ip`) the
 same tests run on loopback addresses 127.0.0.11-13 with a shared-memory dir
@@ -47,10 +47,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.integration import netns
-from tests.integration.fleet_cluster import Fleet, start_rgw
-from tests.integration.netns import Hosts
-from tests.integration.rgw import Rgw
+from tests.integration.support import netns
+from tests.integration.support.fleet_cluster import Fleet, start_rgw
+from tests.integration.support.netns import Hosts
+from tests.integration.support.rgw import Rgw
 
 FULL = os.environ.get("CHECKPOINTD_FLEET") == "1"
 TRAINERS_PER_HOST = 3 if FULL else 1

@@ -24,10 +24,10 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import CheckpointdError, RemotePolicySaver
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon, wait_until
-from tests.integration.raw import HeldSave
-from tests.integration.rgw import Rgw
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon, wait_until
+from tests.integration.support.raw import HeldSave
+from tests.integration.support.rgw import Rgw
 
 TIMEOUT = 60.0
 HEX16 = "0123456789abcdef"

@@ -1,4 +1,4 @@
-"""Run leases between two real daemons on one bucket prefix (Ceph's radosgw, tests/integration/rgw.py).
+"""Run leases between two real daemons on one bucket prefix (Ceph's radosgw, tests/integration/support/rgw.py).
 
 Two daemons on loopback share nothing but the prefix, with 3-second leases.
 A run one daemon holds is refused ABORTED on the other, naming the holder,
@@ -29,10 +29,10 @@ import pytest
 
 from checkpointd.storage.s3 import LEASES_DIR, S3Store
 from checkpointd.v1 import checkpointd_pb2 as pb
-from tests.integration import policies, scrape
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.raw import TIMEOUT, RawSave, Run, Stub, Template, export_template, register_requests
-from tests.integration.rgw import Rgw
+from tests.integration.support import policies, scrape
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.raw import TIMEOUT, RawSave, Run, Stub, Template, export_template, register_requests
+from tests.integration.support.rgw import Rgw
 
 MANIFEST = "checkpointd.manifest.json"
 TTL = 3.0

@@ -27,10 +27,10 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import RemoteCheckpointer
-from tests.integration.daemon import Daemon, start_daemon, wait_until
-from tests.integration.fault_proxy import FaultProxy
-from tests.integration.rgw import Rgw
-from tests.integration.scrape import Metrics
+from tests.integration.support.daemon import Daemon, start_daemon, wait_until
+from tests.integration.support.fault_proxy import FaultProxy
+from tests.integration.support.rgw import Rgw
+from tests.integration.support.scrape import Metrics
 
 LEASE_SECONDS = 3.0
 READ_TIMEOUT = 8.0  # A's --s3-read-timeout: a request stalled by the proxy is retried after this

@@ -1,6 +1,6 @@
 """A run taken over by another daemon of the fleet gets its retention before its first save there.
 
-Two real daemons on one bucket prefix (radosgw, tests/integration/rgw.py)
+Two real daemons on one bucket prefix (radosgw, tests/integration/support/rgw.py)
 with 3-second leases. Daemon A writes a run and is SIGKILLed; the trainer
 moves to daemon B, whose registration waits out A's lease and takes the run.
 Saves past the run's rules that A left in the bucket are gone when that
@@ -34,10 +34,10 @@ import tensorflow as tf
 from checkpointd.protocol.names import LEASE_WAIT_METADATA
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import CheckpointdError, RemoteCheckpointer, RemotePolicySaver
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.raw import Stub, export_template, register_requests
-from tests.integration.rgw import Rgw
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.raw import Stub, export_template, register_requests
+from tests.integration.support.rgw import Rgw
 
 TIMEOUT = 60.0
 TTL = "3"

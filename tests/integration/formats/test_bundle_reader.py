@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from checkpointd.formats import bundle
 from checkpointd.formats.bundle_reader import BundleReader, CorruptBundleError, UnreadableBundleError
 from checkpointd_client import bundle_index
-from tests.integration.test_bundle_identity import DRAWS, NUMERIC, tensors
+from tests.integration.formats.test_bundle_identity import DRAWS, NUMERIC, tensors
 
 Items = list[tuple[str, str, tuple[int, ...], Any]]
 

@@ -33,7 +33,7 @@ from checkpointd.formats import bundle
 from checkpointd.protocol import bundle_table
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 from checkpointd.v1 import tf_formats_pb2 as ours
-from tests.integration import policies
+from tests.integration.support import policies
 
 
 def assert_wire_identical(theirs_type: type[message.Message], ours_type: type[message.Message], data: bytes) -> None:

@@ -46,8 +46,8 @@ from checkpointd.storage.local import LocalStore
 from checkpointd.storage.save_manifest import MANIFEST_NAME
 from checkpointd_client import snapshot as client_snapshot
 from checkpointd_client import template as client_template
-from tests.integration import policies
-from tests.integration.disk import files_under
+from tests.integration.support import policies
+from tests.integration.support.disk import files_under
 
 
 class TfWriter:

@@ -44,10 +44,10 @@ from checkpointd_client import (
     credentials,
 )
 from tests.certs import Certs, make_certs
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.raw import saver_header
-from tests.integration.scrape import Metrics
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.raw import saver_header
+from tests.integration.support.scrape import Metrics
 
 RPC_TIMEOUT = 30.0
 SERVICE = "checkpointd.v1.CheckpointService"

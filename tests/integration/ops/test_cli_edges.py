@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.rgw import Rgw
+from tests.integration.support.rgw import Rgw
 
 TIMEOUT = 60.0
 

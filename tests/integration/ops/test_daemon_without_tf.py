@@ -28,11 +28,11 @@ from checkpointd import __version__
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import MANIFEST_NAME
 from checkpointd_client import RemoteCheckpointer, RemotePolicySaver
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.raw import TIMEOUT
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.raw import TIMEOUT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DAEMON_VENV = Path(os.environ.get("CHECKPOINTD_DAEMON_VENV", ROOT / ".venv-daemon"))
 PYTHON = DAEMON_VENV / "bin" / "python"
 

@@ -38,10 +38,10 @@ from checkpointd_client import (
     UnavailableError,
     snapshot,
 )
-from tests.integration import policies
-from tests.integration.daemon import Daemon
-from tests.integration.disk import read_only
-from tests.integration.raw import HeldSave, Stub, run_status, saver_header
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.disk import read_only
+from tests.integration.support.raw import HeldSave, Stub, run_status, saver_header
 
 RPC_TIMEOUT = 30.0
 EXIT_TIMEOUT = 30.0

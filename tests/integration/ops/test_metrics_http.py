@@ -21,10 +21,10 @@ import tensorflow as tf
 
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import CheckpointdError, RemotePolicySaver, SaveFailedError, SaveResult
-from tests.integration import policies
-from tests.integration.daemon import Daemon
-from tests.integration.raw import HeldSave, run_status
-from tests.integration.scrape import Metrics
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.raw import HeldSave, run_status
+from tests.integration.support.scrape import Metrics
 
 RPC_TIMEOUT = 30.0
 RUN = "metrics"

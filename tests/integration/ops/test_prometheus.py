@@ -38,9 +38,9 @@ import yaml
 from checkpointd.metrics import PHASES
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import CheckpointdError, RemotePolicySaver, SaveFailedError, SaveResult
-from tests.integration import policies
-from tests.integration.daemon import Daemon, wait_until
-from tests.integration.raw import HeldSave, run_status
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, wait_until
+from tests.integration.support.raw import HeldSave, run_status
 
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(
     reason="prometheus/promtool not installed (scripts/test.sh installs Debian's `prometheus` package)",
 )
 
-FILES = Path(__file__).resolve().parents[2] / "docker" / "prometheus"
+FILES = Path(__file__).resolve().parents[3] / "docker" / "prometheus"
 RUN = "prom"
 JOB = 'job="checkpointd"'
 # Upper bounds, reached only on failure: Prometheus scrapes and evaluates every second.

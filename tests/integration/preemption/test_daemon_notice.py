@@ -34,10 +34,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from checkpointd.protocol import wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import CheckpointdError, RemotePolicySaver, UnavailableError
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.raw import RawSave, Stub, Template, export_template, register, saver_header
-from tests.integration.rgw import Rgw
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.raw import RawSave, Stub, Template, export_template, register, saver_header
+from tests.integration.support.rgw import Rgw
 
 TIMEOUT = 60.0
 SERVICE = "checkpointd.v1.CheckpointService"

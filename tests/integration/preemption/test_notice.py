@@ -1,6 +1,6 @@
 """A preempted trainer loses nothing: SIGTERM to a real trainer process saves the step it reached.
 
-Each test runs `tests.integration.notice_proc` against a real daemon, waits
+Each test runs `tests.integration.support.trainers.notice_proc` against a real daemon, waits
 until it prints the step it must pass, sends SIGTERM, and reads what is
 left: how the process ended, its one "preempted at step N" line, and the
 newest committed checkpoint on the daemon's disk (read by TensorFlow).
@@ -24,9 +24,9 @@ import tensorflow as tf
 
 import checkpointd_client
 from checkpointd_client import RemoteCheckpointer, notice
-from tests.integration import dqn
-from tests.integration.daemon import Daemon
-from tests.integration.scrape import Metrics
+from tests.integration.support import dqn
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.scrape import Metrics
 
 WAIT = 120.0  # seconds: a trainer's start (TensorFlow's import) and every wait here are bounded by it
 SAVED = re.compile(r"run (\S+): preempted at step (\d+): saved, durable in (\d+) ms")
@@ -38,7 +38,7 @@ class Trainer:
 
     def __init__(self, mode: str, address: str, run: str, root_dir: Path, deadline: float = 25.0) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.notice_proc", mode, address, run, str(deadline), str(root_dir)],
+            [sys.executable, "-m", "tests.integration.support.trainers.notice_proc", mode, address, run, str(deadline), str(root_dir)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.out: list[str] = []

@@ -20,9 +20,9 @@ import tensorflow as tf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from checkpointd_client import CheckpointdError, RemotePolicySaver
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.raw import HeldSave
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.raw import HeldSave
 
 TIMEOUT = 60.0
 SERVICE = "checkpointd.v1.CheckpointService"

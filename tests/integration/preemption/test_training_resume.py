@@ -25,8 +25,8 @@ import numpy as np
 import tensorflow as tf
 
 from checkpointd_client import train_modules
-from tests.integration import dqn
-from tests.integration.daemon import Daemon
+from tests.integration.support import dqn
+from tests.integration.support.daemon import Daemon
 
 LIMIT = 300.0
 
@@ -62,7 +62,7 @@ def test_a_killed_trainer_resumes_from_the_newest_checkpoint_and_continues_ident
 ) -> None:
     run = "resume-dqn"
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.training_proc", "train", daemon.address, run, "3", "4", "6", str(tmp_path)],
+        [sys.executable, "-m", "tests.integration.support.trainers.training_proc", "train", daemon.address, run, "3", "4", "6", str(tmp_path)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -81,7 +81,7 @@ def test_a_killed_trainer_resumes_from_the_newest_checkpoint_and_continues_ident
     assert _values_in_checkpoint(newest) == saved  # the newest committed checkpoint is the state at its save
 
     resumed = subprocess.run(
-        [sys.executable, "-m", "tests.integration.training_proc", "resume", daemon.address, run, "6", str(tmp_path)],
+        [sys.executable, "-m", "tests.integration.support.trainers.training_proc", "resume", daemon.address, run, "6", str(tmp_path)],
         capture_output=True, text=True, timeout=LIMIT, check=False,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -150,7 +150,7 @@ def test_the_checkpointer_and_policysaver_tutorial_runs_with_both_savers_swapped
     run = "tutorial"
     for mode, extra in (("train", []), ("restore", [str(daemon.root)])):
         done = subprocess.run(
-            [sys.executable, "-m", "tests.integration.tutorial_proc", mode, daemon.address, run, str(tmp_path), *extra],
+            [sys.executable, "-m", "tests.integration.support.trainers.tutorial_proc", mode, daemon.address, run, str(tmp_path), *extra],
             capture_output=True, text=True, timeout=LIMIT, check=False,
         )  # fmt: skip
         assert done.returncode == 0, f"{mode}: {done.stderr[-3000:]}"

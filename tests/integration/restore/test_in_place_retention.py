@@ -21,8 +21,8 @@ import pytest
 from checkpointd_client import RemoteCheckpointer, checkpoint_restore
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.session import DaemonSession
-from tests.integration import training_state
-from tests.integration.daemon import Daemon, wait_until
+from tests.integration.support import training_state
+from tests.integration.support.daemon import Daemon, wait_until
 
 LIMIT = 120.0
 CHILDREN = {"agent", "policy", "replay_buffer", "global_step", "tf_metric", "py_metric", "save_counter"}

@@ -1,6 +1,6 @@
 """GetLatest and Restore against the real daemon: the newest save, streamed back and assigned.
 
-A trainer that restarts (tests/integration/test_trigger.py kills one) asks
+A trainer that restarts (tests/integration/training/test_trigger.py kills one) asks
 the daemon for its run's newest committed save and restores it. Here: which
 save is "newest", what the stream looks like on the wire, what lands in the
 live variables, the errors, and a daemon restart in between.
@@ -21,9 +21,9 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import InvalidRequestError, RemotePolicySaver, RunNotFoundError
-from tests.integration import policies
-from tests.integration.daemon import Daemon
-from tests.integration.raw import TIMEOUT
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.raw import TIMEOUT
 
 MiB = 1 << 20
 

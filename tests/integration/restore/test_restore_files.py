@@ -31,8 +31,8 @@ from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemoteCheckpointer, checkpoint_restore, files
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.session import DaemonSession
-from tests.integration import training_state
-from tests.integration.daemon import Daemon
+from tests.integration.support import training_state
+from tests.integration.support.daemon import Daemon
 
 LIMIT = 120.0
 RUN = "rf-dqn"
@@ -249,7 +249,7 @@ def test_a_fresh_daemon_on_the_bucket_streams_a_checkpoint_it_never_saw_in_paral
     import numpy as np
 
     from checkpointd.storage.s3 import restore as s3_restore
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     url = f"s3://{rgw.bucket}/rf-{os.getpid()}"
     args = ["--s3-endpoint-url", rgw.endpoint, "--s3-region", "us-east-1"]

@@ -34,7 +34,7 @@ from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemoteCheckpointer, checkpoint_restore, files
 from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.session import DaemonSession
-from tests.integration.daemon import Daemon, start_daemon, wait_until
+from tests.integration.support.daemon import Daemon, start_daemon, wait_until
 
 LIMIT = 120.0
 RUN = "rs-s3"

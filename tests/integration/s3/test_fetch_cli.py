@@ -20,9 +20,9 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import RemoteCheckpointer
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.raw import TIMEOUT
-from tests.integration.rgw import Rgw
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.raw import TIMEOUT
+from tests.integration.support.rgw import Rgw
 from tests.terminal import stderr_on_a_terminal
 
 VALUES = 2 << 20  # float32s: an 8 MiB variable, so the fetch takes more than one progress tick

@@ -1,4 +1,4 @@
-"""The object store behind the Store seam, against a real S3 server (Ceph's radosgw, tests/integration/rgw.py).
+"""The object store behind the Store seam, against a real S3 server (Ceph's radosgw, tests/integration/support/rgw.py).
 
 What the local store guarantees, on S3: the same bytes, the manifest as
 the commit marker (written last, listing every object with its ETag),
@@ -23,10 +23,10 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import RemoteCheckpointer, RemotePolicySaver, UnavailableError
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon, wait_until
-from tests.integration.raw import TIMEOUT
-from tests.integration.rgw import Rgw
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon, wait_until
+from tests.integration.support.raw import TIMEOUT
+from tests.integration.support.rgw import Rgw
 
 MANIFEST = "checkpointd.manifest.json"
 
@@ -512,7 +512,7 @@ def test_a_streamed_data_file_goes_up_part_by_part_as_its_ranges_fill_and_commit
 def test_a_runs_next_policy_save_copies_the_graph_files_server_side_and_uploads_only_what_changed(
     s3: S3, policy: object
 ) -> None:
-    from tests.integration import scrape
+    from tests.integration.support import scrape
 
     d = s3.daemon()
     saver, step = s3.saver(d, policy, "cp")
@@ -546,7 +546,7 @@ def test_a_runs_next_policy_save_copies_the_graph_files_server_side_and_uploads_
 def test_saves_into_new_dirs_make_no_head_and_one_replacing_a_save_in_place_still_unpublishes_it_first(
     s3: S3, policy: object
 ) -> None:
-    from tests.integration import scrape
+    from tests.integration.support import scrape
 
     s3.client.put_object(Bucket=s3.rgw.bucket, Key=f"{s3.prefix}/pl/p/9/leftover", Body=b"x")  # a dir in use
     d = s3.daemon()

@@ -21,10 +21,10 @@ import tensorflow as tf
 from tf_agents.utils import common
 
 from checkpointd_client import RemoteCheckpointer
-from tests.integration import scrape, training_state
-from tests.integration.daemon import Daemon
-from tests.integration.raw import TIMEOUT
-from tests.integration.test_s3 import S3, s3  # noqa: F401  (the fixture)
+from tests.integration.s3.test_s3 import S3, s3  # noqa: F401  (the fixture)
+from tests.integration.support import scrape, training_state
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.raw import TIMEOUT
 
 ROWS, WIDTH = 10240, 1024  # float32: 40 MiB, forty 1 MiB chunks, three 16 MiB parts
 MiB = 1 << 20

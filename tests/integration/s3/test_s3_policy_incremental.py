@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.integration import policies
-from tests.integration.raw import TIMEOUT
-from tests.integration.test_s3 import S3, _objects, s3  # noqa: F401  (the fixture)
+from tests.integration.s3.test_s3 import S3, _objects, s3  # noqa: F401  (the fixture)
+from tests.integration.support import policies
+from tests.integration.support.raw import TIMEOUT
 
 MiB = 1 << 20
 

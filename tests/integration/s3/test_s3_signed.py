@@ -1,4 +1,4 @@
-"""The store's small requests (storage/s3_signed.py) against a real S3 server (radosgw, tests/integration/rgw.py).
+"""The store's small requests (storage/s3_signed.py) against a real S3 server (radosgw, tests/integration/support/rgw.py).
 
 What SignedRequests signs with botocore's signer the server accepts, and the
 body's SHA-256 in that signature is checked: the same signed request with
@@ -18,7 +18,7 @@ import pytest
 
 from checkpointd.storage.s3 import signed as s3_signed
 from checkpointd.storage.s3.client import error_code, small_requests
-from tests.integration.rgw import Rgw
+from tests.integration.support.rgw import Rgw
 
 
 @pytest.fixture

@@ -23,9 +23,9 @@ from typing import Any
 import tensorflow as tf
 
 from checkpointd_client import RemotePolicySaver
-from tests.integration.daemon import Daemon
-from tests.integration.raw import TIMEOUT
-from tests.integration.test_s3 import S3, policy, s3  # noqa: F401  (test_s3's fixtures)
+from tests.integration.s3.test_s3 import S3, policy, s3  # noqa: F401  (test_s3's fixtures)
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.raw import TIMEOUT
 
 
 def status(d: Daemon, *extra: str) -> subprocess.CompletedProcess[str]:

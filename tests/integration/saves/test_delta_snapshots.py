@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from tf_agents.replay_buffers import tf_uniform_replay_buffer
 
 from checkpointd_client import RemoteCheckpointer, tf_checkpoint
-from tests.integration.daemon import Daemon
+from tests.integration.support.daemon import Daemon
 
 LIMIT = 60.0
 _RUNS = itertools.count()

@@ -31,11 +31,11 @@ from tf_agents.trajectories import time_step as ts
 
 from checkpointd.storage.save_manifest import MANIFEST_NAME
 from checkpointd_client import CheckpointdError, DeadlineError, RemotePolicySaver, RunClosedError, SaveResult
-from tests.integration import policies
-from tests.integration.daemon import Daemon, wait_until
-from tests.integration.disk import TRAIN_STEP_KEY, files_under, saved_step
-from tests.integration.raw import TIMEOUT, HeldSave, run_status
-from tests.integration.test_save_path import decide, make_policy, read_checkpoint
+from tests.integration.saves.test_save_path import decide, make_policy, read_checkpoint
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, wait_until
+from tests.integration.support.disk import TRAIN_STEP_KEY, files_under, saved_step
+from tests.integration.support.raw import TIMEOUT, HeldSave, run_status
 
 STEP = 4242  # the train step at the save call
 LATER_STEP = 9999  # assigned right after it

@@ -19,11 +19,11 @@ import tensorflow as tf
 
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import RemotePolicySaver, SaveTicket
-from tests.integration.daemon import Daemon
-from tests.integration.disk import saved_step
-from tests.integration.raw import TIMEOUT, RawSave, Stub, counts, saver_header
-from tests.integration.scrape import Metrics
-from tests.integration.test_shm import policy, savers  # noqa: F401 - test_shm's fixtures
+from tests.integration.saves.test_shm import policy, savers  # noqa: F401 - test_shm's fixtures
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.disk import saved_step
+from tests.integration.support.raw import TIMEOUT, RawSave, Stub, counts, saver_header
+from tests.integration.support.scrape import Metrics
 
 HAMMER = 30  # non-blocking saves per saver
 

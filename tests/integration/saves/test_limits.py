@@ -15,9 +15,9 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import LimitExceededError, RemotePolicySaver
-from tests.integration import policies
-from tests.integration.daemon import Daemon
-from tests.integration.raw import TIMEOUT, HeldSave, code_of, counts
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.raw import TIMEOUT, HeldSave, code_of, counts
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ blocking), alternating SavedModels and checkpoints. For `CHECKPOINTD_LOAD_SECOND
 It prints throughput, p50/p99 accept-to-durable latency (SaveResult's
 duration_seconds), how long save() calls held the trainers, skips and RSS.
 
-Long mode: `CHECKPOINTD_LOAD_SECONDS=300 pytest tests/integration/test_load.py -s`.
+Long mode: `CHECKPOINTD_LOAD_SECONDS=300 pytest tests/integration/saves/test_load.py -s`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import CheckpointdError, RemotePolicySaver, SaveTicket
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon
 
 LOAD_SECONDS = float(os.environ.get("CHECKPOINTD_LOAD_SECONDS") or 6)
 OWN_RUNS = 16

@@ -27,10 +27,10 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemotePolicySaver, RunNotFoundError
 from checkpointd_client import numpy_state as client_numpy_state
-from tests.integration import policies
-from tests.integration.daemon import Daemon, wait_until
-from tests.integration.disk import saved_step
-from tests.integration.raw import TIMEOUT, HeldSave, run_status
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, wait_until
+from tests.integration.support.disk import saved_step
+from tests.integration.support.raw import TIMEOUT, HeldSave, run_status
 
 NUMPY_FILES = ("numpy_state.index", "numpy_state.data-00000-of-00001")
 

@@ -18,8 +18,8 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import RemotePolicySaver
-from tests.integration import policies
-from tests.integration.daemon import Daemon
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon
 
 LIMIT = 60.0
 FILES = ("variables/variables.index", "variables/variables.data-00000-of-00001")

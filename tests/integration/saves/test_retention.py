@@ -8,8 +8,8 @@ import tensorflow as tf
 
 from checkpointd.cli import verify
 from checkpointd_client import RemotePolicySaver
-from tests.integration import policies
-from tests.integration.daemon import Daemon, wait_until
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, wait_until
 
 TIMEOUT = 60.0
 

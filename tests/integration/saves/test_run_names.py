@@ -19,9 +19,9 @@ import tensorflow as tf
 
 import checkpointd_client
 from checkpointd_client import AlreadyExistsError, RemoteCheckpointer, RemotePolicySaver, RunClosedError, SaveTicket
-from tests.integration import policies, training_state
-from tests.integration.daemon import Daemon
-from tests.integration.raw import counts
+from tests.integration.support import policies, training_state
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.raw import counts
 
 LIMIT = 60.0
 

@@ -24,9 +24,9 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import CheckpointdError, RemoteCheckpointer, RemotePolicySaver
-from tests.integration import policies
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.rgw import Rgw
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.rgw import Rgw
 
 TIMEOUT = 60.0
 

@@ -29,9 +29,9 @@ from checkpointd.protocol.tensors import TEMPLATE_OBJECT_GRAPH
 from checkpointd.storage.save_manifest import MANIFEST_NAME
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import RemotePolicySaver, SaveResult
-from tests.integration import policies, raw
-from tests.integration.daemon import Daemon
-from tests.integration.disk import (
+from tests.integration.support import policies, raw
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.disk import (
     CHECKPOINT_FILES,
     TRAIN_STEP_KEY,
     checkpointd_entries,

@@ -38,15 +38,15 @@ from checkpointd_client import (
     RunClosedError,
     SaveFailedError,
 )
-from tests.integration import policies
-from tests.integration.daemon import Daemon, wait_until
-from tests.integration.disk import (
+from tests.integration.support import policies
+from tests.integration.support.daemon import Daemon, wait_until
+from tests.integration.support.disk import (
     CHECKPOINT_FILES,
     checkpointd_entries,
     files_under,
     saved_step,
 )
-from tests.integration.raw import TIMEOUT, HeldSave, run_status
+from tests.integration.support.raw import TIMEOUT, HeldSave, run_status
 
 
 class Env:

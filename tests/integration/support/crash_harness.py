@@ -27,7 +27,7 @@ parked), `published` (the new tree is in place, its reply not yet received),
 `idle` (between two saves), and `batched` (a small save's files and manifest
 are written in its temp dir and the group commit's shared sync, which makes
 them durable before the rename, has not returned). The daemon runs under
-`tests.integration.slow_sync`, which widens each shared sync by SYNC_DELAY,
+`tests.integration.support.slow_sync`, which widens each shared sync by SYNC_DELAY,
 so a kill can land between the batched writes and the sync, and between the
 rename and the second sync (`published`). Of the trials, a third kill at a
 point inside the streamed write (as soon as a save's data file is being
@@ -38,7 +38,7 @@ is in place before its reply), the rest at a random moment.
 Long mode (the pytest test runs a short subset; CHECKPOINTD_CRASH_TRIALS
 changes its count):
 
-    python -m tests.integration.crash_harness --trials 100 --sizes small,medium
+    python -m tests.integration.support.crash_harness --trials 100 --sizes small,medium
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ from checkpointd.storage import (
     save_manifest,  # noqa: E402
 )
 from checkpointd_client import RemotePolicySaver  # noqa: E402
-from tests.integration import policies  # noqa: E402
-from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
+from tests.integration.support import policies  # noqa: E402
+from tests.integration.support.daemon import Daemon, start_daemon  # noqa: E402
 
 # Hidden layers of the QNetwork: ~400 parameters, and ~2.4M (9.5 MB a snapshot).
 SIZES = {"small": (16,), "medium": (1536, 1536)}
@@ -88,8 +88,8 @@ POOL = (
 PHASES = ("upload", "stream", "write", "batched", "replace", "published", "idle")
 _TRAIN_STEP_KEY = "train_step/.ATTRIBUTES/VARIABLE_VALUE"
 _DEADLINE = 120.0  # for any one wait in a trial: a registration, a save, a join
-SYNC_DELAY = 0.05  # seconds each group commit's shared sync waits first (tests.integration.slow_sync)
-SLOW_SYNC = (sys.executable, "-m", "tests.integration.slow_sync", str(SYNC_DELAY), "--")
+SYNC_DELAY = 0.05  # seconds each group commit's shared sync waits first (tests.integration.support.slow_sync)
+SLOW_SYNC = (sys.executable, "-m", "tests.integration.support.slow_sync", str(SYNC_DELAY), "--")
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """A FUSE filesystem for the tests: BACKING passed through at MOUNT, fsync failing EIO while FLAG exists.
 
-Run as `python -m tests.integration.eio_fs BACKING MOUNT FLAG` (in the
+Run as `python -m tests.integration.support.eio_fs BACKING MOUNT FLAG` (in the
 foreground; SIGTERM unmounts). It needs fusepy (`import fuse`, ctypes over
-libfuse 2) and /dev/fuse; `tests/integration/test_faults.py` skips without them.
+libfuse 2) and /dev/fuse; `tests/integration/faults/test_faults.py` skips without them.
 The disk fault it stands for is a device that fails its writeback: every
 write lands, the fsync (file or directory) that should make it durable says EIO.
 """

@@ -6,7 +6,7 @@
 - `Fleet`: one bucket prefix; `start(i)` runs `checkpointd serve` on host i
   (in its namespace, bound to the host's address, `--port 0` and a port
   file read from the root namespace, its own --shm-dir and --work-dir),
-  `trainer(i, ...)` runs tests/integration/fleet_trainer.py there; the
+  `trainer(i, ...)` runs tests/integration/support/trainers/fleet_trainer.py there; the
   bucket's manifests, lease objects and `checkpointd verify` are read from
   the root namespace. `close()` kills every trainer it started, then stops
   every daemon (SIGTERM to all at once, SIGKILL past 30 s).
@@ -31,10 +31,10 @@ import pytest
 
 from bench import rgw
 from bench.rgw import Rgw
-from tests.integration.daemon import Daemon, start_daemon
-from tests.integration.netns import NETNS, Hosts
+from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.netns import NETNS, Hosts
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MANIFEST = "checkpointd.manifest.json"
 LEASES = ".checkpointd-leases"  # S3Leases' objects, under the store's reserved prefix
 # How long a trainer may say nothing: TensorFlow's import and a DQN's build in
@@ -170,7 +170,14 @@ class Fleet:
         """`fleet_trainer MODE ADDRESS ARGS...` on host i, dialling host i's daemon."""
         host = self.hosts[i]
         argv = host.command(
-            [sys.executable, "-m", "tests.integration.fleet_trainer", mode, self.daemon(i).address, *args]
+            [
+                sys.executable,
+                "-m",
+                "tests.integration.support.trainers.fleet_trainer",
+                mode,
+                self.daemon(i).address,
+                *args,
+            ]
         )
         proc = Proc(argv, self.tmp / f"trainer-{host.name}-{len(self.procs)}.log", stdin=stdin)
         self.procs.append(proc)

@@ -1,9 +1,9 @@
 """Crash consistency of the save on notice: a trainer gets SIGTERM, then it or its daemon is SIGKILLed mid-save.
 
 Each trial starts the real daemon on the same root (under
-`tests.integration.slow_sync`, as `crash_harness` does, so a kill can land in
+`tests.integration.support.slow_sync`, as `crash_harness` does, so a kill can land in
 the group commit) and a trainer process (this module's `trainer` mode:
-`tests.integration.dqn`'s DQN with a ballast variable of BALLAST_MB, a
+`tests.integration.support.dqn`'s DQN with a ballast variable of BALLAST_MB, a
 `RemoteCheckpointer` of `train` with its default save on notice; one save at
 step 3, waited for, then training on). Past step 5 the trainer gets SIGTERM,
 so its checkpointer takes the save on notice; then the kill, at one of these
@@ -39,7 +39,7 @@ and restarted. Then, with recovery done:
 
 Long mode (the pytest test runs one trial per kill point):
 
-    python -m tests.integration.notice_crash --trials 20
+    python -m tests.integration.support.notice_crash --trials 20
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def trainer_main(address: str, run: str, ballast_mb: int) -> int:
     from tf_agents.utils import common
 
     from checkpointd_client import RemoteCheckpointer
-    from tests.integration import dqn
+    from tests.integration.support import dqn
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     trainer = dqn.build(seed=1)
@@ -139,7 +139,7 @@ class _Trainer:
         self.log = log
         with open(log, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.integration.notice_crash", "trainer", address, RUN, str(BALLAST_MB)],
+                [sys.executable, "-m", "tests.integration.support.notice_crash", "trainer", address, RUN, str(BALLAST_MB)],
                 stdout=subprocess.PIPE, stderr=err, text=True,
             )  # fmt: skip
         self.step = 0
@@ -186,7 +186,7 @@ def _committed(train: Path) -> set[int]:
 
 def _kill_point(point: str, train: Path, before: set[int], rng: random.Random) -> bool:
     """Waits for `point`'s moment of the save on notice; whether it came (else the save was quicker)."""
-    from tests.integration.crash_harness import until
+    from tests.integration.support.crash_harness import until
 
     if point.endswith("-staged"):
         return until(lambda: bool(_staged(train)), 10.0)
@@ -206,7 +206,7 @@ def _check(daemon: Any, trainer: _Trainer, point: str, figures: Figures) -> list
 
     from checkpointd.cli.verify import verify_paths
     from checkpointd_client import RemoteCheckpointer
-    from tests.integration import dqn
+    from tests.integration.support import dqn
 
     train = daemon.root / RUN / "train"
     problems = [f"left after restart: {p.name}" for p in _staged(train)]
@@ -254,8 +254,8 @@ def run_trials(
     trials: int, root: Path, workdir: Path, *, seed: int = 0, log: Callable[[str], None] = lambda line: None
 ) -> Figures:
     """Runs `trials` trials, the kill points in turn; each on a fresh run in `root`."""
-    from tests.integration.crash_harness import SLOW_SYNC  # imports TensorFlow: not in the trainer's process
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.crash_harness import SLOW_SYNC  # imports TensorFlow: not in the trainer's process
+    from tests.integration.support.daemon import start_daemon
 
     rng = random.Random(seed)
     figures = Figures()
@@ -307,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["trainer"]:
         return trainer_main(argv[1], argv[2], int(argv[3]))
-    from tests.integration.crash_harness import conclude
+    from tests.integration.support.crash_harness import conclude
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=len(POINTS) * 4)

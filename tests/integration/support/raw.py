@@ -29,7 +29,7 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemotePolicySaver
 from checkpointd_client import snapshot as client_snapshot
-from tests.integration.daemon import Daemon
+from tests.integration.support.daemon import Daemon
 
 TIMEOUT = 60.0  # every wait is bounded by this; a hang fails the test instead
 CHUNK_BYTES = 128  # a Run's chunks: several per snapshot, so order and truncation can be broken

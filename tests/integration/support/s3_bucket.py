@@ -7,7 +7,7 @@
 - `Staging`: the daemon's staging dir, whose manifest lists a save's files
   before its upload starts, with the ETags S3 gives their bytes.
 - `phase`: which moment of a save a kill hit, from both (see
-  `tests.integration.s3_crash_harness`).
+  `tests.integration.support.s3_crash_harness`).
 
 radosgw completes its bucket index asynchronously: a listing can miss a
 new object or show a deleted one for a moment, so callers confirm with

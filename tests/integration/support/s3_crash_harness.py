@@ -1,7 +1,7 @@
 """Crash consistency on S3: SIGKILL the daemon during uploads and commits, check the bucket, restart.
 
 Each trial starts the real daemon on `--root s3://BUCKET/PREFIX` (radosgw,
-tests/integration/rgw.py) with a one-second `--s3-grace-seconds`, and two
+tests/integration/support/rgw.py) with a one-second `--s3-grace-seconds`, and two
 trainers save through it at once:
 
 - a policy run (`crash_harness`'s driver: RemotePolicySaver SavedModels and
@@ -78,7 +78,7 @@ Long mode (the pytest test runs a short subset; CHECKPOINTD_CRASH_TRIALS
 changes its count; without CHECKPOINTD_TEST_S3_ENDPOINT it starts its own
 radosgw through scripts/rgw.sh and stops it):
 
-    python -m tests.integration.s3_crash_harness --trials 50
+    python -m tests.integration.support.s3_crash_harness --trials 50
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ from checkpointd.saves import shm  # noqa: E402
 from checkpointd.saves.shm import default_shm_root  # noqa: E402
 from checkpointd.storage.s3 import S3Store, error_code  # noqa: E402
 from checkpointd_client import RemoteCheckpointer, RemotePolicySaver  # noqa: E402
-from tests.integration import crash_harness, policies, s3_bucket  # noqa: E402
-from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
+from tests.integration.support import crash_harness, policies, s3_bucket  # noqa: E402
+from tests.integration.support.daemon import Daemon, start_daemon  # noqa: E402
 
 MANIFEST, PREFIX_MANIFEST = s3_bucket.MANIFEST, s3_bucket.PREFIX_MANIFEST
 # Hidden layers of the policy's QNetwork: ~400 parameters; ~5.3M (21 MB of variables, 2 parts).

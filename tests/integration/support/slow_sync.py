@@ -1,6 +1,6 @@
 """Runs `checkpointd` with its group commit's shared syncs slowed, so a crash test can kill inside them.
 
-`python -m tests.integration.slow_sync SECONDS -- python -m checkpointd serve ...`
+`python -m tests.integration.support.slow_sync SECONDS -- python -m checkpointd serve ...`
 runs the daemon in this process (same pid, so SIGKILL hits it) after
 wrapping `checkpointd.durable.group_commit.syncfs_of`: every shared sync
 waits SECONDS before it syncs. A small save's commit is then two wide
@@ -9,7 +9,7 @@ dir, the first sync pending (`batched`); the staging dir renamed into
 place, the second sync pending (`published`). The daemon's code is not
 changed; only the time its syncs take.
 
-`python -m tests.integration.slow_sync SECONDS --fsync -- ...` also makes
+`python -m tests.integration.support.slow_sync SECONDS --fsync -- ...` also makes
 every `os.fsync` wait SECONDS first: a slowed disk for the saves that are
 not group-committed (a training checkpoint's files, each fsynced).
 """
@@ -29,7 +29,9 @@ def main() -> None:
     fsync = args[:1] == ["--fsync"]
     sep, command = args[fsync], args[fsync + 1 :]
     if sep != "--" or command[1:2] != ["-m"]:
-        raise SystemExit("usage: python -m tests.integration.slow_sync SECONDS [--fsync] -- python -m MODULE ARGS...")
+        raise SystemExit(
+            "usage: python -m tests.integration.support.slow_sync SECONDS [--fsync] -- python -m MODULE ARGS..."
+        )
     real = group_commit.syncfs_of
     if fsync:
         real_fsync = os.fsync

@@ -2,8 +2,8 @@
 
 Not in the default suite. Run it with
 
-    CHECKPOINTD_SOAK=1 CHECKPOINTD_SOAK_MINUTES=30 pytest tests/integration/test_soak.py -s
-    python -m tests.integration.soak --minutes 30      # the same, starting its own radosgw
+    CHECKPOINTD_SOAK=1 CHECKPOINTD_SOAK_MINUTES=30 pytest tests/integration/faults/test_soak.py -s
+    python -m tests.integration.support.soak --minutes 30      # the same, starting its own radosgw
 
 The world: a radosgw (scripts/rgw.sh) behind `fault_proxy.FaultProxy`; daemons
 S1 and S2 on one prefix of its bucket (through the proxy, leases of
@@ -98,7 +98,7 @@ def trainer_main(address: str, run: str, kind: str, shm: bool) -> int:
     import tensorflow as tf
 
     from checkpointd_client import RemoteCheckpointer, RemotePolicySaver
-    from tests.integration import policies
+    from tests.integration.support import policies
 
     step = tf.Variable(0, dtype=tf.int64, name="train_step")
     save: Callable[[int], Any]
@@ -182,7 +182,7 @@ class _Trainer:
     def start(self) -> None:
         with open(self.log, "a") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.integration.soak", "trainer", self.address, self.name, self.kind,
+                [sys.executable, "-m", "tests.integration.support.soak", "trainer", self.address, self.name, self.kind,
                  str(int(self.shm))],
                 stdout=subprocess.PIPE, stderr=err, text=True,
             )  # fmt: skip
@@ -212,7 +212,7 @@ class _Daemons:
             self.start(name)
 
     def start(self, name: str, figures: Figures | None = None) -> None:
-        """Starts `name`; a start that times out (tests.integration.daemon's 60 s) is noted and tried again."""
+        """Starts `name`; a start that times out (tests.integration.support.daemon's 60 s) is noted and tried again."""
         try:
             self._start(name)
         except TimeoutError as e:
@@ -222,7 +222,7 @@ class _Daemons:
             self._start(name)
 
     def _start(self, name: str) -> None:
-        from tests.integration.daemon import start_daemon
+        from tests.integration.support.daemon import start_daemon
 
         port = ["--port", str(self.ports[name])]
         if name == "L":
@@ -302,9 +302,9 @@ def _fault(kind: str, rng: random.Random, daemons: _Daemons, trainers: list[_Tra
 
 
 def run_soak(rgw: Any, minutes: float, work: Path, *, seed: int = 0, log: Callable[[str], None] = print) -> Figures:
-    """Runs the soak for `minutes` against `rgw` (a tests.integration.rgw.Rgw); returns what it found."""
-    from tests.integration.fault_proxy import FaultProxy
-    from tests.integration.soak_check import check
+    """Runs the soak for `minutes` against `rgw` (a tests.integration.support.rgw.Rgw); returns what it found."""
+    from tests.integration.support.fault_proxy import FaultProxy
+    from tests.integration.support.soak_check import check
 
     rng = random.Random(seed)
     figures = Figures()
@@ -369,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["trainer"]:
         return trainer_main(argv[1], argv[2], argv[3], argv[4] == "1")
-    from tests.integration.s3_crash_harness import _start_rgw
+    from tests.integration.support.s3_crash_harness import _start_rgw
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=float(os.environ.get("CHECKPOINTD_SOAK_MINUTES", "30")))

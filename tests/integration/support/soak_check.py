@@ -1,4 +1,4 @@
-"""The soak's invariant checker (tests.integration.soak): what the trainers were told, against the roots.
+"""The soak's invariant checker (tests.integration.support.soak): what the trainers were told, against the roots.
 
 Each run's committed saves are read where they are: L's from its local root,
 S1's and S2's from the bucket (every object under the run's folder copied to
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.integration import soak
+from tests.integration.support import soak
 
 
 def _download(client: Any, bucket: str, prefix: str, run: str, into: Path) -> Path:

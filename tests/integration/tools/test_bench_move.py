@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT = 900
 CANNOT_INSTALL = "exit 3"  # scripts/rgw.sh: Ceph cannot be installed here
 

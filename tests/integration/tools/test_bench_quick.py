@@ -22,7 +22,7 @@ import pytest
 
 from bench.judge import GROUPS, OBJECT_STORE, TRAINING_STATE
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SECTIONS = (
     "inprocess",
     "async",

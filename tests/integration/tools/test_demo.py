@@ -44,7 +44,7 @@ import tensorflow as tf
 from checkpointd.cli.verify import verify_paths
 from checkpointd.storage.save_manifest import PREFIX_MANIFEST_SUFFIX
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEMO = REPO / "scripts" / "demo.sh"
 SMALL = ["--steps", "400", "--save-every", "100", "--kill-at", "250"]
 RUN = "cartpole-dqn"

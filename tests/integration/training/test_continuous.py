@@ -23,12 +23,12 @@ from tf_agents.utils import common
 
 import checkpointd_client
 from checkpointd_client import CheckpointdError, RemoteCheckpointer, RunClosedError
-from tests.integration import training_state
-from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.support import training_state
+from tests.integration.support.daemon import Daemon, start_daemon
 
 TIMEOUT = 120.0
 BUDGET = 0.05
-SYNC_DELAY = 0.1  # seconds each fsync of the slowed daemon waits first (tests.integration.slow_sync --fsync)
+SYNC_DELAY = 0.1  # seconds each fsync of the slowed daemon waits first (tests.integration.support.slow_sync --fsync)
 SLOW_DISK_BUDGET = 0.2
 TRAINING_DEADLINE = 90.0  # seconds a loop trains on for the saves it needs
 PER_CALL_SLACK = 50e-6  # seconds: what the test's own timing of a call adds around the checkpointer's
@@ -139,7 +139,7 @@ def test_against_a_slowed_disk_saves_get_rarer_and_the_budget_holds(tmp_path: Pa
     # ten): never two at once, so at most one save per SYNC_DELAY of training, and
     # training does not wait for them. A budget of 20 % would allow one every few
     # hundred milliseconds: the disk, not the budget, makes them rare.
-    slow_sync = (sys.executable, "-m", "tests.integration.slow_sync", str(SYNC_DELAY), "--fsync", "--")
+    slow_sync = (sys.executable, "-m", "tests.integration.support.slow_sync", str(SYNC_DELAY), "--fsync", "--")
     daemon = start_daemon(tmp_path / "root", tmp_path / "work", wrap=slow_sync)
     try:
         run = "continuous-slow-disk"

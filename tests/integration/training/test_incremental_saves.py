@@ -26,9 +26,9 @@ from checkpointd.protocol import increments
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemoteCheckpointer, training_saves
-from tests.integration import training_state
-from tests.integration.daemon import Daemon
-from tests.integration.scrape import Metrics
+from tests.integration.support import training_state
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.scrape import Metrics
 
 LIMIT = 60.0
 ROWS, WIDTH = 2048, 1024  # float32: 8 MiB, eight 1 MiB chunks

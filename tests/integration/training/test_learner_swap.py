@@ -18,8 +18,8 @@ from tf_agents.networks import actor_distribution_network, value_network
 from tf_agents.replay_buffers import tf_uniform_replay_buffer
 
 from checkpointd_client import RemoteCheckpointer, ppo_learner_module, train_modules
-from tests.integration import dqn
-from tests.integration.daemon import Daemon
+from tests.integration.support import dqn
+from tests.integration.support.daemon import Daemon
 
 WAIT = 120.0  # seconds; every wait here is bounded by it
 

@@ -5,7 +5,7 @@ run resumes from them.
 The classic v2 examples of DQN (CartPole), SAC and PPO (both on gym's
 Pendulum-v1: their default environments need MuJoCo, which does not install
 here), and the Learner-based DQN example with Reverb. Each run is a process
-of its own (`tests.integration.example_proc`), as a user's two runs are.
+of its own (`tests.integration.support.trainers.example_proc`), as a user's two runs are.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.daemon import Daemon, wait_until
+from tests.integration.support.daemon import Daemon, wait_until
 
 RUN_SECONDS = 600  # one example run, on a loaded 2-core machine; a hang fails the test here
 
@@ -24,7 +24,14 @@ RUN_SECONDS = 600  # one example run, on a loaded 2-core machine; a hang fails t
 def _run(
     root_dir: Path, iterations: int, daemon: Daemon | None = None, job: str = "", example: str = "v2"
 ) -> dict[str, object]:
-    args = [sys.executable, "-m", "tests.integration.example_proc", example, str(root_dir), str(iterations)]
+    args = [
+        sys.executable,
+        "-m",
+        "tests.integration.support.trainers.example_proc",
+        example,
+        str(root_dir),
+        str(iterations),
+    ]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     if daemon is not None:
         args += [daemon.address, job]

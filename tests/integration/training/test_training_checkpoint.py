@@ -25,9 +25,9 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import RemoteCheckpointer, SaveTicket
 from checkpointd_client import tf_checkpoint as client_training
-from tests.integration.daemon import Daemon, wait_until
-from tests.integration.raw import RawSave, Stub, counts, run_status
-from tests.integration.scrape import Metrics
+from tests.integration.support.daemon import Daemon, wait_until
+from tests.integration.support.raw import RawSave, Stub, counts, run_status
+from tests.integration.support.scrape import Metrics
 
 LIMIT = 60.0
 CHECKPOINTD = str(Path(sys.executable).with_name("checkpointd"))

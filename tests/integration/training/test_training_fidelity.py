@@ -22,8 +22,8 @@ import tensorflow as tf
 from tf_agents.utils import common
 
 from checkpointd_client import RemoteCheckpointer, SaveTicket
-from tests.integration import training_state
-from tests.integration.daemon import Daemon
+from tests.integration.support import training_state
+from tests.integration.support.daemon import Daemon
 
 LIMIT = 60.0
 

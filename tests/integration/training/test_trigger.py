@@ -28,14 +28,15 @@ from tf_agents.utils import numpy_storage
 from checkpointd.storage import save_manifest
 from checkpointd_client import SaveKind
 from checkpointd_client.trigger import RemotePolicySavedModelTrigger
-from tests.integration import dqn, trainer_proc
-from tests.integration.daemon import Daemon
-from tests.integration.raw import TIMEOUT
+from tests.integration.support import dqn
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.raw import TIMEOUT
+from tests.integration.support.trainers import trainer_proc
 
 INTERVAL = 2
 ENV_STEP = triggers.ENV_STEP_METADATA_KEY
 CHILD_TIMEOUT = 240.0  # a fresh interpreter imports TF, builds DQN, exports three templates
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def tree(root: Path) -> set[str]:
@@ -134,7 +135,7 @@ def _started(proc: subprocess.Popen, timeout: float) -> str:
 def test_a_killed_trainer_resumes_from_the_daemons_newest_checkpoint(daemon: Daemon, tmp_path: Path) -> None:
     rounds = 2
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.trainer_proc", daemon.address, "resume",
+        [sys.executable, "-m", "tests.integration.support.trainers.trainer_proc", daemon.address, "resume",
          str(rounds), str(INTERVAL), str(tmp_path / "killed")],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -25,9 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from checkpointd.storage import save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from tests.integration.daemon import Daemon
-from tests.integration.disk import listing
-from tests.integration.fuzz_world import (
+from tests.integration.support.daemon import Daemon
+from tests.integration.support.disk import listing
+from tests.integration.support.fuzz.fuzz_world import (
     CLOSABLE,
     CLOSED,
     COUNTED,
@@ -41,7 +41,7 @@ from tests.integration.fuzz_world import (
     Scenario,
     World,
 )
-from tests.integration.raw import RawSave
+from tests.integration.support.raw import RawSave
 
 Stub = checkpointd_pb2_grpc.CheckpointServiceStub
 Sequence_ = Callable[["Fuzzer", Scenario], None]  # drives one multi-step scenario

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from checkpointd.v1 import checkpointd_pb2 as pb
-from tests.integration.fuzz_world import BIG_TRAINING, MAIN, MAIN_FOLDERED, MAX_SNAPSHOT, Scenario, World
+from tests.integration.support.fuzz.fuzz_world import BIG_TRAINING, MAIN, MAIN_FOLDERED, MAX_SNAPSHOT, Scenario, World
 
 BIG_DIRS = ("b0", "b1")
 BIG_KEY = "w/.ATTRIBUTES/VARIABLE_VALUE"

@@ -21,15 +21,20 @@ from google.protobuf import message as pb_message
 from hypothesis import strategies as st
 
 from checkpointd.v1 import checkpointd_pb2 as pb
-from tests.integration.fuzz_incremental import (
+from tests.integration.support.fuzz.fuzz_incremental import (
     BIG_DIRS,
     held_scenarios,
     incremental_scenarios,
     shared_memory_scenarios,
 )
-from tests.integration.fuzz_restores import read_scenarios, restore_files_scenarios
-from tests.integration.fuzz_saves import local_skip_scenarios, mutate_variables, save_scenarios, training_scenarios
-from tests.integration.fuzz_world import (
+from tests.integration.support.fuzz.fuzz_restores import read_scenarios, restore_files_scenarios
+from tests.integration.support.fuzz.fuzz_saves import (
+    local_skip_scenarios,
+    mutate_variables,
+    save_scenarios,
+    training_scenarios,
+)
+from tests.integration.support.fuzz.fuzz_world import (
     BAD_NAMES,
     BIG_TRAINING,
     CLOSABLE,

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from hypothesis import strategies as st
 
 from checkpointd.v1 import checkpointd_pb2 as pb
-from tests.integration.fuzz_incremental import BIG_DIRS
-from tests.integration.fuzz_world import (
+from tests.integration.support.fuzz.fuzz_incremental import BIG_DIRS
+from tests.integration.support.fuzz.fuzz_world import (
     BIG_TRAINING,
     DATA_FILE,
     GOOD_EXPORT_DIRS,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from checkpointd.v1 import checkpointd_pb2 as pb
-from tests.integration.fuzz_world import (
+from tests.integration.support.fuzz.fuzz_world import (
     CLOSABLE,
     CLOSED,
     DIMS,

@@ -23,10 +23,10 @@ import grpc
 import numpy as np
 
 from checkpointd.v1 import checkpointd_pb2 as pb
-from tests.integration.daemon import wait_until
-from tests.integration.fuzz_harness import RPC_TIMEOUT, Fuzzer, Outcome, good_header, hold
-from tests.integration.fuzz_incremental import BIG_CHUNK, BIG_PAYLOAD
-from tests.integration.fuzz_world import (
+from tests.integration.support.daemon import wait_until
+from tests.integration.support.fuzz.fuzz_harness import RPC_TIMEOUT, Fuzzer, Outcome, good_header, hold
+from tests.integration.support.fuzz.fuzz_incremental import BIG_CHUNK, BIG_PAYLOAD
+from tests.integration.support.fuzz.fuzz_world import (
     BIG_TRAINING,
     MAIN,
     MAIN_FOLDER,
@@ -37,7 +37,7 @@ from tests.integration.fuzz_world import (
     crc_chunk,
     normalized,
 )
-from tests.integration.raw import RawSave, run_status
+from tests.integration.support.raw import RawSave, run_status
 
 FOLDERS = {MAIN: MAIN, MAIN_FOLDERED: MAIN_FOLDER, BIG_TRAINING: BIG_TRAINING}
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from checkpointd.v1 import checkpointd_pb2 as pb
-from tests.integration.raw import Template
+from tests.integration.support.raw import Template
 
 Code = grpc.StatusCode
 

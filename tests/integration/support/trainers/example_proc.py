@@ -1,6 +1,6 @@
 """Runs one of TF-Agents' own examples, unmodified, in this process.
 
-    python -m tests.integration.example_proc EXAMPLE ROOT_DIR ITERATIONS [ADDRESS JOB]
+    python -m tests.integration.support.trainers.example_proc EXAMPLE ROOT_DIR ITERATIONS [ADDRESS JOB]
 
 EXAMPLE is `v2` (`agents/dqn/examples/v2/train_eval.py`, three
 `common.Checkpointer`s), `sac` (`agents/sac/examples/v2/train_eval.py`, the

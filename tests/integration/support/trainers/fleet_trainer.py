@@ -1,16 +1,16 @@
 """Trainer processes of the fleet tests, run on one host (`ip netns exec`) and talking to that host's daemon.
 
 Usage:
-    python -m tests.integration.fleet_trainer train ADDRESS RUN ROUNDS OUT
-    python -m tests.integration.fleet_trainer resume ADDRESS RUN ROUNDS OUT
-    python -m tests.integration.fleet_trainer save ADDRESS RUN SAVES SEED
-    python -m tests.integration.fleet_trainer race ADDRESS RUN HOST SAVES HOLD_SECONDS
+    python -m tests.integration.support.trainers.fleet_trainer train ADDRESS RUN ROUNDS OUT
+    python -m tests.integration.support.trainers.fleet_trainer resume ADDRESS RUN ROUNDS OUT
+    python -m tests.integration.support.trainers.fleet_trainer save ADDRESS RUN SAVES SEED
+    python -m tests.integration.support.trainers.fleet_trainer race ADDRESS RUN HOST SAVES HOLD_SECONDS
 
 Every process reports on stdout, one JSON object a line, and connects over
 TCP with shared memory off (the daemon is "another machine's" as far as the
 transport goes, even where /dev/shm is shared).
 
-- `train`: a real DQN (tests/integration/dqn.py) trained with its own
+- `train`: a real DQN (tests/integration/support/dqn.py) trained with its own
   replay data; each of ROUNDS rounds ends in a policy checkpoint
   (RemotePolicySaver.save_checkpoint, run RUN) and a training checkpoint
   (RemoteCheckpointer, run RUN-train), both waited durable
@@ -72,7 +72,7 @@ class _Dqn:
         from tf_agents.utils import common
 
         from checkpointd_client import RemoteCheckpointer, RemotePolicySaver
-        from tests.integration import dqn
+        from tests.integration.support import dqn
 
         self.trainer = dqn.build(seed=seed)
         self._experience = iter(self.trainer.dataset_fn())
@@ -125,7 +125,7 @@ def train(address: str, run: str, rounds: int, out: Path) -> int:
 
 
 def resume(address: str, run: str, rounds: int, out: Path) -> int:
-    from tests.integration import policies
+    from tests.integration.support import policies
 
     dqn = _Dqn(address, run, seed=7, restore=True)
     assert (
@@ -180,7 +180,7 @@ def race(address: str, run: str, host: str, saves: int, hold_seconds: float) -> 
     import grpc
 
     from checkpointd.v1 import checkpointd_pb2 as pb
-    from tests.integration import policies, raw
+    from tests.integration.support import policies, raw
 
     template = raw.export_template(policies.build(policies.q(hidden=(4,))), Path(tempfile.mkdtemp()) / "template")
     requests = list(

@@ -1,6 +1,6 @@
 """A trainer for test_notice to send SIGTERM to: DQN saving through the daemon, training until it is stopped.
 
-Usage: python -m tests.integration.notice_proc MODE ADDRESS RUN DEADLINE ROOT_DIR
+Usage: python -m tests.integration.support.trainers.notice_proc MODE ADDRESS RUN DEADLINE ROOT_DIR
 
 Every mode builds `dqn.build(seed=1)` with its train step in a
 `tf.function` (as TF-Agents' examples wrap it), logs at INFO to stderr, and
@@ -61,7 +61,7 @@ def loop(mode: str, address: str, run: str, deadline: float) -> int:
     from tf_agents.utils import common
 
     from checkpointd_client import RemoteCheckpointer
-    from tests.integration import dqn
+    from tests.integration.support import dqn
 
     trainer = dqn.build(seed=1)
     trainer.agent.train = common.function(trainer.agent.train)
@@ -107,7 +107,7 @@ def loop(mode: str, address: str, run: str, deadline: float) -> int:
 
 def learner(address: str, run: str, deadline: float, root_dir: str) -> int:
     from checkpointd_client import train_modules
-    from tests.integration import dqn
+    from tests.integration.support import dqn
 
     learner_module, _ = train_modules(address, run=run, root_dir=root_dir, timeout=TIMEOUT, notice_deadline=deadline)
     trainer = dqn.build(seed=1)

@@ -1,6 +1,6 @@
 """A trainer for test_trigger to kill: DQN in a Learner, saving through the daemon.
 
-Usage: python -m tests.integration.trainer_proc ADDRESS RUN ROUNDS INTERVAL LEARNER_DIR
+Usage: python -m tests.integration.support.trainers.trainer_proc ADDRESS RUN ROUNDS INTERVAL LEARNER_DIR
 
 Runs ROUNDS Learner rounds of INTERVAL steps; the trigger saves a checkpoint
 after each, with a NumpyState that records the round. Once every checkpoint
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     from tf_agents.utils import numpy_storage
 
     from checkpointd_client.trigger import RemotePolicySavedModelTrigger
-    from tests.integration import dqn
+    from tests.integration.support import dqn
 
     address, run, rounds, interval, learner_dir = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
     trainer = dqn.build(seed=1)

@@ -1,8 +1,8 @@
 """Trainer processes for the kill-and-resume test: one to SIGKILL, one that resumes.
 
 Usage:
-    python -m tests.integration.training_proc train ADDRESS RUN ROUNDS STEPS CONTINUE OUT
-    python -m tests.integration.training_proc resume ADDRESS RUN CONTINUE OUT
+    python -m tests.integration.support.trainers.training_proc train ADDRESS RUN ROUNDS STEPS CONTINUE OUT
+    python -m tests.integration.support.trainers.training_proc resume ADDRESS RUN CONTINUE OUT
 
 `train` builds `training_state.build(seed=0)` with TensorFlow's op
 determinism, collects, and runs ROUNDS rounds of STEPS DQN updates, each
@@ -49,7 +49,7 @@ def train(address: str, run: str, rounds: int, steps: int, continuation: int, ou
     import tensorflow as tf
 
     from checkpointd_client import RemoteCheckpointer
-    from tests.integration import training_state
+    from tests.integration.support import training_state
 
     tf.config.experimental.enable_op_determinism()
     state = training_state.build(seed=0)
@@ -71,7 +71,7 @@ def resume(address: str, run: str, continuation: int, out: Path) -> int:
     import tensorflow as tf
 
     from checkpointd_client import RemoteCheckpointer
-    from tests.integration import training_state
+    from tests.integration.support import training_state
 
     tf.config.experimental.enable_op_determinism()
     state = training_state.build(seed=7)

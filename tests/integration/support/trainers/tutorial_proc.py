@@ -1,8 +1,8 @@
 """TF-Agents' "Checkpointer and PolicySaver" tutorial, with both savers swapped for the remote ones.
 
 Usage:
-    python -m tests.integration.tutorial_proc train ADDRESS RUN OUT
-    python -m tests.integration.tutorial_proc restore ADDRESS RUN OUT
+    python -m tests.integration.support.trainers.tutorial_proc train ADDRESS RUN OUT
+    python -m tests.integration.support.trainers.tutorial_proc restore ADDRESS RUN OUT
 
 The tutorial's code (docs/tutorials/10_checkpointer_policysaver_tutorial),
 smaller (a 32-unit Q-network, a 2,000-step buffer, 5 iterations), where the
