@@ -1,6 +1,6 @@
 """`python -m bench`: runs every section, prints the table, writes the JSON.
 
-Run from the repository root (it imports `tests.integration.daemon`).
+Run from the repository root (it imports `tests.integration.support.daemon`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def config_from_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument(
         "--orbax",
         choices=("on", "off"),
-        help="the Orbax row (bench/orbax.py; makes .venv-orbax with jax[cpu] and orbax-checkpoint on first use, "
+        help="the Orbax row (bench/peers/orbax.py; makes .venv-orbax with jax[cpu] and orbax-checkpoint on first use, "
         "about 730 MB): on by default, off with --quick",
     )
     p.add_argument("--out", type=Path, default=Path("bench-result.json"), help="JSON results file")
@@ -289,8 +289,8 @@ def run(config: BenchConfig, argv: Sequence[str]) -> dict[str, Any]:
     if config.preemption != "none":
         results["preemption"] = run_preemption(config)
     if config.orbax:  # the peer a JAX user would pick, in a worker process: medians of 8
-        progress("Orbax beside checkpointd: the same arrays, interleaved (bench/orbax.py)")
-        results["orbax"] = run_worker(config, "orbax", ["--reps", "8"])
+        progress("Orbax beside checkpointd: the same arrays, interleaved (bench/peers/orbax.py)")
+        results["orbax"] = run_worker(config, "peers.orbax", ["--reps", "8"])
     return results
 
 

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.stats import summarize, timed
     from checkpointd_client import RemoteCheckpointer
     from checkpointd_client import tf_checkpoint as client_training
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     case = CASES[args.case]
     say = lambda message: progress(case.name, message)  # noqa: E731

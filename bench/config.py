@@ -60,15 +60,15 @@ class BenchConfig:
             kept after a failure, for the logs).
         out: the JSON file written at the end.
         training_cases: section 7's cases (bench.checkpointer.CASES).
-        s3: section 8 (bench/s3.py): "on", "off", or "only" (nothing else).
-        fleet: section 9 (bench/fleet.py): "on", "off", or "only" (nothing else).
+        s3: section 8 (bench/s3/section.py): "on", "off", or "only" (nothing else).
+        fleet: section 9 (bench/fleet/section.py): "on", "off", or "only" (nothing else).
         fleet_trainers: section 9's simulated trainers.
         fleet_seconds: how long each of them saves, once a second.
         incremental: the incremental case's state (bench/incremental.py).
         resume: the resume section's case (bench/resume.py): "small", "medium", "large" or "none".
         preemption: the preemption section's cases (bench/preemption.py), comma-separated of
             "small", "medium", or "none"; preemption_only: that section alone.
-        orbax: run the Orbax row (bench/orbax.py: Orbax's async CheckpointManager beside
+        orbax: run the Orbax row (bench/peers/orbax.py: Orbax's async CheckpointManager beside
             RemoteCheckpointer on the same arrays; its venv .venv-orbax is made on first use).
     """
 

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from tf_agents.utils import common
 
     from checkpointd_client import RemoteCheckpointer
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     env = tf_py_environment.TFPyEnvironment(suite_gym.load("CartPole-v0"))
     net = q_network.QNetwork(env.observation_spec(), env.action_spec(), fc_layer_params=(100,))

@@ -113,7 +113,7 @@ def _save_on_a_clock(saver: Any, run: str, rate: float, seconds: float) -> dict[
 
 
 def run_fanin(daemon: Any, procs: int, seconds: float, rate: float, progress: Any = print) -> dict[str, Any]:
-    """Runs `procs` trainers against `daemon` (a tests.integration.daemon.Daemon).
+    """Runs `procs` trainers against `daemon` (a tests.integration.support.daemon.Daemon).
 
     The daemon must be fresh: its counters then hold the fan-in's saves plus
     one registering save per trainer, which are subtracted.
@@ -180,6 +180,6 @@ def run_fanin(daemon: Any, procs: int, seconds: float, rate: float, progress: An
 
 def fanin_daemon(workdir: Path) -> Any:
     """A fresh daemon for the fan-in (its counters then belong to the fan-in alone)."""
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     return start_daemon(workdir / "fanin-root", workdir / "fanin-work")

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.stats import summarize
     from checkpointd_client import RemoteCheckpointer
     from checkpointd_client import tf_checkpoint as client_training
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     case = CASES["large" if args.large else "medium"]
     work = args.workdir / "incremental"
@@ -180,8 +180,8 @@ def _s3_reps(
 
     from bench.stats import summarize
     from checkpointd_client import RemoteCheckpointer
-    from tests.integration.daemon import start_daemon
-    from tests.integration.scrape import Metrics
+    from tests.integration.support.daemon import start_daemon
+    from tests.integration.support.scrape import Metrics
 
     url = f"s3://{args.s3_bucket}/bench-incremental-{secrets.token_hex(4)}"
     daemon = start_daemon(

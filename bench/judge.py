@@ -5,7 +5,7 @@ turns a measure into a row (met, MISSED, or "not measured" where the run
 lacks what it needs, so an older JSON still renders). Each row names its
 group, the subject it is about; `GROUPS` says how each is printed.
 `bench.report` and the sections' modules (`bench.checkpointer`,
-`bench.s3_report`, `bench.fleet_report`) import this; it imports none of them.
+`bench.s3.s3_report`, `bench.fleet.fleet_report`) import this; it imports none of them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ INCREMENTAL = "incremental"  # bench/incremental.py
 SAME_HOST = "same host"
 RESUME = "resume"  # bench/resume.py, bench/move.py
 PREEMPTION = "preemption"  # bench/preemption.py
-PEER = "orbax"  # bench/orbax.py
+PEER = "orbax"  # bench/peers/orbax.py
 
 GROUPS = {
     CROSS_HOST: "cross-host path: a save over gRPC, against the machine's limits and the in-process saver",
@@ -41,7 +41,7 @@ GROUPS = {
     SAME_HOST: "same host: a save through shared memory, against the same save over gRPC (sections 3, 3b)",
     RESUME: "resume: a restarted trainer's restore, against the in-process Checkpointer (bench/resume.py)",
     PREEMPTION: "preemption: the save on notice, continuous saves, a run's move (bench/preemption.py)",
-    PEER: "orbax: Orbax's async CheckpointManager beside RemoteCheckpointer on the same arrays (bench/orbax.py)",
+    PEER: "orbax: Orbax's async CheckpointManager beside RemoteCheckpointer on the same arrays (bench/peers/orbax.py)",
 }
 
 

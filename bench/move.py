@@ -171,7 +171,7 @@ def moves(
 
 def _nodes(s3: rgw.S3, work: Path, lease_seconds: float, *extra: str) -> tuple[Any, Any]:
     """Daemons A and B on one new prefix of the bucket (two nodes), gRPC only, each `extra` flags."""
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     url = f"s3://{s3.bucket}/move-{secrets.token_hex(4)}"
 

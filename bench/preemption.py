@@ -217,7 +217,7 @@ def _losses(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench import move
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     work = args.workdir / "preemption"
     shutil.rmtree(work, ignore_errors=True)

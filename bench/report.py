@@ -7,7 +7,7 @@ measurement an older run lacks is "not measured", never an error.
 Every target is a ratio against an anchor measured in the same run: the
 machine's limits (section 4), the in-process savers (sections 1 and 2).
 Targets are grouped by subject (`bench.judge.GROUPS`); sections 7, 8 and 9
-judge their own (`bench.checkpointer`, `bench.s3_report`, `bench.fleet_report`).
+judge their own (`bench.checkpointer`, `bench.s3.s3_report`, `bench.fleet.fleet_report`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     A target needs the sizes it names: the large-only one is "not measured"
     in a run without large; the per-size ones are judged at the run's sizes.
     """
-    from bench import checkpointer, fleet_report, incremental, s3_report
+    from bench import checkpointer, incremental
+    from bench.fleet import fleet_report
+    from bench.s3 import s3_report
 
     sizes = list(r.get("sizes") or {})
     out = [*_cross_host(r, sizes), *_first_save(r, sizes), *_stall(r, sizes), *_training(r, sizes)]
@@ -71,7 +73,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.extend(_grpc_memory(r, sizes))
     out.extend(incremental.targets(r))
     out.extend(_same_host(r, sizes))
-    from bench import move, orbax, preemption, resume
+    from bench import move, preemption, resume
+    from bench.peers import orbax
 
     out.extend(move.report_targets(r.get("resume"), resume.SAME_HOST_VS_INPROCESS, resume.PARTIAL_VS_ALONE))
     out.extend(preemption.targets(r.get("preemption")))
@@ -462,7 +465,10 @@ def render(r: dict[str, Any]) -> str:
 
     A part whose rows an older run cannot fill says so; the targets always print.
     """
-    from bench import fleet_report, orbax, preemption, s3_report
+    from bench import preemption
+    from bench.fleet import fleet_report
+    from bench.peers import orbax
+    from bench.s3 import s3_report
 
     parts = []
     sections = (s3_report.table, fleet_report.table, preemption.render, orbax.render)

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from checkpointd_client.connection import ConnectionOptions
     from checkpointd_client.restore import checkpoints as checkpoint_restore
     from checkpointd_client.session import DaemonSession
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     case = CASES[args.case]
     work = args.workdir / f"resume-{case.name}"
@@ -253,7 +253,7 @@ def _s3(args: argparse.Namespace, work: Path, objects: dict[str, Any], children:
     from checkpointd_client.connection import ConnectionOptions
     from checkpointd_client.restore import checkpoints as checkpoint_restore
     from checkpointd_client.session import DaemonSession
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     rgw_dir = work / "rgw"
     say("S3: starting radosgw (scripts/rgw.sh)")

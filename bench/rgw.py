@@ -5,7 +5,7 @@ raises `Unavailable` saying why (with `cannot_install` when Ceph's packages
 cannot be installed here: not root, or apt unreachable; the tests then skip
 and the bench says so). `radosgw(directory)` is the same as a block that
 stops the server and removes its dir however it ends. The tests' session
-fixture is tests/integration/rgw.py's.
+fixture is tests/integration/support/rgw.py's.
 """
 
 from __future__ import annotations

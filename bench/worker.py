@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.config import SIZES
     from bench.stats import summarize
     from checkpointd_client import RemotePolicySaver
-    from tests.integration.daemon import start_daemon
+    from tests.integration.support.daemon import start_daemon
 
     size = SIZES[args.size]
     say = lambda message: progress(size.name, message)  # noqa: E731

@@ -18,7 +18,7 @@ if [ "$checks" -ne 0 ]; then
   exit 1
 fi
 
-# tests/integration/test_prometheus.py runs promtool and a real Prometheus.
+# tests/integration/ops/test_prometheus.py runs promtool and a real Prometheus.
 # Debian's package ships both; its maintainer script would start a service, so
 # a policy-rc.d that denies starts is in place during the install (unless the
 # machine has one already): the tests start their own prometheus.
@@ -37,8 +37,8 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   fi
 fi
 
-# tests/integration/test_s3.py runs against a real S3 server, Ceph's radosgw on
-# loopback: its session fixture (tests/integration/rgw.py) runs scripts/rgw.sh,
+# tests/integration/s3/test_s3.py runs against a real S3 server, Ceph's radosgw on
+# loopback: its session fixture (tests/integration/support/rgw.py) runs scripts/rgw.sh,
 # which installs Debian's ceph-mon, ceph-osd, radosgw and ceph-common when they
 # are missing (as root, ~30 s the first time), starts it (~3-4 s) and stops it at
 # the end. If Ceph cannot be installed (not root, apt unreachable) those tests

@@ -1,6 +1,6 @@
 """Raw gRPC requests for the servicer tests, built by hand from the proto's rules.
 
-Adapted from tests/integration/raw.py, without TensorFlow: a template is a
+Adapted from tests/integration/support/raw.py, without TensorFlow: a template is a
 few files the fake format accepts, a snapshot is bytes. Chunks are cut here
 rather than by the client's codecs, so these tests check the daemon against
 the proto's comments, not against the client.

@@ -12,8 +12,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from checkpointd.transport import shm  # noqa: E402
 from checkpointd.transport.shm import default_shm_root  # noqa: E402
-from tests.integration.daemon import Daemon, start_daemon  # noqa: E402
-from tests.integration.rgw import rgw  # noqa: E402, F401  (here once: imported per module, one server each)
+from tests.integration.support.daemon import Daemon, start_daemon  # noqa: E402
+from tests.integration.support.rgw import rgw  # noqa: E402, F401  (here once: imported per module, one server each)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench import orbax
-from bench.orbax_peer import fill, ring_spans
+from bench.peers import orbax
+from bench.peers.orbax_peer import fill, ring_spans
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The tensor bundle's pure pieces against known vectors: varints, masked CRCs, separators, blocks, protos.
 
-TensorFlow's own writer is the reference in tests/integration/test_bundle_identity.py;
+TensorFlow's own writer is the reference in tests/integration/formats/test_bundle_identity.py;
 these pin the pieces without it, so a regression names the piece that broke.
 """
 

@@ -1,6 +1,6 @@
 """The index table's reader (checkpointd.protocol.bundle_table) and the bundle reader, on the daemon's own writer.
 
-TensorFlow's writer is the reference in tests/integration/test_bundle_reader.py;
+TensorFlow's writer is the reference in tests/integration/formats/test_bundle_reader.py;
 here, without TensorFlow: what `checkpointd.bundle.table` and `bundle` write
 reads back entry for entry, and a changed byte is refused.
 """

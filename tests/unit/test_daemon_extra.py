@@ -1,7 +1,7 @@
 """What a daemon host installs: `pip install ".[daemon]"` brings no TensorFlow.
 
 The daemon moves bytes: the base dependencies and the daemon extra name no
-TensorFlow, TF-Agents or NumPy (tests/integration/test_daemon_without_tf.py
+TensorFlow, TF-Agents or NumPy (tests/integration/ops/test_daemon_without_tf.py
 runs a daemon from exactly that install); the client extra and the tests
 keep theirs.
 """

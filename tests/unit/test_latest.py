@@ -1,7 +1,7 @@
 """Committed saves found on disk (GetLatest's search), and a save's numpy state spec.
 
 No TensorFlow: saves are made of arbitrary bytes with real save manifests; the
-search reads manifests only. The daemon tier (tests/integration/test_restore.py)
+search reads manifests only. The daemon tier (tests/integration/restore/test_restore.py)
 runs the same search behind the RPC, after a real daemon restart.
 """
 

@@ -198,7 +198,7 @@ def test_dashboard_queries_the_provisioned_datasource(dashboard: dict[str, Any])
             assert ref == {"type": "prometheus", "uid": source["uid"]}, panel["title"]
 
 
-# Prometheus files (promtool itself runs in tests/integration/test_prometheus.py).
+# Prometheus files (promtool itself runs in tests/integration/ops/test_prometheus.py).
 
 
 def _rules() -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """The store's small S3 requests without the boto3 client: what botocore's signer is given and signs, the errors, the retries.
 
 That the server accepts what SignedRequests signs, and refuses a body that does
-not match, is tests/integration/test_s3_signed.py's, against radosgw.
+not match, is tests/integration/s3/test_s3_signed.py's, against radosgw.
 """
 
 from __future__ import annotations

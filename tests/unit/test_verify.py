@@ -1,7 +1,7 @@
 """Save manifests and `checkpointd verify`, on real files, without TensorFlow.
 
 Also the parsing side of the upload deadline (`--upload-timeout`), which the
-daemon tier exercises in tests/integration/test_faults.py.
+daemon tier exercises in tests/integration/faults/test_faults.py.
 """
 
 from __future__ import annotations
