@@ -33,20 +33,26 @@ def spec(export_dir: str = "policy", *, blocking: bool = False, on_notice: bool 
 
 def test_notice_opens_the_window_then_drain_ends_it() -> None:
     notice = Notice(5.0, DAEMON)
-    assert (notice.phase, notice.draining, notice.refuses_saves, notice.left(100.0)) == (Phase.SERVING, False, False, 0)
+    assert (notice.phase, notice.draining, notice.refuses_saves(100.0), notice.left(100.0)) == (
+        Phase.SERVING,
+        False,
+        False,
+        0,
+    )
     notice.give(100.0)
-    assert (notice.phase, notice.draining, notice.refuses_saves) == (Phase.ON_NOTICE, True, False)
+    assert (notice.phase, notice.draining, notice.refuses_saves(100.0)) == (Phase.ON_NOTICE, True, False)
+    assert notice.refuses_saves(105.0)  # at the window's end, before anything drains
     assert notice.left(101.5) == 3.5
     notice.give(104.0)  # a second notice does not move the window
     assert notice.left(104.0) == 1.0
     notice.drain()
-    assert (notice.phase, notice.refuses_saves, notice.left(101.0)) == (Phase.DRAINING, True, 0)
+    assert (notice.phase, notice.refuses_saves(101.0), notice.left(101.0)) == (Phase.DRAINING, True, 0)
 
 
 def test_a_zero_window_drains_at_once() -> None:
     notice = Notice(0.0)
     notice.give(100.0)
-    assert notice.phase is Phase.DRAINING and notice.refuses_saves
+    assert notice.phase is Phase.DRAINING and notice.refuses_saves(100.0)
     assert notice.window_end(["a"], 100.0) is WindowEnd.NO_WINDOW
 
 
@@ -77,17 +83,20 @@ def test_a_final_save_before_the_notice_does_not_count() -> None:
 
 
 def test_registration_on_notice_only_of_runs_open_here_and_none_once_draining() -> None:
+    now = 101.0  # inside the window given at 100
     notice = Notice(5.0, DAEMON)
-    notice.check_register("new", open_here=False)  # serving: anything
+    notice.check_register("new", open_here=False, now=now)  # serving: anything
     notice.give(100.0)
-    notice.check_register("held", open_here=True)  # a trainer registering its run again
+    notice.check_register("held", open_here=True, now=now)  # a trainer registering its run again
     with pytest.raises(UnavailableError) as refused:
-        notice.check_register("new", open_here=False)
+        notice.check_register("new", open_here=False, now=now)
     message = str(refused.value)
     assert DAEMON in message and "takes no new runs" in message and "register run 'new' on another daemon" in message
+    with pytest.raises(UnavailableError, match="no runs or saves any more"):
+        notice.check_register("held", open_here=True, now=105.0)  # the window's end, not yet drained
     notice.drain()
     with pytest.raises(UnavailableError, match="no runs or saves any more"):
-        notice.check_register("held", open_here=True)
+        notice.check_register("held", open_here=True, now=now)
 
 
 # Lanes: the window with real threads.

@@ -66,10 +66,14 @@ class Notice:
         """True from the notice on (health NOT_SERVING, new runs refused)."""
         return self.phase is not Phase.SERVING
 
-    @property
-    def refuses_saves(self) -> bool:
-        """True once the window is over: every save is refused."""
-        return self.phase is Phase.DRAINING
+    def refuses_saves(self, now: float) -> bool:
+        """True once the window is over: every save is refused.
+
+        Over at its end, whether or not the thread that drains has woken yet.
+        """
+        return self.phase is Phase.DRAINING or (
+            self.phase is Phase.ON_NOTICE and self.ends_at is not None and now >= self.ends_at
+        )
 
     def give(self, now: float) -> None:
         """The daemon was told to stop: ON_NOTICE for the window (DRAINING at once without one)."""
@@ -113,7 +117,7 @@ class Notice:
         """The window is over: DRAINING."""
         self.phase = Phase.DRAINING
 
-    def check_register(self, run: str, open_here: bool) -> None:
+    def check_register(self, run: str, open_here: bool, now: float) -> None:
         """Refuses a registration the daemon must not take now.
 
         On notice, only a run registered (and open) here may register again;
@@ -122,9 +126,10 @@ class Notice:
         Raises:
             UnavailableError: naming this daemon, and where to retry.
         """
-        if self.phase is Phase.SERVING or (self.phase is Phase.ON_NOTICE and open_here):
+        over = self.refuses_saves(now)
+        if self.phase is Phase.SERVING or (open_here and not over):
             return
-        takes = "no new runs" if self.phase is Phase.ON_NOTICE else "no runs or saves any more"
+        takes = "no runs or saves any more" if over else "no new runs"
         raise UnavailableError(
             f"{self.daemon} is draining (it was told to stop: its node is being drained, or the daemon is "
             f"restarting) and takes {takes}: register run {run!r} on another daemon (retry there; this one "

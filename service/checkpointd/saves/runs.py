@@ -77,7 +77,7 @@ class Lanes:
     @property
     def _draining(self) -> bool:
         """Every save is refused (the window is over); the caller holds the lock."""
-        return self._notice.refuses_saves
+        return self._notice.refuses_saves(time.monotonic())
 
     def count(self) -> int:
         """How many runs are registered."""
@@ -168,7 +168,7 @@ class Lanes:
         """See `register`; the caller holds the lock."""
         entry = self._runs.get(run)
         # A daemon on notice takes no new run (UNAVAILABLE, naming it) before anything else is said.
-        self._notice.check_register(run, entry is not None and entry.lane.state is LaneState.OPEN)
+        self._notice.check_register(run, entry is not None and entry.lane.state is LaneState.OPEN, time.monotonic())
         check_registration(self._runs, run, folder, claim, kinds)
 
     def claim(self, run: str) -> str | None:
