@@ -15,6 +15,7 @@ save); never a byte of the decoys outside the root or elsewhere in it.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -26,11 +27,13 @@ from checkpointd.core.checkpoint_spec import CheckpointSpec, TensorSpec
 from checkpointd.core.manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave, SaveFormat, SaveMeta, Staged
+from checkpointd.durable import files
 from checkpointd.formats import bundle, numpy_files
 from checkpointd.formats.policy import PolicyFormat
 from checkpointd.formats.training_checkpoint import TrainingFormat
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
+from checkpointd.protocol.names import OLD_PREFIX, TMP_PREFIX
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
 from checkpointd.saves import restore, restore_files, restore_stage
 from checkpointd.storage import save_manifest
@@ -334,3 +337,78 @@ def test_a_component_swapped_before_or_during_a_restore_is_never_followed(
     finally:
         store.close()
     assert _snapshot(outside) == before
+
+
+# --- Recovery at the daemon's start ---
+
+
+def _leftovers(top: Path, parts: list[str]) -> None:
+    """What crashed saves leave, in every dir of `parts` below `top`: temp dirs and files, and a replaced tree."""
+    top.mkdir(parents=True, exist_ok=True)
+    where = top
+    for part in parts:
+        where = where / part
+        where.mkdir(exist_ok=True)
+        hex_ = "0123456789abcdef"
+        (where / f"{TMP_PREFIX}policy-{hex_}").mkdir()
+        (where / f"{TMP_PREFIX}policy-{hex_}" / "saved_model.pb").write_bytes(b"half a save")
+        (where / f"{TMP_PREFIX}checkpoint-{hex_}").write_bytes(b"half a state file")
+        (where / "policy").mkdir()
+        (where / f"{OLD_PREFIX}policy-{hex_}").mkdir()  # replaced by `policy`: deleted by recover
+
+
+class _Listed:
+    """A dir's entries, listed whole at once (before a swap), for a loop or a `with`."""
+
+    def __init__(self, entries: Iterator[os.DirEntry[str]]) -> None:
+        with entries:  # type: ignore[attr-defined]
+            self._entries = list(entries)
+
+    def __iter__(self) -> Iterator[os.DirEntry[str]]:
+        return iter(self._entries)
+
+    def __enter__(self) -> _Listed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    depth=st.integers(min_value=1, max_value=3),
+    data=st.data(),
+    kind=st.sampled_from(_SWAPS),
+    when=st.sampled_from(("before", "during")),
+)
+def test_a_component_swapped_before_or_during_recovery_is_never_followed(
+    tmp_path_factory: pytest.TempPathFactory, depth: int, data: st.DataObject, kind: str, when: str
+) -> None:
+    base = tmp_path_factory.mktemp("swap")
+    root, outside = base / "root", base / "outside"
+    parts = ["run", *[f"d{i}" for i in range(depth)]]
+    index = data.draw(st.integers(min_value=0, max_value=len(parts) - 1), label="component")
+    _leftovers(root, parts)
+    _leftovers(outside, parts[1:])  # decoys a followed link would lead recover to
+    (root / "elsewhere").mkdir()
+    before = _snapshot(outside)
+    scandir = os.scandir
+    listed: list[object] = []
+
+    def swapping_scandir(*args: object) -> _Listed:
+        """os.scandir, with the swap made once recover has listed the root."""
+        entries = _Listed(scandir(*args))  # type: ignore[call-overload]
+        if not listed:
+            listed.append(args)
+            _swap(root, parts, index, kind, outside)
+        return entries
+
+    if when == "before":
+        _swap(root, parts, index, kind, outside)
+    with pytest.MonkeyPatch.context() as patch:
+        if when == "during":
+            patch.setattr(os, "scandir", swapping_scandir)
+        files.recover(root)
+    assert _snapshot(outside) == before
+    # Recovery did its work where nothing was swapped: the root's own leftovers are gone.
+    assert not [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]

@@ -33,7 +33,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -172,6 +172,48 @@ def _refuse(dir_fd: int, name: str, error: OSError, shown: str) -> NoReturn:
             raise Moved(f"{shown!r} is a symlink") from error
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), shown) from error
     raise error
+
+
+def walk(top: str) -> Iterator[tuple[str, list[str], list[str], int]]:
+    """`os.fwalk(top, follow_symlinks=False)`, top-down, skipping a dir swapped for anything else since its listing.
+
+    os.fwalk tells a link put in a dir's place from the dir, but not a file:
+    it opens the file, finds it is what it lstat'ed a moment before, and
+    fails listing it (NotADirectoryError), ending the walk. Here each dir
+    is opened with O_DIRECTORY | O_NOFOLLOW, so whatever is not a dir now (a
+    link, a file, a fifo: no open that blocks) is left alone, and the walk
+    goes on. As with os.fwalk, a link to a dir is listed in `dirnames` (not
+    descended), and the caller may prune `dirnames` in place.
+
+    Raises:
+        OSError: `top` cannot be opened or listed.
+    """
+    fd = open_dir(top)
+    try:
+        yield from _walk(fd, top)
+    finally:
+        os.close(fd)
+
+
+def _walk(fd: int, path: str) -> Iterator[tuple[str, list[str], list[str], int]]:
+    dirnames: list[str] = []
+    filenames: list[str] = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                (dirnames if entry.is_dir() else filenames).append(entry.name)
+            except OSError:
+                continue  # gone meanwhile
+    yield path, dirnames, filenames, fd
+    for name in dirnames:
+        try:
+            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except OSError:
+            continue  # gone, a link, or no dir any more: not descended
+        try:
+            yield from _walk(child, os.path.join(path, name))
+        finally:
+            os.close(child)
 
 
 def fd_path(fd: int) -> str:
