@@ -490,15 +490,25 @@ class _Staging:
 
 
 def _read(save_dir: Path, folder_dir: Path, *, is_prefix: bool = False) -> CommittedSave | None:
-    """The save at `save_dir` (a dir, or a checkpoint prefix), or None if it has no valid manifest."""
+    """The save at `save_dir` (a dir, or a checkpoint prefix), or None if it has no valid manifest.
+
+    Its manifest is read through its dir opened from `/` along its real path
+    (`dirs.open_real`): a link swapped into the path since it was listed is
+    not followed, and the save is not one.
+    """
+    name = prefix.manifest_path(save_dir).name if is_prefix else save_manifest.MANIFEST_NAME
     try:
-        if is_prefix:
-            document = save_manifest.read_manifest(save_dir.parent, prefix.manifest_path(save_dir).name)
-        else:
-            document = save_manifest.read_manifest(save_dir)
+        base = dirs.open_real(os.fspath(save_dir.parent if is_prefix else save_dir))
+    except (OSError, dirs.Moved) as e:
+        _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)
+        return None
+    try:
+        document = save_manifest.read_manifest(Path(dirs.fd_path(base)), name)
         return save_manifest.committed_save(
             document, save_dir, save_dir.relative_to(folder_dir).as_posix(), prefix=is_prefix
         )
     except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
         _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)
         return None
+    finally:
+        os.close(base)
