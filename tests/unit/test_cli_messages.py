@@ -3,7 +3,9 @@ an unreachable default address, and S3 setup failures (a missing bucket, AWS's e
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,8 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from checkpointd.cli import ops
+from checkpointd.cli import ops, parse
+from checkpointd.cli.flags import with_flags
 from checkpointd.cli.parse import OpsCommand, config_from_args
 from checkpointd.core.config import ServeConfig
 from checkpointd.storage import s3
@@ -129,3 +132,43 @@ def test_aws_endpoint_url_is_honoured_and_the_flag_wins(monkeypatch: pytest.Monk
     assert s3_client.resolve_endpoint(None) == "http://127.0.0.1:7480"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9000")  # the service's own, as boto3 reads it
     assert s3_client.resolve_endpoint(None) == "http://127.0.0.1:9000"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--admission-wait", "-1"),
+        ("--upload-timeout", "0"),
+        ("--grace-seconds", "-1"),
+        ("--notice-window", "-1"),
+        ("--write-nice", "30"),
+        ("--max-workers", "0"),
+        ("--max-concurrent-uploads", "0"),
+        ("--max-snapshot-bytes", "0"),
+        ("--max-template-bytes", "0"),
+        ("--max-staging-bytes", "0"),
+        ("--port", "70000"),
+        ("--metrics-port", "70000"),
+        ("--keep-last", "0"),
+        ("--s3-read-timeout", "0"),
+        ("--s3-grace-seconds", "-1"),
+        ("--lease-seconds", "0"),
+        ("--lease-idle-seconds", "-1"),
+    ],
+)
+def test_a_value_out_of_range_names_the_flag_typed_not_the_configs_field(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = refused(["serve", "--root", "/data/ckpt", flag, value], capsys)
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"checkpointd serve: error: {flag} must"), line
+    assert not re.search(r"\b[a-z][a-z0-9]*_[a-z0-9_]+\b", line), f"a config field's name in: {line}"
+
+
+def test_every_config_field_an_error_may_name_has_a_flag_of_serve() -> None:
+    _, commands = parse._parser()
+    serve = commands["serve"]
+    options = {o for action in serve._actions for o in action.option_strings}  # noqa: SLF001
+    for field in dataclasses.fields(ServeConfig):
+        shown = with_flags(f"{field.name} must be so", serve).split()[0]
+        assert shown in options, f"ServeConfig.{field.name} is shown as {shown!r}, not a flag of serve"

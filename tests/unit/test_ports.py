@@ -40,6 +40,8 @@ def test_the_object_store_streams_offers_bases_and_lends_copies_the_local_store_
     assert issubclass(S3Store, ports.Closing) and issubclass(LocalStore, ports.Closing)
     assert not issubclass(LocalStore, ports.StreamingStore)
     assert not issubclass(LocalStore, ports.RemoteBases)
+    # The local store lends Restore a save's dir held open instead (read following no link).
+    assert issubclass(LocalStore, ports.HeldSaves) and not issubclass(S3Store, ports.HeldSaves)
 
 
 def test_a_fleets_leases_describe_themselves_and_list_holders_at_once() -> None:

@@ -70,7 +70,9 @@ def _save(folder: Path, name: str, run: str, kind: str, step: int, created: floa
 def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # Manifests here are minimal; retention reads only run, kind, step, created.
     monkeypatch.setattr(
-        save_manifest, "read_manifest", lambda d: json.loads((d / save_manifest.MANIFEST_NAME).read_text())
+        save_manifest,
+        "read_manifest",
+        lambda d, name=save_manifest.MANIFEST_NAME: json.loads((d / name).read_text()),
     )
     (tmp_path / "r").mkdir()
     return tmp_path / "r"

@@ -173,6 +173,20 @@ def test_damage_is_reported_with_its_reason(tmp_path: Path, damage, reason: str)
     assert reason in report.reason
 
 
+def test_a_link_in_a_saves_path_is_reported_never_read_through(tmp_path: Path) -> None:
+    save = make_save(tmp_path / "s")
+    decoy = tmp_path / "decoy"
+    (save / "variables").rename(decoy)  # the save's own files, moved out, are what the link leads to
+    (save / "variables").symlink_to(decoy, target_is_directory=True)
+    report = save_manifest.verify_dir(save)
+    assert not report.ok
+    assert f"{DATA} is missing ('variables' is a symlink, not followed)" in report.reason, report.reason
+    # A manifest that is a link is not read either.
+    (save / MANIFEST).rename(tmp_path / "manifest")
+    (save / MANIFEST).symlink_to(tmp_path / "manifest")
+    assert f"{MANIFEST} is a symlink" in save_manifest.verify_dir(save).reason
+
+
 def test_a_newer_format_or_an_escaping_path_is_refused(tmp_path: Path) -> None:
     save = make_save(tmp_path / "s")
     document = json.loads((save / MANIFEST).read_text())

@@ -12,7 +12,9 @@ string tensor's are its elements' varint64 lengths, the masked CRC32C of the
 lengths, then the elements (`checkpointd.bundle` writes both).
 
 Errors: `CorruptBundleError` where a checksum fails (TensorFlow's DataLoss),
-`UnreadableBundleError` where the files are missing, short or not a bundle.
+`UnreadableBundleError` where the files are missing, short or not a bundle,
+`InvalidRequestError` where a link was put in the files' way (never followed:
+every file is opened by `checkpointd.durable.dirs.open_file`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 import crc32c
 from google.protobuf import message
 
 from checkpointd.bundle.writer import DATA_TYPES, INDEX_SUFFIX
+from checkpointd.durable import dirs
 from checkpointd.protocol import bundle_table, varint
+from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.tensors import ITEMSIZE, STRING
 from checkpointd.v1 import tf_formats_pb2
 
@@ -69,17 +72,28 @@ class BundleReader:
     """A bundle's index, read and checked at open; its tensors read on demand.
 
     Args:
-        prefix: the bundle's prefix (`<dir>/variables/variables`).
+        prefix: the bundle's prefix (`<dir>/variables/variables`); with
+            `below`, relative to it ('/'-separated).
+        below: the dir (its path, or an open fd) below which no link is
+            followed; default: the prefix's own dir.
 
     Raises:
         CorruptBundleError: an index block fails its CRC32C.
         UnreadableBundleError: the index is missing or is not a bundle's.
+        InvalidRequestError: a component below `below` is a link.
     """
 
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
-        self._prefix = os.fspath(prefix)
+    def __init__(self, prefix: str | os.PathLike[str], *, below: str | int | None = None) -> None:
+        self._prefix = os.fspath(prefix)  # as errors name it
+        if below is None:
+            below, self._name = os.path.split(self._prefix)
+            below = below or "."
+        else:
+            self._name = self._prefix
+        self._below = below
         try:
-            index = Path(self._prefix + INDEX_SUFFIX).read_bytes()
+            with open(self._open(INDEX_SUFFIX), "rb") as f:
+                index = f.read()
         except OSError as e:
             raise UnreadableBundleError(f"cannot read {self._prefix}{INDEX_SUFFIX} ({e.strerror or e})") from None
         self.tensors: dict[str, Tensor] = {}
@@ -115,7 +129,20 @@ class BundleReader:
 
     def shard_path(self, shard: int) -> str:
         """The data file of shard `shard`."""
-        return f"{self._prefix}.data-{shard:05d}-of-{self.num_shards:05d}"
+        return f"{self._prefix}{self._shard_suffix(shard)}"
+
+    def _shard_suffix(self, shard: int) -> str:
+        return f".data-{shard:05d}-of-{self.num_shards:05d}"
+
+    def _open(self, suffix: str) -> int:
+        """The bundle's file `<prefix><suffix>`, opened following no link below `below`."""
+        try:
+            return dirs.open_file(self._below, self._name + suffix)
+        except dirs.Moved as e:
+            raise InvalidRequestError(
+                f"{self._prefix}{suffix}: {e}, put in the save's way after it was committed; it is not followed "
+                "and nothing was read through it: keep links out of the run's folder"
+            ) from None
 
     def raw(self, key: str) -> bytes:
         """A tensor's bytes in its shard, checked against its entry's CRC32C (a string's as TensorFlow sums it).
@@ -128,8 +155,11 @@ class BundleReader:
         t = self.tensors[key]
         path = self.shard_path(t.shard)
         try:
-            with open(path, "rb") as f:
-                data = os.pread(f.fileno(), t.size, t.offset)
+            fd = self._open(self._shard_suffix(t.shard))
+            try:
+                data = os.pread(fd, t.size, t.offset)
+            finally:
+                os.close(fd)
         except OSError as e:
             raise UnreadableBundleError(f"cannot read {path} ({e.strerror or e})") from None
         if len(data) != t.size:

@@ -34,11 +34,15 @@ def _typos(a: str, b: str) -> int:
     return d[len(a)][len(b)]
 
 
-# ServeConfig fields whose flag is not spelled after them.
+# ServeConfig fields whose flag is not spelled after them (a test checks every field has one).
 _FLAG_OF_FIELD = {
     "upload_timeout_seconds": "--upload-timeout",
+    "admission_wait_seconds": "--admission-wait",
     "shm_root": "--shm-dir",
     "notice_window_seconds": "--notice-window",
+    "s3_url": "--root",
+    "fsync": "--no-fsync",
+    "group_commit": "--no-group-commit",
 }
 
 
@@ -57,7 +61,7 @@ def with_flags(message: str, serve: argparse.ArgumentParser) -> str:
     def flag(match: re.Match[str]) -> str:
         return flags.get(match[0], match[0])
 
-    # Fields with an underscore anywhere; one-word fields (port, host) only
-    # where they start the message, so plain words stay words.
-    message = re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", flag, message)
+    # Fields with an underscore anywhere (digits too: s3_read_timeout); one-word
+    # fields (port, host) only where they start the message, so plain words stay words.
+    message = re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", flag, message)
     return re.sub(r"^[a-z]+\b", flag, message)

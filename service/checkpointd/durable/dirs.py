@@ -19,6 +19,10 @@ with `mkdirat`), and everything after goes through that descriptor:
 - a discarded save is deleted through the descriptor (`shutil.rmtree`'s
   `dir_fd`), with the parents its staging made.
 
+Reads of committed files go the same way (`open_file`): the save's dir is
+opened from `/` along the real path its lookup checked (`open_real`), and
+its files below it, with `O_NOFOLLOW` at every component.
+
 Linux only (`/proc/self/fd`), as the daemon is. Stdlib only.
 """
 
@@ -29,7 +33,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -48,18 +52,62 @@ def open_dir(path: str) -> int:
 
 
 def open_real(path: str) -> int:
-    """Opens the directory `path`, a real path taken earlier, only if it still is one (no link in it now).
+    """Opens the directory `path`, a real path taken earlier, walking down from `/` without following a link.
+
+    A component swapped for a link since the path was taken is refused, at
+    whatever moment the swap lands: no window between a check and the open.
 
     Raises:
         Moved: a component of `path` is a link now.
+        NotADirectoryError: a component is a file now.
         OSError: it cannot be opened (gone).
     """
-    if os.path.realpath(path) != path:
-        raise Moved(f"{path} leads elsewhere now (through a symlink)")
-    fd = open_dir(path)
-    if not same_dir(fd, os.path.realpath(path)):
+    top = os.open("/", _DIR_FLAGS)
+    try:
+        fd, _ = open_below(top, [part for part in path.split("/") if part])
+    finally:
+        os.close(top)
+    return fd
+
+
+def open_file(base: str | int, path: str) -> int:
+    """Opens the regular file `base/path` for reading, following no link below `base`.
+
+    The one way a committed save's files are opened for reading: `base` is
+    its dir held open (an fd, or `fd_path` of one: taken by `open_real` from
+    the path its lookup checked), and every component of `path` below it,
+    the file's own name included, is opened with `O_NOFOLLOW`. Whatever was
+    swapped in since (a link, a file, a fifo), nothing outside is read.
+
+    Args:
+        base: an open directory (not closed here), or a directory's path
+            (opened here, following its links: the caller's to trust).
+        path: '/'-separated, relative, with no '', '.' or '..' component.
+
+    Raises:
+        Moved: a component (the file included) is a symlink.
+        NotADirectoryError: a dir component is a file.
+        FileNotFoundError: a component is missing.
+        OSError: it is not a regular file (EINVAL), or another failure.
+    """
+    parent, _, name = path.rpartition("/")
+    owned = isinstance(base, str)
+    base_fd = open_dir(base) if isinstance(base, str) else base
+    try:
+        where, _ = open_below(base_fd, parent.split("/") if parent else [])
+    finally:
+        if owned:
+            os.close(base_fd)
+    try:
+        # O_NONBLOCK: a fifo put in the file's place opens at once (and is refused below) instead of hanging.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=where)
+    except OSError as e:
+        _refuse(where, name, e, path)
+    finally:
+        os.close(where)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise Moved(f"{path} was swapped while it was opened")
+        raise OSError(errno.EINVAL, "not a regular file", path)
     return fd
 
 
@@ -124,6 +172,48 @@ def _refuse(dir_fd: int, name: str, error: OSError, shown: str) -> NoReturn:
             raise Moved(f"{shown!r} is a symlink") from error
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), shown) from error
     raise error
+
+
+def walk(top: str) -> Iterator[tuple[str, list[str], list[str], int]]:
+    """`os.fwalk(top, follow_symlinks=False)`, top-down, skipping a dir swapped for anything else since its listing.
+
+    os.fwalk tells a link put in a dir's place from the dir, but not a file:
+    it opens the file, finds it is what it lstat'ed a moment before, and
+    fails listing it (NotADirectoryError), ending the walk. Here each dir
+    is opened with O_DIRECTORY | O_NOFOLLOW, so whatever is not a dir now (a
+    link, a file, a fifo: no open that blocks) is left alone, and the walk
+    goes on. As with os.fwalk, a link to a dir is listed in `dirnames` (not
+    descended), and the caller may prune `dirnames` in place.
+
+    Raises:
+        OSError: `top` cannot be opened or listed.
+    """
+    fd = open_dir(top)
+    try:
+        yield from _walk(fd, top)
+    finally:
+        os.close(fd)
+
+
+def _walk(fd: int, path: str) -> Iterator[tuple[str, list[str], list[str], int]]:
+    dirnames: list[str] = []
+    filenames: list[str] = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                (dirnames if entry.is_dir() else filenames).append(entry.name)
+            except OSError:
+                continue  # gone meanwhile
+    yield path, dirnames, filenames, fd
+    for name in dirnames:
+        try:
+            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except OSError:
+            continue  # gone, a link, or no dir any more: not descended
+        try:
+            yield from _walk(child, os.path.join(path, name))
+        finally:
+            os.close(child)
 
 
 def fd_path(fd: int) -> str:

@@ -277,9 +277,9 @@ def recover(root: Path) -> int:
     fixed = 0
     if not os.path.isdir(root):
         return fixed
-    # Through each dir's descriptor (os.fwalk): a component swapped for a
-    # symlink while this runs is never followed, nor anything deleted through it.
-    for dirpath, dirnames, filenames, dir_fd in os.fwalk(root, follow_symlinks=False):
+    # Through each dir's descriptor (dirs.walk): a component swapped for a
+    # symlink or a file while this runs is never followed, nor anything deleted through it.
+    for dirpath, dirnames, filenames, dir_fd in dirs.walk(os.fspath(root)):
         for name in filenames:
             if _split_suffixed(name, TMP_PREFIX) is not None:
                 _LOGGER.info("recover: deleting unfinished temp file %s", Path(dirpath, name))

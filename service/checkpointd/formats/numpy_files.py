@@ -21,6 +21,7 @@ from pathlib import Path
 from checkpointd import bundle
 from checkpointd.bundle.reader import BundleReader
 from checkpointd.core.numpy_state import PREFIX, NumpyEntry, NumpyPayload, NumpyStateSpec
+from checkpointd.durable import dirs
 from checkpointd.formats import object_graph
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
@@ -99,14 +100,20 @@ def write(save_dir: Path, payload: NumpyPayload) -> int:
 def read(save_dir: Path) -> NumpyStateRead | None:
     """Reads a save's numpy state back; None if the save has none.
 
+    Nothing below `save_dir` is followed: a link there is InvalidRequestError.
+
     Raises:
-        InvalidRequestError: the checkpoint's keys disagree with its object graph.
+        InvalidRequestError: the checkpoint's keys disagree with its object
+            graph, or a link is in its files' way.
         UnreadableBundleError: the files are unreadable (CorruptBundleError: corrupt).
     """
-    prefix = Path(save_dir) / PREFIX
-    if not os.path.exists(f"{prefix}.index"):
+    try:
+        os.close(dirs.open_file(os.fspath(save_dir), f"{PREFIX}{bundle.INDEX_SUFFIX}"))
+    except FileNotFoundError:
         return None
-    reader = BundleReader(prefix)
+    except (OSError, dirs.Moved):
+        pass  # there, but not as written: the reader says how
+    reader = BundleReader(PREFIX, below=os.fspath(save_dir))
     if OBJECT_GRAPH_KEY not in reader.tensors:
         raise InvalidRequestError(f"the numpy state of {save_dir} has no {OBJECT_GRAPH_KEY}")
     graph = reader.string(OBJECT_GRAPH_KEY)

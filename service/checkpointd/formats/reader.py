@@ -14,6 +14,7 @@ each tensor's CRC32C checked as it is read.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,7 @@ def open_save(save_dir: Path, kind: SaveKind, manifest: Manifest, where: str) ->
         ChecksumError, SaveFailedError: its files are corrupt or unreadable.
     """
     try:
-        reader = BundleReader(Path(save_dir) / VARIABLES_PREFIX)
+        reader = BundleReader(VARIABLES_PREFIX, below=os.fspath(save_dir))  # no link below the save's dir followed
         shapes = {key: t.shape for key, t in reader.tensors.items()}
         dtypes = {key: t.dtype for key, t in reader.tensors.items()}
         numpy_state = numpy_files.read(Path(save_dir))

@@ -28,6 +28,7 @@ here, and no TensorFlow: a committed checkpoint is read back by
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -223,7 +224,7 @@ class TrainingFormat:
         """
         where = repr(save.export_dir)
         try:
-            reader = BundleReader(save.path)
+            reader = BundleReader(save.path.name, below=os.fspath(save.path.parent))  # no link below its dir followed
             shapes = {key: t.shape for key, t in reader.tensors.items()}
             dtypes = {key: t.dtype for key, t in reader.tensors.items()}
             graph = reader.string(tensors.OBJECT_GRAPH_KEY) if tensors.OBJECT_GRAPH_KEY in shapes else b""

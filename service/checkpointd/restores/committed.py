@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from checkpointd.core.ports import CommittedSave, LocalCopies, SaveFormat, SaveValues, Store
+from checkpointd.core.ports import CommittedSave, HeldSaves, LocalCopies, SaveFormat, SaveValues, Store
 from checkpointd.core.variable_manifest import Manifest
 from checkpointd.protocol.errors import RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind
@@ -80,12 +80,17 @@ def opening(
     manifest: Manifest,
 ) -> Iterator[Opened]:
     """As `open_committed`, for the duration of a `with`: a store whose saves are not local
-    files (`LocalCopies`, the object store) lends a checked local copy until the block ends."""
-    if not isinstance(store, LocalCopies):
+    files (`LocalCopies`, the object store) lends a checked local copy until the block ends,
+    one of local files (`HeldSaves`) the save's dir held open, read following no link."""
+    if isinstance(store, LocalCopies):
+        lend = store.local_copy
+    elif isinstance(store, HeldSaves):
+        lend = store.held
+    else:
         yield open_committed(store, format_for, folder, run, export_dir, manifest)
         return
     save = find(store, folder, run, export_dir)
-    with store.local_copy(save) as local:
+    with lend(save) as local:
         yield Opened(save, format_for(save.kind).read(local, manifest))
 
 

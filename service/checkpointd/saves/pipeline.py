@@ -380,7 +380,7 @@ class SavePipeline:
                     save = opened.enter_context(
                         writes.streamed(
                             self.store, fmt, meta, manifest, self.store.target(folder, request.export_dir), parts,
-                            request.numpy_state, request.checkpoint,
+                            request.numpy_state, request.checkpoint, gone=lambda: not is_active(),
                         )
                     )  # fmt: skip
                 except Exception:

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import cast
@@ -71,13 +71,18 @@ def streamed(
     parts: Sequence[int],
     numpy_state: NumpyStateSpec | None,
     checkpoint: CheckpointSpec | None = None,
+    *,
+    gone: Callable[[], bool] = lambda: False,
 ) -> Iterator[StreamedSave]:
     """Stages a save at `target` and opens its format's files, for the block to receive and commit.
 
     Whatever ends the block early (a bad chunk, a broken stream, the
     deadline, a full disk) closes the files, after any write in progress,
     and discards the staging dir and the parent dirs staging made. Errors that are not the daemon's own
-    become SaveFailedError with the reason.
+    become SaveFailedError with the reason, logged; but once `gone()` (the
+    caller went away), the error is its broken stream, no write failure:
+    raised as it is (gRPC knows its own), and the pipeline logs the save
+    once, as cancelled.
 
     Raises:
         RunNotFoundError: the run has no template in the format.
@@ -103,7 +108,7 @@ def streamed(
     except BaseException as e:
         store.discard(staging)
         _remove_empty(made)
-        if isinstance(e, CheckpointdError) or not isinstance(e, Exception):
+        if isinstance(e, CheckpointdError) or not isinstance(e, Exception) or gone():
             raise
         raise write_failed(meta, target, e) from e
 

@@ -20,7 +20,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
 
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged
@@ -329,7 +329,9 @@ class LocalStore:
         return [save for save in saves if save is not None and (run is None or save.run == run)]
 
     def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
-        target = resolve_export_dir(self.root, folder, export_dir)
+        # Links on the way are resolved here, once (and must stay in the run's
+        # folder): the save is read along its real path, following no link after.
+        target = _path_of(os.path.realpath(resolve_export_dir(self.root, folder, export_dir)))
         save = _read(target, self._folder_dir(folder)) if target.is_dir() else None
         if save is None and prefix.is_committed(target):  # a dir of that name may be there too
             save = _read(target, self._folder_dir(folder), is_prefix=True)
@@ -419,7 +421,18 @@ class LocalStore:
         return local_files.read_ranges(save, ranges)
 
     def verified(self, save: CommittedSave, files: Sequence[SavedFile]) -> dict[str, tuple[int, int, int]]:
-        return self._verified.check(local_files.base_dir(save), files)
+        return self._verified.check(save, files)
+
+    # Restore (ports.HeldSaves).
+
+    @contextlib.contextmanager
+    def held(self, save: CommittedSave) -> Iterator[CommittedSave]:
+        base = local_files.open_base(save)
+        try:
+            held = Path(dirs.fd_path(base))
+            yield replace(save, path=held / save.path.name if save.prefix else held)
+        finally:
+            os.close(base)
 
     def close(self) -> None:
         self._syncer.shutdown(wait=True)
@@ -477,15 +490,25 @@ class _Staging:
 
 
 def _read(save_dir: Path, folder_dir: Path, *, is_prefix: bool = False) -> CommittedSave | None:
-    """The save at `save_dir` (a dir, or a checkpoint prefix), or None if it has no valid manifest."""
+    """The save at `save_dir` (a dir, or a checkpoint prefix), or None if it has no valid manifest.
+
+    Its manifest is read through its dir opened from `/` along its real path
+    (`dirs.open_real`): a link swapped into the path since it was listed is
+    not followed, and the save is not one.
+    """
+    name = prefix.manifest_path(save_dir).name if is_prefix else save_manifest.MANIFEST_NAME
     try:
-        if is_prefix:
-            document = save_manifest.read_manifest(save_dir.parent, prefix.manifest_path(save_dir).name)
-        else:
-            document = save_manifest.read_manifest(save_dir)
+        base = dirs.open_real(os.fspath(save_dir.parent if is_prefix else save_dir))
+    except (OSError, dirs.Moved) as e:
+        _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)
+        return None
+    try:
+        document = save_manifest.read_manifest(Path(dirs.fd_path(base)), name)
         return save_manifest.committed_save(
             document, save_dir, save_dir.relative_to(folder_dir).as_posix(), prefix=is_prefix
         )
     except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
         _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)
         return None
+    finally:
+        os.close(base)

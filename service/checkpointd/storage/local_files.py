@@ -8,6 +8,11 @@ checkpoint's prefix, relative to its checkpoint dir, beside its manifest.
 is checked once against its manifest's size and CRC32C, and known after by
 its stat (device, inode, mtime, size), so a file replaced or rewritten
 since is checked again, and one that no longer matches is not vouched for.
+
+Every file is opened through the save's dir, held open (`open_base`: from
+`/` along the real path its listing took) with `O_NOFOLLOW` at every
+component below (`checkpointd.durable.dirs.open_file`): a link put in the
+save's path since it was committed is refused, never followed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 from checkpointd.core.ports import CommittedSave, SavedFile
 from checkpointd.durable import dirs
-from checkpointd.protocol.errors import RunNotFoundError, SaveFailedError
+from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.wire import FILE_CHUNK_BYTES
 from checkpointd.storage import save_manifest
 
@@ -36,16 +41,45 @@ def manifest_name(save: CommittedSave) -> str:
     return save.path.name + save_manifest.PREFIX_MANIFEST_SUFFIX if save.prefix else save_manifest.MANIFEST_NAME
 
 
+def open_base(save: CommittedSave) -> int:
+    """The save's `base_dir`, opened from `/` along the real path its listing took, following no link.
+
+    Raises:
+        InvalidRequestError: a component of its path is a link now.
+        RunNotFoundError: its dir is gone, or a file is in its place.
+        SaveFailedError: it could not be opened otherwise.
+    """
+    try:
+        return dirs.open_real(os.fspath(base_dir(save)))
+    except dirs.Moved as e:
+        raise _linked(save, e) from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise RunNotFoundError(f"the save {save.export_dir!r} is no longer committed (its dir is gone)") from None
+    except OSError as e:
+        raise SaveFailedError(f"{save.export_dir!r}: cannot open its dir ({e.strerror or e})") from None
+
+
+def _linked(save: CommittedSave, e: dirs.Moved) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{save.export_dir!r}: {e}, put in the save's path after it was committed; it is not followed "
+        "and nothing was read through it: keep links out of the run's folder"
+    )
+
+
 def files_of(save: CommittedSave) -> list[SavedFile]:
     """Every file of a local committed save, as its manifest lists them.
 
     Raises:
         RunNotFoundError: the manifest is gone or unreadable (the save was deleted).
+        InvalidRequestError: a link is in the save's path.
     """
+    base = open_base(save)
     try:
-        document = save_manifest.read_manifest(base_dir(save), manifest_name(save))
+        document = save_manifest.read_manifest(Path(dirs.fd_path(base)), manifest_name(save))
     except save_manifest.ManifestError as e:
         raise RunNotFoundError(f"the save {save.path} is no longer committed ({e})") from None
+    finally:
+        os.close(base)
     return [SavedFile(e.path, e.size, int(e.crc32c, 16)) for e in document["files"]]
 
 
@@ -54,13 +88,10 @@ def read_ranges(save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> 
 
     Raises:
         SaveFailedError: a file is missing, unreadable, or shorter than asked.
+        InvalidRequestError: a link is in the save's path, or in a file's.
+        RunNotFoundError: the save's dir is gone.
     """
-    # Through the save's dir as it was listed, opened once: a link put in its
-    # path since, or in place of one of its files, is never followed.
-    try:
-        base = dirs.open_real(os.fspath(base_dir(save)))
-    except (OSError, dirs.Moved) as e:
-        raise SaveFailedError(f"{save.export_dir!r}: cannot open its dir ({e})") from None
+    base = open_base(save)
     try:
         for path, offset, length in ranges:
             yield from _read_range(save, base, path, offset, length)
@@ -69,17 +100,12 @@ def read_ranges(save: CommittedSave, ranges: Sequence[tuple[str, int, int]]) -> 
 
 
 def _read_range(save: CommittedSave, base: int, path: str, offset: int, length: int) -> Iterator[bytes]:
-    parent, _, name = path.rpartition("/")
     try:
-        where, _ = dirs.open_below(base, parent.split("/") if parent else [])
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=where)
-        finally:
-            os.close(where)
-    except (OSError, dirs.Moved) as e:
-        raise SaveFailedError(
-            f"{save.export_dir!r}: cannot open {path} ({e.strerror if isinstance(e, OSError) and e.strerror else e})"
-        ) from None
+        fd = dirs.open_file(base, path)
+    except dirs.Moved as e:
+        raise _linked(save, e) from None
+    except OSError as e:
+        raise SaveFailedError(f"{save.export_dir!r}: cannot open {path} ({e.strerror or e})") from None
     try:
         end = offset + length
         while offset < end:
@@ -106,28 +132,46 @@ class Verified:
         self._known: OrderedDict[tuple[str, int, int, int, int, int], None] = OrderedDict()
         self._capacity = capacity
 
-    def check(self, base: Path, files: Sequence[SavedFile]) -> dict[str, tuple[int, int, int]]:
-        """(st_dev, st_ino, st_mtime_ns) of each file under `base` that matches its size and CRC32C."""
+    def check(self, save: CommittedSave, files: Sequence[SavedFile]) -> dict[str, tuple[int, int, int]]:
+        """(st_dev, st_ino, st_mtime_ns) of each file of `save` that matches its size and CRC32C.
+
+        A file behind a link, or gone, is not vouched for.
+
+        Raises:
+            InvalidRequestError, RunNotFoundError, SaveFailedError: as `open_base`.
+        """
         out = {}
-        for f in files:
-            full = base / f.path
-            try:
-                st = os.stat(full)
-            except OSError:
-                continue
-            key = (str(full), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, f.crc32c)
-            with self._lock:
-                known = key in self._known
-            if not known:
+        base = open_base(save)
+        try:
+            for f in files:
                 try:
-                    size, crc = save_manifest.file_checksum(full, mapped=True)
-                except OSError:
+                    fd = dirs.open_file(base, f.path)
+                except (OSError, dirs.Moved):
                     continue
-                if size != f.size or crc != f.crc32c or os.stat(full).st_mtime_ns != st.st_mtime_ns:
-                    continue
-                with self._lock:
-                    self._known[key] = None
-                    while len(self._known) > self._capacity:
-                        self._known.popitem(last=False)
-            out[f.path] = (st.st_dev, st.st_ino, st.st_mtime_ns)
+                try:
+                    if self._matches(save, f, fd):
+                        st = os.fstat(fd)
+                        out[f.path] = (st.st_dev, st.st_ino, st.st_mtime_ns)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(base)
         return out
+
+    def _matches(self, save: CommittedSave, f: SavedFile, fd: int) -> bool:
+        st = os.fstat(fd)
+        key = (f"{base_dir(save)}/{f.path}", st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, f.crc32c)
+        with self._lock:
+            if key in self._known:
+                return True
+        try:
+            size, crc = save_manifest.file_checksum(dirs.fd_path(fd), mapped=True)  # the open file itself
+        except OSError:
+            return False
+        if size != f.size or crc != f.crc32c or os.fstat(fd).st_mtime_ns != st.st_mtime_ns:
+            return False
+        with self._lock:
+            self._known[key] = None
+            while len(self._known) > self._capacity:
+                self._known.popitem(last=False)
+        return True

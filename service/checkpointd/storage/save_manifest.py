@@ -13,6 +13,7 @@ TensorFlow to import, and must work on a host without it.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -27,6 +28,7 @@ import crc32c
 
 from checkpointd import durable
 from checkpointd.core.ports import CommittedSave, SaveMeta, Staged
+from checkpointd.durable import dirs
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import MANIFEST_NAME
 
@@ -267,10 +269,14 @@ def read_manifest(save_dir: Path, name: str = MANIFEST_NAME) -> dict[str, Any]:
     """
     path = Path(save_dir) / name
     try:
-        data = path.read_bytes()
+        # A link in the manifest's place is not followed: a save's files are its own.
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise ManifestError(f"no {name} (not a checkpointd save, or not complete)") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ManifestError(f"{name} is a symlink, not the save's own file (not followed)") from None
         raise ManifestError(f"{name} is unreadable: {e}") from None
     return parse_manifest(data, name)
 
@@ -361,28 +367,50 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> Report:
 
 
 def _entry_problems(base: Path, entries: list[FileEntry], progress: Progress | None) -> list[str]:
-    """What is wrong with each listed file under `base`: missing, another size or CRC32C."""
+    """What is wrong with each listed file under `base`: missing, another size or CRC32C.
+
+    Each file is opened below `base` following no link (`durable.dirs.open_file`):
+    a link in its path is reported, never read through.
+    """
     problems = []
-    for entry in entries:
-        path = base / entry.path
-        if path.is_symlink() or not path.exists():
-            problems.append(f"{entry.path} is missing")
-            continue
-        if not path.is_file():
-            problems.append(f"{entry.path} is not a regular file")
-            continue
-        size = path.stat().st_size
-        if size != entry.size:
-            problems.append(f"{entry.path} has {size} bytes, the manifest says {entry.size}")
-            continue
-        try:
-            _, value = file_checksum(path, progress)
-        except OSError as err:
-            problems.append(f"{entry.path} is unreadable ({err.strerror or err})")
-            continue
-        if _hex(value) != entry.crc32c.lower():
-            problems.append(f"{entry.path} has CRC32C {_hex(value)}, the manifest says {entry.crc32c}")
+    try:
+        base_fd = dirs.open_dir(os.fspath(base))
+    except OSError as e:
+        return [f"{base} cannot be opened ({e.strerror or e})"]
+    try:
+        for entry in entries:
+            problem = _entry_problem(base_fd, entry, progress)
+            if problem:
+                problems.append(problem)
+    finally:
+        os.close(base_fd)
     return problems
+
+
+def _entry_problem(base_fd: int, entry: FileEntry, progress: Progress | None) -> str:
+    try:
+        fd = dirs.open_file(base_fd, entry.path)
+    except dirs.Moved as e:
+        return f"{entry.path} is missing ({e}, not followed)"
+    except FileNotFoundError:
+        return f"{entry.path} is missing"
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.ENOTDIR):
+            return f"{entry.path} is not a regular file"
+        return f"{entry.path} is unreadable ({e.strerror or e})"
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry.size:
+            return f"{entry.path} has {size} bytes, the manifest says {entry.size}"
+        try:
+            _, value = file_checksum(dirs.fd_path(fd), progress)  # the open file itself
+        except OSError as err:
+            return f"{entry.path} is unreadable ({err.strerror or err})"
+    finally:
+        os.close(fd)
+    if _hex(value) != entry.crc32c.lower():
+        return f"{entry.path} has CRC32C {_hex(value)}, the manifest says {entry.crc32c}"
+    return ""
 
 
 def _verdict(passed: Report, problems: list[str]) -> Report:

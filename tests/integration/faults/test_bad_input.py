@@ -405,6 +405,29 @@ def test_symlink_planted_after_the_accept_is_not_followed(daemon: Daemon, stub: 
     shutil.rmtree(run_dir / "later-moved", ignore_errors=True)  # the staging the swap orphaned
 
 
+def test_a_link_planted_in_a_committed_save_is_not_followed_by_restores(
+    daemon: Daemon, stub: Stub, run: Run, outside: Path
+) -> None:
+    good_save(stub, run, "kept")
+    save_dir = daemon.root / run.name / "kept"
+    # A decoy byte for byte the save's own: a restore that followed the link would succeed.
+    shutil.copytree(save_dir / "variables", outside / "variables")
+    (save_dir / "variables").rename(save_dir / "variables-moved")
+    (save_dir / "variables").symlink_to(outside / "variables", target_is_directory=True)
+    calls = {
+        "Restore": lambda: list(stub.Restore(pb.RestoreRequest(run=run.name, export_dir="kept"), timeout=RPC_TIMEOUT)),
+        "RestoreFiles": lambda: list(
+            stub.RestoreFiles(pb.RestoreFilesRequest(run=run.name, export_dir="kept"), timeout=RPC_TIMEOUT)
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, caught.value.details())
+        assert "'variables' is a symlink" in caught.value.details(), (name, caught.value.details())
+    assert_serving(daemon, stub, run)
+
+
 # Snapshots that go wrong after the accept: the save counts as failed.
 
 

@@ -280,6 +280,10 @@ def test_a_client_cancelling_mid_upload_frees_the_lane(env: Env) -> None:
     status = env.status("sem-cancel")
     # A caller that went away is no disk failure: counted as cancelled, so CheckpointdSaveFailed stays quiet.
     assert (status.saves_cancelled, status.saves_failed, status.last_error) == (1, 0, "")
+    # ...and logged once, at INFO, as cancelled: no write failure or error status said before or after it.
+    said = [line for line in env.daemon.log().splitlines() if "sem-cancel" in line and "registered" not in line]
+    said = [line for line in said if "saved run=" not in line and "closed run=" not in line]
+    assert len(said) == 1 and " INFO " in said[0] and "cancelled run=sem-cancel" in said[0], said
 
 
 def test_each_run_has_its_own_lane(env: Env) -> None:

@@ -7,7 +7,7 @@ Beside them: a save's sink (`sinks`), what Restore needs (`restore`), who
 writes a run in a fleet (`leases`), the counters (`metrics`) and the values
 that cross them (`records`). A capability only some implementations offer is
 a Protocol of its own (`StreamingStore`, `RemoteBases`, `Closing`,
-`LocalCopies`, `SaveFiles`, `StagesFiles`, `CheckpointValues`, `WatchedSink`,
+`LocalCopies`, `HeldSaves`, `SaveFiles`, `StagesFiles`, `CheckpointValues`, `WatchedSink`,
 `ReferencingSink`, `WholePartsSink`, `OrderedSink`, `CopyingSink`,
 `SameChunksSink`, `LeaseHolders`, `Described`), checked with isinstance, never
 probed with getattr. `checkpointd.server` picks the implementations.
@@ -25,7 +25,14 @@ from checkpointd.core.ports.metrics import (
     PhaseSink,
 )
 from checkpointd.core.ports.records import CommittedSave, SavedFile, SaveMeta, SnapshotBytes, Staged
-from checkpointd.core.ports.restore import CheckpointValues, LocalCopies, SaveFiles, SaveValues, StagesFiles
+from checkpointd.core.ports.restore import (
+    CheckpointValues,
+    HeldSaves,
+    LocalCopies,
+    SaveFiles,
+    SaveValues,
+    StagesFiles,
+)
 from checkpointd.core.ports.sinks import (
     CopyingSink,
     OrderedSink,
@@ -44,6 +51,7 @@ __all__ = [
     "CommittedSave",
     "CopyingSink",
     "Described",
+    "HeldSaves",
     "LeaseHolders",
     "LeaseSink",
     "Leases",

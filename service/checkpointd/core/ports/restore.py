@@ -56,6 +56,24 @@ class LocalCopies(Protocol):
 
 
 @runtime_checkable
+class HeldSaves(Protocol):
+    """A Store of local files lends a committed save's dir held open, so its readers follow no link put there since."""
+
+    def held(self, save: CommittedSave) -> AbstractContextManager[CommittedSave]:
+        """Opens the save's dir (a prefix's: its checkpoint dir) along the path its lookup checked, following no link.
+
+        Yields the save with `path` naming it through the open descriptor
+        (`/proc/self/fd/N`, and a prefix's name below it), closed on exit.
+        Its readers open its files with `checkpointd.durable.dirs.open_file`.
+
+        Raises:
+            InvalidRequestError: a component of its path is a link now.
+            RunNotFoundError: its dir is gone, or a file is in its place.
+        """
+        ...
+
+
+@runtime_checkable
 class SaveFiles(Protocol):
     """A Store that hands out a committed save's files as bytes, for RestoreFiles."""
 
