@@ -3,7 +3,7 @@ and that RemotePolicySaver validates its arguments exactly as PolicySaver does.
 
 Real TensorFlow objects, so this is the integration tier (it was in tests/unit).
 The chunking tests that were here test the shared codecs now, without
-TensorFlow: tests/unit/test_wire.py, under the same names.
+TensorFlow: tests/unit/rpc/test_wire.py, under the same names.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tf_agents.trajectories import time_step as ts
 import checkpointd_client.saver as saver_module
 from checkpointd.protocol import wire
 from checkpointd_client import RemotePolicySaver, snapshot
-from tests.unit.test_wire import check_chunks
+from tests.unit.rpc.test_wire import check_chunks
 
 
 def _tiny_saver(seed: int = 0, **kwargs: object) -> policy_saver.PolicySaver:

@@ -325,7 +325,7 @@ def test_a_big_file_goes_up_in_parallel_parts_each_checked_by_the_server(s3: S3,
         store.commit(staged, target, SaveMeta("mp", SaveKind.CHECKPOINT, 1, "big"))
         assert len(sent) == 5  # 23 MiB in 5 MiB parts
         # Over HTTP each part's SHA-256 is signed (the server refuses a body that does not match);
-        # over HTTPS it would carry a Content-MD5 instead (tests/unit/test_s3_store.py).
+        # over HTTPS it would carry a Content-MD5 instead (tests/unit/s3/test_s3_store.py).
         for body, sha256 in sent:
             assert (sha256.decode() if isinstance(sha256, bytes) else sha256) == hashlib.sha256(body).hexdigest()
         manifest = json.loads(

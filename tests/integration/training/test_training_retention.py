@@ -20,7 +20,7 @@ import tensorflow as tf
 from checkpointd.core.checkpoint_spec import CheckpointRetention
 from checkpointd_client import RemoteCheckpointer
 from tests.integration.support.daemon import Daemon, wait_until
-from tests.unit.test_checkpoint_state import _Manager
+from tests.unit.core.test_checkpoint_state import _Manager
 
 LIMIT = 60.0
 

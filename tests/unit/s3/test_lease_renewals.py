@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from checkpointd.storage.s3 import LEASES_DIR
-from tests.unit.test_lease import FakeBucket, FakeClock, _leases
+from tests.unit.s3.test_lease import FakeBucket, FakeClock, _leases
 
 WAIT = 10.0  # any single wait here; reached only on failure
 RUNS = 4

@@ -30,7 +30,7 @@ from checkpointd.core.config import ServeConfig
 from checkpointd.metrics import Metrics
 from checkpointd.v1 import checkpointd_pb2
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCKER = ROOT / "docker"
 SERVICE = checkpointd_pb2.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 # Series Prometheus itself makes, and PromQL functions the files may use.

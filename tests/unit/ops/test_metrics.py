@@ -167,7 +167,7 @@ def test_serve_metrics_on_port_zero_serves_the_registry(endpoint: str, metrics: 
 
 
 def test_declared_prometheus_client_floor_returns_server_and_thread() -> None:
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
     floors = [
         tuple(int(part) for part in match.group(1).split("."))

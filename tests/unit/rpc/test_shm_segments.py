@@ -17,7 +17,7 @@ from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.rpc import upload
 from checkpointd.transport import shm
 from checkpointd.v1 import checkpointd_pb2 as pb
-from tests.unit.test_upload import Parts
+from tests.unit.rpc.test_upload import Parts
 
 PARTS = [40, 0, 4096, 8, 3]
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 COMMITTED = REPO / "service" / "checkpointd" / "v1"
 # protoc on one small proto; generous for a slow CI machine.
 LIMIT = 60.0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TREES = {"checkpointd": ROOT / "service" / "checkpointd", "checkpointd_client": ROOT / "client" / "checkpointd_client"}
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_layers import LAYERS
+from tests.unit.tree.test_layers import LAYERS
 
 # A fresh interpreter importing a package; the client's imports TensorFlow.
 # Generous for a loaded CI machine: a hang fails, a slow import does not.
 LIMIT = 120.0
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGE_DIRS = {
     "checkpointd.core": ROOT / "service" / "checkpointd" / "core",
     "checkpointd.protocol": ROOT / "service" / "checkpointd" / "protocol",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 TRAINER_ONLY = ("tensorflow", "tensorflow-cpu", "tf-agents", "tensorflow-probability", "numpy", "tensorboard")
 
