@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
-from checkpointd.core.incremental_path import IncrementalPath, PathChooser
+from checkpointd.core.incremental_path import ChooserConfig, IncrementalPath, PathChooser
 from checkpointd.core.ports import Closing, Described, Leases, NoLeases, SaveFormat, Store
 from checkpointd.durable.copies import shares_extents
 from checkpointd.durable.files import check_writable_dir
@@ -167,7 +167,7 @@ class Server:
             shared_memory=self.shared_memory,
             phases=self.metrics,
             leases=self.leases,
-            paths=_incremental_paths(self._store),
+            paths=_incremental_paths(self._store, config.incremental_path),
         )
         servicer = CheckpointServicer(pipeline, config.state_dir / "staging")
         self._grpc = grpc.server(
@@ -377,13 +377,18 @@ def _describe(seam: object) -> str:
     return seam.describe() if isinstance(seam, Described) else ""
 
 
-def _incremental_paths(store: Store) -> PathChooser | None:
-    """A local root's incremental saves clone from their base where its file system shares extents (probed once)."""
+def _incremental_paths(store: Store, choice: str) -> PathChooser:
+    """How incremental saves copy from their base: server-side on an object store; on a local root, a clone
+    where its file system shares extents (probed once), else a copy."""
+    config = ChooserConfig(choice=choice)
     if not isinstance(store, LocalStore):
-        return None  # the pipeline's own: an object store copies server-side
+        return PathChooser(IncrementalPath.SERVER_COPY, config)
     clones = shares_extents(store.root)
-    _LOGGER.info("root %s: incremental saves %s their base", store.root, "clone" if clones else "copy")
-    return PathChooser(IncrementalPath.CLONE if clones else IncrementalPath.COPY)
+    _LOGGER.info(
+        "root %s: incremental saves %s their base (--incremental-path %s)",
+        store.root, "clone" if clones else "copy", choice,
+    )  # fmt: skip
+    return PathChooser(IncrementalPath.CLONE if clones else IncrementalPath.COPY, config)
 
 
 def _make_store(

@@ -106,3 +106,17 @@ def test_config_is_checked(config: dict[str, float]) -> None:
 
 def test_labels_are_the_paths() -> None:
     assert PATHS == ("clone", "copy", "server_copy", "receive", "no_base")
+
+
+@pytest.mark.parametrize(("choice", "path"), [("copy", CLONE), ("receive", RECEIVE)])
+def test_a_fixed_choice_ignores_the_costs(choice: str, path: IncrementalPath) -> None:
+    chooser = PathChooser(CLONE, ChooserConfig(choice=choice, explore_every=2))
+    chooser.observed("grpc", seconds=1.0, received=100 * MB, copied=0)
+    chooser.observed("grpc", seconds=9.0, received=10 * MB, copied=90 * MB)  # copying dearer
+    chooser.observed("grpc", seconds=1.0, received=100 * MB, copied=0)
+    assert _choices(chooser, 5) == [path] * 5
+
+
+def test_an_unknown_choice_is_refused() -> None:
+    with pytest.raises(ValueError, match="one of"):
+        ChooserConfig(choice="fastest")

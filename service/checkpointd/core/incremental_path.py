@@ -39,6 +39,8 @@ class IncrementalPath(enum.Enum):
 PATHS = tuple(p.value for p in IncrementalPath)
 # The paths that copy from a base: what a root can offer.
 COPYING = (IncrementalPath.CLONE, IncrementalPath.COPY, IncrementalPath.SERVER_COPY)
+# --incremental-path: measure and choose, or always one way.
+CHOICES = ("auto", "copy", "receive")
 # A path n times the other's cost is tried again after n times as long a streak, up to this many times.
 _MAX_STRETCH = 8
 
@@ -48,6 +50,8 @@ class ChooserConfig:
     """How `PathChooser` weighs what it measured.
 
     Attributes:
+        choice: "auto" (choose per save from the costs measured), "copy"
+            (always the root's copying path), "receive" (never offer a base).
         weight: of each new measurement in a cost's moving average (0, 1].
         explore_every: after this many saves in a row on one path (of a
             kind of save alike), the next takes the other one, to measure it again;
@@ -55,10 +59,13 @@ class ChooserConfig:
             (n at most 8).
     """
 
+    choice: str = "auto"
     weight: float = 0.3
     explore_every: int = 8
 
     def __post_init__(self) -> None:
+        if self.choice not in CHOICES:
+            raise ValueError(f"incremental path must be one of {CHOICES}, got {self.choice!r}")
         if not 0.0 < self.weight <= 1.0:
             raise ValueError(f"weight must be in (0, 1], got {self.weight}")
         if self.explore_every < 2:
@@ -94,6 +101,8 @@ class PathChooser:
 
     def choose(self, alike: str) -> IncrementalPath:
         """The path of the next incremental save among the saves `alike` names: `copies`, or RECEIVE."""
+        if self.config.choice != "auto":
+            return self.copies if self.config.choice == "copy" else IncrementalPath.RECEIVE
         costs = self._by_key.setdefault(alike, _Costs())
         streak = self.config.explore_every
         if costs.receive is None or costs.copy is None:
