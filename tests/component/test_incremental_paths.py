@@ -183,7 +183,7 @@ def test_a_root_that_copies_offers_the_base_and_copies_the_unchanged_chunks(make
 
 
 def test_where_receiving_measured_cheaper_no_base_is_offered_and_every_byte_is_received(make_rig, tmp_path) -> None:
-    paths = PathChooser(IncrementalPath.COPY, ChooserConfig(explore_every=100))
+    paths = PathChooser(IncrementalPath.COPY, ChooserConfig(samples=1, explore_every=100))
     rig = make_rig(paths)
     first = _values(1)
     rig.save(1, first)  # a full save: prices receiving

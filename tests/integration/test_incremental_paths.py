@@ -107,8 +107,9 @@ def test_auto_chooses_a_path_per_save_and_every_checkpoint_is_a_full_one(make_tr
         paths.append(result.incremental_path)
         assert trainer.same_files(result.step) and _reads_back(trainer, result.step)
         assert (result.bytes_copied > 0) == (result.incremental_path == "copy")
-    assert paths[:2] == ["no_base", "copy"]  # the root's own way until receiving and copying are both priced
-    assert set(paths[2:]) <= {"copy", "receive"}
+    # The root's own way until receiving is priced and copying by three saves (ChooserConfig.samples).
+    assert paths[:4] == ["no_base", "copy", "copy", "copy"]
+    assert set(paths[4:]) <= {"copy", "receive"}
     metrics = Metrics(daemon.metrics_url)
     counted = {
         p: metrics("checkpointd_incremental_path_total", kind="training_checkpoint", route=p) for p in set(paths)

@@ -12,8 +12,9 @@ of one unchanged byte each way. `PathChooser` learns both from the saves
 themselves, per kind of save alike (the caller's key: the same transport,
 kind and size class), as seconds per payload byte from accept to durable: a save received whole gives the receive cost; a save that copied
 gives the copy cost once its received bytes are priced at the receive cost.
-Until both are known it takes the root's own path (what the probe of the
-root found, `Capability`); after that, the cheaper one, and every
+Until both are known (copying from a few saves) it takes the root's own
+path (what the probe of the root found); after that, the cheaper one (a
+tie, within a margin, copies), and every
 `explore_every`-th save in a row on one path (less often the further
 behind the other is) it takes the other once so that path's cost follows
 the load. Pure: the caller measures and reports.
@@ -22,6 +23,7 @@ the load. Pure: the caller measures and reports.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -53,6 +55,10 @@ class ChooserConfig:
         choice: "auto" (choose per save from the costs measured), "copy"
             (always the root's copying path), "receive" (never offer a base).
         weight: of each new measurement in a cost's moving average (0, 1].
+        samples: copies measured before copying can lose to receiving (one
+            save on a busy machine is no verdict).
+        margin: copying loses only when it costs more than (1 + margin) x
+            receiving: a tie copies, which spares the link for others.
         explore_every: after this many saves in a row on one path (of a
             kind of save alike), the next takes the other one, to measure it again;
             n times that many when the other path cost n times as much
@@ -62,12 +68,18 @@ class ChooserConfig:
     choice: str = "auto"
     weight: float = 0.3
     explore_every: int = 8
+    samples: int = 3
+    margin: float = 0.1
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
             raise ValueError(f"incremental path must be one of {CHOICES}, got {self.choice!r}")
         if not 0.0 < self.weight <= 1.0:
             raise ValueError(f"weight must be in (0, 1], got {self.weight}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be at least 1, got {self.samples}")
+        if not 0.0 <= self.margin < math.inf:
+            raise ValueError(f"margin must be >= 0 and finite, got {self.margin}")
         if self.explore_every < 2:
             raise ValueError(f"explore_every must be at least 2, got {self.explore_every}")
 
@@ -78,6 +90,7 @@ class _Costs:
 
     receive: float | None = None
     copy: float | None = None
+    copies: int = 0  # saves that priced copying
     streak_path: IncrementalPath | None = None
     streak: int = 0
 
@@ -105,10 +118,11 @@ class PathChooser:
             return self.copies if self.config.choice == "copy" else IncrementalPath.RECEIVE
         costs = self._by_key.setdefault(alike, _Costs())
         streak = self.config.explore_every
-        if costs.receive is None or costs.copy is None:
-            cheaper = self.copies  # the root's own way until the other has been measured
+        if costs.receive is None or costs.copy is None or costs.copies < self.config.samples:
+            cheaper = self.copies  # the root's own way until both ways have been measured
         else:
-            cheaper = self.copies if costs.copy <= costs.receive else IncrementalPath.RECEIVE
+            dearer = costs.copy > (1.0 + self.config.margin) * costs.receive
+            cheaper = IncrementalPath.RECEIVE if dearer else self.copies
             # The further behind the other path is, the less often it is tried again.
             behind = max(costs.copy, costs.receive) / max(min(costs.copy, costs.receive), 1e-15)
             streak *= min(_MAX_STRETCH, max(1, int(behind + 1e-9)))
@@ -137,6 +151,7 @@ class PathChooser:
         elif costs.receive is not None:
             copying = max(0.0, seconds - received * costs.receive)
             costs.copy = self._blend(costs.copy, copying / copied)
+            costs.copies += 1
 
     def costs(self, alike: str) -> tuple[float | None, float | None]:
         """Seconds per byte (receive, copy) of the saves `alike` names so far; None where unmeasured."""
