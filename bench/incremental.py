@@ -16,6 +16,12 @@ save the same state, in alternating order:
 - the full-change case: every row rewritten and the agent trained, the
   incremental save against the one with incremental off.
 
+Each incremental save's path, as the daemon chose it (SaveResult.incremental_path:
+copy, clone, server_copy, receive), is counted per row; `--incremental-path
+auto|copy|receive` is passed to the daemons (auto: the daemon's default, measure
+and choose), and `--root DIR` puts the local daemon's root there (e.g. on a
+file system that shares extents) instead of under --workdir.
+
 With `--s3-endpoint URL --s3-bucket B` (credentials: the AWS_* environment)
 the 1 % reps run again on a daemon committing to `s3://B/<prefix>`: bytes
 uploaded per save (checkpointd_store_uploaded_bytes_total, read around each
@@ -70,7 +76,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     case = CASES["large" if args.large else "medium"]
     work = args.workdir / "incremental"
     work.mkdir(parents=True, exist_ok=True)
-    size = Size(case.name, case.hidden)
+    # --small-agent: the reporter's shape, a few MB of agent beside the buffer (the issue's 394 MB DQN state).
+    size = Size(f"{case.name}, small agent" if args.small_agent else case.name,
+                CASES["small"].hidden if args.small_agent else case.hidden)  # fmt: skip
     progress(f"building a DQN agent of {size.params:,} parameters and a {case.buffer_bytes >> 20} MiB replay buffer")
     agent = agents.build_agent(size)
     trainer = agents.Trainer(agent)
@@ -99,13 +107,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     result: dict[str, Any] = {
-        "case": {"name": case.name, "params": size.params, "buffer_rows": rows, "state_bytes": state_bytes,
+        "case": {"name": size.name, "params": size.params, "buffer_rows": rows, "state_bytes": state_bytes,
                  "buffer_bytes": buffer_bytes, "agent_bytes": state_bytes - buffer_bytes,
                  "changed_rows": changed_rows},
     }  # fmt: skip
     if args.s3_endpoint:
         result["s3"] = _s3_reps(args, work, objects, rewrite, trainer, step, rows, changed_rows, chunks_bound, columns)
-    daemon = start_daemon(work / "daemon-root", work / "daemon-work")
+    root = args.root / f"bench-incremental-{os.getpid()}" if args.root else work / "daemon-root"
+    daemon = start_daemon(root, work / "daemon-work", "--incremental-path", args.incremental_path)
     try:
         common = {"max_to_keep": 2, "timeout": SAVE_TIMEOUT, "shared_memory": False}
         incr = RemoteCheckpointer("incr", daemon.address, run="incr", **common, **objects)
@@ -118,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 stall = time.perf_counter() - started
                 r = ticket.result(SAVE_TIMEOUT)
                 return {"stall": stall, "durable": time.perf_counter() - started,
-                        "received": r.bytes_received, "copied": r.bytes_copied}  # fmt: skip
+                        "received": r.bytes_received, "copied": r.bytes_copied, "path": r.incremental_path}  # fmt: skip
 
             progress("first saves (the incremental run's base)")
             save(incr), save(full)
@@ -137,12 +146,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 progress(
                     f"rep {rep}: incremental sent {row['incremental']['received'] / 1e6:.1f} MB in "
                     f"{row['incremental']['durable']:.2f} s; full {row['full']['received'] / 1e6:.1f} MB in "
-                    f"{row['full']['durable']:.2f} s"
+                    f"{row['full']['durable']:.2f} s ({row['incremental']['path']})"
                 )
                 start = (start + changed_rows * 37) % rows  # the next run of rows, wrapping sometimes
             result["one_percent"] = {
                 "reps": rows_out,
                 "changed_chunk_bytes": summarize(r["changed_chunk_bytes"] for r in rows_out),
+                "incremental_paths": _paths(r["incremental"] for r in rows_out),
+                "durable_ratio": summarize(r["incremental"]["durable"] / r["full"]["durable"] for r in rows_out),
                 **{
                     f"{name}_{what}": summarize(r[name][what] for r in rows_out)
                     for name in ("incremental", "full")
@@ -157,9 +168,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pair = (("incremental", incr), ("full", full)) if rep % 2 else (("full", full), ("incremental", incr))
                 changes.append({name: save(ckpt) for name, ckpt in pair})
             result["full_change"] = {
-                f"{name}_{what}": summarize(r[name][what] for r in changes)
-                for name in ("incremental", "full")
-                for what in ("stall", "durable", "received")
+                "incremental_paths": _paths(r["incremental"] for r in changes),
+                **{
+                    f"{name}_{what}": summarize(r[name][what] for r in changes)
+                    for name in ("incremental", "full")
+                    for what in ("stall", "durable", "received")
+                },
             }
         finally:
             incr.close(SAVE_TIMEOUT)
@@ -167,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         result["daemon_exit_code"] = daemon.terminate()
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     progress("done")
     return result
 
@@ -187,6 +202,7 @@ def _s3_reps(
     daemon = start_daemon(
         url, work / "s3-daemon", "--work-dir", str(work / "s3-state"),  # type: ignore[arg-type]
         "--s3-endpoint-url", args.s3_endpoint, "--s3-region", "us-east-1",
+        "--incremental-path", args.incremental_path,
     )  # fmt: skip
 
     def uploaded() -> float:  # a scrape of its own each time
@@ -204,7 +220,7 @@ def _s3_reps(
                 started = time.perf_counter()
                 r = ckpt.save(step).result(SAVE_TIMEOUT)
                 return {"committed": time.perf_counter() - started, "uploaded": uploaded() - before,
-                        "received": r.bytes_received, "copied": r.bytes_copied}  # fmt: skip
+                        "received": r.bytes_received, "copied": r.bytes_copied, "path": r.incremental_path}  # fmt: skip
 
             progress("S3: first saves (the incremental run's base)")
             save(incr), save(full)
@@ -222,7 +238,7 @@ def _s3_reps(
                 progress(
                     f"S3 rep {rep}: incremental uploaded {row['incremental']['uploaded'] / 1e6:.1f} MB, committed in "
                     f"{row['incremental']['committed']:.2f} s; full {row['full']['uploaded'] / 1e6:.1f} MB in "
-                    f"{row['full']['committed']:.2f} s"
+                    f"{row['full']['committed']:.2f} s ({row['incremental']['path']})"
                 )
                 start = (start + changed_rows * 37) % rows
         finally:
@@ -239,12 +255,22 @@ def _s3_reps(
         "reps": out,
         "changed_chunk_bytes": summarize(r["changed_chunk_bytes"] for r in out),
         "changed_regions": summarize(r["changed_regions"] for r in out),
+        "incremental_paths": _paths(r["incremental"] for r in out),
+        "committed_ratio": summarize(r["incremental"]["committed"] / r["full"]["committed"] for r in out),
         **{
             f"{name}_{what}": summarize(r[name][what] for r in out)
             for name in ("incremental", "full")
             for what in ("committed", "uploaded", "received", "copied")
         },
     }
+
+
+def _paths(saves: Any) -> dict[str, int]:
+    """How many of `saves` took each path (SaveResult.incremental_path)."""
+    counts: dict[str, int] = {}
+    for save in saves:
+        counts[save["path"]] = counts.get(save["path"], 0) + 1
+    return counts
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -255,6 +281,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--s3-endpoint", help="also on S3 at this endpoint (AWS_* credentials from the environment)")
     parser.add_argument("--s3-bucket", help="the bucket for --s3-endpoint")
+    parser.add_argument(
+        "--incremental-path", choices=("auto", "copy", "receive"), default="auto", help="the daemons' (serve's flag)"
+    )
+    parser.add_argument(
+        "--small-agent", action="store_true", help="the small case's agent (a few MB) beside the buffer"
+    )
+    parser.add_argument("--root", type=Path, help="a dir to hold the local daemon's root (default: under --workdir)")
     args = parser.parse_args(argv)
     args.out.write_text(json.dumps(run(args), indent=1))
     return 0
@@ -289,6 +322,7 @@ def table(r: dict[str, Any]) -> list[str]:
         fmt = fmt_bytes if key == "received" else fmt_time
         lines.append(
             f"{label:<46}incremental {fmt(med(one, f'incremental_{key}'))}   full {fmt(med(one, f'full_{key}'))}"
+            + (_ratio_and_paths(one, "durable_ratio") if key == "durable" else "")
         )
     lines.append(
         f"{'every byte changed: call -> durable':<46}incremental {fmt_time(med(every, 'incremental_durable'))}   "
@@ -302,8 +336,17 @@ def table(r: dict[str, Any]) -> list[str]:
         ):
             lines.append(
                 f"{label:<46}incremental {fmt(med(s3, f'incremental_{key}'))}   full {fmt(med(s3, f'full_{key}'))}"
+                + (_ratio_and_paths(s3, "committed_ratio") if key == "committed" else "")
             )
     return lines
+
+
+def _ratio_and_paths(case: dict[str, Any], ratio: str) -> str:
+    """ "   (0.62 x; copy 3, receive 1)": the median ratio incremental / full, and the paths taken (newer results)."""
+    if ratio not in case:
+        return ""
+    paths = ", ".join(f"{p or 'none'} {n}" for p, n in sorted(case.get("incremental_paths", {}).items()))
+    return f"   ({case[ratio]['median']:.2f} x; {paths})"
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:

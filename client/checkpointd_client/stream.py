@@ -170,6 +170,7 @@ class SaveStream:
                 kind=from_wire(result.kind) or ticket.kind,
                 bytes_received=result.bytes_received,
                 bytes_copied=result.bytes_copied,
+                incremental_path=result.incremental_path,
             )
         )
 

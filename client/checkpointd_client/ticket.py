@@ -22,6 +22,10 @@ class SaveResult:
             shared memory).
         bytes_copied: payload bytes the daemon copied from the base save
             instead (an incremental save's unchanged chunks).
+        incremental_path: how an incremental save's unchanged chunks got
+            there, as the daemon chose for this save: "clone", "copy",
+            "server_copy", "receive" (sent like the rest: cheaper there),
+            "no_base"; "" for a save sent in full (or an older daemon).
     """
 
     path: str
@@ -31,6 +35,7 @@ class SaveResult:
     kind: SaveKind
     bytes_received: int = 0
     bytes_copied: int = 0
+    incremental_path: str = ""
 
 
 class SaveCounts:

@@ -18,6 +18,7 @@ from prometheus_client import (
     Histogram,
 )
 
+from checkpointd.core.incremental_path import PATHS
 from checkpointd.protocol.kinds import LABELS
 
 _LOGGER = logging.getLogger(__name__)
@@ -151,6 +152,14 @@ class Metrics:
             ["kind"],
             registry=registry,
         )
+        self.incremental_paths = Counter(
+            "checkpointd_incremental_path",
+            "Committed incremental saves by kind and route (SaveResult.incremental_path): clone (the base's extents shared), copy (copied "
+            "from the base's file), server_copy (by the object store), receive (the daemon found receiving "
+            "the unchanged bytes cheaper and offered no base), no_base (none to copy from).",
+            ["kind", "route"],  # not "path": a label of that name would read as a file's
+            registry=registry,
+        )
         self.preemption_saves = Counter(
             "checkpointd_preemption_saves_total",
             "Accepted saves on notice (a trainer's last snapshot before it is stopped) by outcome: "
@@ -169,6 +178,8 @@ class Metrics:
         for kind in KINDS:
             self.payload_received.labels(kind)
             self.payload_copied.labels(kind)
+            for route in PATHS:
+                self.incremental_paths.labels(kind, route)
         for kind in KINDS:
             self.save_duration.labels(kind)
             self.skipped.labels(kind)
@@ -234,6 +245,16 @@ class Metrics:
         """Counts one committed save's payload: bytes received, and bytes copied from its base."""
         self._child(self.payload_received, kind).inc(received)
         self._child(self.payload_copied, kind).inc(copied)
+
+    def incremental_path(self, kind: str, path: str) -> None:
+        """Counts one committed incremental save by its path.
+
+        Raises:
+            ValueError: a path not in PATHS (labels stay bounded).
+        """
+        if path not in PATHS:
+            raise ValueError(f"unknown incremental path {path!r}; expected one of {PATHS}")
+        self._child(self.incremental_paths, kind, path).inc()
 
     def preemption_save(self, outcome: str, notice_to_durable: float | None) -> None:
         """Counts one accepted save on notice; observes notice to durable if it was written and the notice's time is known.

@@ -27,7 +27,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
+from checkpointd.core.incremental_path import ChooserConfig, IncrementalPath, PathChooser
 from checkpointd.core.ports import Closing, Described, Leases, NoLeases, SaveFormat, Store
+from checkpointd.durable.copies import shares_extents
 from checkpointd.durable.files import check_writable_dir
 from checkpointd.metrics import Metrics
 from checkpointd.protocol.errors import DeadlineError, RunNotFoundError
@@ -165,6 +167,7 @@ class Server:
             shared_memory=self.shared_memory,
             phases=self.metrics,
             leases=self.leases,
+            paths=_incremental_paths(self._store, config.incremental_path),
         )
         servicer = CheckpointServicer(pipeline, config.state_dir / "staging")
         self._grpc = grpc.server(
@@ -372,6 +375,20 @@ def _abandoned(why: str, method: str) -> str:
 def _describe(seam: object) -> str:
     """What a seam that describes itself says (the fleet's leases: `Described`); "" for one that does not."""
     return seam.describe() if isinstance(seam, Described) else ""
+
+
+def _incremental_paths(store: Store, choice: str) -> PathChooser:
+    """How incremental saves copy from their base: server-side on an object store; on a local root, a clone
+    where its file system shares extents (probed once), else a copy."""
+    config = ChooserConfig(choice=choice)
+    if not isinstance(store, LocalStore):
+        return PathChooser(IncrementalPath.SERVER_COPY, config)
+    clones = shares_extents(store.root)
+    _LOGGER.info(
+        "root %s: incremental saves %s their base (--incremental-path %s)",
+        store.root, "clone" if clones else "copy", choice,
+    )  # fmt: skip
+    return PathChooser(IncrementalPath.CLONE if clones else IncrementalPath.COPY, config)
 
 
 def _make_store(

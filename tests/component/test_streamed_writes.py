@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.core.variable_manifest import Manifest
 from checkpointd.core.ports import SaveMeta
+from checkpointd.core.variable_manifest import Manifest
 from checkpointd.protocol.errors import SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.saves import writes

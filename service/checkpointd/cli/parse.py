@@ -12,6 +12,7 @@ from pathlib import Path
 from checkpointd import __version__
 from checkpointd.cli.flags import unrecognized, with_flags
 from checkpointd.core.config import DEFAULT_METRICS_PORT, DEFAULT_SHM_ROOT, ServeConfig
+from checkpointd.core.incremental_path import CHOICES
 from checkpointd.protocol.address import DEFAULT_PORT, AddressError, check_address
 
 _LOGGER = logging.getLogger("checkpointd")
@@ -238,6 +239,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "filesystem for the saves that commit together (for a root on a filesystem busy with other writers)",
     )
     serve.add_argument(
+        "--incremental-path",
+        choices=CHOICES,
+        default=_D.incremental_path,
+        help="how an incremental save's unchanged chunks get into it: auto (per save, copied from the base "
+        "save or received, whichever this root's saves measured cheaper), copy (always from the base: a clone "
+        "on XFS/Btrfs, a server-side copy on S3), receive (never: the trainer sends every byte)",
+    )
+    serve.add_argument(
         "--max-concurrent-uploads",
         type=int,
         default=_D.max_concurrent_uploads,
@@ -456,6 +465,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[ServeConfig | OpsCommand | Ve
                 max_workers=args.max_workers,
                 fsync=not args.no_fsync,
                 group_commit=not args.no_group_commit,
+                incremental_path=args.incremental_path,
                 upload_timeout_seconds=args.upload_timeout,
                 max_concurrent_uploads=args.max_concurrent_uploads,
                 admission_wait_seconds=args.admission_wait,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd.core import lease
+from checkpointd.core.incremental_path import ChooserConfig
 from checkpointd.core.retention import RetentionPolicy
 from checkpointd.protocol.address import DEFAULT_PORT
 
@@ -71,6 +72,10 @@ class ServeConfig:
             share one sync of the root's filesystem (syncfs) instead of
             fsyncing each file and dir; each is still reported only once
             its own files and rename are durable.
+        incremental_path: how an incremental save's unchanged chunks get
+            into it: "auto" (per save, copied from the base or received,
+            whichever the root's saves measured cheaper), "copy" (always
+            from the base), "receive" (never: every byte is sent).
         tls_cert, tls_key: PEM certificate (chain) and key; with both, the
             gRPC port speaks TLS only.
         tls_client_ca: PEM CA bundle; with it, clients must present a
@@ -106,6 +111,7 @@ class ServeConfig:
     max_staging_bytes: int | None = None
     fsync: bool = True
     group_commit: bool = True
+    incremental_path: str = "auto"
     upload_timeout_seconds: float = 300.0
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -160,6 +166,7 @@ class ServeConfig:
         if not 0 < self.s3_read_timeout < math.inf:
             raise ValueError(f"s3_read_timeout must be > 0 and finite, got {self.s3_read_timeout}")
         lease.check_timing(self.lease_seconds, self.lease_idle_seconds)
+        ChooserConfig(choice=self.incremental_path)  # validates
 
     @property
     def retention(self) -> RetentionPolicy:

@@ -18,7 +18,11 @@ filter), the range is copied with pread/pwrite.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import struct
+import tempfile
+from pathlib import Path
 
 # Refusals that mean "not here", after which the bytes are copied by hand.
 _UNSUPPORTED = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM})
@@ -67,3 +71,40 @@ def _copy_by_hand(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: 
             view = view[os.pwrite(dst, view, at) :]
             at = dst_offset + len(data) - len(view)
         src_offset, dst_offset, nbytes = src_offset + len(data), dst_offset + len(data), nbytes - len(data)
+
+
+_FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range)
+
+
+def shares_extents(directory: Path) -> bool:
+    """Whether the file system of `directory` clones a file's blocks into another (reflink), probed once.
+
+    Two unnamed files (O_TMPFILE, or named ones unlinked at once where that
+    is refused) in `directory`: a block written to one, cloned into the
+    other with FICLONERANGE. XFS with reflink and Btrfs share it; ext4,
+    tmpfs and overlayfs refuse. Nothing is left behind.
+    """
+    made: list[int] = []
+    try:
+        for _ in range(2):
+            made.append(_unnamed_file(directory))
+        src, dst = made
+        os.pwrite(src, b"\0" * _BLOCK, 0)
+        fcntl.ioctl(dst, _FICLONERANGE, struct.pack("=qQQQ", src, 0, _BLOCK, 0))
+        return True
+    except OSError:
+        return False
+    finally:
+        for fd in made:
+            os.close(fd)
+
+
+def _unnamed_file(directory: Path) -> int:
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno not in _UNSUPPORTED and e.errno != errno.EISDIR:
+            raise
+    fd, name = tempfile.mkstemp(prefix=".checkpointd-probe-", dir=directory)
+    os.unlink(name)
+    return fd

@@ -153,6 +153,7 @@ def save_response(event: Decision | Result) -> pb.SaveResponse:
             kind=to_wire(event.kind),
             bytes_received=event.bytes_received,
             bytes_copied=event.bytes_copied,
+            incremental_path=event.incremental_path,
         )
     )
 

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from checkpointd.core.config import ServeConfig
+from checkpointd.core.incremental_path import IncrementalPath, PathChooser
 from checkpointd.core.lane import Cancelled, Failed, SaveSpec, Skipped, Ticket, Written
 from checkpointd.core.ports import (
     CommittedSave,
@@ -100,6 +101,7 @@ class SavePipeline:
         shared_memory: SharedMemory | None = None,
         phases: PhaseSink | None = None,
         leases: Leases | None = None,
+        paths: PathChooser | None = None,
     ) -> None:
         self._config = config
         self.lanes = lanes
@@ -121,6 +123,12 @@ class SavePipeline:
         self._bases = bases.Newest()  # each checkpoint dir's newest save: an incremental save's base
         self._local = not isinstance(store, StreamingStore)  # an object store's saves are not files here
         self._remote_bases = store if isinstance(store, RemoteBases) else None  # copied from server-side
+        # Each incremental save's path (copy from the base, or receive): the composition root
+        # passes the root's own copying path (a probe found whether it clones); else copies.
+        if paths is None:
+            paths = PathChooser(IncrementalPath.SERVER_COPY if self._remote_bases else IncrementalPath.COPY)
+        self._paths = paths
+        self._paths_lock = threading.Lock()
 
     @property
     def upload_timeout(self) -> float:
@@ -342,6 +350,8 @@ class SavePipeline:
         transport = "none"  # until the snapshot has arrived
         segment = None
         base: bases.OpenBase | None = None
+        chosen: IncrementalPath | None = None  # an incremental save's path
+        alike = ""  # the saves whose costs compare with this one's
         try:
             if request.checkpoint is not None:  # one part per tensor, no tail
                 parts = [t.nbytes for t in request.checkpoint.tensors] + [0]
@@ -361,10 +371,15 @@ class SavePipeline:
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
             incremental = request.incremental and bases.worth_a_base(parts)
+            alike = _alike(request, segment is not None)
             if incremental:  # through shared memory too: the daemon compares the chunks itself
                 base = bases.open_base(
                     self.store, folder, request, self._local, self._bases, manifest.variables, self._remote_bases
                 )
+                chosen = self._path(alike, base)
+                if chosen is IncrementalPath.RECEIVE and base is not None:
+                    base.close()  # cheaper to receive its bytes than to copy them: no base offered
+                    base = None
             meta = SaveMeta(run, request.kind, request.step, request.export_dir, request.trainer_versions)
             fmt = self.formats(request.kind)
             # The save's files are open before the accept is answered, and are
@@ -442,10 +457,22 @@ class SavePipeline:
             if request.on_notice:
                 self._phases.preemption_save(*notice_outcome(request, outcome))
         assert isinstance(outcome, Written)
+        with self._paths_lock:
+            self._paths.observed(alike, seconds, outcome.bytes_received, outcome.bytes_copied)
+        if chosen is not None:
+            self._phases.incremental_path(kind, chosen.value)
         yield Result(
             outcome.path, outcome.bytes_written, seconds, request.step, request.kind,
             bytes_received=outcome.bytes_received, bytes_copied=outcome.bytes_copied,
+            incremental_path=chosen.value if chosen is not None else "",
         )  # fmt: skip
+
+    def _path(self, alike: str, base: bases.OpenBase | None) -> IncrementalPath:
+        """The path of an incremental save over `alike`'s saves, given the base it found (None: no base)."""
+        if base is None:
+            return IncrementalPath.NO_BASE
+        with self._paths_lock:
+            return self._paths.choose(alike)
 
     def _commit(self, request: SaveRequest, folder: str, save: writes.StreamedSave) -> tuple[str, int]:
         """Finishes and commits one received save, at the writer pool's priority; returns (path, bytes)."""
@@ -494,6 +521,12 @@ class _Once:
         action, self._action = self._action, None
         if action is not None:
             action()
+
+
+def _alike(request: SaveRequest, shared_memory: bool) -> str:
+    """The saves whose costs per byte compare: the same transport and kind, and a size within a factor of 2."""
+    transport = "shm" if shared_memory else "grpc"
+    return f"{transport}/{request.kind.value}/{request.snapshot_bytes.bit_length()}"
 
 
 def _offer(base: bases.OpenBase | None) -> BaseOffer | None:

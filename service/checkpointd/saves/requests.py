@@ -100,6 +100,8 @@ class Result:
     kind: SaveKind
     bytes_received: int = 0  # of the payload: sent, or from shared memory
     bytes_copied: int = 0  # of the payload: copied from the base
+    # An incremental save's path (`checkpointd.core.incremental_path.PATHS`); "" for a save sent in full.
+    incremental_path: str = ""
 
 
 class Receiver(Protocol):

@@ -247,7 +247,7 @@ class SaveDecision(_message.Message):
     def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ..., base: _Optional[_Union[IncrementalBase, _Mapping]] = ...) -> None: ...
 
 class SaveResult(_message.Message):
-    __slots__ = ("path", "bytes_written", "duration_seconds", "step", "kind", "bytes_received", "bytes_copied")
+    __slots__ = ("path", "bytes_written", "duration_seconds", "step", "kind", "bytes_received", "bytes_copied", "incremental_path")
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class SaveResult(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    INCREMENTAL_PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     bytes_written: int
     duration_seconds: float
@@ -262,7 +263,8 @@ class SaveResult(_message.Message):
     kind: SaveKind
     bytes_received: int
     bytes_copied: int
-    def __init__(self, path: _Optional[str] = ..., bytes_written: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., bytes_received: _Optional[int] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
+    incremental_path: str
+    def __init__(self, path: _Optional[str] = ..., bytes_written: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., bytes_received: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., incremental_path: _Optional[str] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("decision", "result")

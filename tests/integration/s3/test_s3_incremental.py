@@ -77,7 +77,13 @@ class Trainer:
 
 @pytest.fixture
 def trainer(s3: S3, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Trainer]:  # noqa: F811
-    t = Trainer(s3, s3.daemon(), request.node.name.replace("_", "-")[5:30].strip("-[]"), tmp_path / "train")
+    # The copying path always: these tests are about its copies (the per-save choice: test_incremental_paths.py).
+    t = Trainer(
+        s3,
+        s3.daemon("--incremental-path", "copy"),
+        request.node.name.replace("_", "-")[5:30].strip("-[]"),
+        tmp_path / "train",
+    )
     try:
         yield t
     finally:

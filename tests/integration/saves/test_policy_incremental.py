@@ -19,10 +19,21 @@ import tensorflow as tf
 
 from checkpointd_client import RemotePolicySaver
 from tests.integration.support import policies
-from tests.integration.support.daemon import Daemon
+from tests.integration.support.daemon import Daemon, start_daemon
 
 LIMIT = 60.0
 FILES = ("variables/variables.index", "variables/variables.data-00000-of-00001")
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The copying path always: these tests are about its copies (the per-save choice: test_incremental_paths.py)."""
+    base = tmp_path_factory.mktemp("daemon")
+    proc = start_daemon(base / "root", base / "work", "--incremental-path", "copy")
+    try:
+        yield proc
+    finally:
+        proc.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemoteCheckpointer, training_saves
 from tests.integration.support import training_state
-from tests.integration.support.daemon import Daemon
+from tests.integration.support.daemon import Daemon, start_daemon
 from tests.integration.support.scrape import Metrics
 
 LIMIT = 60.0
@@ -70,6 +70,17 @@ class Trainer:
 
     def close(self) -> None:
         self.remote.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The copying path always: these tests are about its copies (the per-save choice: test_incremental_paths.py)."""
+    base = tmp_path_factory.mktemp("daemon")
+    proc = start_daemon(base / "root", base / "work", "--incremental-path", "copy")
+    try:
+        yield proc
+    finally:
+        proc.terminate()
 
 
 @pytest.fixture
@@ -184,12 +195,12 @@ def test_incremental_off_sends_every_byte(daemon: Daemon, tmp_path: Path) -> Non
 def test_a_restarted_daemon_copies_from_the_checkpoint_it_finds_on_disk(
     fresh_daemon: Callable[..., Daemon], tmp_path: Path
 ) -> None:
-    first_daemon = fresh_daemon()
+    first_daemon = fresh_daemon("--incremental-path", "copy")
     t = Trainer(first_daemon, "restarted", tmp_path / "train")
     t.save()
     t.close()
     assert first_daemon.terminate() == 0
-    second_daemon = fresh_daemon()  # same root: the base is known from its manifest only
+    second_daemon = fresh_daemon("--incremental-path", "copy")  # same root: the base is known from its manifest only
     t.remote = RemoteCheckpointer(
         "train", second_daemon.address, run="restarted", max_to_keep=2, timeout=LIMIT, shared_memory=False,
         **{**t.state.objects, "big": t.buffer},

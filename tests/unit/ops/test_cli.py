@@ -70,6 +70,14 @@ def test_notice_window_is_parsed_with_its_default_and_zero_is_the_old_behaviour(
     assert serve("--notice-window", "0").notice_window_seconds == 0
 
 
+def test_incremental_path_defaults_to_auto_and_takes_a_fixed_way(capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve().incremental_path == "auto"
+    assert serve("--incremental-path", "receive").incremental_path == "receive"
+    with pytest.raises(SystemExit) as raised:
+        config_from_args(["serve", "--incremental-path", "fastest"])
+    assert raised.value.code == 2 and "--incremental-path" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
 def test_a_bad_notice_window_names_its_flag(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as raised:

@@ -113,9 +113,22 @@ def test_labels_are_bounded(registry: CollectorRegistry, metrics: Metrics) -> No
 
     for family in registry.collect():
         for s in family.samples:
-            assert set(s.labels) <= {"kind", "outcome", "run", "phase", "transport", "le"}, (
+            assert set(s.labels) <= {"kind", "outcome", "run", "phase", "transport", "route", "le"}, (
                 s.name, s.labels,
             )  # fmt: skip
+
+
+def test_incremental_saves_are_counted_by_route_and_unknown_routes_refused(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.incremental_path("training_checkpoint", "receive")
+    metrics.incremental_path("training_checkpoint", "receive")
+    metrics.incremental_path("training_checkpoint", "clone")
+    assert sample(registry, "checkpointd_incremental_path_total", kind="training_checkpoint", route="receive") == 2
+    assert sample(registry, "checkpointd_incremental_path_total", kind="training_checkpoint", route="clone") == 1
+    assert sample(registry, "checkpointd_incremental_path_total", kind="saved_model", route="copy") == 0
+    with pytest.raises(ValueError, match="unknown incremental path"):
+        metrics.incremental_path("saved_model", "/tmp/x")
 
 
 def test_snapshots_are_counted_by_transport_and_unknown_transports_refused(

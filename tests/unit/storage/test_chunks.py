@@ -100,3 +100,47 @@ def test_a_range_at_the_same_offset_modulo_a_block_is_copied_whole_in_head_middl
     assert out[offset + shift : offset + shift + nbytes] == data[offset : offset + nbytes]
     assert out[: offset + shift].count(0) == offset + shift  # nothing written outside the range
     assert out[offset + shift + nbytes :].count(0) == len(out) - offset - shift - nbytes
+
+
+def _reflink_dir() -> Path | None:
+    """A dir on a file system that clones, if the machine has one mounted (CHECKPOINTD_REFLINK_DIR)."""
+    where = os.environ.get("CHECKPOINTD_REFLINK_DIR")
+    return Path(where) if where else None
+
+
+@pytest.mark.parametrize("tmpfile", [True, False])
+def test_the_extent_sharing_probe_answers_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tmpfile: bool
+) -> None:
+    if not tmpfile:  # a file system without O_TMPFILE: named files, unlinked at once
+        real_open = copies.os.open
+
+        def no_tmpfile(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if flags & os.O_TMPFILE == os.O_TMPFILE:
+                raise OSError(errno.EOPNOTSUPP, "no O_TMPFILE here")
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(copies.os, "open", no_tmpfile)
+    cloned: list[bytes] = []
+    monkeypatch.setattr(copies.fcntl, "ioctl", lambda fd, op, arg: cloned.append(arg))
+    assert copies.shares_extents(tmp_path) is True and len(cloned) == 1
+    monkeypatch.undo()
+    assert copies.shares_extents(tmp_path) in (True, False)  # this machine's answer (ext4, tmpfs: False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_system_that_refuses_clones_is_probed_as_copying(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(fd: int, op: int, arg: bytes) -> None:
+        raise OSError(errno.EOPNOTSUPP, "no reflink")
+
+    monkeypatch.setattr(copies.fcntl, "ioctl", refused)
+    assert copies.shares_extents(tmp_path) is False
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(_reflink_dir() is None, reason="no reflink file system mounted (CHECKPOINTD_REFLINK_DIR)")
+def test_a_reflink_file_system_is_probed_as_cloning() -> None:
+    where = _reflink_dir()
+    assert where is not None and copies.shares_extents(where)

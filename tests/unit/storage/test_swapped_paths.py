@@ -23,20 +23,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from checkpointd import bundle
 from checkpointd.core.checkpoint_spec import CheckpointSpec, TensorSpec
-from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.core.numpy_state import NumpyEntry, NumpyPayload, NumpyStateSpec
 from checkpointd.core.ports import CommittedSave, SaveFormat, SaveMeta, Staged
+from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.durable import files
 from checkpointd.formats import numpy_files
-from checkpointd import bundle
 from checkpointd.formats.policy import PolicyFormat
 from checkpointd.formats.training_checkpoint import TrainingFormat
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, RunNotFoundError, SaveFailedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import OLD_PREFIX, TMP_PREFIX
 from checkpointd.protocol.tensors import OBJECT_GRAPH_KEY
-from checkpointd.restores import committed as restore, files as restore_files, staged_files as restore_stage
+from checkpointd.restores import committed as restore
+from checkpointd.restores import files as restore_files
+from checkpointd.restores import staged_files as restore_stage
 from checkpointd.storage import save_manifest
 from checkpointd.storage.local import LocalStore
 from checkpointd.v1 import tf_formats_pb2

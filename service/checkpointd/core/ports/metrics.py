@@ -60,6 +60,9 @@ class PhaseSink(Protocol):
     def payload_bytes(self, kind: str, received: int, copied: int) -> None:
         """Counts one committed save's payload: bytes received, and bytes copied from its base."""
 
+    def incremental_path(self, kind: str, path: str) -> None:
+        """Counts one committed incremental save by its path (`checkpointd.core.incremental_path.PATHS`)."""
+
     def preemption_save(self, outcome: str, notice_to_durable: float | None) -> None:
         """Counts one accepted save on notice by outcome; `notice_to_durable`: seconds, if written and known."""
 
@@ -74,6 +77,9 @@ class NullPhases:
         pass
 
     def payload_bytes(self, kind: str, received: int, copied: int) -> None:
+        pass
+
+    def incremental_path(self, kind: str, path: str) -> None:
         pass
 
     def preemption_save(self, outcome: str, notice_to_durable: float | None) -> None:
