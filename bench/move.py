@@ -45,7 +45,7 @@ TIMEOUT = 900.0
 # The move's lease ttl (daemon --lease-seconds; its default is 30 s): the lease wait is about this long.
 LEASE_SECONDS = 10.0
 # The client's log lines the move's phases are read from (their record times).
-_WAIT_LOG = ("checkpointd_client.session", "waits for the run's lease")
+_WAIT_LOG = ("checkpointd_client.transport.session", "waits for the run's lease")
 _FOUND_LOG = ("checkpointd_client.checkpointer", "checkpoint available")
 NOTICE_WINDOW = 1.0  # daemon A's --notice-window in the graceful move (its default is 5 s)
 

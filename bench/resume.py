@@ -136,9 +136,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.checkpointer import CASES
     from bench.config import Size
     from checkpointd_client import RemoteCheckpointer
-    from checkpointd_client.connection import ConnectionOptions
     from checkpointd_client.restore import checkpoints as checkpoint_restore
-    from checkpointd_client.session import DaemonSession
+    from checkpointd_client.transport.connection import ConnectionOptions
+    from checkpointd_client.transport.session import DaemonSession
     from tests.integration.support.daemon import start_daemon
 
     case = CASES[args.case]
@@ -250,9 +250,9 @@ def _s3(args: argparse.Namespace, work: Path, objects: dict[str, Any], children:
     from bench import restore_memory
     from checkpointd.storage.s3 import make_client
     from checkpointd_client import RemoteCheckpointer
-    from checkpointd_client.connection import ConnectionOptions
     from checkpointd_client.restore import checkpoints as checkpoint_restore
-    from checkpointd_client.session import DaemonSession
+    from checkpointd_client.transport.connection import ConnectionOptions
+    from checkpointd_client.transport.session import DaemonSession
     from tests.integration.support.daemon import start_daemon
 
     rgw_dir = work / "rgw"

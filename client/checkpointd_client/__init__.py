@@ -1,7 +1,7 @@
 """checkpointd_client: save TF-Agents policies and training state through a checkpointd daemon.
 
 The savers are imported on first use, so importing a module of the package
-that needs no TensorFlow (`checkpointd_client.session`) loads none.
+that needs no TensorFlow (`checkpointd_client.transport.session`) loads none.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client.session import DaemonSession
+from checkpointd_client.transport.session import DaemonSession
 
 
 class RemoteCheckpointManager:

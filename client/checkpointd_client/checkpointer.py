@@ -51,7 +51,7 @@ from checkpointd.protocol import wire
 from checkpointd.protocol.errors import CheckpointdError, RunClosedError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_export_dir
-from checkpointd_client import delta, notice, streams, training_saves
+from checkpointd_client import delta, notice, training_saves
 from checkpointd_client.checkpoint_manager import (
     Latest,
     RemoteCheckpointManager,
@@ -59,13 +59,14 @@ from checkpointd_client.checkpoint_manager import (
     checked_max_to_keep,
     latest_checkpoint,
 )
-from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.continuous import DEFAULT_BUDGET, ContinuousSaves, Decisions, NotSavedTicket, check_budget
 from checkpointd_client.notice import Notice, NoticeOutcome, client_call
 from checkpointd_client.restore import checkpoints
 from checkpointd_client.save_call import guarded
-from checkpointd_client.session import DaemonSession, deadline_after, time_left
 from checkpointd_client.ticket import SaveCounts, SaveTicket
+from checkpointd_client.transport import streams
+from checkpointd_client.transport.connection import ConnectionOptions
+from checkpointd_client.transport.session import DaemonSession, deadline_after, time_left
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class RemoteCheckpointer:
             run: the training job's name, the same for every saver and
                 checkpointer of the script: its folder on the daemon (unless
                 `folder` is given) and the base of this checkpointer's run,
-                `<run>.<ckpt_dir with '/' as '.'>` (`checkpointd_client.streams`).
+                `<run>.<ckpt_dir with '/' as '.'>` (`checkpointd_client.transport.streams`).
                 None: `folder`'s name.
             max_to_keep, keep_checkpoint_every_n_hours: as for
                 tf.train.CheckpointManager (None keeps all / never preserves;

@@ -1,7 +1,7 @@
 """Delta snapshots: a save copies into the shared-memory segment only what changed since the segment's last snapshot.
 
 A same-host `RemoteCheckpointer` copies each save's values into the run's
-segment (`checkpointd_client.shm`). The segment still holds the previous
+segment (`checkpointd_client.transport.shm`). The segment still holds the previous
 snapshot when the next save is accepted: the daemon only reads it, one
 save of a run is in flight at a time, the trainer writes it only between
 the accept and its `shared_memory_written`, and the daemon lets go of it
@@ -70,8 +70,8 @@ from tensorflow.python.checkpoint import graph_view
 from tf_agents.replay_buffers import table, tf_uniform_replay_buffer
 
 from checkpointd_client.buffer_rows import Cursor, written_rows
-from checkpointd_client.shm import SegmentMap
 from checkpointd_client.tf_checkpoint import TrainingState
+from checkpointd_client.transport.shm import SegmentMap
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -49,11 +49,11 @@ from tf_agents.utils import common
 
 from checkpointd.protocol.address import check_address
 from checkpointd_client.checkpointer import RemoteCheckpointer
-from checkpointd_client.connection import CONNECTION_OPTIONS, ConnectionOptions
 from checkpointd_client.notice import NOTICE_OPTIONS, check_deadline
 from checkpointd_client.saver import RemotePolicySaver
-from checkpointd_client.streams import job_name, relative_to
 from checkpointd_client.ticket import SaveTicket
+from checkpointd_client.transport.connection import CONNECTION_OPTIONS, ConnectionOptions
+from checkpointd_client.transport.streams import job_name, relative_to
 from checkpointd_client.trigger import POLICY_CONNECTION_OPTIONS, RemotePolicySavedModelTrigger
 
 # Learner builds its Checkpointer through `tf_agents.train.learner.common`,
@@ -216,7 +216,7 @@ def common_module(
     The classic examples (`agents/dqn/examples/v2/train_eval.py` and its
     kin) keep their state in several `common.Checkpointer`s under one
     `train_dir`; here each is a `RemoteCheckpointer` of the job `run`, with
-    a run of its own (`checkpointd_client.streams`), saving at the same path
+    a run of its own (`checkpointd_client.transport.streams`), saving at the same path
     under `<root>/<run>/` as it would under `root_dir`. Everything else of
     the module (`common.function`, the losses, ...) is TF-Agents' own::
 
@@ -281,7 +281,7 @@ def policy_saver_module(
     PPO's example exports a SavedModel with `policy_saver.PolicySaver(eval_policy,
     train_step=global_step).save(os.path.join(saved_model_dir, ...))`. Here
     that PolicySaver is a `RemotePolicySaver` of the job `run` (the policy
-    saver's run, `checkpointd_client.streams`) whose `save` and
+    saver's run, `checkpointd_client.transport.streams`) whose `save` and
     `save_checkpoint` take the script's paths under `root_dir` and are
     blocking, as PolicySaver's own are: every save is written, none is
     skipped, and each returns once durable::

@@ -40,11 +40,12 @@ import tensorflow as tf
 from checkpointd.protocol.busy_lock import BusyLock
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import shm, snapshot
+from checkpointd_client import snapshot
 from checkpointd_client.numpy_state import NumpySnapshot
 from checkpointd_client.save_call import Payload, SaveCall
-from checkpointd_client.session import DaemonSession, LocalSkips
 from checkpointd_client.ticket import SaveResult, SaveTicket
+from checkpointd_client.transport import shm
+from checkpointd_client.transport.session import DaemonSession, LocalSkips
 
 _LOGGER = logging.getLogger(__name__)
 

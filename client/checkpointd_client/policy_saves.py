@@ -9,7 +9,7 @@ daemon. On the daemon's host, once a save has been accepted into shared
 memory, a later non-blocking save of the same layout is decided here under
 the run's busy lock (`checkpointd_client.local_decision`). A non-blocking
 save the daemon cannot take returns a failed ticket (see
-`checkpointd_client.session`).
+`checkpointd_client.transport.session`).
 
 Lock discipline: the session's lock guards `_spare` and `_segment`, and is
 never held across an RPC or a TF call; `_register_lock` serializes template
@@ -33,13 +33,14 @@ from checkpointd.protocol import increments
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_export_dir
 from checkpointd_client import options as options_lib
-from checkpointd_client import shm, snapshot, template
+from checkpointd_client import snapshot, template
 from checkpointd_client.graph_mode import GraphReads
 from checkpointd_client.local_decision import LocalDecision, LocalSave
 from checkpointd_client.numpy_state import NumpySnapshot, NumpySource
 from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload, guarded
-from checkpointd_client.session import DaemonSession, LocalSkips
 from checkpointd_client.ticket import SaveResult, SaveTicket
+from checkpointd_client.transport import shm
+from checkpointd_client.transport.session import DaemonSession, LocalSkips
 
 
 class PolicySaves:

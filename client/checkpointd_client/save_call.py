@@ -38,10 +38,10 @@ from checkpointd.protocol.errors import CheckpointdError, SaveFailedError
 from checkpointd.protocol.kinds import to_wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client.notice import Notice
-from checkpointd_client.outage import survivable
-from checkpointd_client.session import DaemonSession, LocalSkips, time_left
-from checkpointd_client.stream import SaveStream
 from checkpointd_client.ticket import SaveResult, SaveTicket
+from checkpointd_client.transport.outage import survivable
+from checkpointd_client.transport.session import DaemonSession, LocalSkips, time_left
+from checkpointd_client.transport.stream import SaveStream
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ daemon's host, once a save has been accepted into shared memory, a later
 non-blocking save of the same layout decides skip-if-busy itself under the
 run's busy lock (`checkpointd_client.local_decision`). The connection, busy accounting,
 flush, close and what a non-blocking save does when the daemon cannot take
-it are the session's (`checkpointd_client.session`).
+it are the session's (`checkpointd_client.transport.session`).
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ from tf_agents.utils import numpy_storage
 
 from checkpointd.protocol import wire
 from checkpointd.protocol.kinds import SaveKind
-from checkpointd_client import graph_mode, snapshot, streams
+from checkpointd_client import graph_mode, snapshot
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import options as options_lib
-from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.facade import PolicySaverFacade
 from checkpointd_client.notice import client_call
 from checkpointd_client.policy_saves import PolicySaves
 from checkpointd_client.restore import policies
-from checkpointd_client.session import DaemonSession
 from checkpointd_client.ticket import SaveCounts, SaveTicket
+from checkpointd_client.transport import streams
+from checkpointd_client.transport.connection import ConnectionOptions
+from checkpointd_client.transport.session import DaemonSession
 
 
 class RemotePolicySaver(PolicySaverFacade):
@@ -47,7 +48,7 @@ class RemotePolicySaver(PolicySaverFacade):
 
     A non-blocking save whose daemon cannot take it (down, restarting,
     failing) returns a failed ticket and training goes on; the saver dials
-    again and re-registers on its own (see `checkpointd_client.session`).
+    again and re-registers on its own (see `checkpointd_client.transport.session`).
     """
 
     @client_call
@@ -85,7 +86,7 @@ class RemotePolicySaver(PolicySaverFacade):
                 saver's run on the daemon, and its folder unless `folder` is
                 given. While a saver of another policy of the job is open
                 in this process, this one's run is `<run>.<policy's name>`
-                (`checkpointd_client.streams`). None: `folder`'s name.
+                (`checkpointd_client.transport.streams`). None: `folder`'s name.
             numpy_state: a `NumpyState` saved with every save (its arrays
                 serialized at the call) as `<export_dir>/numpy_state/`, and
                 restored by `restore()`.
@@ -108,7 +109,7 @@ class RemotePolicySaver(PolicySaverFacade):
                 comments allowed); read once, here.
             shared_memory: on the daemon's host, copy snapshots into the
                 shared-memory segment the daemon offers instead of streaming
-                them over gRPC (see checkpointd_client.shm); it turns itself
+                them over gRPC (see checkpointd_client.transport.shm); it turns itself
                 off, for this saver, if the segment cannot be opened here.
             session: for a policy built in TF1 graph mode (inside
                 `tf.compat.v1.Graph().as_default()`), the session that

@@ -33,7 +33,7 @@ from tf_agents.policies import policy_saver
 from checkpointd.protocol import tensors, wire
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import snapshot
-from checkpointd_client.session import DaemonSession
+from checkpointd_client.transport.session import DaemonSession
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ class SaveCounts:
 
     A failed save is one whose ticket holds an error, including a
     non-blocking save that failed because the daemon could not take it
-    (see `checkpointd_client.session`).
+    (see `checkpointd_client.transport.session`).
     """
 
     def __init__(self) -> None:

@@ -3,7 +3,7 @@
 The daemon runs no TensorFlow, so a save's manifest records the versions of
 the trainer that made it: every Save header carries them
 (`SaveHeader.trainer_versions`, set where the one Save call starts,
-`checkpointd_client.stream`). The template's fingerprint is the trainer's
+`checkpointd_client.transport.stream`). The template's fingerprint is the trainer's
 too: `tf.saved_model.save` writes `fingerprint.pb` (TensorFlow's
 `CreateFingerprintDef`) at the export, and the upload carries it with the
 other files (`checkpointd_client.template`).

@@ -24,11 +24,12 @@ from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import delta, shm, tf_checkpoint
+from checkpointd_client import delta, tf_checkpoint
 from checkpointd_client.notice import Notice
 from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload
-from checkpointd_client.session import DaemonSession
 from checkpointd_client.ticket import SaveResult, SaveTicket
+from checkpointd_client.transport import shm
+from checkpointd_client.transport.session import DaemonSession
 
 # The objects whose value is the step a save on notice is named by, as TF-Agents names them.
 _STEP_NAMES = ("global_step", "train_step", "step")

@@ -20,10 +20,10 @@ from checkpointd.protocol.errors import UnavailableError
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.save_call import Decision, Payload, SaveCall, Upload
-from checkpointd_client.session import DaemonSession
 from checkpointd_client.ticket import SaveCounts, SaveTicket
+from checkpointd_client.transport.connection import ConnectionOptions
+from checkpointd_client.transport.session import DaemonSession
 from tests.component.serving import serving
 
 WAIT = 10.0  # seconds; every wait here is bounded by it

@@ -24,8 +24,8 @@ from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import LEASE_WAIT_METADATA
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client.connection import ConnectionOptions
-from checkpointd_client.session import DaemonSession
+from checkpointd_client.transport.connection import ConnectionOptions
+from checkpointd_client.transport.session import DaemonSession
 from tests.component.serving import serving
 
 WAIT = 10.0  # seconds; every wait here is bounded by it

@@ -31,8 +31,8 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import tf_checkpoint
 from checkpointd_client.restore import bundle_index, files
 from checkpointd_client.restore.policies import fetch_tensors
-from checkpointd_client.session import DaemonSession
-from checkpointd_client.stream import rpc_error
+from checkpointd_client.transport.session import DaemonSession
+from checkpointd_client.transport.stream import rpc_error
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from checkpointd.protocol.errors import ChecksumError, SaveFailedError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client.restore import bundle_index, chunk_writer, held_files, staged
-from checkpointd_client.stream import RestoreFilesStub
+from checkpointd_client.transport.stream import RestoreFilesStub
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import numpy_state as numpy_state_lib
 from checkpointd_client import snapshot
 from checkpointd_client.restore import files
-from checkpointd_client.session import DaemonSession
-from checkpointd_client.stream import rpc_error
+from checkpointd_client.transport.session import DaemonSession
+from checkpointd_client.transport.stream import rpc_error
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import grpc
 from checkpointd.protocol.errors import SaveFailedError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client.stream import RestoreFilesStub
+from checkpointd_client.transport.stream import RestoreFilesStub
 
 Stub = checkpointd_pb2_grpc.CheckpointServiceStub | RestoreFilesStub
 

@@ -9,7 +9,7 @@ CloseRun, and the outage rule below. The savers hold what is specific to
 policies or to training state; nothing here imports TensorFlow.
 
 What a non-blocking save does when the daemon cannot take it is
-`checkpointd_client.outage`'s rule, applied here.
+`checkpointd_client.transport.outage`'s rule, applied here.
 
 Lock discipline: `lock` guards the busy counts, `closing`, `closed`, the
 channel and the outage, and is never held across an RPC; the savers guard
@@ -40,11 +40,11 @@ from checkpointd.protocol.errors import (
 from checkpointd.protocol.names import LEASE_WAIT_METADATA
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
-from checkpointd_client import probe
-from checkpointd_client.connection import ConnectionOptions
-from checkpointd_client.outage import Outage
-from checkpointd_client.stream import RestoreFilesStub, SaveStub, rpc_error
 from checkpointd_client.ticket import SaveCounts, SaveTicket
+from checkpointd_client.transport import probe
+from checkpointd_client.transport.connection import ConnectionOptions
+from checkpointd_client.transport.outage import Outage
+from checkpointd_client.transport.stream import RestoreFilesStub, SaveStub, rpc_error
 
 _LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -27,8 +27,8 @@ import tensorflow as tf
 from checkpointd.protocol import wire
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client import DeadlineError, RemoteCheckpointer, RemotePolicySaver, UnavailableError
-from checkpointd_client.session import DaemonSession
 from checkpointd_client.ticket import SaveCounts, SaveTicket
+from checkpointd_client.transport.session import DaemonSession
 from tests.integration.support import policies
 from tests.integration.support.daemon import Daemon
 

@@ -38,8 +38,8 @@ from checkpointd.storage import local, save_manifest
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemotePolicySaver, snapshot, template
-from checkpointd_client.connection import ConnectionOptions
-from checkpointd_client.session import DaemonSession
+from checkpointd_client.transport.connection import ConnectionOptions
+from checkpointd_client.transport.session import DaemonSession
 from tests.integration.support import policies
 from tests.integration.support.daemon import Daemon, start_daemon, wait_until
 from tests.integration.support.disk import read_only

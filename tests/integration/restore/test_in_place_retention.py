@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from checkpointd_client import RemoteCheckpointer
-from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.restore import checkpoints as checkpoint_restore
-from checkpointd_client.session import DaemonSession
+from checkpointd_client.transport.connection import ConnectionOptions
+from checkpointd_client.transport.session import DaemonSession
 from tests.integration.support import training_state
 from tests.integration.support.daemon import Daemon, wait_until
 

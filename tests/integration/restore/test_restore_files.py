@@ -29,10 +29,10 @@ from checkpointd.protocol.errors import ChecksumError
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemoteCheckpointer
-from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.restore import checkpoints as checkpoint_restore
 from checkpointd_client.restore import files
-from checkpointd_client.session import DaemonSession
+from checkpointd_client.transport.connection import ConnectionOptions
+from checkpointd_client.transport.session import DaemonSession
 from tests.integration.support import training_state
 from tests.integration.support.daemon import Daemon
 

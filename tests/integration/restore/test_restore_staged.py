@@ -32,10 +32,10 @@ from checkpointd.storage.s3 import restore as s3_restore
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from checkpointd_client import RemoteCheckpointer
-from checkpointd_client.connection import ConnectionOptions
 from checkpointd_client.restore import checkpoints as checkpoint_restore
 from checkpointd_client.restore import files
-from checkpointd_client.session import DaemonSession
+from checkpointd_client.transport.connection import ConnectionOptions
+from checkpointd_client.transport.session import DaemonSession
 from tests.integration.support.daemon import Daemon, start_daemon, wait_until
 
 LIMIT = 120.0

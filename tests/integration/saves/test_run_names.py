@@ -1,7 +1,7 @@
 """A run name never loses work: a job's savers and checkpointers, its evaluators and its renames.
 
 Each saver or checkpointer of a job is a run of its own on the daemon
-(`checkpointd_client.streams`), so none skips, refuses or shadows another
+(`checkpointd_client.transport.streams`), so none skips, refuses or shadows another
 whatever names they share; restores go by where the checkpoints are. Real
 TF-Agents objects (a DQN agent with Adam, its replay buffer) against a real
 daemon.

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import RemotePolicySaver
-from checkpointd_client import shm as client_shm
+from checkpointd_client.transport import shm as client_shm
 from tests.integration.support import policies
 from tests.integration.support.daemon import Daemon
 from tests.integration.support.raw import TIMEOUT, RawSave, Stub, counts, export_template, register

@@ -93,7 +93,7 @@ def test_metrics_status_and_verify_cover_the_training_checkpoint_kind(daemon: Da
     with RemoteCheckpointer("train", daemon.address, run="tc-ops", timeout=LIMIT, **objects) as ckpt:
         ckpt.save(1, blocking=True)
         status = _cli("status", "--address", daemon.address, "--run", ckpt.run)
-        assert ckpt.run == "tc-ops.train"  # the job's checkpointer of "train" (checkpointd_client.streams)
+        assert ckpt.run == "tc-ops.train"  # the job's checkpointer of "train" (checkpointd_client.transport.streams)
         assert status.returncode == 0, status.stderr
         assert "tc-ops" in status.stdout and "step 1" in status.stdout
         ckpt.save(2, blocking=True)

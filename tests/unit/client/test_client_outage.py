@@ -17,8 +17,8 @@ from checkpointd.protocol.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from checkpointd_client.connection import CONNECTION_OPTIONS, ConnectionOptions
-from checkpointd_client.outage import Outage, survivable
+from checkpointd_client.transport.connection import CONNECTION_OPTIONS, ConnectionOptions
+from checkpointd_client.transport.outage import Outage, survivable
 from tests.unit.conftest import FakeClock
 
 

@@ -1,4 +1,4 @@
-"""The daemon runs a training job's savers take (checkpointd_client.streams): one per saver, never shared."""
+"""The daemon runs a training job's savers take (checkpointd_client.transport.streams): one per saver, never shared."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from checkpointd.protocol.names import check_run_name
-from checkpointd_client import streams
+from checkpointd_client.transport import streams
 
 
 def test_a_checkpointers_run_is_the_job_and_its_dir() -> None:
