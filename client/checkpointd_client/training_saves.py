@@ -2,7 +2,7 @@
 
 `RemoteCheckpointer` checks the call and owns the ticket; `TrainingSaves`
 moves the save: it describes the `tf.train.Checkpoint` with TensorFlow's own
-saver code, asks the daemon through `checkpointd_client.save_call`, and,
+saver code (once, then checked at each save: `checkpointd_client.described_graph`), asks the daemon through `checkpointd_client.save_call`, and,
 once accepted, copies the values into the daemon's shared-memory segment
 (on its host) or into the buffers of the last uploaded snapshot of the same
 layout, so the next save's memory is already touched.
@@ -24,7 +24,7 @@ from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import delta, shm, tf_checkpoint
+from checkpointd_client import delta, described_graph, shm, tf_checkpoint
 from checkpointd_client.notice import Notice
 from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload
 from checkpointd_client.session import DaemonSession
@@ -56,6 +56,7 @@ class TrainingSaves:
         """
         self._daemon = daemon
         self._checkpoint = checkpoint
+        self.described = described_graph.DescribedGraph(checkpoint)  # described once, checked at each save
         self._folder, self._dir = where
         self._retention = retention
         self._use_shm = shared_memory
@@ -103,7 +104,7 @@ class TrainingSaves:
         counter = self._checkpoint.save_counter
         counter.assign_add(1)  # as CheckpointManager.save does, before the write
         try:
-            state = tf_checkpoint.describe(self._checkpoint)
+            state = self.described.describe()
             self._daemon.before_trying()
             payload = Payload(self._dir, state.nbytes, training_checkpoint=state.to_proto(*self._retention))
             call = SaveCall(
