@@ -14,6 +14,7 @@ Lock discipline: the session's lock guards `_spare`, `_segment` and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import delta, described_graph, shm, tf_checkpoint
+from checkpointd_client.daemon_cpu import DaemonCpu, ThreadCpu
 from checkpointd_client.notice import Notice
 from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload
 from checkpointd_client.session import DaemonSession
@@ -66,6 +68,10 @@ class TrainingSaves:
         # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
         self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
         self._durable_step: int | None = None  # of the dir's newest checkpoint known durable
+        self._daemon_cpu: tuple[str, DaemonCpu | None] | None = None  # (segment folder, the daemon's CPU there)
+        # Told, once a save is durable, the CPU it cost off the training thread: the requests'
+        # production and (on this host) the daemon's work. A continuous checkpointer's budget.
+        self.charge: Callable[[float], None] | None = None
         self.copied = False  # a save's values were copied (a checkpoint exists, or soon will)
 
     @property
@@ -137,9 +143,13 @@ class TrainingSaves:
                     self._segment = segment
                 whole = segment.view()
                 views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
+                daemon_cpu = self._cpu_of(segment.path) if self.charge is not None else None
+                started = daemon_cpu.seconds() if daemon_cpu is not None else None
                 self.deltas.copy(self._checkpoint, state, segment, views)
                 self.copied = True
-                return self._upload([WRITTEN], ticket, state, None, [] if base is not None else None)
+                return self._upload(
+                    [WRITTEN], ticket, state, None, [] if base is not None else None, (daemon_cpu, started)
+                )
             self._use_shm = False  # the daemon is not on this host (or not this user's)
         with self._daemon.lock:
             spare, self._spare = self._spare, None
@@ -156,18 +166,38 @@ class TrainingSaves:
     def _upload(
         self, requests: Any, ticket: SaveTicket, state: tf_checkpoint.TrainingState,
         spare: list[np.ndarray] | None, parts: list[Any] | None,
+        daemon_cpu: tuple[DaemonCpu | None, float | None] = (None, None),
     ) -> Upload:  # fmt: skip
-        """The upload of `requests`; `parts` sent again whole after DATA_LOSS (an incremental save's)."""
+        """The upload of `requests`; `parts` sent again whole after DATA_LOSS (an incremental save's).
+
+        `daemon_cpu`: the same-host daemon's CPU meter and its reading at the accept, charged once durable.
+        """
         size = self._daemon.chunk_bytes
+        charge, produced = self.charge, ThreadCpu()
+        if charge is not None:
+            requests = produced.timed(requests)
 
         def durable(result: SaveResult) -> None:
             with self._daemon.lock:
                 self._durable_step = max(ticket.step, self._durable_step or 0)
                 if spare is not None:  # gRPC has let go of every chunk: the next save may reuse them
                     self._spare = (state.layout, spare)
+            if charge is not None:
+                meter, started = daemon_cpu
+                ended = meter.seconds() if meter is not None else None
+                spent = ended - started if ended is not None and started is not None else 0.0
+                charge(produced.seconds + spent)
 
         whole = (lambda: wire.save_request_chunks(parts, size)) if parts is not None else None
         return Upload(requests, whole, durable)
+
+    def _cpu_of(self, segment_path: str) -> DaemonCpu | None:
+        """The CPU meter of the daemon that made the segment (looked up once per daemon folder)."""
+        folder = segment_path.rsplit("/", 1)[0]
+        cached = self._daemon_cpu
+        if cached is None or cached[0] != folder:
+            cached = self._daemon_cpu = (folder, DaemonCpu.of_segment(segment_path))
+        return cached[1]
 
     def release(self) -> None:
         """Drops the spare snapshot buffers and unmaps the segment: no save follows, and each holds the state's bytes."""
