@@ -60,6 +60,8 @@ from checkpointd_client.ticket import SaveTicket
 # Of training time, what a save may cost: the training thread's time in save(), and the CPU the
 # save takes off it (requests produced, a same-host daemon's work).
 DEFAULT_BUDGET = 0.05
+# A checkpointer's continuous-save options, passed on by the module swaps (`checkpointd_client.learner`).
+CONTINUOUS_OPTIONS = ("continuous", "budget")
 
 
 class Choice(enum.Enum):
