@@ -119,3 +119,27 @@ def test_python_state_is_serialized_again_at_each_save(daemon: Daemon, scratch: 
         assert _save_and_compare(ckpt, step, scratch) == described
         numpy_state.rows = np.arange(40, dtype=np.int64) * 2
         assert _save_and_compare(ckpt, step, scratch) == described
+
+
+class _Counter(tf.Module):
+    """An object that makes its own tensor at each save (as a lookup table does): its key and size may change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values = [1, 2]
+
+    def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+        return {"values": tf.constant(self.values, tf.int64)}
+
+    def _restore_from_tensors(self, restored: dict[str, tf.Tensor]) -> None:
+        self.values = list(restored["values"].numpy())
+
+
+def test_an_object_making_its_own_tensors_is_described_at_every_save(daemon: Daemon, scratch: Path) -> None:
+    counter, step = _Counter(), tf.Variable(0, dtype=tf.int64)
+    with RemoteCheckpointer("train", daemon.address, run="graph-own-tensors", timeout=LIMIT, counter=counter,
+                            global_step=step) as ckpt:  # fmt: skip
+        described = _save_and_compare(ckpt, step, scratch)
+        counter.values = [3, 4, 5]  # another value and shape, the same graph
+        assert _save_and_compare(ckpt, step, scratch) == described + 1
+        assert _save_and_compare(ckpt, step, scratch) == described + 2
