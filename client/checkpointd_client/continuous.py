@@ -9,10 +9,10 @@ rule (`SaveBudget`):
   (the snapshot and the hand-over to the daemon), read with
   `time.perf_counter`, plus the CPU the save took off the training thread
   once it is durable (`SaveBudget.charge`): producing its requests, and on
-  the same host the daemon's work (`checkpointd_client.daemon_cpu`). On
-  cores shared with training that CPU slows training as the stall does (a
-  2 MB save of the bench's small state stalls ~6 ms and costs the daemon
-  ~18 ms of CPU). The calls that decided not to save cost their few
+  the same host the daemon's work that idle cores could not have run
+  (`checkpointd_client.daemon_cpu`). On busy cores shared with training that
+  CPU slows training as the stall does (a 2 MB save of the bench's small
+  state stalls ~6 ms and costs the daemon ~18 ms of CPU). The calls that decided not to save cost their few
   microseconds too. Training time is the wall time between calls, outside
   `save()`. The first save is not charged: its one-time costs (the graph
   described, the segment made and first touched, everything copied) are
@@ -58,7 +58,7 @@ from checkpointd.protocol.kinds import SaveKind
 from checkpointd_client.ticket import SaveTicket
 
 # Of training time, what a save may cost: the training thread's time in save(), and the CPU the
-# save takes off it (requests produced, a same-host daemon's work).
+# save takes off it (requests produced, a same-host daemon's work beyond the idle cores').
 DEFAULT_BUDGET = 0.05
 # A checkpointer's continuous-save options, passed on by the module swaps (`checkpointd_client.learner`).
 CONTINUOUS_OPTIONS = ("continuous", "budget")

@@ -2,15 +2,18 @@
 
 A save's stall is only part of what it costs training. On the same host the
 daemon then writes the save (a copy out of the shared-memory segment, the
-bundle's checksums, the files), and on shared cores that CPU is taken from
-training as surely as the stall is. A continuous checkpointer's budget
-(`checkpointd_client.continuous`) charges it: the daemon's CPU from the
-save's accept to durable, read from `/proc/<pid>/stat` (utime + stime, every
-thread), the pid from the name of the shared-memory folder the daemon offered
-(`checkpointd.protocol.names.SHM_FOLDER`). It counts the daemon's other work
-in that time too (another run's save): a budget that errs towards saving
-less. Nothing is charged where the daemon is not on this host, or /proc
-cannot be read.
+bundle's checksums, the files), and where the cores are busy that CPU is
+taken from training as surely as the stall is; where a core is idle, the
+daemon runs there and costs training nothing. So a continuous
+checkpointer's budget (`checkpointd_client.continuous`) charges the daemon's
+CPU from the save's accept to durable, read from `/proc/<pid>/stat` (utime +
+stime, every thread; the pid from the name of the shared-memory folder the
+daemon offered, `checkpointd.protocol.names.SHM_FOLDER`), less the machine's
+idle CPU in that time (`/proc/stat`: idle and iowait of every core): only
+the part that idle cores could not have run. The daemon's CPU includes its
+other work in that time (another run's save): a budget that errs towards
+saving less. Nothing is charged where the daemon is not on this host, or
+/proc cannot be read.
 """
 
 from __future__ import annotations
@@ -52,6 +55,20 @@ class DaemonCpu:
             return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime: fields 14 and 15 of proc(5)
         except (IndexError, ValueError):
             return None
+
+
+def idle_seconds() -> float | None:
+    """CPU seconds every core of this machine has been idle (or waiting for I/O) so far; None without /proc/stat."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            first = f.readline()  # "cpu  user nice system idle iowait irq softirq steal ...": every core
+    except OSError:
+        return None
+    fields = first.split()
+    try:
+        return (int(fields[4]) + int(fields[5])) / _TICKS
+    except (IndexError, ValueError):
+        return None
 
 
 class ThreadCpu:

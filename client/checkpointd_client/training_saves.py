@@ -26,7 +26,7 @@ from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import delta, described_graph, shm, tf_checkpoint
-from checkpointd_client.daemon_cpu import DaemonCpu, ThreadCpu
+from checkpointd_client.daemon_cpu import DaemonCpu, ThreadCpu, idle_seconds
 from checkpointd_client.notice import Notice
 from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload
 from checkpointd_client.session import DaemonSession
@@ -144,7 +144,7 @@ class TrainingSaves:
                 whole = segment.view()
                 views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
                 daemon_cpu = self._cpu_of(segment.path) if self.charge is not None else None
-                started = daemon_cpu.seconds() if daemon_cpu is not None else None
+                started = (daemon_cpu.seconds(), idle_seconds()) if daemon_cpu is not None else None
                 self.deltas.copy(self._checkpoint, state, segment, views)
                 self.copied = True
                 return self._upload(
@@ -166,11 +166,12 @@ class TrainingSaves:
     def _upload(
         self, requests: Any, ticket: SaveTicket, state: tf_checkpoint.TrainingState,
         spare: list[np.ndarray] | None, parts: list[Any] | None,
-        daemon_cpu: tuple[DaemonCpu | None, float | None] = (None, None),
+        daemon_cpu: tuple[DaemonCpu | None, tuple[float | None, float | None] | None] = (None, None),
     ) -> Upload:  # fmt: skip
         """The upload of `requests`; `parts` sent again whole after DATA_LOSS (an incremental save's).
 
-        `daemon_cpu`: the same-host daemon's CPU meter and its reading at the accept, charged once durable.
+        `daemon_cpu`: the same-host daemon's CPU meter and (its CPU, the machine's idle CPU) at the
+        accept: once durable, the daemon's CPU since, less the idle CPU since, is charged.
         """
         size = self._daemon.chunk_bytes
         charge, produced = self.charge, ThreadCpu()
@@ -183,10 +184,7 @@ class TrainingSaves:
                 if spare is not None:  # gRPC has let go of every chunk: the next save may reuse them
                     self._spare = (state.layout, spare)
             if charge is not None:
-                meter, started = daemon_cpu
-                ended = meter.seconds() if meter is not None else None
-                spent = ended - started if ended is not None and started is not None else 0.0
-                charge(produced.seconds + spent)
+                charge(produced.seconds + _taken(*daemon_cpu))
 
         whole = (lambda: wire.save_request_chunks(parts, size)) if parts is not None else None
         return Upload(requests, whole, durable)
@@ -203,6 +201,17 @@ class TrainingSaves:
         """Drops the spare snapshot buffers and unmaps the segment: no save follows, and each holds the state's bytes."""
         with self._daemon.lock:
             self._spare, self._segment = None, None
+
+
+def _taken(meter: DaemonCpu | None, started: tuple[float | None, float | None] | None) -> float:
+    """The daemon's CPU since `started` that idle cores could not have run (see `checkpointd_client.daemon_cpu`)."""
+    if meter is None or started is None:
+        return 0.0
+    (cpu, idle), cpu_now, idle_now = started, meter.seconds(), idle_seconds()
+    if cpu is None or cpu_now is None:
+        return 0.0
+    spare = idle_now - idle if idle is not None and idle_now is not None else 0.0
+    return max(0.0, cpu_now - cpu - spare)
 
 
 def checkpoint_name(ckpt_dir: str, step: int) -> str:

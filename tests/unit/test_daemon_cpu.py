@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from checkpointd_client.daemon_cpu import DaemonCpu, ThreadCpu
+from checkpointd_client.daemon_cpu import DaemonCpu, ThreadCpu, idle_seconds
 
 
 def _burn(seconds: float) -> None:
@@ -42,3 +42,10 @@ def test_the_cpu_of_producing_a_streams_items_is_counted_on_the_thread_that_cons
     produced = ThreadCpu()
     assert list(produced.timed(items())) == [b"chunk"] * 3  # type: ignore[arg-type]
     assert 0.03 <= produced.seconds < 1.0
+
+
+def test_the_machines_idle_cpu_only_grows() -> None:
+    before = idle_seconds()
+    _burn(0.02)
+    after = idle_seconds()
+    assert before is not None and after is not None and after >= before > 0
