@@ -218,6 +218,8 @@ class RemoteCheckpointer:
             self._daemon, self._checkpoint, (self._folder, self._dir), retention,
             shared_memory=shared_memory, incremental=incremental,
         )  # fmt: skip
+        if self._continuous is not None:  # what a save costs off the training thread counts against the budget
+            self._saves.charge = self._continuous.charge
         self._copies: list[checkpoints.KeptFiles] = []  # restored checkpoints TF may still read
         self._manager = RemoteCheckpointManager(self._dir, self._checkpoint, self._latest)
         try:
@@ -368,7 +370,8 @@ class RemoteCheckpointer:
         if global_step is None:
             return
         try:
-            self._save(global_step, blocking=True)
+            with self._continuous.saving_pending():
+                self._save(global_step, blocking=True)
         except BaseException:
             self._continuous.put_back(global_step)
             raise

@@ -28,6 +28,14 @@ paths under the daemon's `<root>/<run>/`; everything else of the two
 modules (`StepPerSecondLogTrigger`, the dir names) is TF-Agents' own.
 Summaries stay in the local `root_dir`.
 
+Continuous saves (`continuous=True`, `budget=`: `checkpointd_client.continuous`)
+go through every swap. A continuous Learner saves after every `run()` call
+(its `checkpoint_interval` only switches checkpointing on or off, as a
+value <= 0 does upstream) and each save decides locally, within the budget,
+whether it goes; a forced trigger saves blocking. `common_module`'s
+checkpointers take the options too: a classic script then calls
+`save()` as often as it likes (every step) and the budget decides.
+
 `RemoteLearner` is the Learner alone, for scripts that build their triggers
 themselves. Optimizer slots: Learner creates them before it restores
 (`run_optimizer_variable_init`, on by default), so they are restored at once.
@@ -49,6 +57,7 @@ from tf_agents.utils import common
 
 from checkpointd.protocol.address import check_address
 from checkpointd_client.checkpointer import RemoteCheckpointer
+from checkpointd_client.continuous import CONTINUOUS_OPTIONS, DEFAULT_BUDGET, check_budget
 from checkpointd_client.notice import NOTICE_OPTIONS, check_deadline
 from checkpointd_client.saver import RemotePolicySaver
 from checkpointd_client.ticket import SaveTicket
@@ -73,8 +82,10 @@ class RemoteLearner(tf_learner.Learner):
     """`tf_agents.train.Learner` whose checkpoints go through checkpointd (see the module docstring).
 
     Takes Learner's arguments, plus the daemon's address, the job's `run`
-    and RemoteCheckpointer's connection and notice options (`save_on_notice`,
-    `notice_deadline`). Restores on construction as Learner does;
+    and RemoteCheckpointer's connection, notice (`save_on_notice`,
+    `notice_deadline`) and continuous (`continuous`, `budget`) options; a
+    continuous Learner saves after every `run()` within the budget (see the
+    module docstring). Restores on construction as Learner does;
     `checkpointer` is its RemoteCheckpointer (tickets, flush), which by
     default saves the step reached on SIGTERM, also inside `run()`.
     """
@@ -82,7 +93,9 @@ class RemoteLearner(tf_learner.Learner):
     def __init__(
         self, root_dir: str, train_step: Any, agent: Any, *args: Any, address: str, run: str, **kwargs: Any
     ) -> None:
-        connection = {k: kwargs.pop(k) for k in (*CONNECTION_OPTIONS, *NOTICE_OPTIONS) if k in kwargs}
+        options = (*CONNECTION_OPTIONS, *NOTICE_OPTIONS, *CONTINUOUS_OPTIONS)
+        connection = {k: kwargs.pop(k) for k in options if k in kwargs}
+        self._continuous = connection.get("continuous", False) is True  # read by _get_checkpoint_trigger
         made: list[RemoteCheckpointer] = []
 
         def make(ckpt_dir: str, max_to_keep: int = 20, **objects: Any) -> RemoteCheckpointer:
@@ -107,6 +120,16 @@ class RemoteLearner(tf_learner.Learner):
             finally:
                 tf_learner.common = original
         self.checkpointer: RemoteCheckpointer = made[-1]
+
+    def _get_checkpoint_trigger(self, checkpoint_interval: int) -> Any:
+        """Upstream's interval trigger; continuous: a save after every run() (forced: blocking), the budget deciding."""
+        if not self._continuous or checkpoint_interval <= 0:
+            return super()._get_checkpoint_trigger(checkpoint_interval)
+
+        def save_every_run(_: int, force_trigger: bool = False) -> None:
+            self._checkpointer.save(self.train_step, blocking=force_trigger)
+
+        return save_every_run
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits until every checkpoint this Learner started is durable."""
@@ -149,13 +172,14 @@ def train_modules(
             already be relative.
         **connection: RemoteCheckpointer's and RemotePolicySaver's
             connection options (channel_credentials, timeout, token, ...),
-            and the Learner checkpointer's `save_on_notice` and `notice_deadline`.
+            and the Learner checkpointer's `save_on_notice`, `notice_deadline`,
+            `continuous` and `budget`.
 
     Returns:
         Stand-ins for `tf_agents.train.learner` and `tf_agents.train.triggers`.
     """
 
-    _check_swap(address, run, root_dir, connection, (*CONNECTION_OPTIONS, *NOTICE_OPTIONS))
+    _check_swap(address, run, root_dir, connection, _LEARNER_OPTIONS)
     learner_module = _learner_module(address, run, connection)
     policy_options = {k: v for k, v in connection.items() if k in POLICY_CONNECTION_OPTIONS}
 
@@ -186,7 +210,7 @@ def ppo_learner_module(address: str, *, run: str, **connection: Any) -> types.Mo
     Returns:
         A stand-in for `tf_agents.train.ppo_learner`.
     """
-    _check_swap(address, run, None, connection, (*CONNECTION_OPTIONS, *NOTICE_OPTIONS))
+    _check_swap(address, run, None, connection, _LEARNER_OPTIONS)
     learner_module = _learner_module(address, run, connection)
 
     class PPOLearner(tf_ppo_learner.PPOLearner):
@@ -318,7 +342,11 @@ def policy_saver_module(
 
 
 # What common_module passes on to every RemoteCheckpointer besides the connection.
-_CHECKPOINTER_OPTIONS = (*CONNECTION_OPTIONS, *NOTICE_OPTIONS, "incremental", "keep_checkpoint_every_n_hours")
+_CHECKPOINTER_OPTIONS = (
+    *CONNECTION_OPTIONS, *NOTICE_OPTIONS, *CONTINUOUS_OPTIONS, "incremental", "keep_checkpoint_every_n_hours",
+)  # fmt: skip
+# What the Learner swaps pass on to the Learner's RemoteCheckpointer.
+_LEARNER_OPTIONS = (*CONNECTION_OPTIONS, *NOTICE_OPTIONS, *CONTINUOUS_OPTIONS)
 
 
 def _check_swap(
@@ -342,11 +370,15 @@ def _check_swap(
     if root_dir is not None and not isinstance(root_dir, str | os.PathLike):
         raise ValueError(f"root_dir must be a path or None, saw {type(root_dir)!r}")
     ConnectionOptions(**{k: v for k, v in connection.items() if k in CONNECTION_OPTIONS})
-    for flag in ("incremental", "save_on_notice"):
+    for flag in ("incremental", "save_on_notice", "continuous"):
         if not isinstance(connection.get(flag, True), bool):
             raise ValueError(f"{flag} must be True or False, got {connection[flag]!r}")
     if "notice_deadline" in connection:
         check_deadline(connection["notice_deadline"])
+    if "budget" in connection:
+        check_budget(connection["budget"])
+        if connection["budget"] != DEFAULT_BUDGET and connection.get("continuous") is not True:
+            raise ValueError(f"budget={connection['budget']!r} applies to continuous saves: pass continuous=True too")
     hours = connection.get("keep_checkpoint_every_n_hours")
     if hours is not None and not (
         isinstance(hours, int | float) and not isinstance(hours, bool) and 0 < hours < math.inf

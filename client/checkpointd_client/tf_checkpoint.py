@@ -155,10 +155,16 @@ def describe(root: tf.train.Checkpoint) -> TrainingState:
             variable, an uninitialized variable, a non-scalar string or an
             unsupported dtype; the message names the key.
     """
+    return describe_with_owners(root)[0]
+
+
+def describe_with_owners(root: tf.train.Checkpoint) -> tuple[TrainingState, tuple[Any, ...]]:
+    """`describe(root)`, with the trackable each tensor came from, in tensor order (`described_graph` needs it)."""
     serialized, _, registered, graph = save_util.serialize_graph_view(graph_view.ObjectGraphView(root))
     if registered:
         raise ValueError(f"objects with registered savers ({', '.join(registered)}) cannot be saved by checkpointd")
     described: list[Tensor] = []
+    owners: list[Any] = []
     # The dict's order is the saver's: tensor trackables in object-graph
     # (breadth-first) order, then Python state. Its write keeps that order.
     for trackable, tensor_dict in serialized.items():
@@ -169,11 +175,13 @@ def describe(root: tf.train.Checkpoint) -> TrainingState:
                         f"{key!r} is saved in slices ({list(maybe)}); partitioned variables are not supported"
                     )
                 maybe = maybe[""]
-            described.append(_tensor(key, trackable, maybe))
-    return TrainingState(graph.SerializeToString(), tuple(described))
+            described.append(tensor(key, trackable, maybe))
+            owners.append(trackable)
+    return TrainingState(graph.SerializeToString(), tuple(described)), tuple(owners)
 
 
-def _tensor(key: str, trackable: Any, maybe: Any) -> Tensor:
+def tensor(key: str, trackable: Any, maybe: Any) -> Tensor:
+    """The described tensor of `key`, which `trackable`'s serialization gave as `maybe` (a SaveSpec or a value)."""
     variable = trackable if isinstance(trackable, tf.Variable) and key.endswith(tensor_names.VARIABLE_SUFFIX) else None
     if variable is not None and isinstance(maybe, saveable_object.SaveSpec):
         # Read at copy time, without the tensor TF's callable would make.

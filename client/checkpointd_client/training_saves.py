@@ -2,7 +2,7 @@
 
 `RemoteCheckpointer` checks the call and owns the ticket; `TrainingSaves`
 moves the save: it describes the `tf.train.Checkpoint` with TensorFlow's own
-saver code, asks the daemon through `checkpointd_client.save_call`, and,
+saver code (once, then checked at each save: `checkpointd_client.described_graph`), asks the daemon through `checkpointd_client.save_call`, and,
 once accepted, copies the values into the daemon's shared-memory segment
 (on its host) or into the buffers of the last uploaded snapshot of the same
 layout, so the next save's memory is already touched.
@@ -14,6 +14,7 @@ Lock discipline: the session's lock guards `_spare`, `_segment` and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,8 @@ from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import delta, tf_checkpoint
+from checkpointd_client import delta, described_graph, tf_checkpoint
+from checkpointd_client.daemon_cpu import DaemonCpu, ThreadCpu, idle_seconds
 from checkpointd_client.notice import Notice
 from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload
 from checkpointd_client.ticket import SaveResult, SaveTicket
@@ -57,6 +59,7 @@ class TrainingSaves:
         """
         self._daemon = daemon
         self._checkpoint = checkpoint
+        self.described = described_graph.DescribedGraph(checkpoint)  # described once, checked at each save
         self._folder, self._dir = where
         self._retention = retention
         self._use_shm = shared_memory
@@ -66,6 +69,10 @@ class TrainingSaves:
         # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
         self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
         self._durable_step: int | None = None  # of the dir's newest checkpoint known durable
+        self._daemon_cpu: tuple[str, DaemonCpu | None] | None = None  # (segment folder, the daemon's CPU there)
+        # Told, once a save is durable, the CPU it cost off the training thread: the requests'
+        # production and (on this host) the daemon's work. A continuous checkpointer's budget.
+        self.charge: Callable[[float], None] | None = None
         self.copied = False  # a save's values were copied (a checkpoint exists, or soon will)
 
     @property
@@ -104,7 +111,7 @@ class TrainingSaves:
         counter = self._checkpoint.save_counter
         counter.assign_add(1)  # as CheckpointManager.save does, before the write
         try:
-            state = tf_checkpoint.describe(self._checkpoint)
+            state = self.described.describe()
             self._daemon.before_trying()
             payload = Payload(self._dir, state.nbytes, training_checkpoint=state.to_proto(*self._retention))
             call = SaveCall(
@@ -137,9 +144,13 @@ class TrainingSaves:
                     self._segment = segment
                 whole = segment.view()
                 views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
+                daemon_cpu = self._cpu_of(segment.path) if self.charge is not None else None
+                started = (daemon_cpu.seconds(), idle_seconds()) if daemon_cpu is not None else None
                 self.deltas.copy(self._checkpoint, state, segment, views)
                 self.copied = True
-                return self._upload([WRITTEN], ticket, state, None, [] if base is not None else None)
+                return self._upload(
+                    [WRITTEN], ticket, state, None, [] if base is not None else None, (daemon_cpu, started)
+                )
             self._use_shm = False  # the daemon is not on this host (or not this user's)
         with self._daemon.lock:
             spare, self._spare = self._spare, None
@@ -156,23 +167,52 @@ class TrainingSaves:
     def _upload(
         self, requests: Any, ticket: SaveTicket, state: tf_checkpoint.TrainingState,
         spare: list[np.ndarray] | None, parts: list[Any] | None,
+        daemon_cpu: tuple[DaemonCpu | None, tuple[float | None, float | None] | None] = (None, None),
     ) -> Upload:  # fmt: skip
-        """The upload of `requests`; `parts` sent again whole after DATA_LOSS (an incremental save's)."""
+        """The upload of `requests`; `parts` sent again whole after DATA_LOSS (an incremental save's).
+
+        `daemon_cpu`: the same-host daemon's CPU meter and (its CPU, the machine's idle CPU) at the
+        accept: once durable, the daemon's CPU since, less the idle CPU since, is charged.
+        """
         size = self._daemon.chunk_bytes
+        charge, produced = self.charge, ThreadCpu()
+        if charge is not None:
+            requests = produced.timed(requests)
 
         def durable(result: SaveResult) -> None:
             with self._daemon.lock:
                 self._durable_step = max(ticket.step, self._durable_step or 0)
                 if spare is not None:  # gRPC has let go of every chunk: the next save may reuse them
                     self._spare = (state.layout, spare)
+            if charge is not None:
+                charge(produced.seconds + _taken(*daemon_cpu))
 
         whole = (lambda: wire.save_request_chunks(parts, size)) if parts is not None else None
         return Upload(requests, whole, durable)
+
+    def _cpu_of(self, segment_path: str) -> DaemonCpu | None:
+        """The CPU meter of the daemon that made the segment (looked up once per daemon folder)."""
+        folder = segment_path.rsplit("/", 1)[0]
+        cached = self._daemon_cpu
+        if cached is None or cached[0] != folder:
+            cached = self._daemon_cpu = (folder, DaemonCpu.of_segment(segment_path))
+        return cached[1]
 
     def release(self) -> None:
         """Drops the spare snapshot buffers and unmaps the segment: no save follows, and each holds the state's bytes."""
         with self._daemon.lock:
             self._spare, self._segment = None, None
+
+
+def _taken(meter: DaemonCpu | None, started: tuple[float | None, float | None] | None) -> float:
+    """The daemon's CPU since `started` that idle cores could not have run (see `checkpointd_client.daemon_cpu`)."""
+    if meter is None or started is None:
+        return 0.0
+    (cpu, idle), cpu_now, idle_now = started, meter.seconds(), idle_seconds()
+    if cpu is None or cpu_now is None:
+        return 0.0
+    spare = idle_now - idle if idle is not None and idle_now is not None else 0.0
+    return max(0.0, cpu_now - cpu - spare)
 
 
 def checkpoint_name(ckpt_dir: str, step: int) -> str:

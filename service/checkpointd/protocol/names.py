@@ -120,3 +120,6 @@ MANIFEST_NAME = "checkpointd.manifest.json"
 
 LEASE_WAIT_METADATA = "checkpointd-lease-wait"
 """RegisterRun's initial-metadata key, sent before the daemon waits for another daemon's lease: a sentence for people."""
+
+SHM_FOLDER = re.compile(r"checkpointd-(\d+)-[0-9a-f]{16}")
+"""A daemon's shared-memory folder, `checkpointd-<its pid>-<16 hex>`: the client reads the daemon's CPU by that pid."""

@@ -52,7 +52,6 @@ import errno
 import logging
 import mmap
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -62,6 +61,7 @@ from pathlib import Path
 
 from checkpointd.core.config import DEFAULT_SHM_ROOT
 from checkpointd.protocol.busy_lock import BusyLock
+from checkpointd.protocol.names import SHM_FOLDER
 from checkpointd.protocol.wire import aligned_offsets
 
 _LOGGER = logging.getLogger(__name__)
@@ -70,8 +70,6 @@ _LOGGER = logging.getLogger(__name__)
 # (fault-around), which costs less than populating every page one by one at
 # creation, on the first save's path. The pages stay mapped for later saves.
 _FLAGS = mmap.MAP_SHARED
-
-_FOLDER = re.compile(r"checkpointd-(\d+)-[0-9a-f]{16}")
 
 
 def default_shm_root() -> Path | None:
@@ -317,7 +315,7 @@ def remove_dead_folders(root: Path) -> None:
     except OSError:
         return
     for entry in entries:
-        match = _FOLDER.fullmatch(entry.name)
+        match = SHM_FOLDER.fullmatch(entry.name)
         if match is None or not entry.is_dir(follow_symlinks=False):
             continue
         try:

@@ -1,4 +1,5 @@
-"""The Learner swap as TF-Agents' own code calls it: keywords (its learner_test), and PPOLearner's inner Learner.
+"""The Learner swap as TF-Agents' own code calls it: keywords (its learner_test), PPOLearner's inner Learner, and
+continuous saves through the swaps.
 
 - `learner.Learner(root_dir=..., train_step=..., agent=...,
   experience_dataset_fn=..., checkpoint_interval=1)` from `train_modules`
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import tensorflow as tf
 from tf_agents.agents.ppo import ppo_clip_agent
 from tf_agents.environments import suite_gym, tf_py_environment
 from tf_agents.networks import actor_distribution_network, value_network
 from tf_agents.replay_buffers import tf_uniform_replay_buffer
 
-from checkpointd_client import RemoteCheckpointer, ppo_learner_module, train_modules
+from checkpointd_client import RemoteCheckpointer, common_module, ppo_learner_module, train_modules
 from tests.integration.support import dqn
 from tests.integration.support.daemon import Daemon
 
@@ -88,3 +90,52 @@ def test_ppo_learners_inner_learner_checkpoints_through_the_daemon(daemon: Daemo
     newest = tf.train.latest_checkpoint(str(daemon.root / "ppo" / "train" / "checkpoints"))
     assert newest is not None and newest.endswith("ckpt-5")
     assert not (tmp_path / "ppo" / "train" / "checkpoints").exists()
+
+
+def test_a_continuous_learner_saves_after_run_calls_within_the_budget_and_flush_saves_the_step_reached(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    learner, _ = train_modules(daemon.address, run="continuous-learner", timeout=WAIT, continuous=True, budget=0.05)
+    trainer = dqn.build(seed=3)
+    job = learner.Learner(
+        str(tmp_path / "learner"), trainer.train_step, trainer.agent, trainer.dataset_fn,
+        checkpoint_interval=100_000, summary_interval=0,  # continuous: a save offered after every run()
+    )  # fmt: skip
+    try:
+        runs = 60
+        for _ in range(runs):
+            job.run(iterations=1)
+        decisions = job.checkpointer.decisions
+        assert decisions is not None
+        assert decisions.saved + decisions.skipped_by_budget + decisions.skipped_busy == runs
+        assert decisions.saved >= 1 and decisions.skipped_by_budget + decisions.skipped_busy > 0
+        job.flush(WAIT)  # saves the last run() not saved
+    finally:
+        job.close(WAIT)
+    newest = tf.train.latest_checkpoint(str(daemon.root / "continuous-learner" / "train" / "checkpoints"))
+    assert newest is not None and newest.endswith(f"ckpt-{runs}")
+
+
+def test_a_budget_without_continuous_is_refused_by_the_swap_before_any_learner() -> None:
+    with pytest.raises(ValueError, match="continuous=True"):
+        train_modules("localhost:1", run="job", budget=0.1)
+    with pytest.raises(ValueError, match="^budget must be"):
+        train_modules("localhost:1", run="job", continuous=True, budget=2)
+
+
+def test_common_modules_checkpointers_take_continuous_saves_too(daemon: Daemon) -> None:
+    common = common_module(daemon.address, run="continuous-common", timeout=WAIT, continuous=True, budget=0.1)
+    trainer = dqn.build(seed=3)
+    checkpointer = common.Checkpointer("train", agent=trainer.agent, global_step=trainer.train_step)
+    try:
+        for _ in range(20):
+            checkpointer.save(global_step=trainer.train_step)
+        assert checkpointer.decisions is not None and checkpointer.decisions.saved >= 1
+        assert (
+            checkpointer.decisions.saved
+            + checkpointer.decisions.skipped_by_budget
+            + (checkpointer.decisions.skipped_busy)
+            == 20
+        )
+    finally:
+        common.close(WAIT)

@@ -55,10 +55,11 @@ def _loop(budget: float = 0.05, *, step_seconds: float, save_cost: float, flight
 
 @pytest.mark.parametrize("save_cost", [0.001, 0.01, 0.1, 1.0])
 @pytest.mark.parametrize("budget", [0.01, 0.05, 0.2])
-def test_time_in_save_stays_within_the_budget_of_training_time_plus_one_save(budget: float, save_cost: float) -> None:
+def test_time_in_save_stays_within_the_budget_of_training_time_plus_two_saves(budget: float, save_cost: float) -> None:
     loop = _loop(budget, step_seconds=0.003, save_cost=save_cost)
     loop.run(50_000)
-    assert loop.in_save <= budget * loop.trained + save_cost + 1e-9
+    # The first save is not charged, the newest is not yet paid for.
+    assert loop.in_save <= budget * loop.trained + 2 * save_cost + 1e-9
     assert len(loop.saves_at) >= 2  # it does save, repeatedly
     # Not far under it either: a save as soon as the budget allows, give or take a step per interval.
     per_interval = save_cost / budget + 0.003 + save_cost
@@ -75,9 +76,48 @@ def test_slower_saves_are_rarer_and_cost_the_same_share() -> None:
         assert loop.in_save / loop.trained == pytest.approx(0.05, rel=0.25)
 
 
+def _first_save(budget: SaveBudget, clock: FakeClock, seconds: float = 0.0) -> None:
+    choice, entered = budget.enter(False)
+    assert choice is Choice.SAVE
+    clock.advance(seconds)
+    budget.leave(choice, entered)
+
+
+def test_the_first_save_is_not_charged_so_a_slow_one_does_not_hold_off_the_next() -> None:
+    clock = FakeClock(0.0)
+    budget = SaveBudget(0.05, clock)
+    _first_save(budget, clock, 1.2)  # the graph described, the segment made and touched: once
+    budget.charge(2.0)  # what the daemon spent writing it: not charged either
+    clock.advance(0.003)
+    choice, entered = budget.enter(False)
+    assert choice is Choice.SAVE
+    budget.leave(choice, entered)
+
+
+def test_what_a_save_costs_off_the_training_thread_is_charged_once_known() -> None:
+    clock = FakeClock(0.0)
+    budget = SaveBudget(0.05, clock)
+    _first_save(budget, clock)
+    clock.advance(1.0)
+    choice, entered = budget.enter(False)
+    assert choice is Choice.SAVE
+    clock.advance(0.010)  # its stall
+    budget.leave(choice, entered)
+    budget.charge(0.020)  # durable: the daemon's CPU and the requests'
+    budget.charge(-1.0)  # a meter that went back charges nothing
+    clock.advance(0.59)  # (0.010 + 0.020) / 0.05 = 0.6 s of training pays for it
+    choice, entered = budget.enter(False)
+    assert choice is Choice.SKIP_BUDGET
+    budget.leave(choice, entered)
+    clock.advance(0.011)
+    assert budget.enter(False)[0] is Choice.SAVE
+
+
 def test_the_first_call_saves_and_the_next_waits_for_its_cost_over_the_budget_in_training() -> None:
     clock = FakeClock(0.0)
     budget = SaveBudget(0.05, clock)
+    _first_save(budget, clock)
+    clock.advance(1.0)
     choice, entered = budget.enter(False)
     assert choice is Choice.SAVE
     clock.advance(0.010)  # the save's stall: 0.2 s of training pays for it
@@ -110,6 +150,7 @@ def test_never_two_in_flight_a_save_within_budget_waits_for_the_previous_to_end(
 def test_a_blocking_save_always_saves_and_its_stall_is_paid_by_the_training_after_it() -> None:
     clock = FakeClock(0.0)
     budget = SaveBudget(0.05, clock)
+    _first_save(budget, clock)
     choice, entered = budget.enter(in_flight=True, forced=True)
     assert choice is Choice.SAVE
     clock.advance(1.0)  # waited its turn, then for durable
@@ -119,7 +160,7 @@ def test_a_blocking_save_always_saves_and_its_stall_is_paid_by_the_training_afte
     budget.leave(Choice.SKIP_BUDGET, clock.now)
     clock.advance(1.0)
     assert budget.enter(False)[0] is Choice.SAVE
-    assert budget.decisions == Decisions(saved=2, skipped_by_budget=1, skipped_busy=0)
+    assert budget.decisions == Decisions(saved=3, skipped_by_budget=1, skipped_busy=0)
 
 
 @pytest.mark.parametrize("bad", [0, 1, -0.1, 1.5, float("nan"), float("inf"), True, "0.05", None])
@@ -155,6 +196,8 @@ def test_the_last_call_not_saved_is_pending_until_a_save_comes_after_it() -> Non
     def skip(step: object, reason: str) -> _Ticket:
         return _Ticket(step, True, reason)
 
+    assert not saves.save(0, False, False, save, skip).skipped  # the first: not charged
+    clock.advance(1.0)
     assert not saves.save(1, False, False, save, skip).skipped
     assert saves.take_pending() is None
     clock.advance(0.003)
@@ -162,7 +205,7 @@ def test_the_last_call_not_saved_is_pending_until_a_save_comes_after_it() -> Non
     assert ticket.skipped and "budget" in ticket.reason
     clock.advance(0.003)
     assert saves.save(3, False, False, save, skip).skipped
-    assert made == [1]
+    assert made == [0, 1]
     assert saves.take_pending() == 3  # the newest call not saved, once
     assert saves.take_pending() is None
     saves.put_back(3)
@@ -174,7 +217,7 @@ def test_the_last_call_not_saved_is_pending_until_a_save_comes_after_it() -> Non
     clock.advance(1.0)
     saves.save(5, False, False, save, skip)
     assert saves.take_pending() is None
-    assert saves.decisions == Decisions(saved=2, skipped_by_budget=2, skipped_busy=1)
+    assert saves.decisions == Decisions(saved=3, skipped_by_budget=2, skipped_busy=1)
 
 
 def test_a_save_the_daemon_skipped_or_that_failed_at_once_stays_pending() -> None:
@@ -187,3 +230,15 @@ def test_a_save_the_daemon_skipped_or_that_failed_at_once_stays_pending() -> Non
     down = _Ticket(8, error=ConnectionError("the daemon is unreachable"))
     assert saves.save(8, False, False, lambda s, b: down, lambda s, r: _Ticket(s, True)) is down
     assert saves.take_pending() == 8
+
+
+def test_flushs_save_of_the_last_call_counts_its_stall_not_as_training_nor_as_a_decision() -> None:
+    clock = FakeClock(0.0)
+    saves = ContinuousSaves(0.05, clock)
+    saves.save(0, False, False, lambda s, b: _Ticket(s), lambda s, r: _Ticket(s, True))  # the first: not charged
+    with saves.saving_pending():
+        clock.advance(1.0)  # flush() waited for it
+    clock.advance(0.003)
+    ticket = saves.save(1, False, False, lambda s, b: _Ticket(s), lambda s, r: _Ticket(s, True, r))
+    assert ticket.skipped and "budget" in ticket.reason  # 1 s of checkpointing: paid for by 20 s of training
+    assert saves.decisions == Decisions(saved=1, skipped_by_budget=1, skipped_busy=0)
