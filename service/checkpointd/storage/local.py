@@ -35,7 +35,7 @@ from checkpointd.protocol.names import (
     check_run_name,
     is_run_name,
 )
-from checkpointd.storage import local_files, prefix, save_manifest
+from checkpointd.storage import local_files, prefix, save_manifest, verify
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -324,8 +324,8 @@ class LocalStore:
         folder_dir = self._folder_dir(folder)
         if not folder_dir.is_dir():
             return []
-        saves = [_read(d, folder_dir) for d in save_manifest.find_save_dirs(folder_dir)]
-        saves += [_read(p, folder_dir, is_prefix=True) for p in save_manifest.find_prefixes(folder_dir)]
+        saves = [_read(d, folder_dir) for d in verify.find_save_dirs(folder_dir)]
+        saves += [_read(p, folder_dir, is_prefix=True) for p in verify.find_prefixes(folder_dir)]
         return [save for save in saves if save is not None and (run is None or save.run == run)]
 
     def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
