@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench import fleet, report, s3
+from bench import fleet, report, report_targets, s3
 from bench.config import FANIN_RATE_HZ, SIZES, BenchConfig
 from bench.stats import busy_cpu_seconds, own_cpu_seconds
 
@@ -343,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["meta"]["other_cpu_seconds"] = other
     results["meta"]["other_cpu_share"] = other / (results["meta"]["duration_seconds"] * (os.cpu_count() or 1))
     # Every section's targets, as judged at the run (`python -m bench.report` judges a JSON anew).
-    results["targets"] = report.targets(results)
+    results["targets"] = report_targets.targets(results)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(results, indent=1))
     print(report.render(results), end="")

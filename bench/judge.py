@@ -127,7 +127,7 @@ def at_or(node: Any, default: Any, *path: str) -> Any:
 
 
 def targets_text(rows: list[dict[str, Any]]) -> str:
-    """The report's targets block: `rows` (bench.report.targets, judged from a run's results) by group."""
+    """The report's targets block: `rows` (bench.report_targets.targets, judged from a run's results) by group."""
     lines = ["", "targets (ratios against this run's own anchors; medians)"]
     group = None
     for t in rows:

@@ -29,7 +29,7 @@ By default a checkpointer also saves on notice: on SIGTERM it saves the
 step reached, blocking, waits until it is durable within `notice_deadline`,
 and lets the process end as SIGTERM would have. Where and when that
 snapshot is taken (never inside this client's own calls) is
-`checkpointd_client.notice`'s to say; the save is `_save_on_notice` here.
+`checkpointd_client.notice`'s to say; the save is `checkpointd_client.checkpointer_notice`'s.
 
 With `continuous=True`, `save()` may be called after every step: each call
 decides locally whether it saves, within a budget of training time
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 import grpc
@@ -59,8 +58,9 @@ from checkpointd_client.checkpoint_manager import (
     checked_max_to_keep,
     latest_checkpoint,
 )
+from checkpointd_client.checkpointer_notice import SavesOnNotice
 from checkpointd_client.continuous import DEFAULT_BUDGET, ContinuousSaves, Decisions, NotSavedTicket, check_budget
-from checkpointd_client.notice import Notice, NoticeOutcome, client_call
+from checkpointd_client.notice import Notice, client_call
 from checkpointd_client.restore import checkpoints
 from checkpointd_client.save_call import guarded
 from checkpointd_client.ticket import SaveCounts, SaveTicket
@@ -74,7 +74,7 @@ _LOGGER = logging.getLogger(__name__)
 _SAVE_COUNTER = "save_counter"
 
 
-class RemoteCheckpointer:
+class RemoteCheckpointer(SavesOnNotice):
     """Saves and restores a `tf.train.Checkpoint(**objects)` through a checkpointd daemon.
 
     A drop-in for `tf_agents.utils.common.Checkpointer(ckpt_dir, max_to_keep,
@@ -397,43 +397,6 @@ class RemoteCheckpointer:
             return ticket, self._saves.save(ticket, blocking, self._skip_if_busy, on_notice, deadline)
 
         return guarded(daemon, blocking, early, save, lambda ticket: ticket or early())
-
-    # The save on notice (`checkpointd_client.notice` calls it at a safe point of the main thread).
-
-    def _save_on_notice(self, on_notice: Notice) -> NoticeOutcome:
-        """Saves the step reached as a save on notice and waits until it is durable, by the deadline; never raises.
-
-        A save of that step already made by this checkpointer (in flight, or
-        durable) is waited for instead of sending another.
-        """
-        deadline = on_notice.monotonic + self._notice_deadline
-        step: int | None = None
-        # The last continuous call not saved: saved now (its step, if no object names one).
-        pending = self._continuous.take_pending() if self._continuous is not None else None
-        try:
-            # Eager even inside a tf.function's trace, and unseen by a gradient tape.
-            with tf.init_scope():
-                if self._step is None and pending is None:
-                    return NoticeOutcome(
-                        self._run, None, False,
-                        lost="none of its objects is a step (global_step, train_step, step, or an agent's "
-                        f"train_step_counter), which names a checkpoint; {self._saves.lost(None)}",
-                    )  # fmt: skip
-                step = int(self._step.numpy() if self._step is not None else np.asarray(pending))
-                last = self._last_ticket
-                if last is not None and last.step == step and not last.skipped:
-                    training_saves.wait_unlocked(last, deadline)
-                    if last._error is None:  # noqa: SLF001 - read once ended, without the ticket's lock
-                        return self._durable(step, on_notice)
-                    # That one failed: the save on notice sends its own.
-                ticket = self._save(step, True, on_notice)
-                ticket.result(time_left(deadline))
-        except Exception as e:  # noqa: BLE001 - the outcome reports it
-            return NoticeOutcome(self._run, step, False, lost=f"{type(e).__name__}: {e}; {self._saves.lost(step)}")
-        return self._durable(step, on_notice)
-
-    def _durable(self, step: int, on_notice: Notice) -> NoticeOutcome:
-        return NoticeOutcome(self._run, step, True, durable_ms=(time.monotonic() - on_notice.monotonic) * 1000)
 
     # Registration and restore.
 

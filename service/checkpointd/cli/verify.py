@@ -1,6 +1,6 @@
 """`checkpointd verify`: save dirs checked against their manifests, offline.
 
-Stdlib and `crc32c` only (through `checkpointd.storage.save_manifest`):
+Stdlib and `crc32c` only (through `checkpointd.storage.verify`):
 verifying a multi-GB root must not wait for TensorFlow to import.
 """
 
@@ -19,13 +19,9 @@ from checkpointd.storage.save_manifest import (
     PREFIX_MANIFEST_SUFFIX,
     ManifestError,
     Progress,
-    Report,
-    find_prefixes,
-    find_save_dirs,
     read_manifest,
-    verify_dir,
-    verify_prefix,
 )
+from checkpointd.storage.verify import Report, find_prefixes, find_save_dirs, verify_dir, verify_prefix
 
 
 def verify_paths(

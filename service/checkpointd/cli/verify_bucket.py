@@ -12,11 +12,11 @@ from dataclasses import replace
 import crc32c
 
 from checkpointd.core.ports import CommittedSave
-from checkpointd.storage import save_manifest
+from checkpointd.storage import save_manifest, verify
 from checkpointd.storage.s3 import ETAGS, S3Store, error_code
 
 
-def verify_bucket(store: S3Store, folders: list[str] | None = None, below: str = "") -> list[save_manifest.Report]:
+def verify_bucket(store: S3Store, folders: list[str] | None = None, below: str = "") -> list[verify.Report]:
     """Checks every committed save under the store's prefix (or in `folders`) against its manifest.
 
     `below`: only the save at that export dir, or the saves under it ("" for all).
@@ -33,13 +33,13 @@ def verify_bucket(store: S3Store, folders: list[str] | None = None, below: str =
     return reports
 
 
-def _verify_save(store: S3Store, save: CommittedSave) -> save_manifest.Report:
+def _verify_save(store: S3Store, save: CommittedSave) -> verify.Report:
     place = store.keys_of(save)
     files_base, manifest_key = place.files_base, place.manifest
     where = f"s3://{store.bucket}/{save.path}"
     document = store.manifest(manifest_key, None)
     if document is None:
-        return save_manifest.Report(where, False, "its manifest is gone")
+        return verify.Report(where, False, "its manifest is gone")
     entries: list[save_manifest.FileEntry] = document["files"]
     etags = document.get(ETAGS) or {}
     problems = []
@@ -63,7 +63,7 @@ def _verify_save(store: S3Store, save: CommittedSave) -> save_manifest.Report:
             problems.append(f"{entry.path} has CRC32C {value:08x}, the manifest says {entry.crc32c}")
         elif entry.path in etags and etags[entry.path] != etag:
             problems.append(f"{entry.path} has ETag {etag}, the manifest says {etags[entry.path]} (rewritten)")
-    passed = save_manifest.Report(
+    passed = verify.Report(
         where, True, run=save.run, kind=save.kind.value, step=save.step, files=len(entries),
         bytes=sum(e.size for e in entries),
     )  # fmt: skip

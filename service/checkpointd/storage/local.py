@@ -5,7 +5,8 @@ written last (`checkpointd.storage.save_manifest`), the tree is fsynced and
 renamed into place (`checkpointd.durable.files`, which says what a reader
 sees at every instant and how `recover` repairs a crash). Saves that
 are checkpoint prefixes sharing a dir (training checkpoints) are committed
-by `checkpointd.storage.prefix` instead of the dir rename. Stdlib only
+by `checkpointd.storage.prefix` instead of the dir rename. Where a save's
+target is under the root is `checkpointd.storage.local_paths`'s. Stdlib only
 (and crc32c, for the manifest).
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
-import functools
 import logging
 import os
 import stat
@@ -31,11 +31,11 @@ from checkpointd.protocol.names import (
     RESERVED_PREFIX,
     RETIRED_PREFIX,
     TMP_PREFIX,
-    check_export_dir,
     check_run_name,
     is_run_name,
 )
-from checkpointd.storage import local_files, prefix, save_manifest
+from checkpointd.storage import local_files, prefix, save_manifest, verify
+from checkpointd.storage.local_paths import _path_of, _real_root, _real_run_dir, resolve_export_dir
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -43,68 +43,6 @@ _LOGGER = logging.getLogger(__name__)
 # syncs are latency, shared well; a larger save's fsyncs are bandwidth, run
 # in parallel with its manifest's CRCs, and flush only its own files.
 GROUP_COMMIT_BYTES = writeback.WRITEBACK_BYTES
-
-
-def resolve_export_dir(root: Path, run: str, export_dir: str) -> Path:
-    """Returns the absolute target of a save: `<root>/<run>/<export_dir>`.
-
-    Symlinks on the way are followed and must stay inside `<root>/<run>`.
-
-    Raises:
-        InvalidRequestError: if the run name or export dir is invalid, or the
-            path resolves outside the run's folder.
-    """
-    check_run_name(run)
-    relative = check_export_dir(export_dir)
-    run_dir = _real_run_dir(os.fspath(root), run)
-    # Joined as text and made a Path once: a save resolves its target at the
-    # accept, at the stream's open and at the commit (each a check of its own).
-    target = os.path.join(run_dir, *relative.parts)
-    # `run_dir` is real and `relative` has no '.' or '..': without a symlink
-    # below `run_dir`, `target` is its own realpath. Looking for one costs an
-    # lstat per part of `relative`, not per part of the whole path.
-    if _has_symlink(run_dir, relative.parts):
-        real = Path(os.path.realpath(target))
-        if real != Path(target) and Path(run_dir) not in real.parents:
-            raise InvalidRequestError(
-                f"export_dir {export_dir!r} resolves outside the run's folder (through a symlink)"
-            )
-    return _path_of(target)
-
-
-# A save's target is resolved (and checked) three times, each making the same
-# Path; made once per text (a Path never changes).
-_path_of = functools.lru_cache(maxsize=1024)(Path)
-
-
-def _real_run_dir(root: str, run: str) -> str:
-    """`realpath(root/run)`, with the root's own realpath (an lstat per part of it) looked up once.
-
-    The root is the daemon's to own; the run's dir below it is checked at
-    every call: a symlink there is followed (realpath), as before.
-    """
-    candidate = os.path.join(_real_root(root), run)
-    if os.path.islink(candidate):
-        return os.path.realpath(candidate)
-    return candidate
-
-
-@functools.lru_cache(maxsize=64)
-def _real_root(root: str) -> str:
-    return os.path.realpath(root)
-
-
-def _has_symlink(base: str | Path, parts: tuple[str, ...]) -> bool:
-    """Whether `base/parts[0]`, `base/parts[0]/parts[1]`, ... holds a symlink (up to the first absent one)."""
-    path = os.fspath(base)
-    for part in parts:
-        path = os.path.join(path, part)
-        try:
-            if stat.S_ISLNK(os.lstat(path).st_mode):
-                return True
-        except OSError:
-            return False  # absent (or unreadable) here and below: realpath keeps the rest as it is
-    return False
 
 
 class LocalStore:
@@ -324,8 +262,8 @@ class LocalStore:
         folder_dir = self._folder_dir(folder)
         if not folder_dir.is_dir():
             return []
-        saves = [_read(d, folder_dir) for d in save_manifest.find_save_dirs(folder_dir)]
-        saves += [_read(p, folder_dir, is_prefix=True) for p in save_manifest.find_prefixes(folder_dir)]
+        saves = [_read(d, folder_dir) for d in verify.find_save_dirs(folder_dir)]
+        saves += [_read(p, folder_dir, is_prefix=True) for p in verify.find_prefixes(folder_dir)]
         return [save for save in saves if save is not None and (run is None or save.run == run)]
 
     def committed_at(self, folder: str, export_dir: str) -> CommittedSave:

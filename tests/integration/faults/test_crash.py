@@ -28,6 +28,7 @@ from tf_agents.trajectories import time_step as ts
 
 import checkpointd
 from checkpointd.storage import save_manifest
+from checkpointd.storage.verify import verify_dir
 from checkpointd_client import RemotePolicySaver
 from tests.integration.support import crash_harness, notice_crash, policies
 from tests.integration.support.daemon import Daemon
@@ -86,7 +87,7 @@ def test_each_save_lists_its_files_in_a_manifest(
     assert manifest["files"] == [
         {"path": rel, "size": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"} for rel, data in sorted(files.items())
     ]
-    assert save_manifest.verify_dir(save_dir).ok
+    assert verify_dir(save_dir).ok
 
 
 def test_the_manifest_does_not_disturb_tf_agents_loaders(saves) -> None:  # noqa: ANN001

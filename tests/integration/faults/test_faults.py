@@ -34,7 +34,8 @@ from checkpointd.protocol import wire
 from checkpointd.protocol.codes import error_for
 from checkpointd.protocol.errors import DeadlineError, SaveFailedError
 from checkpointd.rpc.upload import within
-from checkpointd.storage import local, save_manifest
+from checkpointd.storage import local
+from checkpointd.storage.verify import verify_dir
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
 from checkpointd_client import RemotePolicySaver, snapshot, template
@@ -348,7 +349,7 @@ def test_a_full_disk_fails_the_save_cleanly_and_the_lane_serves_on(full_disk_dae
         assert saves_total(daemon, "saved_model", "ok") == 1
         assert not (run_dir / "big").exists()
         assert temp_dirs(daemon.root) == []
-        assert save_manifest.verify_dir(run_dir / "good").ok
+        assert verify_dir(run_dir / "good").ok
         filler.unlink()
         after = saver.save("after")
         assert not after.skipped
@@ -548,7 +549,7 @@ def test_a_trainer_that_disconnects_mid_upload_frees_the_lane(daemon: Daemon) ->
             assert call.finish(chunks).step == 2
         run_dir = daemon.root / "faults-cancel"
         assert sorted(os.listdir(run_dir)) == ["next"]
-        assert save_manifest.verify_dir(run_dir / "next").ok
+        assert verify_dir(run_dir / "next").ok
     finally:
         trainer.close()
 
@@ -582,6 +583,6 @@ def test_a_stalled_upload_times_out_and_frees_the_lane(fresh_daemon) -> None:  #
         assert saves_total(daemon, "saved_model", "skipped") == 2
         run_dir = daemon.root / "faults-stall"
         assert sorted(os.listdir(run_dir)) == ["next"]
-        assert save_manifest.verify_dir(run_dir / "next").ok
+        assert verify_dir(run_dir / "next").ok
     finally:
         trainer.close()

@@ -70,7 +70,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from checkpointd.protocol import wire
-from checkpointd.storage import save_manifest
+from checkpointd.storage.verify import verify_dir
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import snapshot
 from tests.integration.support import policies
@@ -280,7 +280,7 @@ def test_stalled_uploads_are_cut_off_by_the_upload_timeout_and_free_their_lanes(
         # The lanes are free: the next save of each run is accepted and written.
         for run in CLOSABLE:
             result = good_save(stub, world, "after-stall", run=run)
-            assert save_manifest.verify_dir(Path(result.path)).ok
+            assert verify_dir(Path(result.path)).ok
 
 
 def _template_requests(world: World, run: str, files: dict[str, bytes]) -> list[pb.RegisterRunRequest]:

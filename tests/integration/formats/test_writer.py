@@ -41,9 +41,9 @@ from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError, S
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.tensors import TEMPLATE_OBJECT_GRAPH
 from checkpointd.saves.writes import write_save
-from checkpointd.storage import save_manifest
 from checkpointd.storage.local import LocalStore
 from checkpointd.storage.save_manifest import MANIFEST_NAME
+from checkpointd.storage.verify import verify_dir
 from checkpointd_client import snapshot as client_snapshot
 from checkpointd_client import template as client_template
 from tests.integration.support import policies
@@ -256,7 +256,7 @@ def test_fingerprint_is_true_for_the_written_content(case: Case) -> None:
 def test_the_manifest_sums_known_from_memory_are_the_files_on_disk(case: Case) -> None:
     # Template files, fingerprint.pb and the index are summed from memory, not read back.
     for out in (case.out_sm, case.out_ck):
-        report = save_manifest.verify_dir(out)
+        report = verify_dir(out)
         assert report.ok, report.reason
         assert report.files == len(files_under(out)) - 1
     # What the commit says it wrote: every file the manifest lists (as verify counts them), not the manifest.

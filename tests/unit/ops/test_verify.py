@@ -21,6 +21,7 @@ import pytest
 from checkpointd.cli import VerifyCommand, config_from_args, main, verify
 from checkpointd.core.config import ServeConfig
 from checkpointd.storage import save_manifest
+from checkpointd.storage.verify import find_prefixes, find_save_dirs, verify_dir
 from tests.terminal import stderr_on_a_terminal
 
 MANIFEST = save_manifest.MANIFEST_NAME
@@ -129,7 +130,7 @@ def test_known_checksums_are_used_only_when_the_size_agrees(tmp_path: Path) -> N
 
 
 def test_a_complete_save_verifies(tmp_path: Path) -> None:
-    report = save_manifest.verify_dir(make_save(tmp_path / "s"))
+    report = verify_dir(make_save(tmp_path / "s"))
     assert report.ok, report.reason
     assert (report.run, report.kind, report.step) == ("run1", "saved_model", 7)
     assert report.files == len(SAVED_MODEL)
@@ -168,7 +169,7 @@ def _flip_a_byte(save: Path) -> None:
 def test_damage_is_reported_with_its_reason(tmp_path: Path, damage, reason: str) -> None:  # noqa: ANN001
     save = make_save(tmp_path / "s")
     damage(save)
-    report = save_manifest.verify_dir(save)
+    report = verify_dir(save)
     assert not report.ok
     assert reason in report.reason
 
@@ -178,31 +179,31 @@ def test_a_link_in_a_saves_path_is_reported_never_read_through(tmp_path: Path) -
     decoy = tmp_path / "decoy"
     (save / "variables").rename(decoy)  # the save's own files, moved out, are what the link leads to
     (save / "variables").symlink_to(decoy, target_is_directory=True)
-    report = save_manifest.verify_dir(save)
+    report = verify_dir(save)
     assert not report.ok
     assert f"{DATA} is missing ('variables' is a symlink, not followed)" in report.reason, report.reason
     # A manifest that is a link is not read either.
     (save / MANIFEST).rename(tmp_path / "manifest")
     (save / MANIFEST).symlink_to(tmp_path / "manifest")
-    assert f"{MANIFEST} is a symlink" in save_manifest.verify_dir(save).reason
+    assert f"{MANIFEST} is a symlink" in verify_dir(save).reason
 
 
 def test_a_newer_format_or_an_escaping_path_is_refused(tmp_path: Path) -> None:
     save = make_save(tmp_path / "s")
     document = json.loads((save / MANIFEST).read_text())
     (save / MANIFEST).write_text(json.dumps({**document, "format_version": 2}))
-    assert "format_version 2" in save_manifest.verify_dir(save).reason
+    assert "format_version 2" in verify_dir(save).reason
 
     document["files"][0]["path"] = "../outside"
     (save / MANIFEST).write_text(json.dumps(document))
-    assert "invalid or repeated path '../outside'" in save_manifest.verify_dir(save).reason
+    assert "invalid or repeated path '../outside'" in verify_dir(save).reason
 
 
 def test_many_problems_are_summarized(tmp_path: Path) -> None:
     save = make_save(tmp_path / "s")
     for rel in SAVED_MODEL:
         (save / rel).unlink()
-    reason = save_manifest.verify_dir(save).reason
+    reason = verify_dir(save).reason
     assert reason.count("is missing") == 3
     assert reason.endswith("(and 2 more)")
 
@@ -223,15 +224,15 @@ def root(tmp_path: Path) -> Path:
 
 
 def test_save_dirs_are_found_recursively_skipping_daemon_dirs(root: Path) -> None:
-    found = save_manifest.find_save_dirs(root)
+    found = find_save_dirs(root)
     assert [p.relative_to(root).as_posix() for p in found] == [
         "runA/nested/policy_2",
         "runA/policy_1",
         "runB/foreign",
         "runB/policy_3",
     ]
-    assert save_manifest.find_save_dirs(root / "runA" / "policy_1") == [root / "runA" / "policy_1"]
-    assert save_manifest.find_save_dirs(root / "runA" / "policy_1" / MANIFEST) == [root / "runA" / "policy_1"]
+    assert find_save_dirs(root / "runA" / "policy_1") == [root / "runA" / "policy_1"]
+    assert find_save_dirs(root / "runA" / "policy_1" / MANIFEST) == [root / "runA" / "policy_1"]
 
 
 def test_a_dir_named_like_the_manifest_is_searched_and_not_taken_for_one(tmp_path: Path) -> None:
@@ -246,9 +247,9 @@ def test_a_dir_named_like_the_manifest_is_searched_and_not_taken_for_one(tmp_pat
         (directory / f"{name}.index").write_bytes(b"i")
         (directory / f"{name}{save_manifest.PREFIX_MANIFEST_SUFFIX}").write_text("{}")
 
-    assert set(save_manifest.find_prefixes(folder)) == {folder / "p0" / "ckpt-2", inner / "ckpt-43"}
-    assert save_manifest.find_prefixes(inner) == [inner / "ckpt-43"]
-    assert save_manifest.find_save_dirs(folder) == []
+    assert set(find_prefixes(folder)) == {folder / "p0" / "ckpt-2", inner / "ckpt-43"}
+    assert find_prefixes(inner) == [inner / "ckpt-43"]
+    assert find_save_dirs(folder) == []
 
 
 def test_cli_prints_ok_and_failed_per_dir_and_exits_1(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

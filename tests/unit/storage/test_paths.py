@@ -21,7 +21,8 @@ from checkpointd.protocol.names import (
     check_export_dir,
     check_run_name,
 )
-from checkpointd.storage.local import LocalStore, resolve_export_dir
+from checkpointd.storage.local import LocalStore
+from checkpointd.storage.local_paths import resolve_export_dir
 
 
 @pytest.mark.parametrize("run", ["a", "run-1", "A.b_c-9", "7", "x" * 128])

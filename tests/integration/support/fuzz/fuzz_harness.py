@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from checkpointd.storage import save_manifest
+from checkpointd.storage.verify import verify_dir, verify_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc
 from tests.integration.support.daemon import Daemon
@@ -306,11 +307,11 @@ class Fuzzer:
         for path, step in self.accepted_ok.items():
             if any(Path(other).is_relative_to(path) and other != path for other in self.accepted_ok):
                 continue  # a later save inside it replaced one of its dirs
-            report = save_manifest.verify_dir(Path(path))
+            report = verify_dir(Path(path))
             assert report.ok and report.step == step, report
         # Every training checkpoint verifies, and each dir's state file names exactly its committed ones.
         for prefix, step in self.accepted_prefixes.items():
-            report = save_manifest.verify_prefix(Path(prefix))
+            report = verify_prefix(Path(prefix))
             assert report.ok and report.step == step, report
         for directory in {Path(p).parent for p in self.accepted_prefixes}:
             committed = {
@@ -377,7 +378,7 @@ def assert_serving(daemon: Daemon, stub: Stub, world: World) -> None:
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     result = good_save(stub, world, "after-fuzz", run=MAIN_FOLDERED)
     assert result.path == str(world.root / MAIN_FOLDER / "after-fuzz")
-    assert save_manifest.verify_dir(Path(result.path)).ok
+    assert verify_dir(Path(result.path)).ok
 
 
 def good_header(world: World, run: str, export_dir: str) -> pb.SaveHeader:
