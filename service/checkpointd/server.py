@@ -167,7 +167,7 @@ class Server:
             shared_memory=self.shared_memory,
             phases=self.metrics,
             leases=self.leases,
-            paths=_incremental_paths(self._store, config.incremental_path),
+            paths=(paths := _incremental_paths(self._store, config.incremental_path)),
         )
         servicer = CheckpointServicer(pipeline, config.state_dir / "staging")
         self._grpc = grpc.server(
@@ -209,10 +209,13 @@ class Server:
                 ) from None  # fmt: skip
             self.metrics_port = self._http.server_port
         _LOGGER.info(
-            "listening on port %d (root %s%s, metrics %s, auth %s, shared memory %s)",
+            "listening on port %d (root %s%s, incremental saves %s their base (--incremental-path %s), metrics %s, "
+            "auth %s, shared memory %s)",
             self.port,
             self._store.describe(),
             f", {describe_leases}" if (describe_leases := _describe(self.leases)) else "",
+            paths.copies.value,
+            config.incremental_path,
             f"http://{config.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
             auth.describe(),
             self.shared_memory.folder if self.shared_memory is not None else "off",
@@ -384,10 +387,6 @@ def _incremental_paths(store: Store, choice: str) -> PathChooser:
     if not isinstance(store, LocalStore):
         return PathChooser(IncrementalPath.SERVER_COPY, config)
     clones = shares_extents(store.root)
-    _LOGGER.info(
-        "root %s: incremental saves %s their base (--incremental-path %s)",
-        store.root, "clone" if clones else "copy", choice,
-    )  # fmt: skip
     return PathChooser(IncrementalPath.CLONE if clones else IncrementalPath.COPY, config)
 
 
