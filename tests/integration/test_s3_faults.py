@@ -21,7 +21,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,7 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import RemoteCheckpointer, SaveTicket, UnavailableError
-from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.daemon import Daemon, start_daemon, wait_until
 from tests.integration.fault_proxy import FaultProxy
 from tests.integration.rgw import Rgw
 from tests.integration.scrape import Metrics
@@ -240,3 +242,52 @@ def test_a_store_fault_fails_saves_clearly_and_saves_commit_again_after_it(
     print(f"\n{kind}: {outcome}, first commit {first - fault_end:.1f} s after; proxy {env.proxy.counts}")
     for message in sorted({str(o.ticket.exception(0)) for o in failed})[:3]:
         print("  ", message[:400])
+
+
+def test_a_daemon_restarted_on_a_crowded_prefix_behind_a_stalled_listing_serves_at_once(
+    rgw: Rgw, tmp_path: Path
+) -> None:
+    # Many saves' leftovers (no manifest, past the grace age) and the run
+    # folders' listing stalled: the bucket's tidy cannot finish, and must not
+    # hold the bind. Once the listing answers, the tidy finishes and deletes them.
+    prefix = f"crowd-{secrets.token_hex(4)}"
+    client = rgw.client()
+    leftovers = [f"{prefix}/run{i % 20}/train/ckpt-{i}.index" for i in range(300)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda key: client.put_object(Bucket=rgw.bucket, Key=key, Body=b"x"), leftovers))
+    folders = rf"^GET /{rgw.bucket}\?(?=.*delimiter=%2F)(?=.*prefix={prefix}%2F(&| ))"
+    with FaultProxy(rgw.endpoint) as proxy:
+        proxy.fault("stall", only=folders)
+        daemon = start_daemon(
+            f"s3://{rgw.bucket}/{prefix}",  # type: ignore[arg-type]  # passed to --root as str(root)
+            tmp_path / "work",
+            "--work-dir", str(tmp_path / "state"),
+            "--s3-endpoint-url", proxy.endpoint, "--s3-region", "us-east-1",
+            "--s3-read-timeout", str(READ_TIMEOUT), "--s3-grace-seconds", "0",
+            env=rgw.daemon_env(),
+        )  # fmt: skip
+        try:
+            # It serves (start_daemon waited on its port file and health) with its tidy stuck...
+            wait_until(lambda: proxy.counts["stalled"] > 0, "the tidy's listing stalled")
+            assert Metrics(daemon.metrics_url)("checkpointd_recovery_done") == 0
+            # ... and saves commit meanwhile.
+            weights, step = tf.Variable(np.ones(1024, np.float32)), tf.Variable(7, dtype=tf.int64)
+            ckpt = RemoteCheckpointer(
+                "train", daemon.address, run="fresh", max_to_keep=None, timeout=SAVE_TIMEOUT,
+                save_on_notice=False, weights=weights, global_step=step,
+            )  # fmt: skip
+            try:
+                ticket = ckpt.save(step, blocking=True)
+                assert ticket.exception(SAVE_TIMEOUT) is None and not ticket.skipped
+            finally:
+                ckpt.close(timeout=SAVE_TIMEOUT)
+            proxy.clear()
+            daemon.wait_recovered()
+            assert "recovery done: tidied" in daemon.log()
+            # A stall that outlasted the tidy's retries leaves leftovers to the next start (logged); none of ours go.
+            kept = {o["Key"] for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=rgw.bucket, Prefix=f"{prefix}/fresh/") for o in page.get("Contents", [])}  # fmt: skip
+            assert any(k.endswith("ckpt-7" + PREFIX_MANIFEST) for k in kept), kept
+        finally:
+            proxy.clear()
+            assert daemon.terminate() == 0, daemon.log()[-4000:]

@@ -28,7 +28,7 @@ Rename is not atomic in an object store, so a save is committed thus:
    committed there meanwhile, and the save fails.
 5. If a save was replaced, objects under the new one that its manifest does
    not list (the old save's) are deleted. A save to a new place skips that
-   listing; what a failed save left there has no manifest, and `recover`
+   listing; what a failed save left there has no manifest, and `tidy`
    deletes it after the grace age.
 
 A fleet of daemons shares the bucket; each run is written by the daemon
@@ -87,7 +87,7 @@ class S3Store:
     """Committed saves in an S3 bucket under a prefix.
 
     Implements `Store` and the capabilities `StreamingStore`, `RemoteBases`,
-    `LocalCopies`, `SaveFiles`, `StagesFiles` and `Closing` (`checkpointd.core.ports`).
+    `LocalCopies`, `SaveFiles`, `StagesFiles`, `TidiesLater` and `Closing` (`checkpointd.core.ports`).
 
     Thread-safe: boto3 clients and the transfer manager are; the manifest
     cache has a lock.
@@ -117,7 +117,7 @@ class S3Store:
             endpoint_url: another S3 server than AWS's (e.g. radosgw's).
             region: the bucket's region; default from the AWS config.
             grace_seconds: how old an uncommitted object or multipart upload
-                must be before `recover` deletes it.
+                must be before `tidy` deletes it.
             part_bytes: multipart threshold and part size.
             max_concurrency: parallel requests of one transfer manager.
             client: a boto3 S3 client (the leases' too); by default one is made.
@@ -262,7 +262,7 @@ class S3Store:
             # The bucket has the save (or it failed): its local copy goes either way,
             # or every save would stay on the daemon's disk until the next start.
             self.discard(staged.path)
-        if replacing:  # a new place has nothing of another save to tidy (recover takes a failed one's)
+        if replacing:  # a new place has nothing of another save to tidy (tidy takes a failed one's)
             self._drop_unlisted(files_base, target.name if staged.files_prefix is not None else None, listed)
         return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
 
@@ -442,7 +442,7 @@ class S3Store:
         keys = [files_base + rel for rel in listed if not save.prefix or rel.startswith(name + ".")]
         try:
             self.delete_keys(keys)
-        except Exception as e:  # not a save any more; recover deletes them after the grace age
+        except Exception as e:  # not a save any more; tidy deletes them after the grace age
             _LOGGER.warning("could not delete the objects of %s: %s", save.path, e)
         return True
 
@@ -455,8 +455,12 @@ class S3Store:
         return self.shared.folders()
 
     def recover(self) -> int:
-        """Deletes local staging leftovers, stale multipart uploads and uncommitted objects; returns how many."""
-        return recovery.recover(self.shared, self.grace_seconds)
+        """Deletes local staging leftovers (before the daemon serves); returns how many. The bucket: `tidy`."""
+        return recovery.remove_staging(self.shared)
+
+    def tidy(self, stopping: Callable[[], bool]) -> int:
+        """Aborts stale multipart uploads and deletes uncommitted objects past the grace age; returns how many."""
+        return recovery.tidy(self.shared, self.grace_seconds, stopping)
 
     # State files beside the saves.
 
