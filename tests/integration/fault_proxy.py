@@ -36,6 +36,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from urllib.parse import urlsplit
@@ -85,6 +86,7 @@ class FaultProxy:
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
         self.counts: dict[str, int] = {"connections": 0, "reset": 0, "answered": 0, "stalled": 0}
+        self.matched: list[tuple[float, str]] = []  # (monotonic time, request line) each targeted fault failed
         self.port = 0
         self._listener: socket.socket | None = self._listen()
         self.port = self._listener.getsockname()[1]
@@ -225,6 +227,8 @@ class FaultProxy:
                             if line is None or only is None or kind is None or not only.search(line):
                                 data += piece
                                 continue
+                            with self._lock:
+                                self.matched.append((time.monotonic(), line.decode("latin-1")))
                             if kind == "reset":
                                 self._count("reset")
                                 return

@@ -132,9 +132,9 @@ class SignedRequests:
 
         path = f"{self._base_path}/{quote(bucket, safe='')}/{quote(key, safe='/~')}"
         for attempt in range(_ATTEMPTS):
-            if self._events is not None:
-                self._events.emit(f"before-send.s3.{operation}", request=None)
             signed = self._signed(method, path, headers, body)
+            if self._events is not None:  # counted, and fenced (`fencing`), as the client's own requests
+                self._events.emit(f"before-send.s3.{operation}", request=signed)
             try:
                 status, answer, data = self._exchange(method, path, signed.body, signed.headers)
             except (OSError, http.client.HTTPException) as e:

@@ -33,7 +33,8 @@ Rename is not atomic in an object store, so a save is committed thus:
 
 A fleet of daemons shares the bucket; each run is written by the daemon
 holding its lease (`checkpointd.storage.s3.lease`). The store calls the
-lease's fence (`fence(run)`, no request) before step 2, right before the
+lease's fence (`fence(run)`, no request) before step 2, before every write
+request of steps 3 and 4 (each attempt: `fencing`), right before the
 manifest PUT and again after it: a daemon that lost the lease commits
 nothing, and one that lost it during the PUT (paused past the margin)
 withdraws its manifest and fails the save. Retention's deletes and the
@@ -76,6 +77,7 @@ from checkpointd.storage.s3.client import (
     small_requests,
     store_failed,
 )
+from checkpointd.storage.s3.fencing import WriteFence
 from checkpointd.storage.s3.keys import ETAGS, MANIFEST, PREFIX_MANIFEST, STORE_FIELDS, SaveKeys, keys_of, save_of
 from checkpointd.storage.s3.part_copy import MAX_PARTS, Source
 from checkpointd.storage.s3.places import Places
@@ -162,6 +164,8 @@ class S3Store:
         )
         self.transfer, self.small = self.shared.transfer, self.shared.small
         self._fence = self.shared.fence
+        # Each write request of a save, each retry too, under the run's lease (None: no fleet).
+        self._writes = WriteFence(self.client, self.bucket, fence) if fence is not None else None
         self._on_upload = on_upload or (lambda kind, seconds, nbytes: None)
         self._folder_runs: dict[str, str] = {}  # folder -> the run last committed there (state-file fences)
         self._places = Places(self._dirs_under, tenure)  # export dirs known to hold nothing
@@ -216,6 +220,7 @@ class S3Store:
         """
         try:
             self._fence(meta.run)  # no lease, no request
+            self._writing(staging, target, meta.run)
             part = parts.start(self.client, self.bucket, self.part_bytes, self.shared.parts_pool, staging, target, sink)
         except Exception as e:
             _LOGGER.info("run %s: the data file of %s goes up at commit (%s)", meta.run, target, e)
@@ -226,7 +231,14 @@ class S3Store:
 
     def discard(self, staged: Path) -> None:
         self.discard_stream(staged)  # not completed: the save failed or was given up
+        if self._writes is not None:
+            self._writes.done(str(staged))
         shutil.rmtree(staged, ignore_errors=True)
+
+    def _writing(self, staging: Path, target: PurePath, run: str) -> None:
+        """From now until `discard`, every write request under `target` is fenced by `run`'s lease."""
+        if self._writes is not None:
+            self._writes.writing(str(staging), str(target), run)
 
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         target = PurePosixPath(target)
@@ -235,6 +247,7 @@ class S3Store:
         place = keys_of(target, prefix=staged.files_prefix is not None)
         files_base, manifest_key = place.files_base, place.manifest
         self._fence(meta.run)  # a daemon without the run's lease touches nothing of it
+        self._writing(staged.path, target, meta.run)
         folder = self._folder_of(target)
         with self.shared.lock:
             self._folder_runs[folder] = meta.run
