@@ -120,7 +120,7 @@ class ServeConfig:
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_grace_seconds: float = 3600.0
-    s3_read_timeout: float = 20.0
+    s3_read_timeout: float = 5.0  # a stalled request is cut in time for the next save to commit soon after
     lease_seconds: float = 30.0
     lease_idle_seconds: float = 120.0
 

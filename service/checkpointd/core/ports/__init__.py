@@ -9,7 +9,7 @@ that cross them (`records`). A capability only some implementations offer is
 a Protocol of its own (`StreamingStore`, `RemoteBases`, `Closing`,
 `LocalCopies`, `SaveFiles`, `StagesFiles`, `CheckpointValues`, `WatchedSink`,
 `ReferencingSink`, `WholePartsSink`, `OrderedSink`, `CopyingSink`,
-`SameChunksSink`, `LeaseHolders`, `Described`, `TidiesLater`), checked with isinstance, never
+`SameChunksSink`, `LeaseHolders`, `Described`, `TidiesLater`, `BoundedRequests`), checked with isinstance, never
 probed with getattr. `checkpointd.server` picks the implementations.
 """
 
@@ -35,9 +35,17 @@ from checkpointd.core.ports.sinks import (
     WatchedSink,
     WholePartsSink,
 )
-from checkpointd.core.ports.storage import Closing, RemoteBases, Store, StreamingStore, TidiesLater
+from checkpointd.core.ports.storage import (
+    BoundedRequests,
+    Closing,
+    RemoteBases,
+    Store,
+    StreamingStore,
+    TidiesLater,
+)
 
 __all__ = [
+    "BoundedRequests",
     "CheckpointValues",
     "Clock",
     "Closing",

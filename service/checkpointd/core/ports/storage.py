@@ -11,6 +11,7 @@ in a bucket.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path, PurePath
 from typing import Protocol, runtime_checkable
 
@@ -130,6 +131,18 @@ class RemoteBases(Protocol):
 
     def base_source(self, save: CommittedSave, data_file: str, size: int) -> object | None:
         """The committed data object `save`'s path + `data_file` of `size` bytes as copies name it; None if unusable."""
+        ...
+
+
+@runtime_checkable
+class BoundedRequests(Protocol):
+    """A Store whose reads may retry for long (an object store): a save's checks before its accept bound them."""
+
+    def bounded(self, deadline: float | None) -> AbstractContextManager[None]:
+        """No request this thread makes inside the block is retried past `deadline` (time.monotonic(); None: none).
+
+        The call then raises UnavailableError naming the last error.
+        """
         ...
 
 

@@ -277,9 +277,11 @@ def unavailable_on_error(what: str) -> Iterator[None]:
     """Turns the object store's failures into UnavailableError (retry later)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
+    from checkpointd.storage.s3.save_requests import SaveDeadlineError
+
     try:
         yield
-    except (BotoCoreError, ClientError) as e:
+    except (BotoCoreError, ClientError, SaveDeadlineError) as e:
         raise UnavailableError(f"the object store failed {what}: {e}") from e
 
 

@@ -34,7 +34,8 @@ Rename is not atomic in an object store, so a save is committed thus:
 A fleet of daemons shares the bucket; each run is written by the daemon
 holding its lease (`checkpointd.storage.s3.lease`). The store calls the
 lease's fence (`fence(run)`, no request) before step 2, before every write
-request of steps 3 and 4 (each attempt: `fencing`), right before the
+request of steps 3 and 4 (each attempt: `save_requests`, which also
+stops retries at the save's deadline), right before the
 manifest PUT and again after it: a daemon that lost the lease commits
 nothing, and one that lost it during the PUT (paused past the margin)
 withdraws its manifest and fails the save. Retention's deletes and the
@@ -77,10 +78,10 @@ from checkpointd.storage.s3.client import (
     small_requests,
     store_failed,
 )
-from checkpointd.storage.s3.fencing import WriteFence
 from checkpointd.storage.s3.keys import ETAGS, MANIFEST, PREFIX_MANIFEST, STORE_FIELDS, SaveKeys, keys_of, save_of
 from checkpointd.storage.s3.part_copy import MAX_PARTS, Source
 from checkpointd.storage.s3.places import Places
+from checkpointd.storage.s3.save_requests import SaveDeadlineError, SaveRequests
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class S3Store:
     """Committed saves in an S3 bucket under a prefix.
 
     Implements `Store` and the capabilities `StreamingStore`, `RemoteBases`,
-    `LocalCopies`, `SaveFiles`, `StagesFiles`, `TidiesLater` and `Closing` (`checkpointd.core.ports`).
+    `LocalCopies`, `SaveFiles`, `StagesFiles`, `TidiesLater`, `BoundedRequests` and `Closing` (`checkpointd.core.ports`).
 
     Thread-safe: boto3 clients and the transfer manager are; the manifest
     cache has a lock.
@@ -164,8 +165,10 @@ class S3Store:
         )
         self.transfer, self.small = self.shared.transfer, self.shared.small
         self._fence = self.shared.fence
-        # Each write request of a save, each retry too, under the run's lease (None: no fleet).
-        self._writes = WriteFence(self.client, self.bucket, fence) if fence is not None else None
+        # Each request of a save, each retry too: writes under the run's lease, none past the save's deadline.
+        self._requests = SaveRequests(self.client, self.bucket, fence or (lambda run: None))
+        # An attempt under way when retries stop may take this long still (--s3-read-timeout).
+        self._read_timeout = float(getattr(self.client.meta.config, "read_timeout", 0) or 0)
         self._on_upload = on_upload or (lambda kind, seconds, nbytes: None)
         self._folder_runs: dict[str, str] = {}  # folder -> the run last committed there (state-file fences)
         self._places = Places(self._dirs_under, tenure)  # export dirs known to hold nothing
@@ -220,7 +223,7 @@ class S3Store:
         """
         try:
             self._fence(meta.run)  # no lease, no request
-            self._writing(staging, target, meta.run)
+            self._writing(staging, target, meta)
             part = parts.start(self.client, self.bucket, self.part_bytes, self.shared.parts_pool, staging, target, sink)
         except Exception as e:
             _LOGGER.info("run %s: the data file of %s goes up at commit (%s)", meta.run, target, e)
@@ -231,14 +234,21 @@ class S3Store:
 
     def discard(self, staged: Path) -> None:
         self.discard_stream(staged)  # not completed: the save failed or was given up
-        if self._writes is not None:
-            self._writes.done(str(staged))
+        self._requests.done(str(staged))
         shutil.rmtree(staged, ignore_errors=True)
 
-    def _writing(self, staging: Path, target: PurePath, run: str) -> None:
-        """From now until `discard`, every write request under `target` is fenced by `run`'s lease."""
-        if self._writes is not None:
-            self._writes.writing(str(staging), str(target), run)
+    def bounded(self, deadline: float | None) -> contextlib.AbstractContextManager[None]:
+        """This thread's requests inside the block stop a read timeout before `deadline` (UNAVAILABLE then)."""
+        return self._requests.bounded(deadline - self._read_timeout if deadline is not None else None)
+
+    def _writing(self, staging: Path, target: PurePath, meta: SaveMeta) -> None:
+        """From now until `discard`, every request under `target` is fenced by the run's lease and the save's deadline.
+
+        Retries stop a read timeout before the save's deadline, so the attempt
+        then under way ends, and the failure reaches the caller, within it.
+        """
+        deadline = meta.deadline - self._read_timeout if meta.deadline is not None else None
+        self._requests.writing(str(staging), str(target), meta.run, deadline)
 
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         target = PurePosixPath(target)
@@ -247,7 +257,7 @@ class S3Store:
         place = keys_of(target, prefix=staged.files_prefix is not None)
         files_base, manifest_key = place.files_base, place.manifest
         self._fence(meta.run)  # a daemon without the run's lease touches nothing of it
-        self._writing(staged.path, target, meta.run)
+        self._writing(staged.path, target, meta)
         folder = self._folder_of(target)
         with self.shared.lock:
             self._folder_runs[folder] = meta.run
@@ -262,10 +272,11 @@ class S3Store:
                 replacing = self._unpublish(manifest_key)  # an old save here stops counting first
             uploaded, listed, _ = commit.upload(self.shared, staged, files_base, manifest_key, meta)
         except Exception as e:
-            if not store_failed(e):
+            if not (store_failed(e) or isinstance(e, SaveDeadlineError)):
                 raise
-            # The store, not the save, failed: UNAVAILABLE (the next save may
-            # commit), naming where the daemon sent it and the last error.
+            # The store, not the save, failed (or kept failing until the save's
+            # deadline): UNAVAILABLE (the next save may commit), naming where the
+            # daemon sent it and the last error.
             raise UnavailableError(
                 f"run {meta.run!r}: the object store at {self.client.meta.endpoint_url} failed saving step "
                 f"{meta.step} to s3://{self.bucket}/{target}: {describe(e)}"
