@@ -293,3 +293,40 @@ def test_a_daemon_restarted_on_a_crowded_prefix_behind_a_stalled_listing_serves_
         finally:
             proxy.clear()
             assert daemon.terminate() == 0, daemon.log()[-4000:]
+
+
+def test_a_state_file_read_failing_after_a_commit_leaves_the_save_written_and_the_next_save_mends_it(
+    env: Env,
+) -> None:
+    # ckpt-2's manifest is committed, then every read of the dir's `checkpoint`
+    # state file is answered 503: the save is durable, so it is reported
+    # written (and the daemon logs that the state file lags); the next save,
+    # the store answering again, rewrites it from the manifests.
+    weights = tf.Variable(np.ones(1 << 12, np.float32))
+    step = tf.Variable(1, dtype=tf.int64)
+    ckpt = RemoteCheckpointer(
+        "train", env.daemon.address, run=f"s{secrets.token_hex(3)}", max_to_keep=None, timeout=SAVE_TIMEOUT,
+        save_on_notice=False, weights=weights, global_step=step,
+    )  # fmt: skip
+    folder = ckpt._folder  # noqa: SLF001 - where the run's checkpoints go in the bucket
+    state_key = f"{env.prefix}/{folder}/train/checkpoint"
+
+    def state() -> str:
+        return str(env.client.get_object(Bucket=env.rgw.bucket, Key=state_key)["Body"].read().decode())
+
+    try:
+        assert ckpt.save(step, blocking=True).exception(SAVE_TIMEOUT) is None
+        assert 'model_checkpoint_path: "ckpt-1"' in state()
+        step.assign(2)
+        with env.proxy.during("slowdown", only=rf"^GET /{env.rgw.bucket}/{state_key} "):
+            written = ckpt.save(step, blocking=True)
+            assert written.exception(SAVE_TIMEOUT) is None and not written.skipped
+        assert any(state_key in line for _, line in env.proxy.matched), "the state file was never read"
+        assert {"ckpt-1", "ckpt-2"} <= env.manifests(f"{folder}/train/")
+        assert "ckpt-2" not in state()  # not updated: its read failed
+        assert "its dir's checkpoint state file was not updated" in env.daemon.log()
+        step.assign(3)
+        assert ckpt.save(step, blocking=True).exception(SAVE_TIMEOUT) is None
+        assert 'model_checkpoint_path: "ckpt-3"' in state() and '"ckpt-2"' in state(), state()
+    finally:
+        ckpt.close(timeout=SAVE_TIMEOUT)
