@@ -101,8 +101,13 @@ def _say(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def trainer_main(address: str, run: str, kind: str, shm: bool) -> int:
-    """A trainer: saves every PERIOD s, saying each outcome; runs until killed."""
+def trainer_main(address: str, run: str, kind: str, shm: bool, first: int = 0) -> int:
+    """A trainer: saves every PERIOD s, saying each outcome; runs until killed.
+
+    A training run goes on from the step it restores; a policy run (nothing
+    to restore) from `first`, past every step an earlier incarnation offered,
+    so a policy dir's newer save always has the larger step.
+    """
     import tensorflow as tf
 
     from checkpointd_client import RemoteCheckpointer, RemotePolicySaver
@@ -125,6 +130,7 @@ def trainer_main(address: str, run: str, kind: str, shm: bool) -> int:
         policy = policies.build(policies.q((16,)))
         saver = RemotePolicySaver(policy, address, run=run, train_step=step, timeout=SAVE_TIMEOUT, shared_memory=shm)
         saver.register()
+        step.assign(first)
 
         def save(s: int) -> Any:
             for v in policy.variables():
@@ -192,10 +198,14 @@ class _Trainer:
         with open(self.log, "a") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.integration.soak", "trainer", self.address, self.name, self.kind,
-                 str(int(self.shm))],
+                 str(int(self.shm)), str(self._first())],
                 stdout=subprocess.PIPE, stderr=err, text=True,
             )  # fmt: skip
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _first(self) -> int:
+        """Past every step this trainer's earlier incarnations offered."""
+        return max((int(e.get("step", 0)) for e in list(self.events) if e.get("run") == self.name), default=0) + 1
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -403,7 +413,7 @@ def _outside(client: Any, bucket: str, prefix: str) -> list[tuple[str, str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["trainer"]:
-        return trainer_main(argv[1], argv[2], argv[3], argv[4] == "1")
+        return trainer_main(argv[1], argv[2], argv[3], argv[4] == "1", int(argv[5]) if len(argv) > 5 else 0)
     from tests.integration.s3_crash_harness import _start_rgw
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
