@@ -38,7 +38,9 @@ themselves, with boto3):
 - every save a trainer was told committed is there and loads bit-identically
   (a policy dir may hold a later step of the same dir: never an older one);
 - every save a trainer was told failed is absent or complete, never partial,
-  and `verify` passes for every save of every run;
+  and `verify` passes for every save of every run, once the S3 prefix has
+  had the tidy a daemon's start gives it (with no grace age: what a save cut
+  off at its manifest's PUT uploaded is not a save, and recovery deletes it);
 - no run had two writers: on S3 every manifest's writer is an incarnation
   of the run's own daemon, in the order they ran;
 - nothing was written outside the roots: the local root's parent and the
@@ -393,6 +395,11 @@ def run_soak(rgw: Any, minutes: float, work: Path, *, seed: int = 0, log: Callab
                 proxy.clear()
                 daemons.stop_all()
         figures.seconds = time.monotonic() - started
+        # What a failed save uploaded before its manifest (the store cut off
+        # at the manifest's PUT) stays under its final names until a daemon's
+        # tidy deletes it past the grace age: run that tidy now, as a restart
+        # an hour later would, so the checker sees what readers and recovery do.
+        figures.checked["S3 leftovers of uncommitted saves tidied"] = _tidy(client, rgw.bucket, prefix, work)
         check(events, daemons.pids, client, rgw.bucket, prefix, local, work / "check", figures)
         outside_after = _outside(client, rgw.bucket, prefix), sorted(os.listdir(local.parent))
         if outside_after != outside_before:
@@ -400,6 +407,17 @@ def run_soak(rgw: Any, minutes: float, work: Path, *, seed: int = 0, log: Callab
     finally:
         subprocess.run(["umount", str(local)], check=False, capture_output=True)
     return figures
+
+
+def _tidy(client: Any, bucket: str, prefix: str, work: Path) -> int:
+    """The daemons' tidy of the bucket with no grace age (they are stopped); how many objects it deleted."""
+    from checkpointd.storage.s3 import S3Store
+
+    store = S3Store(f"s3://{bucket}/{prefix}", work / "tidy-staging", grace_seconds=0, client=client)
+    try:
+        return store.tidy(lambda: False)
+    finally:
+        store.close()
 
 
 def _outside(client: Any, bucket: str, prefix: str) -> list[tuple[str, str]]:
