@@ -108,6 +108,12 @@ class Metrics:
             "saving for --notice-window, then every save refused while accepted ones finish; else 0.",
             registry=registry,
         )
+        self.recovered = Gauge(
+            "checkpointd_recovery_done",
+            "1 once the start's recovery has finished: at once on a local root; for an object store, once its "
+            "tidy of the bucket (run while the daemon serves) has gone through every folder; else 0.",
+            registry=registry,
+        )
         self.uploaded_bytes = Counter(
             "checkpointd_store_uploaded_bytes",
             "Bytes uploaded to the object store by committed saves (files and manifest), by kind.",

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
 from checkpointd.core.incremental_path import ChooserConfig, IncrementalPath, PathChooser
-from checkpointd.core.ports import Closing, Described, Leases, NoLeases, SaveFormat, Store
+from checkpointd.core.ports import Closing, Described, Leases, NoLeases, SaveFormat, Store, TidiesLater
 from checkpointd.durable.copies import shares_extents
 from checkpointd.durable.files import check_writable_dir
 from checkpointd.metrics import Metrics
@@ -105,6 +105,8 @@ class Server:
         self._grpc: grpc.Server | None = None
         self._http: WSGIServer | None = None
         self._stopped = threading.Event()
+        self._stopping = threading.Event()  # ends the bucket's tidy
+        self._tidy: threading.Thread | None = None
         self._dir_lock: DirLock | None = None
         self.port = 0
         self.metrics_port: int | None = None
@@ -140,7 +142,7 @@ class Server:
         self._pool = WriterPool(config.write_nice)
         if self._store is None:
             self._store, self.leases = _make_store(config, self._pool, self.metrics, self._busy, self._taken_over)
-        fixed = self._store.recover()
+        fixed = self._store.recover()  # local leftovers only: quick, and before anything is staged
         if fixed:
             _LOGGER.info("recovered %d interrupted save dirs under %s", fixed, self._store.describe())
         if self._formats is None:
@@ -223,6 +225,34 @@ class Server:
         _write_port(config.port_file, self.port)
         if self.metrics_port is not None:
             _write_port(config.metrics_port_file, self.metrics_port)
+        self._start_tidy(self._store)
+
+    def _start_tidy(self, store: Store) -> None:
+        """Tidies an object store's leftovers in the background, once the daemon serves.
+
+        Its listing of every folder can take minutes (thousands of saves, a
+        slow store), and no save needs it: readers trust manifests only, and
+        only leftovers older than the grace age are deleted (a peer's tidy
+        runs beside live saves the same way). Done: logged, and
+        checkpointd_recovery_done set to 1.
+        """
+        if not isinstance(store, TidiesLater):
+            self.metrics.recovered.set(1)
+            return
+
+        def tidy() -> None:
+            began = time.monotonic()
+            fixed = store.tidy(self._stopping.is_set)
+            if self._stopping.is_set():
+                return
+            self.metrics.recovered.set(1)
+            _LOGGER.info(
+                "recovery done: tidied %s in %.1fs, %d leftovers of interrupted saves deleted",
+                store.describe(), time.monotonic() - began, fixed,
+            )  # fmt: skip
+
+        self._tidy = threading.Thread(target=tidy, name="tidy", daemon=True)
+        self._tidy.start()
 
     def stop(self, grace: float | None = None) -> bool:
         """The daemon on notice, then its drain (`checkpointd.core.notice`).
@@ -299,6 +329,10 @@ class Server:
 
     def _release(self, *, grpc_grace: float | None, retention_timeout: float) -> None:
         """Frees what start() made, whatever it got to; each part once."""
+        self._stopping.set()
+        if self._tidy is not None:  # between two folders, or in a request cut by its timeout
+            self._tidy.join(timeout=retention_timeout)
+            self._tidy = None
         if self._grpc is not None:
             self._grpc.stop(grace=grpc_grace).wait()
             self._grpc = None

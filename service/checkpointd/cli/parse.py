@@ -147,8 +147,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "--s3-grace-seconds",
         type=float,
         default=_D.s3_grace_seconds,
-        help="with an s3:// --root, how old uncommitted objects must be before recovery at start deletes them "
-        f"(default: {_D.s3_grace_seconds:g})",
+        help="with an s3:// --root, how old uncommitted objects must be before the bucket's tidy, run once the "
+        f"daemon serves, deletes them; keep it above the longest save (default: {_D.s3_grace_seconds:g})",
     )
     serve.add_argument(
         "--s3-read-timeout",

@@ -31,10 +31,11 @@ class ServeConfig:
         s3_endpoint_url: another S3 server than AWS's (e.g. radosgw's).
         s3_region: the bucket's region; None: the AWS config's.
         s3_grace_seconds: how old an uncommitted object or multipart upload
-            must be before recovery at start deletes it (a peer's save in
-            progress is younger).
+            must be before the bucket's tidy (run once the daemon serves)
+            deletes it (a save in progress, a peer's or its own, is younger).
         s3_read_timeout: seconds an S3 request may wait for the server's next
-            bytes before it is cut and retried (`s3_client.make_client`).
+            bytes before it is cut and retried (`s3.client.make_client`);
+            retries end at the save's deadline (`s3.save_requests`).
         lease_seconds: with `s3_url`, the ttl of the run leases through which
             daemons sharing the bucket agree who writes a run
             (`checkpointd.storage.s3.lease`); renewed every third of it.
@@ -126,7 +127,7 @@ class ServeConfig:
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_grace_seconds: float = 3600.0
-    s3_read_timeout: float = 20.0
+    s3_read_timeout: float = 5.0  # a stalled request is cut in time for the next save to commit soon after
     lease_seconds: float = 30.0
     lease_idle_seconds: float = 120.0
 

@@ -45,6 +45,7 @@ from checkpointd.core.config import ServeConfig
 from checkpointd.core.incremental_path import IncrementalPath, PathChooser
 from checkpointd.core.lane import Cancelled, Failed, SaveSpec, Skipped, Ticket, Written
 from checkpointd.core.ports import (
+    BoundedRequests,
     CommittedSave,
     Leases,
     NoLeases,
@@ -221,6 +222,11 @@ class SavePipeline:
             wait = min(wait, max(0.0, timeout - min(1.0, 0.2 * timeout)))
         return wait
 
+    def _bounded(self, deadline: float | None) -> contextlib.AbstractContextManager[None]:
+        """The store's requests in the block bounded by `deadline`, where it can bound them."""
+        store = self.store
+        return store.bounded(deadline) if isinstance(store, BoundedRequests) else contextlib.nullcontext()
+
     def folder(self, run: str, asked: str = "") -> str:
         """The folder to search: the one asked for, else the registered one, else the run's name."""
         if asked:
@@ -262,6 +268,7 @@ class SavePipeline:
             DeadlineError, RunHeldError (another daemon holds the run). After an accept (the save counts as failed): the
             Receiver's errors, SaveFailedError.
         """
+        called = time.monotonic()
         run = check_run_name(request.run)
         manifest = self.lanes.manifest(run)
         folder = self.lanes.folder(run)
@@ -271,7 +278,8 @@ class SavePipeline:
         admission.check_kind(run, self._run_kinds.get(run, fmt.kinds), request.kind)
         if request.kind is SaveKind.TRAINING_CHECKPOINT:
             admission.check_claimed_dir(run, self.lanes.claim(run), request.export_dir)
-            admission.refuse_replacing_another_runs(self.store, run, folder, request.export_dir)
+            with self._bounded(_store_deadline(called, timeout)):  # a stalled store: UNAVAILABLE within the call
+                admission.refuse_replacing_another_runs(self.store, run, folder, request.export_dir)
         fmt.check(
             manifest, request.variables, request.snapshot_bytes, request.numpy_state,
             self._config.max_snapshot_bytes, **own_spec(request.checkpoint),
@@ -304,7 +312,8 @@ class SavePipeline:
                 yield Decision(accepted=False, reason=decision.reason)
                 return
             self._phases.observe_phase(request.kind.value, "queue", time.monotonic() - asked)
-            yield from self._accepted(request, run, folder, manifest, decision, receive, release, is_active)
+            deadline = _store_deadline(called, timeout)
+            yield from self._accepted(request, run, folder, manifest, decision, receive, release, is_active, deadline)
 
     def count_local_skips(self, run: str, skips: Sequence[LocalSkip]) -> None:
         """Counts and logs saves of `run` its trainer skipped on its own.
@@ -342,6 +351,7 @@ class SavePipeline:
         receive: Receiver,
         release: Callable[[], None],
         is_active: Callable[[], bool],
+        deadline: float | None,
     ) -> Iterator[Decision | Result]:
         kind = request.kind.value
         accepted = time.monotonic()
@@ -380,7 +390,7 @@ class SavePipeline:
                 if chosen is IncrementalPath.RECEIVE and base is not None:
                     base.close()  # cheaper to receive its bytes than to copy them: no base offered
                     base = None
-            meta = SaveMeta(run, request.kind, request.step, request.export_dir, request.trainer_versions)
+            meta = SaveMeta(run, request.kind, request.step, request.export_dir, request.trainer_versions, deadline)
             fmt = self.formats(request.kind)
             # The save's files are open before the accept is answered, and are
             # written as the chunks land; no deletions in the folder meanwhile.
@@ -531,3 +541,10 @@ def _alike(request: SaveRequest, shared_memory: bool) -> str:
 
 def _offer(base: bases.OpenBase | None) -> BaseOffer | None:
     return None if base is None else BaseOffer(base.export_dir, base.chunk_bytes, tuple(base.offer()))
+
+
+def _store_deadline(started: float, timeout: float | None) -> float | None:
+    """When the store stops retrying a save: the call's deadline less a reserve, so its answer arrives in time."""
+    if timeout is None or timeout >= threading.TIMEOUT_MAX:  # gRPC reports no deadline as ~292 years
+        return None
+    return started + timeout - min(1.0, 0.2 * timeout)

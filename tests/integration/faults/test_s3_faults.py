@@ -9,9 +9,12 @@ its deadline, one commits within 10 s of the fault's end with no restart,
 not commit failed UNAVAILABLE naming the endpoint and left no manifest,
 and the daemon counted the store's failures (checkpointd_s3_errors_total).
 
-The daemon cuts a silent request after --s3-read-timeout (READ_TIMEOUT
-here, to keep the stall short; 20 s by default) and retries it; a fault
-shorter than its retries may fail no save at all, which is right.
+The daemon runs with its default --s3-read-timeout (5 s): a silent request
+is cut after it and retried, retries stop at the save's deadline (the call's,
+less a reserve and a read timeout), and a fault shorter than its retries may
+fail no save at all, which is right. Each test prints how long after the
+fault's end the first save committed (figures, not asserted beyond the
+RECOVERY_SECONDS bound).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +34,7 @@ import pytest
 import tensorflow as tf
 
 from checkpointd_client import RemoteCheckpointer, SaveTicket, UnavailableError
-from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.daemon import Daemon, start_daemon, wait_until
 from tests.integration.support.fault_proxy import FaultProxy
 from tests.integration.support.rgw import Rgw
 from tests.integration.support.scrape import Metrics
@@ -37,8 +42,8 @@ from tests.integration.support.scrape import Metrics
 PERIOD = 0.3  # seconds between the trainer's saves
 FAULT_SECONDS = 4.0
 RECOVERY_SECONDS = 10.0  # the first commit after the fault ends comes within this
-SAVE_TIMEOUT = 20.0
-READ_TIMEOUT = 2.0  # the daemon's --s3-read-timeout: a stall longer than this is cut  # the trainer's per-call deadline (RemoteCheckpointer timeout)
+SAVE_TIMEOUT = 20.0  # the trainer's per-call deadline (RemoteCheckpointer timeout)
+READ_TIMEOUT = 2.0  # --s3-read-timeout of the crowded-prefix test's daemon: its stalled listing is cut after this
 PREFIX_MANIFEST = ".checkpointd.manifest.json"
 COUNTED = {
     "refuse": "connections",
@@ -98,7 +103,6 @@ def env(rgw: Rgw, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             tmp / "work",
             "--work-dir", str(tmp / "state"),
             "--s3-endpoint-url", proxy.endpoint, "--s3-region", "us-east-1",
-            "--s3-read-timeout", str(READ_TIMEOUT),
             env=rgw.daemon_env(),
         )  # fmt: skip
         try:
@@ -240,3 +244,89 @@ def test_a_store_fault_fails_saves_clearly_and_saves_commit_again_after_it(
     print(f"\n{kind}: {outcome}, first commit {first - fault_end:.1f} s after; proxy {env.proxy.counts}")
     for message in sorted({str(o.ticket.exception(0)) for o in failed})[:3]:
         print("  ", message[:400])
+
+
+def test_a_daemon_restarted_on_a_crowded_prefix_behind_a_stalled_listing_serves_at_once(
+    rgw: Rgw, tmp_path: Path
+) -> None:
+    # Many saves' leftovers (no manifest, past the grace age) and the run
+    # folders' listing stalled: the bucket's tidy cannot finish, and must not
+    # hold the bind. Once the listing answers, the tidy finishes and deletes them.
+    prefix = f"crowd-{secrets.token_hex(4)}"
+    client = rgw.client()
+    leftovers = [f"{prefix}/run{i % 20}/train/ckpt-{i}.index" for i in range(300)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda key: client.put_object(Bucket=rgw.bucket, Key=key, Body=b"x"), leftovers))
+    folders = rf"^GET /{rgw.bucket}\?(?=.*delimiter=%2F)(?=.*prefix={prefix}%2F(&| ))"
+    with FaultProxy(rgw.endpoint) as proxy:
+        proxy.fault("stall", only=folders)
+        daemon = start_daemon(
+            f"s3://{rgw.bucket}/{prefix}",  # type: ignore[arg-type]  # passed to --root as str(root)
+            tmp_path / "work",
+            "--work-dir", str(tmp_path / "state"),
+            "--s3-endpoint-url", proxy.endpoint, "--s3-region", "us-east-1",
+            "--s3-read-timeout", str(READ_TIMEOUT), "--s3-grace-seconds", "0",
+            env=rgw.daemon_env(),
+        )  # fmt: skip
+        try:
+            # It serves (start_daemon waited on its port file and health) with its tidy stuck...
+            wait_until(lambda: proxy.counts["stalled"] > 0, "the tidy's listing stalled")
+            assert Metrics(daemon.metrics_url)("checkpointd_recovery_done") == 0
+            # ... and saves commit meanwhile.
+            weights, step = tf.Variable(np.ones(1024, np.float32)), tf.Variable(7, dtype=tf.int64)
+            ckpt = RemoteCheckpointer(
+                "train", daemon.address, run="fresh", max_to_keep=None, timeout=SAVE_TIMEOUT,
+                save_on_notice=False, weights=weights, global_step=step,
+            )  # fmt: skip
+            try:
+                ticket = ckpt.save(step, blocking=True)
+                assert ticket.exception(SAVE_TIMEOUT) is None and not ticket.skipped
+            finally:
+                ckpt.close(timeout=SAVE_TIMEOUT)
+            proxy.clear()
+            daemon.wait_recovered()
+            assert "recovery done: tidied" in daemon.log()
+            # A stall that outlasted the tidy's retries leaves leftovers to the next start (logged); none of ours go.
+            kept = {o["Key"] for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=rgw.bucket, Prefix=f"{prefix}/fresh/") for o in page.get("Contents", [])}  # fmt: skip
+            assert any(k.endswith("ckpt-7" + PREFIX_MANIFEST) for k in kept), kept
+        finally:
+            proxy.clear()
+            assert daemon.terminate() == 0, daemon.log()[-4000:]
+
+
+def test_a_state_file_read_failing_after_a_commit_leaves_the_save_written_and_the_next_save_mends_it(
+    env: Env,
+) -> None:
+    # ckpt-2's manifest is committed, then every read of the dir's `checkpoint`
+    # state file is answered 503: the save is durable, so it is reported
+    # written (and the daemon logs that the state file lags); the next save,
+    # the store answering again, rewrites it from the manifests.
+    weights = tf.Variable(np.ones(1 << 12, np.float32))
+    step = tf.Variable(1, dtype=tf.int64)
+    ckpt = RemoteCheckpointer(
+        "train", env.daemon.address, run=f"s{secrets.token_hex(3)}", max_to_keep=None, timeout=SAVE_TIMEOUT,
+        save_on_notice=False, weights=weights, global_step=step,
+    )  # fmt: skip
+    folder = ckpt._folder  # noqa: SLF001 - where the run's checkpoints go in the bucket
+    state_key = f"{env.prefix}/{folder}/train/checkpoint"
+
+    def state() -> str:
+        return str(env.client.get_object(Bucket=env.rgw.bucket, Key=state_key)["Body"].read().decode())
+
+    try:
+        assert ckpt.save(step, blocking=True).exception(SAVE_TIMEOUT) is None
+        assert 'model_checkpoint_path: "ckpt-1"' in state()
+        step.assign(2)
+        with env.proxy.during("slowdown", only=rf"^GET /{env.rgw.bucket}/{state_key} "):
+            written = ckpt.save(step, blocking=True)
+            assert written.exception(SAVE_TIMEOUT) is None and not written.skipped
+        assert any(state_key in line for _, line in env.proxy.matched), "the state file was never read"
+        assert {"ckpt-1", "ckpt-2"} <= env.manifests(f"{folder}/train/")
+        assert "ckpt-2" not in state()  # not updated: its read failed
+        assert "its dir's checkpoint state file was not updated" in env.daemon.log()
+        step.assign(3)
+        assert ckpt.save(step, blocking=True).exception(SAVE_TIMEOUT) is None
+        assert 'model_checkpoint_path: "ckpt-3"' in state() and '"ckpt-2"' in state(), state()
+    finally:
+        ckpt.close(timeout=SAVE_TIMEOUT)

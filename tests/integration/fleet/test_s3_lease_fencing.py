@@ -18,6 +18,8 @@ it may still be retrying when the path comes back, and must not land.
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -147,3 +149,50 @@ def test_a_lease_not_renewed_past_its_ttl_stops_the_daemon_writing_that_run_and_
             on_a.close(timeout=5.0)
         except Exception:  # noqa: BLE001 - its run is B's now: closing it on A may fail, as it should
             pass
+
+
+def test_a_daemon_whose_lease_lapses_sends_no_write_of_that_run_not_even_a_retry(rgw: Rgw, tmp_path: Path) -> None:
+    # One daemon; from the cut on, the proxy stalls its lease's renewals and
+    # every write of the run (each attempt is seen, never answered), so a
+    # save's requests are retried after each read timeout past the lease's
+    # ttl. No write attempt of the run may reach the store once the lease has
+    # lapsed (at the latest a ttl after the cut): the fence is checked before
+    # each request and each retry, not only where the commit starts.
+    prefix = f"fence-{secrets.token_hex(4)}"
+    read_timeout, run = 2.0, "lapsing"
+    with FaultProxy(rgw.endpoint) as proxy:
+        a = _node(rgw, f"s3://{rgw.bucket}/{prefix}", tmp_path / "a", proxy.endpoint,
+                  "--s3-read-timeout", f"{read_timeout:g}")  # fmt: skip
+        weights = tf.Variable(np.random.default_rng(1).standard_normal(5 << 18).astype(np.float32))  # 5 MiB
+        step = tf.Variable(1, dtype=tf.int64)
+        ckpt = RemoteCheckpointer(
+            "train", a.address, run=run, max_to_keep=None, timeout=SAVE_TIMEOUT, save_on_notice=False,
+            weights=weights, global_step=step,
+        )  # fmt: skip
+        try:
+            ckpt.save(step, blocking=True).result(WAIT)
+            proxy.fault("stall", only=rf"^(PUT|POST) /{rgw.bucket}/{prefix}/(\.checkpointd-leases/|{run}/)")
+            cut = time.monotonic()
+            offered = []
+            while time.monotonic() < cut + LEASE_SECONDS + 3 * read_timeout:
+                step.assign_add(1)
+                offered.append(ckpt.save(step))
+                threading.Event().wait(0.3)  # the trainer's pace
+            for ticket in offered:
+                ticket.exception(SAVE_TIMEOUT)  # each ends within its deadline
+            writes = [(t - cut, line) for t, line in proxy.matched if "/.checkpointd-leases/" not in line]
+            assert writes, "no write of the run was stalled: the test proved nothing"
+            late = [(round(t, 2), line) for t, line in writes if t > LEASE_SECONDS + 0.5]
+            assert late == [], f"write attempts after the lease lapsed: {late}"
+            failed = [t.exception(0) for t in offered if t.exception(0) is not None]
+            assert failed and any("lease" in str(e) for e in failed), failed
+            proxy.clear()  # the store back: the daemon takes the run's lease again, and saves commit
+            step.assign_add(1)
+            assert ckpt.save(step, blocking=True).exception(WAIT) is None
+            print(f"\nstalled writes at {[round(t, 2) for t, _ in writes]} s after the cut; {len(failed)} saves failed")
+        finally:
+            proxy.clear()
+            try:
+                ckpt.close(timeout=5.0)
+            finally:
+                a.terminate()

@@ -349,7 +349,7 @@ def test_a_big_file_goes_up_in_parallel_parts_each_checked_by_the_server(s3: S3,
         # A multipart upload left by a crash is aborted by recovery once past the grace age.
         stale = s3.client.create_multipart_upload(Bucket=s3.rgw.bucket, Key=f"{s3.prefix}/mp/big2/variables/v")
         store.grace_seconds = 0
-        store.recover()
+        store.tidy(lambda: False)
         uploads = s3.client.list_multipart_uploads(Bucket=s3.rgw.bucket, Prefix=f"{s3.prefix}/").get("Uploads", [])
         assert stale["UploadId"] not in {u["UploadId"] for u in uploads}
     finally:
@@ -389,7 +389,7 @@ def test_the_s3_server_killed_mid_multipart_upload_leaves_no_manifest_and_recove
         store.discard(first.path)
         assert not any(k.endswith(MANIFEST) for k in s3.keys("mid/"))
         store.grace_seconds = 0
-        store.recover()  # the upload the kill cut short is aborted
+        store.tidy(lambda: False)  # the upload the kill cut short is aborted
         uploads = s3.client.list_multipart_uploads(Bucket=s3.rgw.bucket, Prefix=f"{s3.prefix}/mid/")
         assert not uploads.get("Uploads")
 
@@ -406,9 +406,11 @@ def test_recovery_deletes_uncommitted_objects_it_made_after_the_grace_age(s3: S3
     for key in ("torn/variables/variables.index", "torn/saved_model.pb", "ckpts/ckpt-9.index", "notes.txt"):
         s3.client.put_object(Bucket=bucket, Key=base + key, Body=b"x")
     young = s3.daemon("--s3-grace-seconds", "3600")
+    young.wait_recovered()
     young.terminate()
     assert len(s3.keys("rec/")) == 4  # younger than the grace age: perhaps a peer's save in progress
     old = s3.daemon("--s3-grace-seconds", "0")
+    old.wait_recovered()  # the bucket is tidied while the daemon serves
     assert s3.keys("rec/") == {"notes.txt"}  # not a name checkpointd writes: never touched
     old.terminate()
 

@@ -46,6 +46,12 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_recovered(self, timeout: float = START_TIMEOUT) -> None:
+        """Waits until the start's recovery has finished (an object store's tidy runs after the daemon serves)."""
+        from tests.integration.support.scrape import Metrics
+
+        wait_until(lambda: Metrics(self.metrics_url)("checkpointd_recovery_done") == 1, "recovery done", timeout)
+
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM, wait for the drain; SIGKILL if it does not exit in time."""
         if self.proc.poll() is None:

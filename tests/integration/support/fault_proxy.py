@@ -17,18 +17,26 @@ every connection from then on, and those already open, to one way of failing:
   stalled after the fault ends, until the client gives up on it: only the
   client's own timeout frees it. Idle ones forward again.
 
-`clear()` forwards again; `during(kind, seconds)` is a fault for a timed
-window. A context manager: `close()` stops the listener and every
+`fault(kind, only=PATTERN)` fails only the requests whose request line
+(`GET /bucket/key?query HTTP/1.1`) PATTERN matches (`re.search`), on any
+connection, and forwards the rest: `reset` resets the connection at the
+request's head, `stall` drops it and all that follows on its connection,
+`slowdown`/`internal` answer it. Request heads are found by following each
+connection's Content-Length bodies (what botocore sends).
+
+`clear()` forwards again; `during(kind)` is a fault for the block. A context manager: `close()` stops the listener and every
 connection, and joins its (daemon) threads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from urllib.parse import urlsplit
@@ -72,11 +80,13 @@ class FaultProxy:
         self.reset_after = reset_after
         self._lock = threading.Lock()
         self._kind: str | None = None
+        self._only: re.Pattern[bytes] | None = None  # the requests a targeted fault fails
         self._generation = 0  # bumped at each fault change; connections compare theirs
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
         self.counts: dict[str, int] = {"connections": 0, "reset": 0, "answered": 0, "stalled": 0}
+        self.matched: list[tuple[float, str]] = []  # (monotonic time, request line) each targeted fault failed
         self.port = 0
         self._listener: socket.socket | None = self._listen()
         self.port = self._listener.getsockname()[1]
@@ -92,12 +102,13 @@ class FaultProxy:
 
     # Commands.
 
-    def fault(self, kind: str) -> None:
-        """From now on, fail every connection as `kind` (one of KINDS)."""
-        if kind not in KINDS:
-            raise ValueError(f"{kind!r} is not one of {KINDS}")
+    def fault(self, kind: str, only: str | None = None) -> None:
+        """From now on, fail every connection as `kind` (one of KINDS); or only requests whose line `only` matches."""
+        if kind not in KINDS or (only is not None and kind == "refuse"):
+            raise ValueError(f"{kind!r} is not one of {KINDS} (refuse cannot be targeted)")
         with self._lock:
             self._kind, self._generation = kind, self._generation + 1
+            self._only = re.compile(only.encode()) if only is not None else None
             listener = self._listener if kind == "refuse" else None
             if kind == "refuse":
                 self._listener = None
@@ -110,12 +121,12 @@ class FaultProxy:
             if self._kind == "refuse":
                 self._listener = self._listen(self.port)
                 self._start(self._accept_loop, self._listener)
-            self._kind, self._generation = None, self._generation + 1
+            self._kind, self._only, self._generation = None, None, self._generation + 1
 
     @contextlib.contextmanager
-    def during(self, kind: str) -> Iterator[None]:
-        """`kind` inside the block, forwarding again after it (even if it raises)."""
-        self.fault(kind)
+    def during(self, kind: str, only: str | None = None) -> Iterator[None]:
+        """`kind` (of the requests `only` matches, if given) inside the block, forwarding again after it."""
+        self.fault(kind, only)
         try:
             yield
         finally:
@@ -173,15 +184,20 @@ class FaultProxy:
         sent = 0  # bytes towards the server since the fault began (for `reset`)
         dropped = False  # a stall dropped bytes of this connection: it stays stalled
         generation, mine = self._generation, self._kind  # the fault this connection last saw
+        only = self._only
+        if only is not None:
+            mine = None  # a targeted fault: request by request
+        heads = _Heads()
         try:
             while not self._closed.is_set():
                 kind = self._kind
                 if generation != self._generation:
-                    if kind in ("refuse", "slowdown", "internal"):
+                    only = self._only
+                    if kind in ("refuse", "slowdown", "internal") and only is None:
                         self._count("reset")
                         return  # the finally resets it
                     generation, sent = self._generation, 0
-                    mine = "stall" if dropped else kind
+                    mine = "stall" if dropped else (None if only is not None else kind)
                 if mine in ("slowdown", "internal"):
                     self._answer(client, mine)
                     return
@@ -206,6 +222,23 @@ class FaultProxy:
                         continue
                     if s is client:
                         assert upstream is not None
+                        pieces, data = heads.split(data), b""
+                        for i, (piece, line) in enumerate(pieces):
+                            if line is None or only is None or kind is None or not only.search(line):
+                                data += piece
+                                continue
+                            with self._lock:
+                                self.matched.append((time.monotonic(), line.decode("latin-1")))
+                            if kind == "reset":
+                                self._count("reset")
+                                return
+                            if kind == "stall":  # this request and all after it on the connection
+                                self._count("stalled")
+                                dropped, mine = True, "stall"
+                                break
+                            upstream.sendall(data)  # what came before it
+                            self._answer(client, kind, b"".join(p for p, _ in pieces[i:]))
+                            return
                         if mine == "reset" and sent + len(data) > self.reset_after:
                             upstream.sendall(data[: max(0, self.reset_after - sent)])
                             self._count("reset")
@@ -221,9 +254,8 @@ class FaultProxy:
             if upstream is not None:
                 _reset(upstream)
 
-    def _answer(self, client: socket.socket, kind: str) -> None:
+    def _answer(self, client: socket.socket, kind: str, buf: bytes = b"") -> None:
         """Reads one request's head (and its body, unless it waits for 100-continue), answers the error."""
-        buf = b""
         client.settimeout(5)
         while b"\r\n\r\n" not in buf:
             data = client.recv(1 << 16)
@@ -250,3 +282,43 @@ class FaultProxy:
     def _count(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
+
+
+class _Heads:
+    """Finds the requests in a connection's client-to-server bytes: heads, then Content-Length bodies.
+
+    A head is held back until it is whole, so a targeted fault can fail it
+    before the server sees any of it. A chunked body ends the following
+    (every byte after it is forwarded as it comes).
+    """
+
+    def __init__(self) -> None:
+        self._head = b""  # the start of a head not yet whole
+        self._body_left = 0
+        self._lost = False
+
+    def split(self, data: bytes) -> list[tuple[bytes, bytes | None]]:
+        """`data` in pieces to forward in order: (a whole head, its request line) or (other bytes, None)."""
+        pieces: list[tuple[bytes, bytes | None]] = []
+        while data:
+            if self._lost:
+                pieces.append((data, None))
+                break
+            if self._body_left:
+                n = min(self._body_left, len(data))
+                pieces.append((data[:n], None))
+                data, self._body_left = data[n:], self._body_left - n
+                continue
+            self._head, data = self._head + data, b""
+            end = self._head.find(b"\r\n\r\n")
+            if end < 0:
+                break  # held back until the rest of the head comes
+            head, data, self._head = self._head[: end + 4], self._head[end + 4 :], b""
+            lines = head[:end].split(b"\r\n")
+            fields = {k.strip().lower(): v.strip() for k, _, v in (x.partition(b":") for x in lines[1:])}
+            if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
+                self._lost = True
+            else:
+                self._body_left = int(fields.get(b"content-length", b"0") or 0)
+            pieces.append((head, lines[0]))
+        return pieces

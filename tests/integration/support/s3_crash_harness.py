@@ -52,7 +52,7 @@ After the kill, with the daemon dead, the bucket is read with boto3:
 
 The next trial's daemon start is the restart, no sooner than two grace
 ages after the kill (recovery leaves younger objects alone: they could be a
-peer's save in progress); once its port is up its recovery has run, and then: no leftover and no staging dir is left, every
+peer's save in progress); once it reports its recovery done (its bucket tidy runs after it serves), and then: no leftover and no staging dir is left, every
 committed object is as it was (same size, ETag and time; only training
 checkpoints past max_to_keep may go, as the newest save's rules say), the
 planted unrelated objects survive, and RemoteCheckpointer restores the
@@ -307,6 +307,7 @@ class _Harness:
             threading.Event().wait(max(0.0, self.killed_at + 2 * GRACE_SECONDS - time.monotonic()))
             began = time.monotonic()
             daemon = self.s3.start()
+            daemon.wait_recovered()  # the bucket's tidy runs after the daemon serves
             self.timing["start"] += time.monotonic() - began
             try:
                 with self._timed("after restart"):

@@ -18,11 +18,18 @@ committed save can be checked bit for bit. It prints each save's outcome as
 it learns it: offered, committed (told durable) or failed (and the error's
 type); it never lets a save raise out of its loop.
 
-Faults, one every FAULT_EVERY s on average, of these kinds in turn at random:
-`daemon_kill` (SIGKILL, restarted after 1-3 s), `s3_outage` (the proxy
-refuses, resets, answers 503 or stalls for 3-6 s), `trainer_kill` (SIGKILL,
-started again: it restores and goes on), `disk_full` (L's tmpfs filled for
-3-5 s).
+Faults come in rounds (`Schedule`): each round injects every kind once, in
+a random order, at random times (FAULT_EVERY s apart on average, less in a
+run too short for MIN_EACH rounds at that pace), so a 30-minute run injects
+every kind at least MIN_EACH times. The kinds: `daemon_kill` (S1, S2 or L:
+SIGKILL, restarted after 1-3 s), `s3_outage:MODE` for each of the proxy's
+modes (it refuses, resets, answers 503 or 500, or stalls for 3-6 s),
+`trainer_kill` (SIGKILL, started again: it restores and goes on),
+`disk_full` (L's tmpfs filled for 3-5 s).
+
+Each run writes under an S3 prefix of its own, random (printed at the
+start), whatever its seed: the seed picks the faults, never what an earlier
+run left.
 
 At the end the trainers are killed, the daemons stopped (SIGTERM: what they
 accepted finishes), and the checker reads every root (S3: the objects
@@ -31,7 +38,9 @@ themselves, with boto3):
 - every save a trainer was told committed is there and loads bit-identically
   (a policy dir may hold a later step of the same dir: never an older one);
 - every save a trainer was told failed is absent or complete, never partial,
-  and `verify` passes for every save of every run;
+  and `verify` passes for every save of every run, once the S3 prefix has
+  had the tidy a daemon's start gives it (with no grace age: what a save cut
+  off at its manifest's PUT uploaded is not a save, and recovery deletes it);
 - no run had two writers: on S3 every manifest's writer is an incarnation
   of the run's own daemon, in the order they ran;
 - nothing was written outside the roots: the local root's parent and the
@@ -46,6 +55,7 @@ import errno
 import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -64,14 +74,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 PERIOD = 0.5
 FAULT_EVERY = 10.0
+MIN_EACH = 5  # every kind of fault at least this often in a 30-minute run
 LEASE_SECONDS = 5.0
 READ_TIMEOUT = 2.0
 SAVE_TIMEOUT = 30.0
 LOCAL_MB = 256
 WEIGHTS = 4096
 POLICY_DIRS = 3
-KINDS = ("daemon_kill", "s3_outage", "trainer_kill", "disk_full")
-S3_FAULTS = ("refuse", "reset", "slowdown", "stall")
+S3_FAULTS = ("refuse", "reset", "slowdown", "internal", "stall")
 # (name, daemon, kind, shared memory)
 TRAINERS = (("t-s1-shm", "S1", "train", True), ("t-s2-grpc", "S2", "train", False),
             ("p-s1-grpc", "S1", "policy", False), ("t-l-shm", "L", "train", True))  # fmt: skip
@@ -93,8 +103,13 @@ def _say(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def trainer_main(address: str, run: str, kind: str, shm: bool) -> int:
-    """A trainer: saves every PERIOD s, saying each outcome; runs until killed."""
+def trainer_main(address: str, run: str, kind: str, shm: bool, first: int = 0) -> int:
+    """A trainer: saves every PERIOD s, saying each outcome; runs until killed.
+
+    A training run goes on from the step it restores; a policy run (nothing
+    to restore) from `first`, past every step an earlier incarnation offered,
+    so a policy dir's newer save always has the larger step.
+    """
     import tensorflow as tf
 
     from checkpointd_client import RemoteCheckpointer, RemotePolicySaver
@@ -117,6 +132,7 @@ def trainer_main(address: str, run: str, kind: str, shm: bool) -> int:
         policy = policies.build(policies.q((16,)))
         saver = RemotePolicySaver(policy, address, run=run, train_step=step, timeout=SAVE_TIMEOUT, shared_memory=shm)
         saver.register()
+        step.assign(first)
 
         def save(s: int) -> Any:
             for v in policy.variables():
@@ -156,7 +172,8 @@ class Figures:
     seconds: float = 0.0
     saves: collections.Counter[str] = field(default_factory=collections.Counter)  # offered, committed, ...
     failed_why: collections.Counter[str] = field(default_factory=collections.Counter)
-    faults: collections.Counter[str] = field(default_factory=collections.Counter)
+    faults: collections.Counter[str] = field(default_factory=collections.Counter)  # by Schedule kind
+    targets: collections.Counter[str] = field(default_factory=collections.Counter)  # which daemon, which trainer
     checked: collections.Counter[str] = field(default_factory=collections.Counter)
     restarts: collections.Counter[str] = field(default_factory=collections.Counter)  # trainers that ended themselves
     violations: list[str] = field(default_factory=list)
@@ -165,7 +182,7 @@ class Figures:
     def summary(self) -> str:
         return (
             f"soak of {self.seconds / 60:.1f} min: saves {dict(self.saves)}; failed by error {dict(self.failed_why)}; "
-            f"faults {dict(self.faults)}; trainers restarted after ending by themselves {dict(self.restarts)}; "
+            f"faults {dict(self.faults)} (on {dict(self.targets)}); trainers restarted after ending by themselves {dict(self.restarts)}; "
             f"checked {dict(self.checked)}; {len(self.violations)} violations"
             + "".join(f"\n  note: {n}" for n in self.notes)
         )
@@ -183,10 +200,14 @@ class _Trainer:
         with open(self.log, "a") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.integration.support.soak", "trainer", self.address, self.name, self.kind,
-                 str(int(self.shm))],
+                 str(int(self.shm)), str(self._first())],
                 stdout=subprocess.PIPE, stderr=err, text=True,
             )  # fmt: skip
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _first(self) -> int:
+        """Past every step this trainer's earlier incarnations offered."""
+        return max((int(e.get("step", 0)) for e in list(self.events) if e.get("run") == self.name), default=0) + 1
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -275,25 +296,50 @@ def _fill(where: Path) -> Path:
     return ballast
 
 
+class Schedule:
+    """The faults, in rounds: every kind once per round in a random order, at random times.
+
+    The mean spacing is FAULT_EVERY s, or less in a run too short for
+    2 * MIN_EACH rounds at that pace (a fault itself lasts seconds), so every
+    kind is injected at least MIN_EACH times.
+    """
+
+    def __init__(self, kinds: Sequence[str], minutes: float, rng: random.Random) -> None:
+        self.kinds, self.rng = list(kinds), rng
+        self.spacing = min(FAULT_EVERY, minutes * 60 / (2 * MIN_EACH * len(self.kinds)))
+        self._round: list[str] = []
+
+    def next(self) -> tuple[float, str]:
+        """(seconds to wait, the kind of the next fault)."""
+        if not self._round:
+            self._round = self.rng.sample(self.kinds, len(self.kinds))
+        return self.rng.uniform(0.5, 1.5) * self.spacing, self._round.pop()
+
+
+def fault_kinds(disk: bool) -> list[str]:
+    """Every kind the schedule injects; `disk`: the local root can be filled."""
+    kinds = ["daemon_kill", *(f"s3_outage:{how}" for how in S3_FAULTS), "trainer_kill"]
+    return [*kinds, "disk_full"] if disk else kinds
+
+
 def _fault(kind: str, rng: random.Random, daemons: _Daemons, trainers: list[_Trainer], figures: Figures) -> None:
-    """Injects one fault of `kind` and ends it."""
+    """Injects one fault of `kind` (one of `fault_kinds`) and ends it."""
     pause = threading.Event().wait
     if kind == "daemon_kill":
         name = rng.choice(("S1", "S2", "L"))
         daemons.kill(name)
         pause(rng.uniform(1.0, 3.0))
         daemons.start(name, figures)
-        figures.faults[f"daemon_kill:{name}"] += 1
-    elif kind == "s3_outage":
-        how = rng.choice(S3_FAULTS)
-        daemons.proxy.fault(how)
+        figures.targets[name] += 1
+    elif kind.startswith("s3_outage:"):
+        daemons.proxy.fault(kind.partition(":")[2])
         pause(rng.uniform(3.0, 6.0))
         daemons.proxy.clear()
-        figures.faults[f"s3_outage:{how}"] += 1
     elif kind == "trainer_kill":
         trainer = rng.choice(trainers)
         trainer.kill()
         trainer.start()
+        figures.targets[trainer.name] += 1
     else:
         ballast = _fill(daemons.local)
         pause(rng.uniform(3.0, 5.0))
@@ -309,12 +355,13 @@ def run_soak(rgw: Any, minutes: float, work: Path, *, seed: int = 0, log: Callab
     rng = random.Random(seed)
     figures = Figures()
     client = rgw.client()
-    prefix = f"soak-{rng.getrandbits(32):08x}"
+    prefix = f"soak-{secrets.token_hex(4)}"  # each run its own, whatever the seed
+    log(f"soak: seed {seed}, s3 prefix {prefix}, work {work}")
     local = work / "local" / "root"
-    kinds = list(KINDS)
-    if not _mount_tmpfs(local):
-        kinds.remove("disk_full")
+    disk = _mount_tmpfs(local)
+    if not disk:
         figures.notes.append("no tmpfs could be mounted (not root?): the disk_full fault was not injected")
+    schedule = Schedule(fault_kinds(disk), minutes, rng)
     outside_before = _outside(client, rgw.bucket, prefix), sorted(os.listdir(local.parent))
     events: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -329,16 +376,16 @@ def run_soak(rgw: Any, minutes: float, work: Path, *, seed: int = 0, log: Callab
                 ]
                 end = started + minutes * 60
                 while (now := time.monotonic()) < end:
-                    threading.Event().wait(min(end - now, rng.uniform(0.5, 1.5) * FAULT_EVERY))
+                    wait, kind = schedule.next()
+                    threading.Event().wait(min(end - now, wait))
                     if time.monotonic() >= end:
                         break
-                    kind = rng.choice(kinds)
                     _fault(kind, rng, daemons, trainers, figures)
                     for trainer in trainers:  # one that ended by itself (its start found no daemon) starts again
                         if trainer.proc is not None and trainer.proc.poll() is not None:
                             figures.restarts[f"{trainer.name} exit {trainer.proc.returncode}"] += 1
                             trainer.start()
-                    log(f"[{(time.monotonic() - started) / 60:5.1f} min] {kind}; faults {sum(figures.faults[k] for k in KINDS)}; "
+                    log(f"[{(time.monotonic() - started) / 60:5.1f} min] {kind}; faults {sum(figures.faults.values())}; "
                         f"events {len(events)}")  # fmt: skip
                 for trainer in trainers:
                     trainer.kill()
@@ -348,6 +395,11 @@ def run_soak(rgw: Any, minutes: float, work: Path, *, seed: int = 0, log: Callab
                 proxy.clear()
                 daemons.stop_all()
         figures.seconds = time.monotonic() - started
+        # What a failed save uploaded before its manifest (the store cut off
+        # at the manifest's PUT) stays under its final names until a daemon's
+        # tidy deletes it past the grace age: run that tidy now, as a restart
+        # an hour later would, so the checker sees what readers and recovery do.
+        figures.checked["S3 leftovers of uncommitted saves tidied"] = _tidy(client, rgw.bucket, prefix, work)
         check(events, daemons.pids, client, rgw.bucket, prefix, local, work / "check", figures)
         outside_after = _outside(client, rgw.bucket, prefix), sorted(os.listdir(local.parent))
         if outside_after != outside_before:
@@ -355,6 +407,17 @@ def run_soak(rgw: Any, minutes: float, work: Path, *, seed: int = 0, log: Callab
     finally:
         subprocess.run(["umount", str(local)], check=False, capture_output=True)
     return figures
+
+
+def _tidy(client: Any, bucket: str, prefix: str, work: Path) -> int:
+    """The daemons' tidy of the bucket with no grace age (they are stopped); how many objects it deleted."""
+    from checkpointd.storage.s3 import S3Store
+
+    store = S3Store(f"s3://{bucket}/{prefix}", work / "tidy-staging", grace_seconds=0, client=client)
+    try:
+        return store.tidy(lambda: False)
+    finally:
+        store.close()
 
 
 def _outside(client: Any, bucket: str, prefix: str) -> list[tuple[str, str]]:
@@ -368,7 +431,7 @@ def _outside(client: Any, bucket: str, prefix: str) -> list[tuple[str, str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["trainer"]:
-        return trainer_main(argv[1], argv[2], argv[3], argv[4] == "1")
+        return trainer_main(argv[1], argv[2], argv[3], argv[4] == "1", int(argv[5]) if len(argv) > 5 else 0)
     from tests.integration.support.s3_crash_harness import _start_rgw
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -143,7 +143,7 @@ def check(
 
 def _one_writer(run: str, manifests: dict[str, dict[str, Any]], pids: list[int], figures: soak.Figures) -> None:
     """On S3: every manifest's writer is an incarnation of the run's daemon, incarnations in time order."""
-    from checkpointd.storage.s3_keys import WRITER
+    from checkpointd.storage.s3.keys import WRITER
 
     order = []
     for place, doc in manifests.items():

@@ -9,7 +9,7 @@ that cross them (`records`). A capability only some implementations offer is
 a Protocol of its own (`StreamingStore`, `RemoteBases`, `Closing`,
 `LocalCopies`, `HeldSaves`, `SaveFiles`, `StagesFiles`, `CheckpointValues`, `WatchedSink`,
 `ReferencingSink`, `WholePartsSink`, `OrderedSink`, `CopyingSink`,
-`SameChunksSink`, `LeaseHolders`, `Described`), checked with isinstance, never
+`SameChunksSink`, `LeaseHolders`, `Described`, `TidiesLater`, `BoundedRequests`), checked with isinstance, never
 probed with getattr. `checkpointd.server` picks the implementations.
 """
 
@@ -42,9 +42,17 @@ from checkpointd.core.ports.sinks import (
     WatchedSink,
     WholePartsSink,
 )
-from checkpointd.core.ports.storage import Closing, RemoteBases, Store, StreamingStore
+from checkpointd.core.ports.storage import (
+    BoundedRequests,
+    Closing,
+    RemoteBases,
+    Store,
+    StreamingStore,
+    TidiesLater,
+)
 
 __all__ = [
+    "BoundedRequests",
     "CheckpointValues",
     "Clock",
     "Closing",
@@ -77,6 +85,7 @@ __all__ = [
     "StagesFiles",
     "Store",
     "StreamingStore",
+    "TidiesLater",
     "WatchedSink",
     "WholePartsSink",
 ]

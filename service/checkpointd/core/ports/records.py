@@ -23,6 +23,9 @@ class SaveMeta:
     step: int
     export_dir: str  # as the trainer named it
     trainer_versions: Mapping[str, str] = field(default_factory=dict)  # the trainer's (SaveHeader), e.g. tensorflow's
+    # time.monotonic() by which the store gives up retrying (the call's deadline, less a reserve);
+    # None: no deadline. Not recorded in the manifest.
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)

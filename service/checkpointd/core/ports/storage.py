@@ -10,6 +10,8 @@ in a bucket.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path, PurePath
 from typing import Protocol, runtime_checkable
 
@@ -129,6 +131,35 @@ class RemoteBases(Protocol):
 
     def base_source(self, save: CommittedSave, data_file: str, size: int) -> object | None:
         """The committed data object `save`'s path + `data_file` of `size` bytes as copies name it; None if unusable."""
+        ...
+
+
+@runtime_checkable
+class BoundedRequests(Protocol):
+    """A Store whose reads may retry for long (an object store): a save's checks before its accept bound them."""
+
+    def bounded(self, deadline: float | None) -> AbstractContextManager[None]:
+        """No request this thread makes inside the block is retried past `deadline` (time.monotonic(); None: none).
+
+        The call then raises UnavailableError naming the last error.
+        """
+        ...
+
+
+@runtime_checkable
+class TidiesLater(Protocol):
+    """A Store whose start-up recovery has a slow part the daemon runs after it serves (an object store's listing).
+
+    `Store.recover` does the quick part (local staging) before the bind.
+    """
+
+    def tidy(self, stopping: Callable[[], bool]) -> int:
+        """Deletes what interrupted saves left in the store, older than its grace age; returns how many.
+
+        Runs beside live saves (a peer's or this daemon's): whatever is younger
+        than the grace age is left alone. Stops early once `stopping()` is
+        true. Never raises: tidying only, a failure is logged.
+        """
         ...
 
 

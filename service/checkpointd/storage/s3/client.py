@@ -70,9 +70,11 @@ ERROR_KINDS = ("connection", "timeout", "throttled", "server")
 
 def error_kind(status: int = 0, code: str = "", exception: BaseException | None = None) -> str | None:
     """Which of ERROR_KINDS an attempt's failure is; None if the store did not fail (no error, or a 4xx)."""
-    from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+    from botocore.exceptions import BotoCoreError, ConnectTimeoutError, ReadTimeoutError
 
     if exception is not None:
+        if not isinstance(exception, (BotoCoreError, OSError)):
+            return None  # the daemon's own refusal before sending (a lease fence), not the store's
         timeout = isinstance(exception, (ReadTimeoutError, ConnectTimeoutError, TimeoutError))
         return "timeout" if timeout else "connection"
     if status == 503 or code in ("SlowDown", "Throttling", "ThrottlingException"):
@@ -275,9 +277,11 @@ def unavailable_on_error(what: str) -> Iterator[None]:
     """Turns the object store's failures into UnavailableError (retry later)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
+    from checkpointd.storage.s3.save_requests import SaveDeadlineError
+
     try:
         yield
-    except (BotoCoreError, ClientError) as e:
+    except (BotoCoreError, ClientError, SaveDeadlineError) as e:
         raise UnavailableError(f"the object store failed {what}: {e}") from e
 
 

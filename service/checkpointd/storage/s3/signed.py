@@ -40,7 +40,7 @@ from urllib.parse import quote, urlsplit
 ATTRIBUTE = "checkpointd_signed"  # where `make_client` puts a client's SignedRequests
 _ATTEMPTS = 4  # as the client's retries={"max_attempts": 4}
 _RETRIED_STATUS = frozenset({500, 502, 503, 504})
-FAILED_ATTEMPT = "checkpointd-failed-attempt.s3"  # emitted per failed attempt, + ".<operation>", with kind=
+FAILED_ATTEMPT = "checkpointd-failed-attempt.s3"  # emitted per failed attempt, + ".<operation>", with kind, url, why
 _RETRIED_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable"})
 
 
@@ -132,14 +132,15 @@ class SignedRequests:
 
         path = f"{self._base_path}/{quote(bucket, safe='')}/{quote(key, safe='/~')}"
         for attempt in range(_ATTEMPTS):
-            if self._events is not None:
-                self._events.emit(f"before-send.s3.{operation}", request=None)
             signed = self._signed(method, path, headers, body)
+            if self._events is not None:  # counted, and fenced (`fencing`), as the client's own requests
+                self._events.emit(f"before-send.s3.{operation}", request=signed)
             try:
                 status, answer, data = self._exchange(method, path, signed.body, signed.headers)
             except (OSError, http.client.HTTPException) as e:
                 self._drop_connection()
-                self._failed(operation, "timeout" if isinstance(e, TimeoutError) else "connection")
+                url = f"{self._scheme}://{self._host}{path}"
+                self._failed(operation, "timeout" if isinstance(e, TimeoutError) else "connection", url, repr(e))
                 if attempt + 1 == _ATTEMPTS:
                     raise _transport_error(f"{self._scheme}://{self._host}{path}", e) from e
                 _backoff(attempt)
@@ -148,7 +149,8 @@ class SignedRequests:
                 return status, answer, data
             code, message = _error(status, data)
             if status >= 500:
-                self._failed(operation, "throttled" if status == 503 or code == "SlowDown" else "server")
+                kind = "throttled" if status == 503 or code == "SlowDown" else "server"
+                self._failed(operation, kind, f"{self._scheme}://{self._host}{path}", f"HTTP {status} {code}")
             if attempt + 1 < _ATTEMPTS and (status in _RETRIED_STATUS or code in _RETRIED_CODES):
                 _backoff(attempt)
                 continue
@@ -161,10 +163,10 @@ class SignedRequests:
             )
         raise AssertionError("unreachable")
 
-    def _failed(self, operation: str, kind: str) -> None:
-        """Emits one failed attempt (`client.ERROR_KINDS`), which `client.count_errors` counts."""
+    def _failed(self, operation: str, kind: str, url: str, why: str) -> None:
+        """Emits one failed attempt (`client.ERROR_KINDS`), which `client.count_errors` counts and `save_requests` notes."""
         if self._events is not None:
-            self._events.emit(f"{FAILED_ATTEMPT}.{operation}", kind=kind)
+            self._events.emit(f"{FAILED_ATTEMPT}.{operation}", kind=kind, url=url, why=why)
 
     def _exchange(
         self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]

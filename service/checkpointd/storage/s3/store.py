@@ -28,12 +28,14 @@ Rename is not atomic in an object store, so a save is committed thus:
    committed there meanwhile, and the save fails.
 5. If a save was replaced, objects under the new one that its manifest does
    not list (the old save's) are deleted. A save to a new place skips that
-   listing; what a failed save left there has no manifest, and `recover`
+   listing; what a failed save left there has no manifest, and `tidy`
    deletes it after the grace age.
 
 A fleet of daemons shares the bucket; each run is written by the daemon
 holding its lease (`checkpointd.storage.s3.lease`). The store calls the
-lease's fence (`fence(run)`, no request) before step 2, right before the
+lease's fence (`fence(run)`, no request) before step 2, before every write
+request of steps 3 and 4 (each attempt: `save_requests`, which also
+stops retries at the save's deadline), right before the
 manifest PUT and again after it: a daemon that lost the lease commits
 nothing, and one that lost it during the PUT (paused past the margin)
 withdraws its manifest and fails the save. Retention's deletes and the
@@ -79,6 +81,7 @@ from checkpointd.storage.s3.client import (
 from checkpointd.storage.s3.keys import ETAGS, MANIFEST, PREFIX_MANIFEST, STORE_FIELDS, SaveKeys, keys_of, save_of
 from checkpointd.storage.s3.part_copy import MAX_PARTS, Source
 from checkpointd.storage.s3.places import Places
+from checkpointd.storage.s3.save_requests import SaveDeadlineError, SaveRequests
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class S3Store:
     """Committed saves in an S3 bucket under a prefix.
 
     Implements `Store` and the capabilities `StreamingStore`, `RemoteBases`,
-    `LocalCopies`, `SaveFiles`, `StagesFiles` and `Closing` (`checkpointd.core.ports`).
+    `LocalCopies`, `SaveFiles`, `StagesFiles`, `TidiesLater`, `BoundedRequests` and `Closing` (`checkpointd.core.ports`).
 
     Thread-safe: boto3 clients and the transfer manager are; the manifest
     cache has a lock.
@@ -117,7 +120,7 @@ class S3Store:
             endpoint_url: another S3 server than AWS's (e.g. radosgw's).
             region: the bucket's region; default from the AWS config.
             grace_seconds: how old an uncommitted object or multipart upload
-                must be before `recover` deletes it.
+                must be before `tidy` deletes it.
             part_bytes: multipart threshold and part size.
             max_concurrency: parallel requests of one transfer manager.
             client: a boto3 S3 client (the leases' too); by default one is made.
@@ -162,6 +165,10 @@ class S3Store:
         )
         self.transfer, self.small = self.shared.transfer, self.shared.small
         self._fence = self.shared.fence
+        # Each request of a save, each retry too: writes under the run's lease, none past the save's deadline.
+        self._requests = SaveRequests(self.client, self.bucket, fence or (lambda run: None))
+        # An attempt under way when retries stop may take this long still (--s3-read-timeout).
+        self._read_timeout = float(getattr(self.client.meta.config, "read_timeout", 0) or 0)
         self._on_upload = on_upload or (lambda kind, seconds, nbytes: None)
         self._folder_runs: dict[str, str] = {}  # folder -> the run last committed there (state-file fences)
         self._places = Places(self._dirs_under, tenure)  # export dirs known to hold nothing
@@ -216,6 +223,7 @@ class S3Store:
         """
         try:
             self._fence(meta.run)  # no lease, no request
+            self._writing(staging, target, meta)
             part = parts.start(self.client, self.bucket, self.part_bytes, self.shared.parts_pool, staging, target, sink)
         except Exception as e:
             _LOGGER.info("run %s: the data file of %s goes up at commit (%s)", meta.run, target, e)
@@ -226,7 +234,21 @@ class S3Store:
 
     def discard(self, staged: Path) -> None:
         self.discard_stream(staged)  # not completed: the save failed or was given up
+        self._requests.done(str(staged))
         shutil.rmtree(staged, ignore_errors=True)
+
+    def bounded(self, deadline: float | None) -> contextlib.AbstractContextManager[None]:
+        """This thread's requests inside the block stop a read timeout before `deadline` (UNAVAILABLE then)."""
+        return self._requests.bounded(deadline - self._read_timeout if deadline is not None else None)
+
+    def _writing(self, staging: Path, target: PurePath, meta: SaveMeta) -> None:
+        """From now until `discard`, every request under `target` is fenced by the run's lease and the save's deadline.
+
+        Retries stop a read timeout before the save's deadline, so the attempt
+        then under way ends, and the failure reaches the caller, within it.
+        """
+        deadline = meta.deadline - self._read_timeout if meta.deadline is not None else None
+        self._requests.writing(str(staging), str(target), meta.run, deadline)
 
     def commit(self, staged: Staged, target: PurePath, meta: SaveMeta) -> int:
         target = PurePosixPath(target)
@@ -235,6 +257,7 @@ class S3Store:
         place = keys_of(target, prefix=staged.files_prefix is not None)
         files_base, manifest_key = place.files_base, place.manifest
         self._fence(meta.run)  # a daemon without the run's lease touches nothing of it
+        self._writing(staged.path, target, meta)
         folder = self._folder_of(target)
         with self.shared.lock:
             self._folder_runs[folder] = meta.run
@@ -249,10 +272,11 @@ class S3Store:
                 replacing = self._unpublish(manifest_key)  # an old save here stops counting first
             uploaded, listed, _ = commit.upload(self.shared, staged, files_base, manifest_key, meta)
         except Exception as e:
-            if not store_failed(e):
+            if not (store_failed(e) or isinstance(e, SaveDeadlineError)):
                 raise
-            # The store, not the save, failed: UNAVAILABLE (the next save may
-            # commit), naming where the daemon sent it and the last error.
+            # The store, not the save, failed (or kept failing until the save's
+            # deadline): UNAVAILABLE (the next save may commit), naming where the
+            # daemon sent it and the last error.
             raise UnavailableError(
                 f"run {meta.run!r}: the object store at {self.client.meta.endpoint_url} failed saving step "
                 f"{meta.step} to s3://{self.bucket}/{target}: {describe(e)}"
@@ -262,7 +286,7 @@ class S3Store:
             # The bucket has the save (or it failed): its local copy goes either way,
             # or every save would stay on the daemon's disk until the next start.
             self.discard(staged.path)
-        if replacing:  # a new place has nothing of another save to tidy (recover takes a failed one's)
+        if replacing:  # a new place has nothing of another save to tidy (tidy takes a failed one's)
             self._drop_unlisted(files_base, target.name if staged.files_prefix is not None else None, listed)
         return staged.bytes_written  # the listed files' bytes, as verify counts them (not the manifest's)
 
@@ -442,7 +466,7 @@ class S3Store:
         keys = [files_base + rel for rel in listed if not save.prefix or rel.startswith(name + ".")]
         try:
             self.delete_keys(keys)
-        except Exception as e:  # not a save any more; recover deletes them after the grace age
+        except Exception as e:  # not a save any more; tidy deletes them after the grace age
             _LOGGER.warning("could not delete the objects of %s: %s", save.path, e)
         return True
 
@@ -455,8 +479,12 @@ class S3Store:
         return self.shared.folders()
 
     def recover(self) -> int:
-        """Deletes local staging leftovers, stale multipart uploads and uncommitted objects; returns how many."""
-        return recovery.recover(self.shared, self.grace_seconds)
+        """Deletes local staging leftovers (before the daemon serves); returns how many. The bucket: `tidy`."""
+        return recovery.remove_staging(self.shared)
+
+    def tidy(self, stopping: Callable[[], bool]) -> int:
+        """Aborts stale multipart uploads and deletes uncommitted objects past the grace age; returns how many."""
+        return recovery.tidy(self.shared, self.grace_seconds, stopping)
 
     # State files beside the saves.
 
