@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -26,20 +25,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from checkpointd.core.config import DEFAULT_SHM_ROOT, ServeConfig
-from checkpointd.core.incremental_path import ChooserConfig, IncrementalPath, PathChooser
+from checkpointd import host
+from checkpointd.core.config import ServeConfig
 from checkpointd.core.ports import Closing, Described, Leases, NoLeases, SaveFormat, Store, TidiesLater
-from checkpointd.durable.copies import shares_extents
 from checkpointd.durable.files import check_writable_dir
 from checkpointd.metrics import Metrics
 from checkpointd.protocol.errors import DeadlineError, RunNotFoundError
-from checkpointd.protocol.kinds import SaveKind
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.bind import bind_error, bind_failure, bind_quietly, bracket
 from checkpointd.rpc.calls import OpenCalls
 from checkpointd.rpc.servicer import CheckpointServicer, add_restore_files_handler
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
-from checkpointd.saves.checkpoint_dirs import CheckpointDirs
 from checkpointd.saves.pipeline import Formats, SavePipeline
 from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.retention import Retention
@@ -138,7 +134,7 @@ class Server:
         check_writable_dir(config.state_dir, "the daemon's state dir")
         # Before recovery: it deletes temp dirs, which are another live daemon's
         # saves in flight unless this daemon owns the dir alone.
-        self._dir_lock = _own_dir(config)
+        self._dir_lock = host.own_dir(config)
         self._pool = WriterPool(config.write_nice)
         if self._store is None:
             self._store, self.leases = _make_store(config, self._pool, self.metrics, self._busy, self._taken_over)
@@ -153,11 +149,11 @@ class Server:
         # A fleet's daemon touches only the runs it holds: each run's holder
         # rewrites its state files (from the manifests) at its next checkpoint.
         fleet = not isinstance(self.leases, NoLeases)
-        dirs = _checkpoint_dirs(self._store, self._formats, recover=not fleet)
+        dirs = host.checkpoint_dirs(self._store, self._formats, recover=not fleet)
         self.retention = Retention(self._store, config.retention, dirs)
         self.retention.start()
         staging_bytes = config.max_staging_bytes or default_staging_bytes()
-        self.shared_memory = _shared_memory(config.shm_root, staging_bytes)
+        self.shared_memory = host.shared_memory(config.shm_root, staging_bytes)
         pipeline = SavePipeline(
             config,
             self.lanes,
@@ -169,7 +165,7 @@ class Server:
             shared_memory=self.shared_memory,
             phases=self.metrics,
             leases=self.leases,
-            paths=(paths := _incremental_paths(self._store, config.incremental_path)),
+            paths=(paths := host.incremental_paths(self._store, config.incremental_path)),
         )
         servicer = CheckpointServicer(pipeline, config.state_dir / "staging")
         self._grpc = grpc.server(
@@ -222,9 +218,9 @@ class Server:
             auth.describe(),
             self.shared_memory.folder if self.shared_memory is not None else "off",
         )
-        _write_port(config.port_file, self.port)
+        host.write_port(config.port_file, self.port)
         if self.metrics_port is not None:
-            _write_port(config.metrics_port_file, self.metrics_port)
+            host.write_port(config.metrics_port_file, self.metrics_port)
         self._start_tidy(self._store)
 
     def _start_tidy(self, store: Store) -> None:
@@ -414,16 +410,6 @@ def _describe(seam: object) -> str:
     return seam.describe() if isinstance(seam, Described) else ""
 
 
-def _incremental_paths(store: Store, choice: str) -> PathChooser:
-    """How incremental saves copy from their base: server-side on an object store; on a local root, a clone
-    where its file system shares extents (probed once), else a copy."""
-    config = ChooserConfig(choice=choice)
-    if not isinstance(store, LocalStore):
-        return PathChooser(IncrementalPath.SERVER_COPY, config)
-    clones = shares_extents(store.root)
-    return PathChooser(IncrementalPath.CLONE if clones else IncrementalPath.COPY, config)
-
-
 def _make_store(
     config: ServeConfig,
     pool: WriterPool,
@@ -471,52 +457,3 @@ def _make_store(
         store.close()
         raise
     return store, leases
-
-
-def _own_dir(config: ServeConfig) -> DirLock:
-    """Takes the lock of the daemon's local dir: the root, or an s3:// root's work dir.
-
-    Raises:
-        DirInUseError: another daemon holds it; the message names it and the flag to change.
-    """
-    if config.s3_url is None:
-        what, flag = f"the root {config.root}", "--root"
-    else:
-        what = f"the work dir {config.root} (of s3:// roots' templates and staging)"
-        flag = "--work-dir (each daemon on a host needs its own; the default is ./checkpointd-work)"
-    return DirLock.take(config.state_dir, what=what, flag=flag)
-
-
-def _shared_memory(root: Path | None, max_bytes: int) -> SharedMemory | None:
-    """The same-host snapshot transport, or None if it is off or cannot start (logged)."""
-    if root is None:
-        return None
-    if root == DEFAULT_SHM_ROOT and not root.is_dir():  # the default, on a system without it: not an error
-        _LOGGER.info("shared memory is off: there is no %s here", root)
-        return None
-    try:
-        return SharedMemory(root, max_bytes)
-    except OSError as e:
-        _LOGGER.warning("shared memory is off: cannot make a folder in %s (%s)", root, e.strerror or e)
-        return None
-
-
-def _checkpoint_dirs(store: Store, formats: Sequence[SaveFormat], *, recover: bool = True) -> CheckpointDirs | None:
-    """Training checkpoint dirs' state files and retention, recovered now (if `recover`); None without the format."""
-    if not any(SaveKind.TRAINING_CHECKPOINT in f.kinds for f in formats):
-        return None
-    dirs = CheckpointDirs(store)
-    if not recover:
-        return dirs
-    deleted = dirs.recover()  # a daemon killed between a commit and its state file, or mid-sweep
-    if deleted:
-        _LOGGER.info("recovered training checkpoint dirs: %d checkpoints past their max_to_keep deleted", deleted)
-    return dirs
-
-
-def _write_port(path: Path | None, port: int) -> None:
-    if path is None:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    tmp.replace(path)  # readers never see a half-written file

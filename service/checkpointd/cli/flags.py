@@ -65,3 +65,13 @@ def with_flags(message: str, serve: argparse.ArgumentParser) -> str:
     # fields (port, host) only where they start the message, so plain words stay words.
     message = re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", flag, message)
     return re.sub(r"^[a-z]+\b", flag, message)
+
+
+class NoTokenOnCommandLine(argparse.Action):
+    """`--token`: refused without echoing its value (argparse's own error would)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        parser.error(
+            "tokens never go on the command line (ps and shell history show them): "
+            "use --token-file FILE or the environment variable instead"
+        )

@@ -64,6 +64,8 @@ LAYERS: dict[str, Layer] = {
     # Restoring is a use case too: a committed save found through the saves' catalog.
     "restores": _layer({"core", "protocol", "saves"}),
     "rpc": _layer({"core", "protocol", "restores", "saves", "transport", "v1"}, {"grpc"}),
+    # What the daemon takes of its host (dir lock, shared memory, port file), for the composition root.
+    "host": _layer({"core", "durable", "protocol", "saves", "storage", "transport"}),
     # The composition root: everything below the CLI.
     "server": _layer(
         {
@@ -72,6 +74,7 @@ LAYERS: dict[str, Layer] = {
             "core",
             "durable",
             "formats",
+            "host",
             "metrics",
             "protocol",
             "restores",
@@ -98,6 +101,8 @@ FACES = frozenset({"checkpointd.storage.s3"})
 MODULES: dict[str, frozenset[str]] = {
     # Parsing the command line is pure: no store, no server, no filesystem probe.
     "checkpointd.cli.parse": frozenset({"checkpointd", "core", "protocol"}),
+    "checkpointd.cli.serve_flags": frozenset({"checkpointd", "core", "protocol"}),
+    "checkpointd.cli.flags": frozenset({"checkpointd", "core", "protocol"}),
 }
 
 
