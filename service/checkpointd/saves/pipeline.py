@@ -31,7 +31,8 @@ The RPC layer (`checkpointd.rpc.servicer`) only translates: it decodes the
 header into a `SaveRequest`, hands over a `Receiver` that reads the request
 stream, and encodes the `Decision` and `Result` this yields.
 
-A run's registration is `checkpointd.saves.registration`.
+A run's registration is `checkpointd.saves.registration`; an incremental save's base
+and path, `checkpointd.saves.incremental_choice`.
 """
 
 from __future__ import annotations
@@ -53,11 +54,9 @@ from checkpointd.core.ports import (
     NoLeases,
     NullPhases,
     PhaseSink,
-    RemoteBases,
     SaveMeta,
     SaveSink,
     Store,
-    StreamingStore,
 )
 from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol.errors import (
@@ -65,13 +64,13 @@ from checkpointd.protocol.errors import (
 )
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
-from checkpointd.saves import admission, bases, registration, writes
+from checkpointd.saves import admission, bases, incremental_choice, registration, writes
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import directory_of
 from checkpointd.saves.kinds import Formats, own_spec
 from checkpointd.saves.outcomes import log_outcome, notice_outcome
 from checkpointd.saves.pool import WriterPool
-from checkpointd.saves.requests import BaseOffer, Decision, LocalSkip, Receiver, Result, SaveRequest, TrainerDecided
+from checkpointd.saves.requests import Decision, LocalSkip, Receiver, Result, SaveRequest, TrainerDecided
 from checkpointd.saves.retention import Retainer
 from checkpointd.saves.runs import Lanes, TrainerDecidedError
 from checkpointd.saves.sinks import AtWriterPriority
@@ -120,15 +119,7 @@ class SavePipeline:
         self._skips = SkipLog(_LOGGER)
         # The kinds each registered run takes: its registering format's.
         self._run_kinds: dict[str, tuple[SaveKind, ...]] = {}
-        self._bases = bases.Newest()  # each checkpoint dir's newest save: an incremental save's base
-        self._local = not isinstance(store, StreamingStore)  # an object store's saves are not files here
-        self._remote_bases = store if isinstance(store, RemoteBases) else None  # copied from server-side
-        # Each incremental save's path (copy from the base, or receive): the composition root
-        # passes the root's own copying path (a probe found whether it clones); else copies.
-        if paths is None:
-            paths = PathChooser(IncrementalPath.SERVER_COPY if self._remote_bases else IncrementalPath.COPY)
-        self._paths = paths
-        self._paths_lock = threading.Lock()
+        self._incremental = incremental_choice.IncrementalChoice(store, paths)  # each incremental save's base and path
 
     @property
     def upload_timeout(self) -> float:
@@ -315,15 +306,9 @@ class SavePipeline:
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
             incremental = request.incremental and bases.worth_a_base(parts)
-            alike = _alike(request, segment is not None)
+            alike = incremental_choice.alike(request, segment is not None)
             if incremental:  # through shared memory too: the daemon compares the chunks itself
-                base = bases.open_base(
-                    self.store, folder, request, self._local, self._bases, manifest.variables, self._remote_bases
-                )
-                chosen = self._path(alike, base)
-                if chosen is IncrementalPath.RECEIVE and base is not None:
-                    base.close()  # cheaper to receive its bytes than to copy them: no base offered
-                    base = None
+                base, chosen = self._incremental.open(self.store, folder, request, manifest.variables, alike)
             meta = SaveMeta(run, request.kind, request.step, request.export_dir, request.trainer_versions, deadline)
             fmt = self.formats(request.kind)
             # The save's files are open before the accept is answered, and are
@@ -331,7 +316,10 @@ class SavePipeline:
             # Its place is bound there: a path changed after the accept is never
             # followed (the Store holds the dirs open).
             decision = Decision(
-                accepted=True, segment=segment, lock_path=lock_path, base=_offer(base) if segment is None else None
+                accepted=True,
+                segment=segment,
+                lock_path=lock_path,
+                base=incremental_choice.offer(base) if segment is None else None,
             )
             with contextlib.ExitStack() as opened:
                 try:
@@ -375,10 +363,7 @@ class SavePipeline:
                     transferred()
             copied = base.copied if base is not None else 0
             outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
-            if incremental:
-                self._bases.committed(self.store, folder, request)
-            else:
-                self._bases.forget(folder, request)
+            self._incremental.written(self.store, folder, request, incremental)
             self._phases.payload_bytes(kind, request.snapshot_bytes - copied, copied)
             if request.checkpoint is not None:
                 self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
@@ -401,8 +386,7 @@ class SavePipeline:
             if request.on_notice:
                 self._phases.preemption_save(*notice_outcome(request, outcome))
         assert isinstance(outcome, Written)
-        with self._paths_lock:
-            self._paths.observed(alike, seconds, outcome.bytes_received, outcome.bytes_copied)
+        self._incremental.observed(alike, seconds, outcome.bytes_received, outcome.bytes_copied)
         if chosen is not None:
             self._phases.incremental_path(kind, chosen.value)
         yield Result(
@@ -410,13 +394,6 @@ class SavePipeline:
             bytes_received=outcome.bytes_received, bytes_copied=outcome.bytes_copied,
             incremental_path=chosen.value if chosen is not None else "",
         )  # fmt: skip
-
-    def _path(self, alike: str, base: bases.OpenBase | None) -> IncrementalPath:
-        """The path of an incremental save over `alike`'s saves, given the base it found (None: no base)."""
-        if base is None:
-            return IncrementalPath.NO_BASE
-        with self._paths_lock:
-            return self._paths.choose(alike)
 
     def _commit(self, request: SaveRequest, folder: str, save: writes.StreamedSave) -> tuple[str, int]:
         """Finishes and commits one received save, at the writer pool's priority; returns (path, bytes)."""
@@ -465,16 +442,6 @@ class _Once:
         action, self._action = self._action, None
         if action is not None:
             action()
-
-
-def _alike(request: SaveRequest, shared_memory: bool) -> str:
-    """The saves whose costs per byte compare: the same transport and kind, and a size within a factor of 2."""
-    transport = "shm" if shared_memory else "grpc"
-    return f"{transport}/{request.kind.value}/{request.snapshot_bytes.bit_length()}"
-
-
-def _offer(base: bases.OpenBase | None) -> BaseOffer | None:
-    return None if base is None else BaseOffer(base.export_dir, base.chunk_bytes, tuple(base.offer()))
 
 
 def _store_deadline(started: float, timeout: float | None) -> float | None:
