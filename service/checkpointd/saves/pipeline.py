@@ -30,6 +30,9 @@ its next request or Flush and are counted and logged like the daemon's own.
 The RPC layer (`checkpointd.rpc.servicer`) only translates: it decodes the
 header into a `SaveRequest`, hands over a `Receiver` that reads the request
 stream, and encodes the `Decision` and `Result` this yields.
+
+A run's registration is `checkpointd.saves.registration`; an incremental save's base
+and path, `checkpointd.saves.incremental_choice`.
 """
 
 from __future__ import annotations
@@ -51,28 +54,23 @@ from checkpointd.core.ports import (
     NoLeases,
     NullPhases,
     PhaseSink,
-    RemoteBases,
     SaveMeta,
     SaveSink,
     Store,
-    StreamingStore,
 )
 from checkpointd.core.variable_manifest import Manifest, VariableSpec
 from checkpointd.protocol.errors import (
-    LimitExceededError,
     RunNotFoundError,
-    SaveFailedError,
-    describe,
 )
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
-from checkpointd.saves import admission, bases, writes
+from checkpointd.saves import admission, bases, incremental_choice, registration, writes
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import directory_of
 from checkpointd.saves.kinds import Formats, own_spec
 from checkpointd.saves.outcomes import log_outcome, notice_outcome
 from checkpointd.saves.pool import WriterPool
-from checkpointd.saves.requests import BaseOffer, Decision, LocalSkip, Receiver, Result, SaveRequest, TrainerDecided
+from checkpointd.saves.requests import Decision, LocalSkip, Receiver, Result, SaveRequest, TrainerDecided
 from checkpointd.saves.retention import Retainer
 from checkpointd.saves.runs import Lanes, TrainerDecidedError
 from checkpointd.saves.sinks import AtWriterPriority
@@ -121,15 +119,7 @@ class SavePipeline:
         self._skips = SkipLog(_LOGGER)
         # The kinds each registered run takes: its registering format's.
         self._run_kinds: dict[str, tuple[SaveKind, ...]] = {}
-        self._bases = bases.Newest()  # each checkpoint dir's newest save: an incremental save's base
-        self._local = not isinstance(store, StreamingStore)  # an object store's saves are not files here
-        self._remote_bases = store if isinstance(store, RemoteBases) else None  # copied from server-side
-        # Each incremental save's path (copy from the base, or receive): the composition root
-        # passes the root's own copying path (a probe found whether it clones); else copies.
-        if paths is None:
-            paths = PathChooser(IncrementalPath.SERVER_COPY if self._remote_bases else IncrementalPath.COPY)
-        self._paths = paths
-        self._paths_lock = threading.Lock()
+        self._incremental = incremental_choice.IncrementalChoice(store, paths)  # each incremental save's base and path
 
     @property
     def upload_timeout(self) -> float:
@@ -151,76 +141,11 @@ class SavePipeline:
         on_lease_wait: Callable[[str], None] | None = None,
         checkpoint_dir: str | None = None,
     ) -> Manifest:
-        """Registers (or re-registers) a run from its uploaded policy template.
-
-        Args:
-            run: the run's name (checked).
-            folder: where its saves land under the root; "" for the run's name.
-            variables: every snapshot's variables, in snapshot order.
-            checkpoint_object_graph: `PolicySaver.save_checkpoint`'s object graph.
-            template_bytes: the template's announced size.
-            receive_template: reads the uploaded files into a staging dir it
-                returns (deleted afterwards).
-            kind: the family of saves the run makes: None, SAVED_MODEL or
-                CHECKPOINT for a policy run (with a template),
-                TRAINING_CHECKPOINT for a training run (with nothing).
-            timeout: seconds left of the call (None: no deadline): how long
-                it may wait for another daemon's lease on the run, less a
-                reserve so the refusal arrives before the caller gives up;
-                at most `ServeConfig.register_wait_seconds`.
-            on_lease_wait: called once, with a sentence for people, before it
-                waits for another daemon's lease (the servicer sends it on).
-            checkpoint_dir: a training run's checkpoint dir in `folder`,
-                which it alone writes while open; None: no claim.
-
-        Raises:
-            InvalidRequestError, LimitExceededError: the request is refused;
-                nothing is registered.
-            RunHeldError: another daemon still holds the run's lease.
-            UnavailableError: the store holding the leases cannot be reached,
-                or the daemon is draining (on notice, it takes only the runs
-                registered on it).
-            SaveFailedError: the template could not be stored (the OS's reason).
-        """
-        run = check_run_name(run)
-        folder = admission.check_folder(folder) if folder else run
-        claim = admission.claimed_dir(run, kind, checkpoint_dir)
-        # A policy run's template goes to the format of policy saves; a
-        # training run's (empty) registration to the training format.
-        fmt = self.formats(kind or SaveKind.SAVED_MODEL)
-        # Before its lease or template: a daemon on notice takes no new run, and another
-        # stream of the same name or dir is refused (the open run's template stays as it was).
-        self.lanes.check_registration(run, folder, claim, tuple(fmt.kinds))
-        if template_bytes > self._config.max_template_bytes:
-            raise LimitExceededError(
-                f"template of {template_bytes} bytes exceeds the daemon's limit of "
-                f"{self._config.max_template_bytes} (--max-template-bytes)"
-            )
-        started = time.monotonic()
-        with self.lanes.registering(run, folder):  # a takeover's retention, as the lease is taken, needs the folder
-            self.leases.hold(
-                run, started + self._lease_wait(timeout), waiting=on_lease_wait
-            )  # before anything of the run is stored
-        try:
-            manifest = fmt.register(run, receive_template(), variables, checkpoint_object_graph)
-        except OSError as e:  # the state dir: unwritable, full, gone (logged as the call ends)
-            raise SaveFailedError(f"run {run!r}: could not store its template: {describe(e)}") from e
-        self.lanes.register(run, manifest, folder, claim, tuple(fmt.kinds))
-        self._skips.forget(run)  # a restarted trainer's first skip is logged as a first again
-        self._run_kinds[run] = tuple(fmt.kinds)
-        _LOGGER.info(
-            "registered run=%s folder=%s variables=%d snapshot_bytes=%d template_bytes=%d in %.3fs",
-            run, folder, len(manifest.variables), manifest.nbytes, template_bytes,
-            time.monotonic() - started,
+        """Registers (or re-registers) a run from its uploaded policy template (`checkpointd.saves.registration`)."""
+        return registration.register(
+            self._config, self.formats, self.lanes, self.leases, self._skips, self._run_kinds, run, folder, variables,
+            checkpoint_object_graph, template_bytes, receive_template, kind, timeout, on_lease_wait, checkpoint_dir,
         )  # fmt: skip
-        return manifest
-
-    def _lease_wait(self, timeout: float | None) -> float:
-        wait = self._config.register_wait_seconds
-        # gRPC reports a call without a deadline as ~292 years left.
-        if timeout is not None and timeout < threading.TIMEOUT_MAX:
-            wait = min(wait, max(0.0, timeout - min(1.0, 0.2 * timeout)))
-        return wait
 
     def _bounded(self, deadline: float | None) -> contextlib.AbstractContextManager[None]:
         """The store's requests in the block bounded by `deadline`, where it can bound them."""
@@ -381,15 +306,9 @@ class SavePipeline:
                 lock = self._shm.lock(run)
                 lock_path = str(lock.path) if lock is not None and segment is not None else ""
             incremental = request.incremental and bases.worth_a_base(parts)
-            alike = _alike(request, segment is not None)
+            alike = incremental_choice.alike(request, segment is not None)
             if incremental:  # through shared memory too: the daemon compares the chunks itself
-                base = bases.open_base(
-                    self.store, folder, request, self._local, self._bases, manifest.variables, self._remote_bases
-                )
-                chosen = self._path(alike, base)
-                if chosen is IncrementalPath.RECEIVE and base is not None:
-                    base.close()  # cheaper to receive its bytes than to copy them: no base offered
-                    base = None
+                base, chosen = self._incremental.open(self.store, folder, request, manifest.variables, alike)
             meta = SaveMeta(run, request.kind, request.step, request.export_dir, request.trainer_versions, deadline)
             fmt = self.formats(request.kind)
             # The save's files are open before the accept is answered, and are
@@ -397,7 +316,10 @@ class SavePipeline:
             # Its place is bound there: a path changed after the accept is never
             # followed (the Store holds the dirs open).
             decision = Decision(
-                accepted=True, segment=segment, lock_path=lock_path, base=_offer(base) if segment is None else None
+                accepted=True,
+                segment=segment,
+                lock_path=lock_path,
+                base=incremental_choice.offer(base) if segment is None else None,
             )
             with contextlib.ExitStack() as opened:
                 try:
@@ -441,10 +363,7 @@ class SavePipeline:
                     transferred()
             copied = base.copied if base is not None else 0
             outcome = Written(path, bytes_written, request.snapshot_bytes - copied, copied)
-            if incremental:
-                self._bases.committed(self.store, folder, request)
-            else:
-                self._bases.forget(folder, request)
+            self._incremental.written(self.store, folder, request, incremental)
             self._phases.payload_bytes(kind, request.snapshot_bytes - copied, copied)
             if request.checkpoint is not None:
                 self.retention.after_checkpoint(folder, directory_of(request.export_dir), request.checkpoint.retention)
@@ -467,8 +386,7 @@ class SavePipeline:
             if request.on_notice:
                 self._phases.preemption_save(*notice_outcome(request, outcome))
         assert isinstance(outcome, Written)
-        with self._paths_lock:
-            self._paths.observed(alike, seconds, outcome.bytes_received, outcome.bytes_copied)
+        self._incremental.observed(alike, seconds, outcome.bytes_received, outcome.bytes_copied)
         if chosen is not None:
             self._phases.incremental_path(kind, chosen.value)
         yield Result(
@@ -476,13 +394,6 @@ class SavePipeline:
             bytes_received=outcome.bytes_received, bytes_copied=outcome.bytes_copied,
             incremental_path=chosen.value if chosen is not None else "",
         )  # fmt: skip
-
-    def _path(self, alike: str, base: bases.OpenBase | None) -> IncrementalPath:
-        """The path of an incremental save over `alike`'s saves, given the base it found (None: no base)."""
-        if base is None:
-            return IncrementalPath.NO_BASE
-        with self._paths_lock:
-            return self._paths.choose(alike)
 
     def _commit(self, request: SaveRequest, folder: str, save: writes.StreamedSave) -> tuple[str, int]:
         """Finishes and commits one received save, at the writer pool's priority; returns (path, bytes)."""
@@ -531,16 +442,6 @@ class _Once:
         action, self._action = self._action, None
         if action is not None:
             action()
-
-
-def _alike(request: SaveRequest, shared_memory: bool) -> str:
-    """The saves whose costs per byte compare: the same transport and kind, and a size within a factor of 2."""
-    transport = "shm" if shared_memory else "grpc"
-    return f"{transport}/{request.kind.value}/{request.snapshot_bytes.bit_length()}"
-
-
-def _offer(base: bases.OpenBase | None) -> BaseOffer | None:
-    return None if base is None else BaseOffer(base.export_dir, base.chunk_bytes, tuple(base.offer()))
 
 
 def _store_deadline(started: float, timeout: float | None) -> float | None:

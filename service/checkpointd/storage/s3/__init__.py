@@ -4,6 +4,7 @@ What code outside this package uses is here; its modules are private to it:
 - `store`: `S3Store`, the `Store` seam on a bucket (the commit protocol).
 - `bucket`: what the store and its helpers share (clients, keys, manifest cache).
 - `commit`, `parts`, `part_copy`, `copies`, `places`: a save's way into the bucket.
+- `catalog`: the committed saves, read from their manifests.
 - `restore`, `recovery`: a save's way out, and start-up tidying.
 - `lease`: `S3Leases`, one writer per run across a fleet.
 - `client`, `signed`, `keys`: the boto3 client, the small signed requests, the key layout.

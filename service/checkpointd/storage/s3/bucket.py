@@ -1,7 +1,7 @@
 """The bucket as the S3 store and its helpers share it: the clients, the keys, the manifest cache, a commit's state.
 
 `S3Store` (`checkpointd.storage.s3.store`) owns one `Bucket` and passes it
-to each helper (`commit`, `recovery`, `restore`), so a
+to each helper (`catalog`, `commit`, `recovery`, `restore`), so a
 helper reaches what it needs by name, not through the store's private
 attributes, and imports nothing of the store.
 

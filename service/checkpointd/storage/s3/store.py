@@ -46,8 +46,8 @@ leaves no save at that place (the local store keeps the old tree); saves to
 new names (checkpoint steps, numbered export dirs) never meet this.
 
 Readers trust manifests only; a save without one never counts. Delete: the
-manifest first, then the objects it lists. Start-up tidying is in
-`recovery`, restore's download in `restore`, the boto3 client
+manifest first, then the objects it lists. Listing the committed saves is in
+`catalog`, start-up tidying in `recovery`, restore's download in `restore`, the boto3 client
 (credentials from the standard AWS chain, never flags or logs) in `client`.
 """
 
@@ -64,10 +64,10 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from checkpointd.core.ports import CommittedSave, SavedFile, SaveMeta, Staged, WatchedSink
-from checkpointd.protocol.errors import RunHeldError, RunNotFoundError, UnavailableError, describe
-from checkpointd.protocol.names import RESERVED_PREFIX, TMP_PREFIX, check_export_dir, check_run_name
-from checkpointd.storage import prefix, save_manifest
-from checkpointd.storage.s3 import commit, parts, recovery, restore
+from checkpointd.protocol.errors import RunHeldError, UnavailableError, describe
+from checkpointd.protocol.names import TMP_PREFIX, check_export_dir, check_run_name
+from checkpointd.storage import prefix
+from checkpointd.storage.s3 import catalog, commit, parts, recovery, restore
 from checkpointd.storage.s3.bucket import Bucket
 from checkpointd.storage.s3.client import (
     ETagLog,
@@ -78,8 +78,8 @@ from checkpointd.storage.s3.client import (
     small_requests,
     store_failed,
 )
-from checkpointd.storage.s3.keys import ETAGS, MANIFEST, PREFIX_MANIFEST, STORE_FIELDS, SaveKeys, keys_of, save_of
-from checkpointd.storage.s3.part_copy import MAX_PARTS, Source
+from checkpointd.storage.s3.keys import MANIFEST, PREFIX_MANIFEST, SaveKeys, keys_of
+from checkpointd.storage.s3.part_copy import Source
 from checkpointd.storage.s3.places import Places
 from checkpointd.storage.s3.save_requests import SaveDeadlineError, SaveRequests
 
@@ -337,33 +337,10 @@ class S3Store:
         return self.shared.reading(what)
 
     def committed(self, folder: str, run: str | None) -> list[CommittedSave]:
-        folder_key = self.folder_key(folder)
-        saves = []
-        with self.reading(f"listing folder {folder!r}"):
-            for key, obj in self.list_objects(folder_key):
-                relative = key[len(folder_key) :]
-                if any(part.startswith(RESERVED_PREFIX) for part in relative.split("/")):
-                    continue
-                found = save_of(relative)
-                if found is None:
-                    continue
-                save = self._read(key, folder_key + found[0], folder_key, obj["ETag"], is_prefix=found[1])
-                if save is not None and (run is None or save.run == run):
-                    saves.append(save)
-        return saves
+        return catalog.committed(self.shared, folder, run)
 
     def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
-        target = self.target(folder, export_dir)
-        folder_key = self.folder_key(folder)
-        with self.reading(f"reading {export_dir!r} of folder {folder!r}"):
-            save = self._read(keys_of(target, prefix=False).manifest, str(target), folder_key, None, is_prefix=False)
-            if save is None:
-                save = self._read(keys_of(target, prefix=True).manifest, str(target), folder_key, None, is_prefix=True)
-        if save is None:
-            raise RunNotFoundError(
-                f"no committed save at {export_dir!r} in folder {folder!r} of {self.url} (no {MANIFEST})"
-            )
-        return save
+        return catalog.committed_at(self.shared, self.target(folder, export_dir), folder, export_dir)
 
     def manifest(self, key: str, etag: str | None) -> dict[str, Any] | None:
         """The parsed manifest at `key`, from the cache if its ETag is known and unchanged; None if absent."""
@@ -373,53 +350,13 @@ class S3Store:
         """The manifest at `key` as this store last read it (a lookup or listing), with no round trip; None if never."""
         return self.shared.last_read_manifest(key)
 
-    def _read(
-        self, manifest_key: str, save_key: str, folder_key: str, etag: str | None, *, is_prefix: bool
-    ) -> CommittedSave | None:
-        try:
-            document = self.manifest(manifest_key, etag)
-            if document is None:
-                return None
-            return save_manifest.committed_save(
-                document,
-                PurePosixPath(save_key),
-                save_key[len(folder_key) :],
-                prefix=is_prefix,
-                store_fields=STORE_FIELDS,
-            )
-        except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
-            _LOGGER.debug("not a committed save: %s (%s)", manifest_key, e)
-            return None
-
     def keys_of(self, save: CommittedSave) -> SaveKeys:
         """Where a committed save's files and manifest are in the bucket."""
         return self.shared.keys_of(save)
 
     def base_source(self, save: CommittedSave, data_file: str, size: int) -> Source | None:
-        """The committed data object (`save`'s path + `data_file`, `size` bytes) a new save's parts may copy, or None.
-
-        See `checkpointd.saves.bases.RemoteBases`. None for a file not
-        streamed in parts (under the store's part size), one of too many
-        parts to leave part numbers for copies, or an object its manifest
-        does not list with that size and an ETag.
-        """
-        if size < self.part_bytes or -(-size // self.part_bytes) > MAX_PARTS // 4:
-            return None
-        place = self.keys_of(save)
-        try:
-            document = self.manifest(place.manifest, None)
-        except Exception as e:  # noqa: BLE001 - no base: the save is sent in full
-            _LOGGER.info("no S3 base in %s: %s", place.manifest, e)
-            return None
-        if document is None:
-            return None
-        key = str(save.path) + data_file
-        rel = key[len(place.files_base) :] if key.startswith(place.files_base) else None
-        etag = (document.get(ETAGS) or {}).get(rel)
-        sizes = {e.path: e.size for e in document.get("files", [])}
-        if rel is None or not etag or sizes.get(rel) != size:
-            return None
-        return Source(key, str(etag).strip('"'))
+        """The committed data object (`save`'s path + `data_file`, `size` bytes) a new save's parts may copy, or None."""
+        return catalog.base_source(self.shared, save, data_file, size)
 
     def local_copy(
         self, save: CommittedSave, progress: Callable[[int], None] | None = None
