@@ -31,7 +31,7 @@ The RPC layer (`checkpointd.rpc.servicer`) only translates: it decodes the
 header into a `SaveRequest`, hands over a `Receiver` that reads the request
 stream, and encodes the `Decision` and `Result` this yields.
 
-A run's registration is `checkpointd.saves.registration`; an incremental save's base
+A run's registration is `checkpointd.saves.register_run`; an incremental save's base
 and path, `checkpointd.saves.incremental_choice`.
 """
 
@@ -64,7 +64,7 @@ from checkpointd.protocol.errors import (
 )
 from checkpointd.protocol.kinds import SaveKind
 from checkpointd.protocol.names import check_run_name
-from checkpointd.saves import admission, bases, incremental_choice, registration, writes
+from checkpointd.saves import admission, bases, incremental_choice, register_run, writes
 from checkpointd.saves.budget import UploadBudget
 from checkpointd.saves.checkpoint_dirs import directory_of
 from checkpointd.saves.kinds import Formats, own_spec
@@ -141,8 +141,8 @@ class SavePipeline:
         on_lease_wait: Callable[[str], None] | None = None,
         checkpoint_dir: str | None = None,
     ) -> Manifest:
-        """Registers (or re-registers) a run from its uploaded policy template (`checkpointd.saves.registration`)."""
-        return registration.register(
+        """Registers (or re-registers) a run from its uploaded policy template (`checkpointd.saves.register_run`)."""
+        return register_run.register(
             self._config, self.formats, self.lanes, self.leases, self._skips, self._run_kinds, run, folder, variables,
             checkpoint_object_graph, template_bytes, receive_template, kind, timeout, on_lease_wait, checkpoint_dir,
         )  # fmt: skip
