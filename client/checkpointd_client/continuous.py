@@ -72,10 +72,8 @@ class Choice(enum.Enum):
     SKIP_BUSY = "skipped_busy"
 
 
-REASONS = {
-    Choice.SKIP_BUDGET: "within the checkpointing budget: the last save is not yet paid for by training",
-    Choice.SKIP_BUSY: "this checkpointer's previous save is still in flight",
-}
+_BUDGET_REASON = "within the checkpointing budget: the last save is not yet paid for by training"
+_BUSY_REASON = "this checkpointer's previous save is still in flight"
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ class SaveBudget:
         self._trained = 0.0  # seconds of training since the last save returned
         self._saves = 0  # calls that saved: the first one's cost is not charged
         self._charged = 0.0  # seconds charged so far
-        self._counts = dict.fromkeys(Choice, 0)
+        self._counts = [0, 0, 0]  # saved, skipped by the budget, skipped busy
 
     @property
     def budget(self) -> float:
@@ -133,10 +131,7 @@ class SaveBudget:
     @property
     def decisions(self) -> Decisions:
         with self._lock:
-            counts = self._counts
-            return Decisions(
-                counts[Choice.SAVE], counts[Choice.SKIP_BUDGET], counts[Choice.SKIP_BUSY], charged_seconds=self._charged
-            )
+            return Decisions(*self._counts, charged_seconds=self._charged)
 
     def enter(self, in_flight: bool, forced: bool = False, counted: bool = True) -> tuple[Choice, float]:
         """Decides a call at its start; returns the choice and the time it began (for `leave`).
@@ -151,13 +146,14 @@ class SaveBudget:
             now = self._clock()
             if self._left_at is not None:
                 self._trained += max(0.0, now - self._left_at)
-            if forced:
-                choice = Choice.SAVE
+            # Counted by index, in Decisions' order: an Enum's hash is Python code, and this runs every step.
+            if forced or not (in_flight or self._spent > self._budget * self._trained):
+                choice, index = Choice.SAVE, 0
             elif self._spent > self._budget * self._trained:
-                choice = Choice.SKIP_BUDGET
+                choice, index = Choice.SKIP_BUDGET, 1
             else:
-                choice = Choice.SKIP_BUSY if in_flight else Choice.SAVE
-            self._counts[choice] += counted
+                choice, index = Choice.SKIP_BUSY, 2
+            self._counts[index] += counted
             return choice, now
 
     def charge(self, seconds: float) -> None:
@@ -193,10 +189,9 @@ class NotSavedTicket(SaveTicket):
     """
 
     def __init__(self, global_step: Any, export_dir: Callable[[int], str], kind: SaveKind, reason: str) -> None:
-        super().__init__("", kind, -1)
+        super().__init__("", kind, -1, skipped=reason)
         self._global_step: Any = global_step
         self._name = export_dir
-        self._skip(reason)
 
     def _read(self) -> None:
         if self._global_step is not None:
@@ -259,7 +254,7 @@ class ContinuousSaves:
         try:
             if choice is not Choice.SAVE:
                 self._set_pending(global_step)
-                return skip(global_step, REASONS[choice])
+                return skip(global_step, _BUDGET_REASON if choice is Choice.SKIP_BUDGET else _BUSY_REASON)
             ticket = save(global_step, blocking)
             # Skipped by the daemon (another saver's save of the run in flight), or failed
             # at once (the daemon unreachable: the outage's rule): still the last call not saved.

@@ -75,6 +75,11 @@ class SaveCounts:
         return f"SaveCounts(durable={self._durable}, skipped={self._skipped}, failed={self._failed})"
 
 
+# The Event of every ticket skipped at its making: set once, never cleared.
+_ENDED = threading.Event()
+_ENDED.set()
+
+
 class SaveTicket:
     """One `save()` or `save_checkpoint()` call, from the daemon's decision to its end.
 
@@ -84,16 +89,20 @@ class SaveTicket:
     by every `result()` call.
     """
 
-    def __init__(self, export_dir: str, kind: SaveKind, step: int, counts: SaveCounts | None = None) -> None:
+    def __init__(
+        self, export_dir: str, kind: SaveKind, step: int, counts: SaveCounts | None = None, skipped: str | None = None
+    ) -> None:
+        """`skipped`: the reason of a ticket skipped at its making (uncounted), which then needs no Event of its
+        own: a continuous checkpointer makes one per call that does not save, after every train step."""
         self._export_dir = export_dir
         self._counts = counts
         self._kind = kind
         self._step = step
-        self._skipped = False
-        self._reason = ""
+        self._skipped = skipped is not None
+        self._reason = skipped or ""
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
-        self._done = threading.Event()
+        self._done = threading.Event() if skipped is None else _ENDED
 
     @property
     def export_dir(self) -> str:
