@@ -34,8 +34,9 @@ from checkpointd.protocol.names import (
     check_run_name,
     is_run_name,
 )
-from checkpointd.storage import local_files, prefix, save_manifest, verify
+from checkpointd.storage import local_files, manifest_cache, prefix, save_manifest, verify
 from checkpointd.storage.local_paths import _path_of, _real_root, _real_run_dir, resolve_export_dir
+from checkpointd.storage.manifest_cache import ManifestCache
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class LocalStore:
         """
         self.root = Path(root)
         self._fsync = fsync
+        self._manifests = ManifestCache()  # committed saves read, by their manifest's identity
         sync = group_commit_.syncfs_of(self.root) if fsync and group_commit else None
         self._group = group_commit_.GroupSync(sync) if sync is not None else None
         # fsyncs a save's files while its manifest's CRCs read them back.
@@ -262,17 +264,17 @@ class LocalStore:
         folder_dir = self._folder_dir(folder)
         if not folder_dir.is_dir():
             return []
-        saves = [_read(d, folder_dir) for d in verify.find_save_dirs(folder_dir)]
-        saves += [_read(p, folder_dir, is_prefix=True) for p in verify.find_prefixes(folder_dir)]
+        saves = [_read(d, folder_dir, self._manifests) for d in verify.find_save_dirs(folder_dir)]
+        saves += [_read(p, folder_dir, self._manifests, is_prefix=True) for p in verify.find_prefixes(folder_dir)]
         return [save for save in saves if save is not None and (run is None or save.run == run)]
 
     def committed_at(self, folder: str, export_dir: str) -> CommittedSave:
         # Links on the way are resolved here, once (and must stay in the run's
         # folder): the save is read along its real path, following no link after.
         target = _path_of(os.path.realpath(resolve_export_dir(self.root, folder, export_dir)))
-        save = _read(target, self._folder_dir(folder)) if target.is_dir() else None
+        save = _read(target, self._folder_dir(folder), self._manifests) if target.is_dir() else None
         if save is None and prefix.is_committed(target):  # a dir of that name may be there too
-            save = _read(target, self._folder_dir(folder), is_prefix=True)
+            save = _read(target, self._folder_dir(folder), self._manifests, is_prefix=True)
         if save is None:
             raise RunNotFoundError(
                 f"no committed save at {export_dir!r} in folder {folder!r} (no such dir, or it has "
@@ -427,12 +429,13 @@ class _Staging:
         self.place.close()
 
 
-def _read(save_dir: Path, folder_dir: Path, *, is_prefix: bool = False) -> CommittedSave | None:
+def _read(save_dir: Path, folder_dir: Path, cache: ManifestCache, *, is_prefix: bool = False) -> CommittedSave | None:
     """The save at `save_dir` (a dir, or a checkpoint prefix), or None if it has no valid manifest.
 
     Its manifest is read through its dir opened from `/` along its real path
     (`dirs.open_real`): a link swapped into the path since it was listed is
-    not followed, and the save is not one.
+    not followed, and the save is not one. A manifest file read before and
+    unchanged since (`checkpointd.storage.manifest_cache`) is not parsed again.
     """
     name = prefix.manifest_path(save_dir).name if is_prefix else save_manifest.MANIFEST_NAME
     try:
@@ -441,10 +444,21 @@ def _read(save_dir: Path, folder_dir: Path, *, is_prefix: bool = False) -> Commi
         _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)
         return None
     try:
+        where = (save_dir, folder_dir, is_prefix)
+        try:
+            st = os.stat(name, dir_fd=base, follow_symlinks=False)
+        except OSError:
+            st = None  # read_manifest says what is wrong
+        manifest = manifest_cache.identity(st) if st is not None and stat.S_ISREG(st.st_mode) else None
+        if manifest is not None and (known := cache.get(where, manifest)) is not None:
+            return known
         document = save_manifest.read_manifest(Path(dirs.fd_path(base)), name)
-        return save_manifest.committed_save(
+        save = save_manifest.committed_save(
             document, save_dir, save_dir.relative_to(folder_dir).as_posix(), prefix=is_prefix
         )
+        if manifest is not None:
+            cache.put(where, manifest, save)
+        return save
     except (save_manifest.ManifestError, KeyError, TypeError, ValueError) as e:
         _LOGGER.debug("not a committed save: %s (%s)", save_dir, e)
         return None
