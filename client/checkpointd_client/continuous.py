@@ -131,7 +131,8 @@ class SaveBudget:
     @property
     def decisions(self) -> Decisions:
         with self._lock:
-            return Decisions(*self._counts, charged_seconds=self._charged)
+            saved, by_budget, busy = self._counts
+            return Decisions(saved, by_budget, busy, self._charged)
 
     def enter(self, in_flight: bool, forced: bool = False, counted: bool = True) -> tuple[Choice, float]:
         """Decides a call at its start; returns the choice and the time it began (for `leave`).
