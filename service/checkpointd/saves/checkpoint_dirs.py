@@ -98,7 +98,8 @@ class CheckpointDirs:
 
         In three steps, each leaving a state a restarted daemon derives the
         same sweep from: the state file without the victims (old mark), the
-        victims deleted (manifest first), the state file with the new mark.
+        victims deleted (manifest first), the state file with the new mark
+        (only if the mark moved, or a victim's delete failed and it stays).
 
         Args:
             folder: the run folder.
@@ -131,7 +132,9 @@ class CheckpointDirs:
                     posixpath.join(directory, name),
                     rules.keep_checkpoint_every_n_hours,
                 )
-            if victims or swept.state.last_preserved != mark:
+            # The state file already names what is left unless a victim stayed (its delete failed) or
+            # the mark moved: a continuous trainer's every save has a victim, and each write is two fsyncs.
+            if deleted < len(victims) or swept.state.last_preserved != mark:
                 self._write(folder, directory, self._checkpoints(folder, directory), swept.state.last_preserved)
         self.deleted += deleted
         return deleted

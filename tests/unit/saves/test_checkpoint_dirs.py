@@ -8,7 +8,9 @@ what the `checkpoint` file names after each step, what `verify` says.
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from pathlib import Path, PurePath
+
+import pytest
 
 from checkpointd.cli.verify import verify_paths
 from checkpointd.core import checkpoint_state
@@ -161,3 +163,32 @@ def test_verify_names_a_changed_file_of_a_prefix(tmp_path: Path) -> None:
     target.with_name("ckpt-4.index").write_bytes(b"tampered!")
     (report,) = verify_paths([target])
     assert not report.ok and "ckpt-4.index has 9 bytes" in report.reason
+
+
+def test_a_sweep_writes_the_state_file_once_and_again_only_for_a_victim_that_stayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalStore(tmp_path, fsync=False)
+    dirs = CheckpointDirs(store)
+    for step in range(3):
+        _commit(store, dirs, step)
+    writes: list[list[str]] = []
+    write_file = store.write_file
+
+    def counted(path: PurePath, data: bytes) -> None:
+        writes.append(
+            [line.split('"')[1] for line in data.decode().splitlines() if line.startswith("all_model_checkpoint_paths")]
+        )
+        write_file(path, data)
+
+    monkeypatch.setattr(store, "write_file", counted)
+    assert dirs.tidy(FOLDER, DIR, CheckpointRetention(2, None)) == 1
+    assert writes == [["ckpt-1", "ckpt-2"]]  # without ckpt-0, before it went; nothing left to say after
+    assert _state(tmp_path) == ["ckpt-1", "ckpt-2"]
+
+    _commit(store, dirs, 3)
+    writes.clear()
+    monkeypatch.setattr(store, "delete", lambda save: False)  # ckpt-1's delete fails: it stays
+    assert dirs.tidy(FOLDER, DIR, CheckpointRetention(2, None)) == 0
+    assert writes == [["ckpt-2", "ckpt-3"], ["ckpt-1", "ckpt-2", "ckpt-3"]]
+    assert _state(tmp_path) == ["ckpt-1", "ckpt-2", "ckpt-3"]
