@@ -429,7 +429,7 @@ class RemoteCheckpointer(SavesOnNotice):
         """
         deadline = deadline_after(timeout if timeout is not None else self._daemon.timeout)
         self._save_pending()
-        self._daemon.flush(time_left(deadline), registered=not self._read_only)
+        self._daemon.flush(time_left(deadline), registered=not self._read_only, skips=self._saves.local_skips)
 
     @client_call
     def close(self, timeout: float | None = None) -> None:

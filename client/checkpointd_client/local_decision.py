@@ -31,7 +31,7 @@ way (which registers again if the daemon lost the run).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,18 +52,31 @@ _LOGGER = logging.getLogger(__name__)
 
 @dataclass
 class LocalDecisionPath:
-    """What a saver needs to decide a save itself: the mapped segment, the busy lock, the layout it fits."""
+    """What a saver needs to decide a save itself: the mapped segment, the busy lock, the layout it fits.
+
+    `layout` is the saver's own object for what the segment was laid out for
+    (a policy's bindings, a training checkpoint's tensor layout), compared by
+    identity: the saver hands back the same object while the layout holds.
+    """
 
     segment: shm.SegmentMap
     lock: BusyLock
-    bindings: snapshot.Bindings
+    layout: object
     snapshot_bytes: int
 
-    def fits(self, bindings: snapshot.Bindings, snapshot_bytes: int) -> bool:
-        return bindings is self.bindings and snapshot_bytes == self.snapshot_bytes
+    def fits(self, layout: object, snapshot_bytes: int) -> bool:
+        return layout is self.layout and snapshot_bytes == self.snapshot_bytes
 
     def to_proto(self) -> pb.HeldSave:
         return pb.HeldSave(segment_path=self.segment.path, lock_path=self.lock.path)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A save decided here, not skipped: the path it holds the busy lock of, and its owner token."""
+
+    path: LocalDecisionPath
+    owner: object
 
 
 @dataclass(frozen=True)
@@ -115,42 +128,69 @@ class LocalDecision:
         """Whether a save was accepted into shared memory with a busy lock: the next may be decided here."""
         return self._path is not None
 
-    def save(self, save: LocalSave) -> SaveTicket | None:
-        """A non-blocking save decided here under the run's busy lock.
+    def hold(self, layout: object, snapshot_bytes: int) -> Held | str | None:
+        """Decides a non-blocking save of `layout` here: Held (the busy lock taken), a skip's reason, or None.
 
-        Returns None if it must go the ordinary way (another layout, or the
-        daemon that offered the lock stopped); else its ticket: skipped, or
-        not once the snapshot is in the segment and the Save call is queued
-        on the upload thread (which ends the ticket and lets go of the lock).
-        An eager policy's step is the snapshot's own (one read fewer).
+        None: it must go the ordinary way (another layout, no path yet, or
+        the daemon that offered the lock stopped). A Held save must be sent
+        (`send`) or let go (`unlock`).
+        """
+        path = self._path
+        if path is None or not path.fits(layout, snapshot_bytes):
+            return None
+        with self._daemon.lock:
+            if self._owner is not None:
+                return "this saver's previous save of the run is in flight"
+            if path.lock.stale():
+                self._path = None  # the daemon that made it stopped
+                return None
+            if not path.lock.try_take():
+                return "another save of the run is in flight (its busy lock is taken)"
+            owner = self._owner = object()
+        return Held(path, owner)
+
+    def skip(self, ticket: SaveTicket, reason: str) -> SaveTicket:
+        """Ends `ticket` skipped for `reason` (decided here), logged and reported to the daemon later."""
+        _LOGGER.warning(
+            "run %s: %s of step %s to %r skipped: %s",
+            *(self._daemon.run, ticket.kind.value, ticket.step, ticket.export_dir, reason),
+        )
+        self._local_skips.add(to_wire(ticket.kind), ticket.export_dir, ticket.step)
+        ticket._skip(reason)  # noqa: SLF001 - the saver's side completes tickets
+        return ticket
+
+    def send(
+        self,
+        held: Held,
+        call: SaveCall,
+        chunks: Callable[[], Iterable[bytes]],
+        durable: Callable[[SaveResult], None] | None,
+    ) -> None:
+        """Queues `call` of a held save whose snapshot is in the segment (`SaveCall.send_held`)."""
+        path = held.path
+        call.send_held(
+            path.to_proto(), path.segment.path, chunks=chunks,
+            unlock=lambda: self.unlock(held), drop=lambda: self._drop(path), durable=durable,
+        )  # fmt: skip
+
+    def save(self, save: LocalSave) -> SaveTicket | None:
+        """A policy's non-blocking save decided here under the run's busy lock.
+
+        Returns None if it must go the ordinary way (`hold`); else its
+        ticket: skipped, or not once the snapshot is in the segment and the
+        Save call is queued on the upload thread (which ends the ticket and
+        lets go of the lock). An eager policy's step is the snapshot's own
+        (one read fewer).
         """
         daemon = self._daemon
-        path = self._path
         numpy_state = save.numpy_state
         nbytes = snapshot.nbytes(save.bindings) + (numpy_state.nbytes if numpy_state is not None else 0)
-        if path is None or not path.fits(save.bindings, nbytes):
+        held = self.hold(save.bindings, nbytes)
+        if held is None:
             return None
-        with daemon.lock:
-            reason, stale = "", False
-            if self._owner is not None:
-                reason = "this saver's previous save of the run is in flight"
-            elif path.lock.stale():
-                self._path, stale = None, True  # the daemon that made it stopped
-            elif not path.lock.try_take():
-                reason = "another save of the run is in flight (its busy lock is taken)"
-            else:
-                owner = self._owner = object()
-        if stale:
-            return None
-        if reason:
-            ticket = daemon.ticket(save.export_dir, save.kind, save.read_step())
-            _LOGGER.warning(
-                "run %s: %s of step %s to %r skipped: %s",
-                *(daemon.run, ticket.kind.value, ticket.step, ticket.export_dir, reason),
-            )
-            self._local_skips.add(to_wire(ticket.kind), ticket.export_dir, ticket.step)
-            ticket._skip(reason)  # noqa: SLF001 - the saver's side completes tickets
-            return ticket
+        if isinstance(held, str):
+            return self.skip(daemon.ticket(save.export_dir, save.kind, save.read_step()), held)
+        path = held.path
         try:
             step = save.read_step() if save.values is not None else None
             values = save.values() if save.values is not None else None
@@ -165,25 +205,22 @@ class LocalDecision:
                 ),
                 shared_memory=True, incremental=self._incremental, local_skips=self._local_skips,
             )  # fmt: skip
-            call.send_held(
-                path.to_proto(), path.segment.path, chunks=lambda: snap.encoded_chunks(daemon.chunk_bytes),
-                unlock=lambda: self._unlock(path, owner), drop=lambda: self._drop(path), durable=save.durable,
-            )  # fmt: skip
+            self.send(held, call, lambda: snap.encoded_chunks(daemon.chunk_bytes), save.durable)
         except BaseException:
-            self._unlock(path, owner)
+            self.unlock(held)
             raise
         return ticket
 
-    def _unlock(self, path: LocalDecisionPath, owner: object) -> None:
-        """Lets go of the busy lock the save `owner` took, once its call has ended; idempotent.
+    def unlock(self, held: Held) -> None:
+        """Lets go of the busy lock the `held` save took, once its call has ended (or it was not sent); idempotent.
 
         Only while that save is still this saver's locally decided one: once
         its ticket has ended, the trainer's next save may already hold the
         lock (the same file description), and must keep it.
         """
         with self._daemon.lock:
-            if self._owner is owner:
-                path.lock.release()
+            if self._owner is held.owner:
+                held.path.lock.release()
                 self._owner = None
 
     def _drop(self, path: LocalDecisionPath) -> None:
@@ -192,9 +229,7 @@ class LocalDecision:
             if self._path is path:
                 self._path = None
 
-    def adopt(
-        self, segment: shm.SegmentMap, offer: pb.SharedMemory, bindings: snapshot.Bindings, snapshot_bytes: int
-    ) -> None:
+    def adopt(self, segment: shm.SegmentMap, offer: pb.SharedMemory, layout: object, snapshot_bytes: int) -> None:
         """After an accept into shared memory: later non-blocking saves of this layout need not ask."""
         daemon = self._daemon
         if not offer.lock_path:
@@ -212,7 +247,7 @@ class LocalDecision:
                 return
         with daemon.lock:
             self._busy_locks[offer.lock_path] = lock
-            self._path = LocalDecisionPath(segment, lock, bindings, snapshot_bytes)
+            self._path = LocalDecisionPath(segment, lock, layout, snapshot_bytes)
 
     def close(self) -> None:
         """Closes the busy locks' fds: no save follows."""

@@ -27,11 +27,12 @@ from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd_client import delta, described_graph, tf_checkpoint
 from checkpointd_client.daemon_cpu import DaemonCpu, ThreadCpu, idle_seconds
+from checkpointd_client.local_decision import Held, LocalDecision
 from checkpointd_client.notice import Notice
 from checkpointd_client.save_call import WRITTEN, Decision, Payload, SaveCall, Upload
 from checkpointd_client.ticket import SaveResult, SaveTicket
 from checkpointd_client.transport import shm
-from checkpointd_client.transport.session import DaemonSession
+from checkpointd_client.transport.session import DaemonSession, LocalSkips
 
 # The objects whose value is the step a save on notice is named by, as TF-Agents names them.
 _STEP_NAMES = ("global_step", "train_step", "step")
@@ -74,6 +75,13 @@ class TrainingSaves:
         # production and (on this host) the daemon's work. A continuous checkpointer's budget.
         self.charge: Callable[[float], None] | None = None
         self.copied = False  # a save's values were copied (a checkpoint exists, or soon will)
+        # Once a save was accepted into shared memory with the run's busy lock, the next non-blocking
+        # ones of that layout are decided here, without the decision's round trip on the trainer's
+        # thread (`checkpointd_client.local_decision`).
+        self.local_skips = LocalSkips()  # skipped under the busy lock, not yet reported
+        self._local = LocalDecision(daemon, self.local_skips, incremental=incremental)
+        self._layout: tuple[Any, ...] | None = None  # the layout the busy lock's path was adopted for
+        self._offsets: tuple[int, ...] = ()  # its tensors' offsets in the segment
 
     @property
     def durable_step(self) -> int | None:
@@ -116,17 +124,48 @@ class TrainingSaves:
             payload = Payload(self._dir, state.nbytes, training_checkpoint=state.to_proto(*self._retention))
             call = SaveCall(
                 self._daemon, ticket, lambda: payload, shared_memory=self._use_shm, incremental=self._incremental,
-                register_again=self.register, notice=notice, deadline=deadline,
+                register_again=self.register, notice=notice, deadline=deadline, local_skips=self.local_skips,
             )  # fmt: skip
+            held = None
+            if not blocking and skip_if_busy and notice is None and self._local.ready:
+                held = self._local.hold(self._same_layout(state.layout), state.nbytes)
+                if isinstance(held, str):
+                    self._local.skip(ticket, held)
             # Not skipped without skip_if_busy: the daemon queues it behind this run's save in flight.
-            decision = call.decide(blocking or not skip_if_busy)
+            decision = call.decide(blocking or not skip_if_busy) if held is None else None
         except BaseException:
             counter.assign_sub(1)  # refused before a decision: nothing was saved
             raise
         if ticket.skipped:
             counter.assign_sub(1)  # nothing was saved
             return False
+        if isinstance(held, Held):
+            self._send_held(held, state, ticket, call)
+            return True
+        assert decision is not None
         return call.send(decision, blocking, lambda d: self._copy(state, ticket, d))
+
+    def _send_held(self, held: Held, state: tf_checkpoint.TrainingState, ticket: SaveTicket, call: SaveCall) -> None:
+        """Copies into the segment under the busy lock taken here, and queues the call on an upload thread."""
+        try:
+            segment = held.path.segment
+            whole = segment.view()
+            views = [whole[o : o + t.nbytes] for o, t in zip(self._offsets, state.tensors, strict=False)]
+            daemon_cpu = self._cpu_of(segment.path) if self.charge is not None else None
+            started = (daemon_cpu.seconds(), idle_seconds()) if daemon_cpu is not None else None
+            self.deltas.copy(self._checkpoint, state, segment, views)
+            self.copied = True
+            upload = self._upload([WRITTEN], ticket, state, None, None, (daemon_cpu, started))
+            size = self._daemon.chunk_bytes
+            self._local.send(held, call, lambda: wire.save_request_chunks(views, size), upload.durable)
+        except BaseException:
+            self._local.unlock(held)
+            raise
+
+    def _same_layout(self, layout: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The layout the busy lock's path was adopted for, if `layout` equals it (the path compares identity)."""
+        with self._daemon.lock:
+            return self._layout if self._layout is not None and self._layout == layout else layout
 
     def _copy(self, state: tf_checkpoint.TrainingState, ticket: SaveTicket, decision: Decision) -> Upload:
         """Copies the values now: into the offered segment, else into spare buffers.
@@ -148,6 +187,10 @@ class TrainingSaves:
                 started = (daemon_cpu.seconds(), idle_seconds()) if daemon_cpu is not None else None
                 self.deltas.copy(self._checkpoint, state, segment, views)
                 self.copied = True
+                layout = self._same_layout(state.layout)
+                with self._daemon.lock:
+                    self._layout, self._offsets = layout, tuple(offer.offsets)
+                self._local.adopt(segment, offer, layout, state.nbytes)
                 return self._upload(
                     [WRITTEN], ticket, state, None, [] if base is not None else None, (daemon_cpu, started)
                 )
@@ -202,6 +245,7 @@ class TrainingSaves:
         """Drops the spare snapshot buffers and unmaps the segment: no save follows, and each holds the state's bytes."""
         with self._daemon.lock:
             self._spare, self._segment = None, None
+        self._local.close()
 
 
 def _taken(meter: DaemonCpu | None, started: tuple[float | None, float | None] | None) -> float:
