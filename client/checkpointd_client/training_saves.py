@@ -14,7 +14,7 @@ Lock discipline: the session's lock guards `_spare`, `_segment` and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,19 +148,25 @@ class TrainingSaves:
     def _send_held(self, held: Held, state: tf_checkpoint.TrainingState, ticket: SaveTicket, call: SaveCall) -> None:
         """Copies into the segment under the busy lock taken here, and queues the call on an upload thread."""
         try:
-            segment = held.path.segment
-            whole = segment.view()
-            views = [whole[o : o + t.nbytes] for o, t in zip(self._offsets, state.tensors, strict=False)]
-            daemon_cpu = self._cpu_of(segment.path) if self.charge is not None else None
-            started = (daemon_cpu.seconds(), idle_seconds()) if daemon_cpu is not None else None
-            self.deltas.copy(self._checkpoint, state, segment, views)
-            self.copied = True
-            upload = self._upload([WRITTEN], ticket, state, None, None, (daemon_cpu, started))
+            views, upload = self._into_segment(held.path.segment, self._offsets, state, ticket, None)
             size = self._daemon.chunk_bytes
             self._local.send(held, call, lambda: wire.save_request_chunks(views, size), upload.durable)
         except BaseException:
             self._local.unlock(held)
             raise
+
+    def _into_segment(
+        self, segment: shm.SegmentMap, offsets: Sequence[int], state: tf_checkpoint.TrainingState,
+        ticket: SaveTicket, parts: list[Any] | None,
+    ) -> tuple[list[memoryview], Upload]:  # fmt: skip
+        """Copies `state` into `segment` at `offsets` (what changed since its last snapshot); its views and upload."""
+        whole = segment.view()
+        views = [whole[o : o + t.nbytes] for o, t in zip(offsets, state.tensors, strict=False)]
+        daemon_cpu = self._cpu_of(segment.path) if self.charge is not None else None
+        started = (daemon_cpu.seconds(), idle_seconds()) if daemon_cpu is not None else None
+        self.deltas.copy(self._checkpoint, state, segment, views)
+        self.copied = True
+        return views, self._upload([WRITTEN], ticket, state, None, parts, (daemon_cpu, started))
 
     def _same_layout(self, layout: tuple[Any, ...]) -> tuple[Any, ...]:
         """The layout the busy lock's path was adopted for, if `layout` equals it (the path compares identity)."""
@@ -181,19 +187,12 @@ class TrainingSaves:
             if segment is not None and len(offer.offsets) == len(state.tensors) + 1:
                 with self._daemon.lock:
                     self._segment = segment
-                whole = segment.view()
-                views = [whole[o : o + t.nbytes] for o, t in zip(offer.offsets, state.tensors, strict=False)]
-                daemon_cpu = self._cpu_of(segment.path) if self.charge is not None else None
-                started = (daemon_cpu.seconds(), idle_seconds()) if daemon_cpu is not None else None
-                self.deltas.copy(self._checkpoint, state, segment, views)
-                self.copied = True
+                _, upload = self._into_segment(segment, offer.offsets, state, ticket, [] if base is not None else None)
                 layout = self._same_layout(state.layout)
                 with self._daemon.lock:
                     self._layout, self._offsets = layout, tuple(offer.offsets)
                 self._local.adopt(segment, offer, layout, state.nbytes)
-                return self._upload(
-                    [WRITTEN], ticket, state, None, [] if base is not None else None, (daemon_cpu, started)
-                )
+                return upload
             self._use_shm = False  # the daemon is not on this host (or not this user's)
         with self._daemon.lock:
             spare, self._spare = self._spare, None
