@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -174,6 +175,7 @@ class SaveCall:
         self._incremental = incremental
         self._register_again = register_again
         self._local_skips = local_skips
+        self._upload_started: float | None = None  # the upload thread's CPU clock when it took this save
         self._notice = notice
         self._deadline = deadline
 
@@ -288,6 +290,7 @@ class SaveCall:
         counted: contextlib.ExitStack,
         on_end: Callable[[], None] | None = None,
     ) -> None:
+        self._upload_started = time.thread_time()
         try:
             with counted:
                 self._upload(stream, upload, on_end)
@@ -296,6 +299,11 @@ class SaveCall:
             self._log_durable_raised()
         finally:
             self._daemon.release()
+
+    def upload_cpu(self) -> float:
+        """The CPU seconds the upload thread has spent on this save so far, asked on that thread (its `durable`
+        callback); 0 for a save uploaded on the caller's thread (a blocking one: its stall counts it)."""
+        return time.thread_time() - self._upload_started if self._upload_started is not None else 0.0
 
     def _log_durable_raised(self) -> None:
         _LOGGER.exception(
@@ -345,6 +353,7 @@ class SaveCall:
         drop: Callable[[], None],
         durable: Callable[[SaveResult], None] | None,
     ) -> None:
+        self._upload_started = time.thread_time()
         daemon, ticket = self._daemon, self.ticket
         try:
             with counted:

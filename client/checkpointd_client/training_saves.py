@@ -143,12 +143,12 @@ class TrainingSaves:
             self._send_held(held, state, ticket, call)
             return True
         assert decision is not None
-        return call.send(decision, blocking, lambda d: self._copy(state, ticket, d))
+        return call.send(decision, blocking, lambda d: self._copy(state, ticket, d, call))
 
     def _send_held(self, held: Held, state: tf_checkpoint.TrainingState, ticket: SaveTicket, call: SaveCall) -> None:
         """Copies into the segment under the busy lock taken here, and queues the call on an upload thread."""
         try:
-            views, upload = self._into_segment(held.path.segment, self._offsets, state, ticket, None)
+            views, upload = self._into_segment(held.path.segment, self._offsets, state, ticket, call, None)
             size = self._daemon.chunk_bytes
             self._local.send(held, call, lambda: wire.save_request_chunks(views, size), upload.durable)
         except BaseException:
@@ -157,7 +157,7 @@ class TrainingSaves:
 
     def _into_segment(
         self, segment: shm.SegmentMap, offsets: Sequence[int], state: tf_checkpoint.TrainingState,
-        ticket: SaveTicket, parts: list[Any] | None,
+        ticket: SaveTicket, call: SaveCall, parts: list[Any] | None,
     ) -> tuple[list[memoryview], Upload]:  # fmt: skip
         """Copies `state` into `segment` at `offsets` (what changed since its last snapshot); its views and upload."""
         whole = segment.view()
@@ -166,14 +166,16 @@ class TrainingSaves:
         started = (daemon_cpu.seconds(), idle_seconds()) if daemon_cpu is not None else None
         self.deltas.copy(self._checkpoint, state, segment, views)
         self.copied = True
-        return views, self._upload([WRITTEN], ticket, state, None, parts, (daemon_cpu, started))
+        return views, self._upload([WRITTEN], ticket, call, state, None, parts, (daemon_cpu, started))
 
     def _same_layout(self, layout: tuple[Any, ...]) -> tuple[Any, ...]:
         """The layout the busy lock's path was adopted for, if `layout` equals it (the path compares identity)."""
         with self._daemon.lock:
             return self._layout if self._layout is not None and self._layout == layout else layout
 
-    def _copy(self, state: tf_checkpoint.TrainingState, ticket: SaveTicket, decision: Decision) -> Upload:
+    def _copy(
+        self, state: tf_checkpoint.TrainingState, ticket: SaveTicket, decision: Decision, call: SaveCall
+    ) -> Upload:
         """Copies the values now: into the offered segment, else into spare buffers.
 
         Requests over gRPC are serialized against the base's digests, if
@@ -187,7 +189,9 @@ class TrainingSaves:
             if segment is not None and len(offer.offsets) == len(state.tensors) + 1:
                 with self._daemon.lock:
                     self._segment = segment
-                _, upload = self._into_segment(segment, offer.offsets, state, ticket, [] if base is not None else None)
+                _, upload = self._into_segment(
+                    segment, offer.offsets, state, ticket, call, [] if base is not None else None
+                )
                 layout = self._same_layout(state.layout)
                 with self._daemon.lock:
                     self._layout, self._offsets = layout, tuple(offer.offsets)
@@ -203,11 +207,11 @@ class TrainingSaves:
         self.copied = True
         size = self._daemon.chunk_bytes
         if base is not None:
-            return self._upload(increments.save_requests(parts, base, size), ticket, state, buffers, parts)
-        return self._upload(wire.save_request_chunks(parts, size), ticket, state, buffers, None)
+            return self._upload(increments.save_requests(parts, base, size), ticket, call, state, buffers, parts)
+        return self._upload(wire.save_request_chunks(parts, size), ticket, call, state, buffers, None)
 
     def _upload(
-        self, requests: Any, ticket: SaveTicket, state: tf_checkpoint.TrainingState,
+        self, requests: Any, ticket: SaveTicket, call: SaveCall, state: tf_checkpoint.TrainingState,
         spare: list[np.ndarray] | None, parts: list[Any] | None,
         daemon_cpu: tuple[DaemonCpu | None, tuple[float | None, float | None] | None] = (None, None),
     ) -> Upload:  # fmt: skip
@@ -226,8 +230,8 @@ class TrainingSaves:
                 self._durable_step = max(ticket.step, self._durable_step or 0)
                 if spare is not None:  # gRPC has let go of every chunk: the next save may reuse them
                     self._spare = (state.layout, spare)
-            if charge is not None:
-                charge(produced.seconds + _taken(*daemon_cpu))
+            if charge is not None:  # on the upload thread: its CPU for this save so far counts too
+                charge(produced.seconds + call.upload_cpu() + _taken(*daemon_cpu))
 
         whole = (lambda: wire.save_request_chunks(parts, size)) if parts is not None else None
         return Upload(requests, whole, durable)
