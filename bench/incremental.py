@@ -6,15 +6,20 @@ trained) with a TFUniformReplayBuffer of 200 MiB (--large: 1 GiB, the
 1.23 GB state), starts its own `checkpointd serve`, and two
 RemoteCheckpointers over gRPC (shared memory off: a trainer on another
 host), one incremental (the default) and one with `incremental=False`. Per
-repetition, 1 % of the buffer's rows (a contiguous ring range, as the buffer
-overwrites them) are rewritten and the agent trained one step; then both
-save the same state, in alternating order:
+repetition, 1 % of the buffer's rows are written as a trainer writes them
+(`add_batch`, one item at a time at the buffer's write cursor, in a
+tf.function) and the agent trained one step; then both save the same
+state, in alternating order:
 
 - bytes sent (SaveResult.bytes_received), against the changed bytes rounded
   up to whole 1 MiB chunks plus the agent's bytes;
 - the trainer's stall (save()'s return) and call -> durable (ticket.result());
 - the full-change case: every row rewritten and the agent trained, the
-  incremental save against the one with incremental off.
+  incremental save against the one with incremental off. A trainer
+  rewrites every row by adding `max_length` items (minutes here); the
+  bench clears the buffer (its cursor back to the start, which the
+  client sees, as it would see the cursor move by `max_length`) and then
+  rewrites the rows in place, which is seconds.
 
 Each incremental save's path, as the daemon chose it (SaveResult.incremental_path:
 copy, clone, server_copy, receive), is counted per row; `--incremental-path
@@ -94,11 +99,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     buffer_bytes = sum(t.nbytes for t in described.tensors if t.checkpoint_key.startswith("replay_buffer/"))
     changed_rows = max(1, int(rows * CHANGED_SHARE))
 
-    def rewrite(start: int, n: int) -> None:
+    item_zeros = tf.nest.map_structure(lambda s: tf.zeros([1, *s.shape], s.dtype), spec)
+
+    @tf.function
+    def add_rows(n: Any, value: Any) -> None:
+        for _ in tf.range(n):
+            buffer.add_batch(tf.nest.map_structure(lambda t: t + tf.cast(value, t.dtype), item_zeros))
+
+    def rewrite(n: int) -> int:
+        """Adds `n` items as a trainer does; the first row they went to."""
+        start = (int(buffer._last_id.numpy()) + 1) % rows  # noqa: SLF001 - the buffer's write cursor
+        add_rows(tf.constant(n), tf.constant(start % 97 + 1))
+        return start
+
+    def rewrite_all() -> None:
+        buffer.clear()  # see the module doc: the client copies the buffer whole after a clear
         for v in columns:
-            for a, b in ((start, min(start + n, rows)), (0, max(0, start + n - rows))):
-                if b > a:
-                    v[a:b].assign(v[a:b] + tf.ones_like(v[a:b]))
+            v.assign(v + tf.ones_like(v))
 
     def chunks_bound(start: int, n: int) -> int:
         return sum(
@@ -132,9 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress("first saves (the incremental run's base)")
             save(incr), save(full)
             rows_out: list[dict[str, Any]] = []
-            start = rows // 3
             for rep in range(args.reps):
-                rewrite(start, changed_rows)
+                start = rewrite(changed_rows)
                 trainer.step()
                 bound = chunks_bound(start, changed_rows)
                 pair = (
@@ -148,7 +164,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{row['incremental']['durable']:.2f} s; full {row['full']['received'] / 1e6:.1f} MB in "
                     f"{row['full']['durable']:.2f} s ({row['incremental']['path']})"
                 )
-                start = (start + changed_rows * 37) % rows  # the next run of rows, wrapping sometimes
             result["one_percent"] = {
                 "reps": rows_out,
                 "changed_chunk_bytes": summarize(r["changed_chunk_bytes"] for r in rows_out),
@@ -163,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress("every byte changed: incremental vs incremental off")
             changes = []
             for rep in range(args.reps):
-                rewrite(0, rows)
+                rewrite_all()
                 trainer.step()
                 pair = (("incremental", incr), ("full", full)) if rep % 2 else (("full", full), ("incremental", incr))
                 changes.append({name: save(ckpt) for name, ckpt in pair})
@@ -224,9 +239,8 @@ def _s3_reps(
 
             progress("S3: first saves (the incremental run's base)")
             save(incr), save(full)
-            start = rows // 5
             for rep in range(args.reps):
-                rewrite(start, changed_rows)
+                start = rewrite(changed_rows)
                 trainer.step()
                 pair = (
                     (("incremental", incr), ("full", full)) if rep % 2 == 0 else (("full", full), ("incremental", incr))
@@ -240,7 +254,6 @@ def _s3_reps(
                     f"{row['incremental']['committed']:.2f} s; full {row['full']['uploaded'] / 1e6:.1f} MB in "
                     f"{row['full']['committed']:.2f} s ({row['incremental']['path']})"
                 )
-                start = (start + changed_rows * 37) % rows
         finally:
             incr.close(SAVE_TIMEOUT)
             full.close(SAVE_TIMEOUT)

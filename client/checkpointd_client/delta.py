@@ -55,6 +55,13 @@ its first save, which copies whole.
 Other buffers (TF-Agents' NumPy buffers, whose state is Python state
 serialized at the call, Reverb, a buffer type not known here) are copied
 whole, as before.
+
+Over gRPC (no segment) the same rule copies into the buffers of the
+previous upload (`checkpointd_client.training_saves`: they come back once
+that save is durable, holding its snapshot), and what a copy wrote
+(`SnapshotCopy.written`) lets an incremental upload whose base is that
+very save skip summing the chunks nobody wrote
+(`checkpointd.protocol.increments`).
 """
 
 from __future__ import annotations
@@ -83,15 +90,18 @@ _WRITERS: weakref.WeakValueDictionary[str, SegmentDeltas] = weakref.WeakValueDic
 
 @dataclass(frozen=True)
 class SnapshotCopy:
-    """What one save copied into the shared-memory segment.
+    """What one save copied into the shared-memory segment (or a gRPC save's buffers).
 
     `whole` says why the replay buffers' storage was copied whole (None:
     only the rows written since the segment's last snapshot were).
+    `written`: per tensor, the byte ranges copied over the previous
+    snapshot, sorted (None: copied whole); empty when nothing was known.
     """
 
     bytes_copied: int
     nbytes: int
     whole: str | None
+    written: tuple[tuple[tuple[int, int], ...] | None, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)  # by identity: a key of _Held.cursors
@@ -115,7 +125,7 @@ class _Buffer:
 class _Held:
     """What the segment holds: this layout's snapshot, with each buffer's cursor at its copy."""
 
-    segment: weakref.ref[SegmentMap]
+    segment: weakref.ref[Any]  # the SegmentMap, or a gRPC save's buffers
     layout: tuple[Any, ...]
     cursors: dict[_Buffer, Cursor]  # each buffer's cursor then
 
@@ -149,37 +159,56 @@ class SegmentDeltas:
         Raises:
             Whatever the copy raises; the next copy is then whole.
         """
-        held, self._held = self._held, None  # until this copy completes, the segment's content is unknown
+        self.copy_parts(root, state, segment, views, strings=True)
+        assert self.last is not None
+        return self.last
+
+    def copy_parts(
+        self, root: Any, state: TrainingState, into: Any, views: Sequence[memoryview], *, strings: bool
+    ) -> list[memoryview]:
+        """Copies `state` into `views`, the buffers of `into` (a segment, or any object owning them); the parts.
+
+        `into` is compared by identity with the last copy's: the same object
+        holds that snapshot's bytes unless something else wrote them (a
+        segment: another checkpointer of this process, see the module doc).
+        `strings`: as `TrainingState.copy`. `self.last` says what was copied.
+
+        Raises:
+            Whatever the copy raises; the next copy is then whole.
+        """
+        held, self._held = self._held, None  # until this copy completes, the buffers' content is unknown
         try:
             buffers = self._buffers_of(root, state)
             cursors = {b: b.cursor() for b in buffers}
-            rows, whole = self._rows(held, state, segment, buffers, cursors)
-            state.copy(views, strings=True, rows=rows)
+            rows, whole = self._rows(held, state, into, buffers, cursors)
+            parts = state.copy(views, strings=strings, rows=rows)
         except BaseException:
             self._lost = "the previous copy into the segment did not complete"
             raise
         known = {key: cursor for key, cursor in cursors.items() if cursor is not None}
-        self._held = _Held(weakref.ref(segment), state.layout, known)
-        _WRITERS[segment.path] = self
-        skipped = sum(state.tensors[i].nbytes for i, ranges in rows.items())
-        copied = sum(
-            (stop - start) * (state.tensors[i].nbytes // max(1, state.tensors[i].shape[0]))
-            for i, ranges in rows.items()
-            for start, stop in ranges
+        self._held = _Held(weakref.ref(into), state.layout, known)
+        if isinstance(into, SegmentMap):
+            _WRITERS[into.path] = self
+        row_bytes = [t.nbytes // max(1, t.shape[0]) if t.shape else t.nbytes for t in state.tensors]
+        written = tuple(
+            tuple((start * row_bytes[i], stop * row_bytes[i]) for start, stop in rows[i]) if i in rows else None
+            for i in range(len(state.tensors))
         )
-        self.last = SnapshotCopy(state.nbytes - skipped + copied, state.nbytes, whole)
+        skipped = sum(state.tensors[i].nbytes for i, ranges in rows.items())
+        copied = sum(stop - start for ranges in written if ranges is not None for start, stop in ranges)
+        self.last = SnapshotCopy(state.nbytes - skipped + copied, state.nbytes, whole, written if rows else ())
         _LOGGER.debug(
             "run %s: copied %d of the snapshot's %d bytes into the shared-memory segment (%s)",
             self._run, self.last.bytes_copied, state.nbytes,
             "the rows written since its last snapshot" if whole is None else f"whole: {whole}",
         )  # fmt: skip
-        return self.last
+        return parts
 
     def _rows(
         self,
         held: _Held | None,
         state: TrainingState,
-        segment: SegmentMap,
+        segment: Any,
         buffers: tuple[_Buffer, ...],
         cursors: dict[_Buffer, Cursor | None],
     ) -> tuple[dict[int, list[tuple[int, int]]], str | None]:
@@ -190,7 +219,7 @@ class SegmentDeltas:
             return {}, self._lost
         if held.segment() is not segment:
             return {}, "another segment"
-        if _WRITERS.get(segment.path) is not self:
+        if isinstance(segment, SegmentMap) and _WRITERS.get(segment.path) is not self:
             return {}, "another checkpointer of this process copied into the segment"
         if held.layout != state.layout:
             return {}, "the layout changed"

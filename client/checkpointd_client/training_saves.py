@@ -5,7 +5,11 @@ moves the save: it describes the `tf.train.Checkpoint` with TensorFlow's own
 saver code (once, then checked at each save: `checkpointd_client.described_graph`), asks the daemon through `checkpointd_client.save_call`, and,
 once accepted, copies the values into the daemon's shared-memory segment
 (on its host) or into the buffers of the last uploaded snapshot of the same
-layout, so the next save's memory is already touched.
+layout, so the next save's memory is already touched. Either way only what
+changed since the buffers' snapshot is copied (`checkpointd_client.delta`);
+over gRPC, when the daemon's base is the save those buffers were uploaded
+for, the chunks nothing wrote are sent as the base's without being summed
+(`checkpointd.protocol.increments`).
 
 Lock discipline: the session's lock guards `_spare`, `_segment` and
 `_durable_step`, and is never held across an RPC or a TF call.
@@ -67,8 +71,9 @@ class TrainingSaves:
         self._incremental = incremental
         self._segment: shm.SegmentMap | None = None
         self.deltas = delta.SegmentDeltas(daemon.run, checkpoint)  # what a save copies into the segment
-        # (layout, buffers) of the last uploaded snapshot, reused by the next one of that layout.
-        self._spare: tuple[tuple[Any, ...], list[np.ndarray]] | None = None
+        # The buffers of the last snapshot uploaded and durable, reused by the next one of that layout.
+        self._spare: _Spare | None = None
+        self.last_sent: increments.Sent | None = None  # what the last incremental upload over gRPC sent
         self._durable_step: int | None = None  # of the dir's newest checkpoint known durable
         self._daemon_cpu: tuple[str, DaemonCpu | None] | None = None  # (segment folder, the daemon's CPU there)
         # Told, once a save is durable, the CPU it cost off the training thread: the requests'
@@ -200,19 +205,24 @@ class TrainingSaves:
             self._use_shm = False  # the daemon is not on this host (or not this user's)
         with self._daemon.lock:
             spare, self._spare = self._spare, None
-        buffers = spare[1] if spare is not None and spare[0] == state.layout else None
-        if buffers is None:  # Python state needs none: it is bytes already
-            buffers = [np.empty(0 if tf_checkpoint.is_string(t) else t.nbytes, np.uint8) for t in state.tensors]
-        parts = list(state.copy([b.data for b in buffers]))
+        if spare is None or spare.layout != state.layout:  # Python state needs none: it is bytes already
+            spare = _Spare(state.layout, [np.empty(0 if tf_checkpoint.is_string(t) else t.nbytes, np.uint8) for t in state.tensors])  # fmt: skip
+        held, spare.export_dir = spare.export_dir, None  # the save whose snapshot the buffers hold, until this copy
+        parts = self.deltas.copy_parts(self._checkpoint, state, spare, [b.data for b in spare.buffers], strings=False)
         self.copied = True
         size = self._daemon.chunk_bytes
         if base is not None:
-            return self._upload(increments.save_requests(parts, base, size), ticket, call, state, buffers, parts)
-        return self._upload(wire.save_request_chunks(parts, size), ticket, call, state, buffers, None)
+            copied = self.deltas.last
+            # The base is the save the buffers held: what this copy did not write is the base's bytes.
+            written = copied.written if copied is not None and held == base.export_dir and copied.written else None
+            self.last_sent = sent = increments.Sent()
+            requests = increments.save_requests(parts, base, size, sent, written)
+            return self._upload(requests, ticket, call, state, spare, parts)
+        return self._upload(wire.save_request_chunks(parts, size), ticket, call, state, spare, None)
 
     def _upload(
         self, requests: Any, ticket: SaveTicket, call: SaveCall, state: tf_checkpoint.TrainingState,
-        spare: list[np.ndarray] | None, parts: list[Any] | None,
+        spare: _Spare | None, parts: list[Any] | None,
         daemon_cpu: tuple[DaemonCpu | None, tuple[float | None, float | None] | None] = (None, None),
     ) -> Upload:  # fmt: skip
         """The upload of `requests`; `parts` sent again whole after DATA_LOSS (an incremental save's).
@@ -229,7 +239,8 @@ class TrainingSaves:
             with self._daemon.lock:
                 self._durable_step = max(ticket.step, self._durable_step or 0)
                 if spare is not None:  # gRPC has let go of every chunk: the next save may reuse them
-                    self._spare = (state.layout, spare)
+                    spare.export_dir = ticket.export_dir
+                    self._spare = spare
             if charge is not None:  # on the upload thread: its CPU for this save so far counts too
                 charge(produced.seconds + call.upload_cpu() + _taken(*daemon_cpu))
 
@@ -249,6 +260,15 @@ class TrainingSaves:
         with self._daemon.lock:
             self._spare, self._segment = None, None
         self._local.close()
+
+
+class _Spare:
+    """A gRPC upload's snapshot buffers; once its save is durable, `export_dir` names it (its bytes are theirs)."""
+
+    def __init__(self, layout: tuple[Any, ...], buffers: list[np.ndarray]) -> None:
+        self.layout = layout
+        self.buffers = buffers
+        self.export_dir: str | None = None
 
 
 def _taken(meter: DaemonCpu | None, started: tuple[float | None, float | None] | None) -> float:

@@ -8,11 +8,18 @@ with the base's. A chunk whose CRC32C differs is sent, with that CRC32C;
 a run of equal ones becomes one SameChunks naming them. Without a base (or
 for a part the base does not hold) every byte is sent, as
 `wire.save_request_chunks` sends it.
+
+A client that knows which bytes of a part it wrote since the snapshot the
+base was saved from (`written`: the base is that snapshot's committed save,
+and the part's buffer held that snapshot's bytes; `checkpointd_client.delta`
+says when) need not sum the others: a chunk that overlaps no written range
+is the base's chunk, and goes as a SameChunks with the base's own digest.
+Only chunks a written range touches are summed and compared.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -23,16 +30,34 @@ from checkpointd.v1 import checkpointd_pb2 as pb
 
 @dataclass
 class Sent:
-    """What an incremental upload has sent so far: payload bytes as chunks, and as references."""
+    """What an incremental upload has sent so far: payload bytes as chunks, and as references.
+
+    `unsummed_bytes`: of `same_bytes`, those taken as the base's unsummed (nothing wrote them).
+    """
 
     chunk_bytes: int = 0
     same_bytes: int = 0
+    unsummed_bytes: int = 0
 
 
 def save_requests(
-    parts: Iterable[Buffer], base: pb.IncrementalBase | None, chunk_bytes: int, sent: Sent | None = None
+    parts: Iterable[Buffer],
+    base: pb.IncrementalBase | None,
+    chunk_bytes: int,
+    sent: Sent | None = None,
+    written: Sequence[Sequence[tuple[int, int]] | None] | None = None,
 ) -> Iterator[bytes]:
     """The payload's requests, serialized, in payload order; `sent` counts them as they go.
+
+    Args:
+        parts: the payload's parts, in payload order.
+        base: the accept's base (None: every byte is sent).
+        chunk_bytes: the chunk size without a base.
+        sent: counts what was sent, as it goes.
+        written: per part, the sorted byte ranges [start, stop) written since
+            the snapshot `base` is the committed save of (None, or a part
+            past its end: not known, every chunk is summed). Chunks outside
+            them are taken as the base's without being summed.
 
     Raises:
         ValueError: `chunk_bytes` (or the base's) is not a positive int.
@@ -48,10 +73,13 @@ def save_requests(
         view = memoryview(part).cast("B")
         known = digests[j] if j < len(digests) else []
         step = size if known else chunk_bytes
+        touched = _touched(written[j], step, len(known)) if written is not None and j < len(written) else None
         run_start, run_crcs = 0, list[int]()  # a run of unchanged chunks, not yet sent
         for n, start in enumerate(range(0, view.nbytes, step)):
             data = view[start : start + step]
-            crc = crc32c.crc32c(data)
+            unwritten = touched is not None and n < len(known) and not touched[n]
+            crc = known[n] if unwritten else crc32c.crc32c(data)
+            sent.unsummed_bytes += data.nbytes if unwritten else 0
             if n < len(known) and known[n] == crc:
                 if not run_crcs:
                     run_start = offset + start
@@ -65,6 +93,17 @@ def save_requests(
         if run_crcs:
             yield _same(run_start, offset + view.nbytes - run_start, run_crcs, sent)
         offset += view.nbytes
+
+
+def _touched(ranges: Sequence[tuple[int, int]] | None, chunk: int, chunks: int) -> list[bool] | None:
+    """Per chunk of a part, whether a written range overlaps it; None if what was written is not known."""
+    if ranges is None:
+        return None
+    touched = [False] * chunks
+    for start, stop in ranges:
+        for n in range(start // chunk, min(chunks, -(-stop // chunk))):
+            touched[n] = True
+    return touched
 
 
 def _same(offset: int, length: int, crcs: list[int], sent: Sent) -> bytes:
