@@ -107,7 +107,10 @@ class PolicySaves:
 
         def early() -> SaveTicket | None:
             check_export_dir(export_dir)
-            return daemon.ticket(export_dir, kind, self._read_step(train_step)) if not blocking else None
+            # A ticket (a read of the step) only for a save that fails at once: the save makes its own.
+            if blocking or not daemon.failing_fast():
+                return None
+            return daemon.ticket(export_dir, kind, self._read_step(train_step))
 
         def save(_: SaveTicket | None) -> tuple[SaveTicket, bool]:
             return self._save_now(export_dir, kind, blocking, train_step, template_options, callbacks)

@@ -356,6 +356,11 @@ class DaemonSession:
 
     # Outages: a non-blocking save never raises what the daemon's state causes.
 
+    def failing_fast(self) -> bool:
+        """Whether a non-blocking save now would fail at once (`fail_fast`): an outage's wait is not over."""
+        with self.lock:
+            return self.outage.retry_in() != 0.0
+
     def fail_fast(self, ticket: SaveTicket) -> bool:
         """Fails `ticket` at once if an outage's wait is not over; True if it did."""
         with self.lock:
