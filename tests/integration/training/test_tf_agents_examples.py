@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,16 +40,24 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         [sys.executable, "-m", "tests.integration.support.trainers.example_proc", "serve"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
     )  # fmt: skip
-    assert server.stdin is not None and server.stdout is not None
-    answers = selectors.DefaultSelector()
-    answers.register(server.stdout, selectors.EVENT_READ)
+    requests, replies = server.stdin, server.stdout
+    assert requests is not None and replies is not None
+    answers: queue.Queue[str] = queue.Queue()  # its stdout's lines as they come, "" at its end
+
+    def read() -> None:
+        for line in replies:
+            answers.put(line)
+        answers.put("")
+
+    threading.Thread(target=read, daemon=True).start()
     logs = tmp_path_factory.mktemp("example-runs")
 
     def answer(deadline: float) -> dict[str, int] | None:
         """The server's next line, or None at the deadline."""
-        if not answers.select(max(0.0, deadline - time.monotonic())):
+        try:
+            line = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
             return None
-        line = server.stdout.readline()  # type: ignore[union-attr]
         assert line, f"the example server ended (exit code {server.poll()})"
         return json.loads(line)
 
@@ -63,8 +72,8 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         n = len(list(logs.iterdir())) // 2
         out, err = logs / f"{n}.out", logs / f"{n}.err"
         request = {"args": args, "env": env, "stdout": str(out), "stderr": str(err)}
-        server.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
-        server.stdin.flush()  # type: ignore[union-attr]
+        requests.write(json.dumps(request) + "\n")
+        requests.flush()
         deadline = time.monotonic() + RUN_SECONDS
         started = answer(deadline)
         assert started is not None, "the example server forked no run"
@@ -79,7 +88,7 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     try:
         yield run
     finally:
-        server.stdin.close()
+        requests.close()
         try:
             server.wait(60)
         finally:
