@@ -212,29 +212,25 @@ def serve() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:
-            _child(request)
+        if pid == 0:  # the child ends as a run's own process does: atexit handlers (PPO's env workers), then exit
+            sys.exit(_child(request))
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
 
 
-def _child(request: dict[str, Any]) -> None:
-    """In the forked child: the request's run, then exit (never returns)."""
-    code = 1
+def _child(request: dict[str, Any]) -> int:
+    """In the forked child: the request's run; its exit code."""
     try:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
         os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
         os.environ.update(request["env"])
         _run(*request["args"])
-        code = 0
-    except BaseException:  # noqa: BLE001 - reported as a run's would be: its traceback, exit code 1
+        return 0
+    except Exception:  # noqa: BLE001 - reported as a run's would be: its traceback, exit code 1
         traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return 1
 
 
 if __name__ == "__main__":
