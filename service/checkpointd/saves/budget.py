@@ -139,11 +139,17 @@ class UploadBudget:
                 if left <= 0:
                     break
                 waiter.woken.wait(left)
-        finally:
-            if not waiter.admitted:
+        except BaseException:  # interrupted: neither in line nor holding room afterwards
+            if waiter.admitted:
+                self._uploads -= 1
+                self._bytes -= nbytes
+            else:
                 self._queue.remove(waiter)
-                self._admit_waiters()  # it may have been the head that kept smaller ones waiting for bytes
+            self._admit_waiters()
+            raise
         if not waiter.admitted:
+            self._queue.remove(waiter)
+            self._admit_waiters()  # it may have been the head that kept smaller ones waiting for bytes
             raise self._refusal(nbytes, run, time.monotonic() - started)
 
     def _admit_waiters(self) -> None:
