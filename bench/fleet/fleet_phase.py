@@ -10,7 +10,9 @@ to the last flush), their context switches per save (every live thread's,
 from /proc/<pid>/task/*/status: a thread hand-off is one) and their peak
 RSS (VmHWM), the simulated trainers' own CPU per save offered (each client
 process's rusage over the window: on one machine it comes out of the
-daemons' cores), and on S3 the daemons' requests per committed save by
+daemons' cores), the daemons' own mean accept -> durable (their
+checkpointd_save_duration_seconds: the rest of a call's time is its wait for
+a handler thread and in the admission line, and the trainer's side), and on S3 the daemons' requests per committed save by
 operation and bytes uploaded per committed save (their
 checkpointd_s3_requests_total and checkpointd_store_uploaded_bytes_total,
 scraped at the start and the end), and the CPU of radosgw, its OSD and mon
@@ -160,6 +162,9 @@ def run_phase(
         "latency_p50": percentile(latencies, 50) if latencies else None,
         "latency_p99": percentile(latencies, 99) if latencies else None,
         "latency_max": max(latencies) if latencies else None,
+        # The daemons' own accept -> durable (their save_duration histogram) over the window: what a
+        # call spends before it (a handler thread, the admission line) is call -> durable less this.
+        "daemon_accept_to_durable_mean": store["accept_to_durable_mean"],
         "lag_p99": percentile([x for o in outcomes for x in o["lags"]], 99),
         "flush_failed": sum(o["flush_failed"] for o in outcomes),
         "refused": total["failed"] - after_accept,

@@ -103,6 +103,11 @@ def table(results: dict[str, Any]) -> str:
                 f"     the daemons' context switches: {r['daemon_context_switches_per_save']:.1f} per committed save "
                 f"({r['daemon_voluntary_context_switches_per_save']:.1f} voluntary: waits and hand-offs)"
             )
+        if r.get("daemon_accept_to_durable_mean") is not None:  # absent from older runs
+            lines.append(
+                f"     the daemons' own accept -> durable: {1000 * r['daemon_accept_to_durable_mean']:.0f} ms mean "
+                "(the rest of call -> durable: waiting for a handler thread and in the admission line)"
+            )
         if r.get("client_cpu_ms_per_call") is not None:
             lines.append(f"     the simulated trainers' own CPU: {r['client_cpu_ms_per_call']:.2f} ms per save offered")
         if r.get("s3_requests_per_commit") is not None:

@@ -25,24 +25,41 @@ def bucket_manifests(endpoint: str, bucket: str, prefix: str, aws: dict[str, str
 
 
 def counts(url: str) -> dict[str, Any]:
-    """A daemon's object-store counters: requests by operation, bytes uploaded by committed saves."""
+    """A daemon's counters: object-store requests by operation, bytes uploaded by committed saves, and
+    its saves' accept -> durable seconds and count (checkpointd_save_duration_seconds, every kind)."""
     from bench.scrape import scrape
 
     requests: dict[str, float] = {}
-    uploaded = 0.0
+    uploaded = accepted_seconds = accepted_saves = 0.0
     for name, labels, value in scrape(url):
         if name == "checkpointd_s3_requests_total":
             requests[labels["operation"]] = requests.get(labels["operation"], 0.0) + value
         elif name == "checkpointd_store_uploaded_bytes_total":
             uploaded += value
-    return {"requests": requests, "uploaded_bytes": uploaded}
+        elif name == "checkpointd_save_duration_seconds_sum":
+            accepted_seconds += value
+        elif name == "checkpointd_save_duration_seconds_count":
+            accepted_saves += value
+    return {
+        "requests": requests,
+        "uploaded_bytes": uploaded,
+        "accepted_seconds": accepted_seconds,
+        "accepted_saves": accepted_saves,
+    }
 
 
 def delta(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The daemons' object-store counters over the window, summed over the daemons."""
+    """The daemons' counters over the window, summed over the daemons; their saves' mean accept -> durable."""
     requests: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
         for op, n in a["requests"].items():
             requests[op] = requests.get(op, 0.0) + n - b["requests"].get(op, 0.0)
-    uploaded = sum(a["uploaded_bytes"] - b["uploaded_bytes"] for b, a in zip(before, after, strict=True))
-    return {"requests": {op: n for op, n in requests.items() if n}, "uploaded_bytes": uploaded}
+    pairs = list(zip(before, after, strict=True))
+    uploaded = sum(a["uploaded_bytes"] - b["uploaded_bytes"] for b, a in pairs)
+    seconds = sum(a["accepted_seconds"] - b["accepted_seconds"] for b, a in pairs)
+    saves = sum(a["accepted_saves"] - b["accepted_saves"] for b, a in pairs)
+    return {
+        "requests": {op: n for op, n in requests.items() if n},
+        "uploaded_bytes": uploaded,
+        "accept_to_durable_mean": seconds / saves if saves else None,
+    }

@@ -164,6 +164,7 @@ def make_rig(tmp_path: Path) -> Iterator[MakeRig]:
         *,
         max_uploads: int = 32,
         max_staging_bytes: int = 64 * MiB,
+        admission_wait: float = 0.0,
         retention: RetentionPolicy | None = None,
         leases: Leases | None = None,
         phases: PhaseSink | None = None,
@@ -176,7 +177,7 @@ def make_rig(tmp_path: Path) -> Iterator[MakeRig]:
         fmt = FakeFormat(store.files)
         sink = RecordingSink()
         lanes = Lanes(sink=sink)
-        budget = UploadBudget(max_uploads, max_staging_bytes)
+        budget = UploadBudget(max_uploads, max_staging_bytes, admission_wait)
         kept = Retention(store, retention or RetentionPolicy())
         kept.start()
         pool = WriterPool()

@@ -274,6 +274,44 @@ def test_past_max_uploads_a_save_is_refused_before_its_decision(make_rig: MakeRi
     assert [m.export_dir for m in rig.store.commits] == ["held"]
 
 
+def test_a_save_at_max_uploads_waits_in_line_and_is_accepted_when_a_slot_frees(make_rig: MakeRig) -> None:
+    rig = make_rig(max_uploads=1, admission_wait=3600.0)
+    rig.register("a")
+    rig.register("b")
+    held, gate = rig.hold(request("held"))
+
+    queued = rig.in_background(request("queued", run="b", step=2), timeout=LIMIT)
+    assert rig.budget.wait_for_waiters(1, LIMIT)
+    assert not queued.done() and rig.stats("b") == rig.stats("b").__class__()  # not decided, nor counted yet
+    gate.release()
+
+    assert held.result(LIMIT)[0] == ACCEPTED
+    events = queued.result(LIMIT)
+    assert events[0] == ACCEPTED and isinstance(events[1], Result)
+    assert written(rig) == {"held": snapshot(1), "queued": snapshot(2)}
+    assert rig.budget.in_use == (0, 0) and rig.budget.waiting == 0
+
+
+def test_a_save_in_line_past_its_calls_deadline_is_refused_with_what_to_do(make_rig: MakeRig) -> None:
+    rig = make_rig(max_uploads=1, admission_wait=3600.0)
+    rig.register("a")
+    rig.register("b")
+    held, gate = rig.hold(request("held"))
+
+    upload = Upload(snapshot(2))
+    with pytest.raises(LimitExceededError) as info:
+        rig.save(request("late", run="b", step=2), upload, timeout=1e-6)  # its deadline passes in line
+
+    message = str(info.value)
+    assert "run 'b'" in message and "limit of 1 saves at once (--max-concurrent-uploads)" in message
+    assert "--admission-wait" in message and "retry later" in message
+    assert upload.calls == 0 and rig.stats("b") == rig.stats("b").__class__()  # nothing received or counted
+    assert rig.budget.waiting == 0
+    gate.release()
+    held.result(LIMIT)
+    assert [m.export_dir for m in rig.store.commits] == ["held"]
+
+
 def test_a_snapshot_larger_than_the_staging_left_is_refused_before_its_decision(
     make_rig: MakeRig,
 ) -> None:

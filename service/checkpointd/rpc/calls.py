@@ -50,6 +50,9 @@ class OpenCalls(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count()
+        # The kept handler of each method's handler, made once: gRPC's poller thread,
+        # which every call's every message waits on, runs the interceptors for each call.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def __len__(self) -> int:
         with self._lock:
@@ -64,7 +67,11 @@ class OpenCalls(grpc.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not method.startswith(self._prefix):
             return handler
-        return self._kept(handler, method)
+        made = self._wrapped.get(method)
+        if made is None or made[0] is not handler:
+            made = (handler, self._kept(handler, method))
+            self._wrapped[method] = made  # a dict's item set is atomic; two threads making one is harmless
+        return made[1]
 
     def end_all(self, code: grpc.StatusCode, details: Callable[[str], str], timeout: float) -> int:
         """Ends every open call now with `code` and `details(method name)`; returns how many it ended.

@@ -219,9 +219,10 @@ class SavePipeline:
             else self._lock(run, request.shared_memory)
         )
         self.leases.hold(run, None)
-        # Reserved before the lane decides: past a limit the request is refused
-        # like bad input, before anything is allocated or counted.
-        with self._budget.reserve(request.snapshot_bytes, run) as release:
+        # Reserved before the lane decides: at a limit the request waits in line
+        # for room within its call's deadline, then is refused like bad input,
+        # before anything is allocated or counted.
+        with self._budget.reserve(request.snapshot_bytes, run, _store_deadline(called, timeout)) as release:
             spec = SaveSpec(request.kind, request.export_dir, request.blocking, request.step, request.on_notice)
             asked = time.monotonic()
             decision = self.lanes.begin(
