@@ -119,12 +119,13 @@ def test_a_lease_not_renewed_past_its_ttl_stops_the_daemon_writing_that_run_and_
             proxy.clear()  # A reaches the bucket again, its outage save perhaps still retrying
             step_b.assign(1001)
             on_b.save(step_b, blocking=True).result(WAIT)
+            during.exception(SAVE_TIMEOUT)  # ended, one way or the other, within its deadline
+            assert during.done() and during.exception(0) is not None, "A committed a save of a run it lost"
+            # A's next save (not skipped: its previous one has ended) is refused for the lease.
             step.assign(5)
             after = on_a.save(step)
             refused = after.exception(SAVE_TIMEOUT)
             assert refused is not None and "lease" in str(refused), refused
-            during.exception(SAVE_TIMEOUT)  # ended, one way or the other, within its deadline
-            assert during.done() and during.exception(0) is not None, "A committed a save of a run it lost"
 
             # A says so: its renewal, answered again, finds B's lease (checkpointd_leases_lost, its log).
             lost = lambda: Metrics(a.metrics_url).total("checkpointd_leases_lost_total")  # noqa: E731
