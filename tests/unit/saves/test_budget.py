@@ -186,7 +186,8 @@ def test_a_waiter_for_bytes_holds_the_line_until_they_free_and_then_those_behind
         assert admitted == []  # "small" would fit, but waits its turn behind "big"
     big.join(DEADLINE)
     small.join(DEADLINE)
-    assert sorted(admitted) == ["big", "small"] and admitted[0] == "big"
+    # Both fit once "a" frees: both are admitted by that release, in whichever order their threads run.
+    assert sorted(admitted) == ["big", "small"]
 
 
 def test_a_waiter_that_gives_up_lets_those_behind_it_in() -> None:
