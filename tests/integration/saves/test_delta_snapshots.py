@@ -17,53 +17,20 @@ import itertools
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tf_agents.replay_buffers import tf_uniform_replay_buffer
 
 from checkpointd_client import RemoteCheckpointer, tf_checkpoint
 from tests.integration.support.daemon import Daemon
+from tests.integration.support.replay_state import ReplayState as State
+from tests.integration.support.replay_state import committed_files
 
 LIMIT = 60.0
 _RUNS = itertools.count()
-_SPEC = (tf.TensorSpec([5], tf.float32, "observation"), tf.TensorSpec([], tf.int32, "action"))
-
-
-class State:
-    """A replay buffer, a variable and a step, as a DQN job's checkpoint holds them."""
-
-    def __init__(self, batch_size: int, max_length: int, seed: int = 0) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.batch_size = batch_size
-        self.buffer = tf_uniform_replay_buffer.TFUniformReplayBuffer(_SPEC, batch_size, max_length=max_length)
-        self.weights = tf.Variable(self.rng.standard_normal((4, 3)).astype(np.float32))
-        self.step = tf.Variable(0, dtype=tf.int64)
-
-    def objects(self) -> dict[str, Any]:
-        return {"replay_buffer": self.buffer, "weights": self.weights, "global_step": self.step}
-
-    def add(self, batches: int) -> None:
-        for _ in range(batches):
-            self.buffer.add_batch(
-                (
-                    tf.constant(self.rng.standard_normal((self.batch_size, 5)).astype(np.float32)),
-                    tf.constant(self.rng.integers(0, 1000, self.batch_size).astype(np.int32)),
-                )
-            )
-
-    def train(self) -> None:
-        self.weights.assign(self.rng.standard_normal((4, 3)).astype(np.float32))
-
-
-def _files(prefix: Path) -> dict[str, bytes]:
-    return {
-        suffix: prefix.with_name(prefix.name + suffix).read_bytes() for suffix in (".index", ".data-00000-of-00001")
-    }
 
 
 def _save_and_compare(daemon: Daemon, ckpt: RemoteCheckpointer, state: State, scratch: Path) -> None:
@@ -75,7 +42,9 @@ def _save_and_compare(daemon: Daemon, ckpt: RemoteCheckpointer, state: State, sc
     expected = scratch / f"expected-{step}"
     ckpt.checkpoint.write(str(expected))  # the same root: the save_counter the save wrote
     committed = Path(result.path)
-    assert _files(committed) == _files(expected), f"step {step}: the committed checkpoint is not the state at its call"
+    assert committed_files(committed) == committed_files(
+        expected
+    ), f"step {step}: the committed checkpoint is not the state at its call"
 
 
 @pytest.fixture

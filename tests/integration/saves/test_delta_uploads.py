@@ -18,52 +18,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tf_agents.replay_buffers import tf_uniform_replay_buffer
 
 from checkpointd_client import RemoteCheckpointer
 from tests.integration.support.daemon import Daemon, start_daemon
+from tests.integration.support.replay_state import ReplayState, committed_files
 
 LIMIT = 60.0
 _RUNS = itertools.count()
 WIDTH = 8192  # float32: 32 KiB a row
-_SPEC = (tf.TensorSpec([WIDTH], tf.float32, "observation"), tf.TensorSpec([], tf.int32, "action"))
 
 
-class State:
-    """A replay buffer of wide rows, a variable and a step."""
-
-    def __init__(self, batch_size: int, max_length: int, seed: int = 0) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.batch_size = batch_size
-        self.buffer = tf_uniform_replay_buffer.TFUniformReplayBuffer(_SPEC, batch_size, max_length=max_length)
-        self.weights = tf.Variable(self.rng.standard_normal((64, 64)).astype(np.float32))
-        self.step = tf.Variable(0, dtype=tf.int64)
-
-    def objects(self) -> dict[str, Any]:
-        return {"replay_buffer": self.buffer, "weights": self.weights, "global_step": self.step}
-
-    def add(self, batches: int) -> None:
-        for _ in range(batches):
-            self.buffer.add_batch(
-                (
-                    tf.constant(self.rng.standard_normal((self.batch_size, WIDTH)).astype(np.float32)),
-                    tf.constant(self.rng.integers(0, 1000, self.batch_size).astype(np.int32)),
-                )
-            )
-
-    def train(self) -> None:
-        self.weights.assign(self.rng.standard_normal((64, 64)).astype(np.float32))
-
-
-def _files(prefix: Path) -> dict[str, bytes]:
-    return {
-        suffix: prefix.with_name(prefix.name + suffix).read_bytes() for suffix in (".index", ".data-00000-of-00001")
-    }
+def State(batch_size: int, max_length: int, seed: int = 0) -> ReplayState:  # noqa: N802 - made as a class is
+    """A replay buffer of wide rows (a 1 MiB chunk is 32 of them), a 64 x 64 variable and a step."""
+    return ReplayState(batch_size, max_length, width=WIDTH, weights_shape=(64, 64), seed=seed)
 
 
 def _save_and_compare(ckpt: RemoteCheckpointer, state: State, scratch: Path, step: int | None = None) -> Any:
@@ -74,7 +44,9 @@ def _save_and_compare(ckpt: RemoteCheckpointer, state: State, scratch: Path, ste
     assert result is not None
     expected = scratch / f"expected-{step}"
     ckpt.checkpoint.write(str(expected))  # the same root: the save_counter the save wrote
-    assert _files(Path(result.path)) == _files(expected), f"step {step}: the committed checkpoint is not the state"
+    assert committed_files(Path(result.path)) == committed_files(
+        expected
+    ), f"step {step}: the committed checkpoint is not the state"
     return result
 
 

@@ -26,15 +26,10 @@ from tf_agents.utils import numpy_storage
 
 from checkpointd_client import RemoteCheckpointer
 from tests.integration.support.daemon import Daemon
+from tests.integration.support.replay_state import committed_files
 
 LIMIT = 60.0
 _RUNS = itertools.count()
-
-
-def _files(prefix: Path) -> dict[str, bytes]:
-    return {
-        suffix: prefix.with_name(prefix.name + suffix).read_bytes() for suffix in (".index", ".data-00000-of-00001")
-    }
 
 
 def _save_and_compare(ckpt: RemoteCheckpointer, step: tf.Variable, scratch: Path) -> int:
@@ -45,7 +40,9 @@ def _save_and_compare(ckpt: RemoteCheckpointer, step: tf.Variable, scratch: Path
     assert result is not None
     expected = scratch / f"expected-{int(step.numpy())}-{next(_RUNS)}"
     ckpt.checkpoint.write(str(expected))
-    assert _files(Path(result.path)) == _files(expected), "the committed checkpoint is not TensorFlow's write"
+    assert committed_files(Path(result.path)) == committed_files(
+        expected
+    ), "the committed checkpoint is not TensorFlow's write"
     return ckpt._saves.described.full_descriptions  # noqa: SLF001 - what the test is about
 
 

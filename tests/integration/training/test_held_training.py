@@ -26,6 +26,7 @@ from checkpointd_client import RemoteCheckpointer
 from tests.integration.saves.test_held import _HOLDER
 from tests.integration.support.daemon import Daemon
 from tests.integration.support.raw import TIMEOUT, counts
+from tests.integration.support.replay_state import committed_files
 
 _RUNS = itertools.count()
 
@@ -33,10 +34,6 @@ _RUNS = itertools.count()
 def _held_saves(daemon: Daemon, run: str) -> int:
     """Saves of the job `run`'s training dir the daemon logged as decided by the trainer."""
     return sum(1 for line in daemon.log().splitlines() if f"saved run={run}.train " in line and " held=yes " in line)
-
-
-def _files(prefix: Path) -> dict[str, bytes]:
-    return {s: prefix.with_name(prefix.name + s).read_bytes() for s in (".index", ".data-00000-of-00001")}
 
 
 class _Trainer:
@@ -83,7 +80,9 @@ def test_saves_after_the_first_are_decided_under_the_busy_lock_and_each_is_tenso
             assert result is not None
             expected = tmp_path / f"expected-{i}-{next(_RUNS)}"
             ckpt.checkpoint.write(str(expected))
-            assert _files(Path(result.path)) == _files(expected), f"save {i} is not TensorFlow's write"
+            assert committed_files(Path(result.path)) == committed_files(
+                expected
+            ), f"save {i} is not TensorFlow's write"
             assert _held_saves(daemon, run) == held + (i if i >= 3 else i + 1), "held only while the layout holds"
         ckpt.flush(TIMEOUT)
         assert counts(daemon, f"{run}.train") == (7, 0, 0)
