@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from checkpointd_client import RemoteCheckpointer, tf_checkpoint
 from tests.integration.support.daemon import Daemon
 from tests.integration.support.replay_state import ReplayState as State
-from tests.integration.support.replay_state import committed_files
+from tests.integration.support.replay_state import committed_files, ops, run_ops
 
 LIMIT = 60.0
 _RUNS = itertools.count()
@@ -53,36 +53,24 @@ def scratch() -> Iterator[Path]:
         yield Path(d)
 
 
-_OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 14)),
-        st.tuples(st.just("clear"), st.booleans()),
-        st.tuples(st.just("train"), st.just(0)),
-        st.tuples(st.just("save"), st.just(0)),
-    ),
-    max_size=14,
-)
+_OPS = ops(max_add=14, max_size=14)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batch_size=st.integers(1, 3), max_length=st.integers(1, 7), ops=_OPS)
+@given(batch_size=st.integers(1, 3), max_length=st.integers(1, 7), steps=_OPS)
 def test_every_committed_checkpoint_is_the_state_at_its_call(
-    daemon: Daemon, scratch: Path, batch_size: int, max_length: int, ops: list[tuple[str, int]]
+    daemon: Daemon, scratch: Path, batch_size: int, max_length: int, steps: list[tuple[str, int]]
 ) -> None:
     state = State(batch_size, max_length)
     run = f"delta-{next(_RUNS)}"
     with RemoteCheckpointer("train", daemon.address, run=run, timeout=LIMIT, max_to_keep=2, **state.objects()) as ckpt:
-        for op, arg in [("save", 0), *ops, ("save", 0)]:
-            if op == "add":
-                state.add(arg)
-            elif op == "clear":
-                state.buffer._clear(clear_all_variables=bool(arg))  # noqa: SLF001 - clear() never zeroes
-            elif op == "train":
-                state.train()
-            else:
-                _save_and_compare(daemon, ckpt, state, scratch)
-                copy = ckpt.snapshot_copy
-                assert copy is not None and copy.bytes_copied <= copy.nbytes
+
+        def save() -> None:
+            _save_and_compare(daemon, ckpt, state, scratch)
+            copy = ckpt.snapshot_copy
+            assert copy is not None and copy.bytes_copied <= copy.nbytes
+
+        run_ops(state, steps, save)
 
 
 def _storage_bytes(state: State) -> tuple[int, int]:

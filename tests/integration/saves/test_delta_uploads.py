@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from checkpointd_client import RemoteCheckpointer
 from tests.integration.support.daemon import Daemon, start_daemon
-from tests.integration.support.replay_state import ReplayState, committed_files
+from tests.integration.support.replay_state import ReplayState, committed_files, ops, run_ops
 
 LIMIT = 60.0
 _RUNS = itertools.count()
@@ -78,33 +78,17 @@ def _checkpointer(daemon: Daemon, state: State, run: str) -> RemoteCheckpointer:
     )
 
 
-_OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 70)),
-        st.tuples(st.just("clear"), st.booleans()),
-        st.tuples(st.just("train"), st.just(0)),
-        st.tuples(st.just("save"), st.just(0)),
-    ),
-    max_size=10,
-)
+_OPS = ops(max_add=70, max_size=10)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batch_size=st.integers(1, 2), max_length=st.integers(40, 100), ops=_OPS)
+@given(batch_size=st.integers(1, 2), max_length=st.integers(40, 100), steps=_OPS)
 def test_every_committed_checkpoint_is_the_state_at_its_call(
-    daemon: Daemon, scratch: Path, batch_size: int, max_length: int, ops: list[tuple[str, int]]
+    daemon: Daemon, scratch: Path, batch_size: int, max_length: int, steps: list[tuple[str, int]]
 ) -> None:
     state = State(batch_size, max_length)
     with _checkpointer(daemon, state, f"uploads-{next(_RUNS)}") as ckpt:
-        for op, arg in [("save", 0), *ops, ("save", 0)]:
-            if op == "add":
-                state.add(arg)
-            elif op == "clear":
-                state.buffer._clear(clear_all_variables=bool(arg))  # noqa: SLF001 - clear() never zeroes
-            elif op == "train":
-                state.train()
-            else:
-                _save_and_compare(ckpt, state, scratch)
+        run_ops(state, steps, lambda: _save_and_compare(ckpt, state, scratch))
 
 
 def test_the_chunks_nobody_wrote_since_the_base_are_not_summed(daemon: Daemon, scratch: Path) -> None:

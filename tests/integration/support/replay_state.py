@@ -9,11 +9,13 @@ files, to compare a committed save with `tf.train.Checkpoint.write`'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from hypothesis import strategies as st
 from tf_agents.replay_buffers import tf_uniform_replay_buffer
 
 
@@ -50,6 +52,32 @@ class ReplayState:
 
     def train(self) -> None:
         self.weights.assign(self.rng.standard_normal(self.weights_shape).astype(np.float32))
+
+
+def ops(max_add: int, max_size: int) -> st.SearchStrategy[list[tuple[str, int]]]:
+    """Random steps of a trainer between saves: add batches, clear (zeroing or not), train, save."""
+    return st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(0, max_add)),
+            st.tuples(st.just("clear"), st.booleans()),
+            st.tuples(st.just("train"), st.just(0)),
+            st.tuples(st.just("save"), st.just(0)),
+        ),
+        max_size=max_size,
+    )
+
+
+def run_ops(state: ReplayState, steps: list[tuple[str, int]], save: Callable[[], None]) -> None:
+    """Applies `steps` (from `ops`) to `state`, with a save first and last; `save` for each save."""
+    for op, arg in [("save", 0), *steps, ("save", 0)]:
+        if op == "add":
+            state.add(arg)
+        elif op == "clear":
+            state.buffer._clear(clear_all_variables=bool(arg))  # noqa: SLF001 - clear() never zeroes
+        elif op == "train":
+            state.train()
+        else:
+            save()
 
 
 def committed_files(prefix: Path) -> dict[str, bytes]:
