@@ -3,9 +3,8 @@
 A training run's state file and retention list every checkpoint of the dir
 at each commit (`checkpointd.saves.checkpoint_dirs`), and a continuous
 trainer commits several times a second: parsing each kept checkpoint's
-manifest (JSON, with its chunk digests) every time was a third of the
-daemon's CPU per save (py-spy, the demo's DQN CartPole state). A
-committed manifest is never written in place: it is created once, under
+manifest (JSON, with its chunk digests) again at every listing would cost
+more than the small save itself. A committed manifest is never written in place: it is created once, under
 a temporary name, and renamed there, and a save replaced or deleted takes
 its manifest with it. So one whose stat is unchanged (device, inode, size,
 mtime and ctime in ns) holds the bytes that were parsed, and its save is
