@@ -49,6 +49,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
+    # Once: Ctrl-C reaches the demo twice (the terminal's group signal, and demo.sh's trap passing it on),
+    # and a second KeyboardInterrupt landing in the cleanup would leave the daemons and trainers running.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
