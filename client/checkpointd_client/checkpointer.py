@@ -351,7 +351,12 @@ class RemoteCheckpointer(SavesOnNotice):
             return self._save(global_step, blocking)
         self._daemon.check_open()  # a closed checkpointer raises, whatever the budget decides
         # busy: a save of this checkpointer in flight (uploading or in another thread's call).
-        return continuous.save(global_step, blocking, self._daemon.busy > 0, self._save, self._not_saved)
+        # On the daemon's host, a call that does not save may hand a standby snapshot over instead.
+        hand_over = self._hand_over if self._saves.standby_ready else None
+        return continuous.save(global_step, blocking, self._daemon.busy > 0, self._save, self._not_saved, hand_over)
+
+    def _hand_over(self, global_step: Any) -> bool:
+        return self._saves.hand_over(int(np.asarray(global_step)))
 
     def _not_saved(self, global_step: Any, reason: str) -> SaveTicket:
         """A continuous call that does not save: a skipped ticket, counted in `decisions`, not `counts`."""

@@ -70,10 +70,17 @@ class Choice(enum.Enum):
     SAVE = "saved"
     SKIP_BUDGET = "skipped_by_budget"
     SKIP_BUSY = "skipped_busy"
+    HAND_OVER = "handed_over"
 
 
 _BUDGET_REASON = "within the checkpointing budget: the last save is not yet paid for by training"
 _BUSY_REASON = "this checkpointer's previous save is still in flight"
+_HANDED_REASON = (
+    "handed over as a standby snapshot, not yet durable: the daemon writes it if this process ends before its "
+    "next save"
+)
+# Of the budget, the share that standby hand-overs may cost where they are made (the rest: durable saves).
+STANDBY_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -88,12 +95,16 @@ class Decisions:
         charged_seconds: the CPU seconds charged to the budget beside the
             training thread's time in save(): what the saves cost off it,
             producing requests and (same host) the daemon's work.
+        handed_over: calls that did not save but handed a standby snapshot
+            over (`checkpointd_client.standby`): written by the daemon only
+            if the process ends before its next save.
     """
 
     saved: int = 0
     skipped_by_budget: int = 0
     skipped_busy: int = 0
     charged_seconds: float = 0.0
+    handed_over: int = 0
 
 
 def check_budget(budget: Any) -> float:
@@ -110,6 +121,24 @@ def check_budget(budget: Any) -> float:
     return float(budget)
 
 
+class _Pool:
+    """One kind of save's share of the budget: what its last one and the calls since cost, and the training since."""
+
+    def __init__(self, free: int) -> None:
+        self.spent = 0.0  # seconds in save() since its last save began, that save included, and its charges
+        self.trained = 0.0  # seconds of training since its last save returned
+        self.saves = 0  # its saves so far: the first `free` are not charged
+        self.free = free
+
+    def over(self, budget: float) -> bool:
+        return self.spent > budget * self.trained
+
+    def saved(self, stall: float) -> None:
+        """A new interval: this save is paid for by the training after it."""
+        self.saves += 1
+        self.spent, self.trained = (stall if self.saves > self.free else 0.0), 0.0
+
+
 class SaveBudget:
     """The decision of each call (see the module docstring); `clock` is seconds, monotonic. Thread-safe."""
 
@@ -118,11 +147,13 @@ class SaveBudget:
         self._clock = clock
         self._lock = threading.Lock()
         self._left_at: float | None = None  # when the last call returned
-        self._spent = 0.0  # seconds in save() since the last save began, that save included, and its charges
-        self._trained = 0.0  # seconds of training since the last save returned
-        self._saves = 0  # calls that saved: the first one's cost is not charged
+        # The first durable save's one-time costs (the graph described, the segment made and first
+        # touched, everything copied) are paid once whatever the budget: charged, a first save of a
+        # second would hold off the next one for 20 s of training at 5 %. So are the first hand-over
+        # into each of the two standby slots (made, touched, copied whole).
+        self._durable, self._standby = _Pool(free=1), _Pool(free=2)
         self._charged = 0.0  # seconds charged so far
-        self._counts = [0, 0, 0]  # saved, skipped by the budget, skipped busy
+        self._counts = [0, 0, 0, 0]  # saved, skipped by the budget, skipped busy, handed over
 
     @property
     def budget(self) -> float:
@@ -131,10 +162,12 @@ class SaveBudget:
     @property
     def decisions(self) -> Decisions:
         with self._lock:
-            saved, by_budget, busy = self._counts
-            return Decisions(saved, by_budget, busy, self._charged)
+            saved, by_budget, busy, handed = self._counts
+            return Decisions(saved, by_budget, busy, self._charged, handed)
 
-    def enter(self, in_flight: bool, forced: bool = False, counted: bool = True) -> tuple[Choice, float]:
+    def enter(
+        self, in_flight: bool, forced: bool = False, counted: bool = True, standby: bool = False
+    ) -> tuple[Choice, float]:
         """Decides a call at its start; returns the choice and the time it began (for `leave`).
 
         Args:
@@ -142,15 +175,23 @@ class SaveBudget:
             forced: a save that never waits for the budget (blocking).
             counted: a `save()` call, counted in `decisions` (flush()'s save of
                 the last call not saved is not one).
+            standby: the call may hand over a standby snapshot instead: the
+                budget is then shared between durable saves and hand-overs.
         """
         with self._lock:
             now = self._clock()
             if self._left_at is not None:
-                self._trained += max(0.0, now - self._left_at)
+                trained = max(0.0, now - self._left_at)
+                self._durable.trained += trained
+                self._standby.trained += trained
+            durable = self._budget * (1 - STANDBY_SHARE) if standby else self._budget
             # Counted by index, in Decisions' order: an Enum's hash is Python code, and this runs every step.
-            if forced or not (in_flight or self._spent > self._budget * self._trained):
+            over = self._durable.over(durable)
+            if forced or not (in_flight or over):
                 choice, index = Choice.SAVE, 0
-            elif self._spent > self._budget * self._trained:
+            elif standby and not self._standby.over(self._budget * STANDBY_SHARE):
+                choice, index = Choice.HAND_OVER, 3
+            elif over:
                 choice, index = Choice.SKIP_BUDGET, 1
             else:
                 choice, index = Choice.SKIP_BUSY, 2
@@ -160,23 +201,27 @@ class SaveBudget:
     def charge(self, seconds: float) -> None:
         """Adds what the last save cost off the training thread (known once it is durable) to its interval."""
         with self._lock:
-            if self._saves > 1:
-                self._spent += max(0.0, seconds)
+            if self._durable.saves > self._durable.free:
+                self._durable.spent += max(0.0, seconds)
                 self._charged += max(0.0, seconds)
 
-    def leave(self, choice: Choice, entered: float) -> None:
-        """Counts the call's time in save() against the budget, once it returns (or raises)."""
+    def leave(self, choice: Choice, entered: float, handed_over: bool = True) -> None:
+        """Counts the call's time in save() against the budget, once it returns (or raises).
+
+        `handed_over`: a HAND_OVER call did hand one over (else it counts as a skip).
+        """
         with self._lock:
             now = self._clock()
             stall = max(0.0, now - entered)
-            if choice is Choice.SAVE:  # a new interval: this save is paid for by the training after it
-                self._saves += 1
-                # The first save's one-time costs (the graph described, the segment made and first
-                # touched, everything copied) are paid once whatever the budget: charged, a first
-                # save of a second would hold off the next one for 20 s of training at 5 %.
-                self._spent, self._trained = (stall if self._saves > 1 else 0.0), 0.0
+            if choice is Choice.SAVE:
+                self._durable.saved(stall)
+            elif choice is Choice.HAND_OVER and handed_over:
+                self._standby.saved(stall)
             else:
-                self._spent += stall
+                if choice is Choice.HAND_OVER:  # not made after all: a skip by the budget
+                    self._counts[3] -= 1
+                    self._counts[1] += 1
+                self._durable.spent += stall
             self._left_at = now
 
 
@@ -249,10 +294,22 @@ class ContinuousSaves:
         in_flight: bool,
         save: Callable[[Any, bool], T],
         skip: Callable[[Any, str], T],
+        hand_over: Callable[[Any], bool] | None = None,
     ) -> T:
-        """One `save()` call: `save(global_step, blocking)` if it saves, else `skip(global_step, reason)`."""
-        choice, entered = self._budget.enter(in_flight, forced=blocking)
+        """One `save()` call: `save(global_step, blocking)` if it saves, else `skip(global_step, reason)`.
+
+        `hand_over(global_step)`: hands a standby snapshot over, False if it
+        cannot; given, a call that does not save may do that instead.
+        """
+        choice, entered = self._budget.enter(in_flight, forced=blocking, standby=hand_over is not None)
+        handed = True
         try:
+            if choice is Choice.HAND_OVER:
+                assert hand_over is not None
+                self._set_pending(global_step)  # not durable: flush() and close() still save it
+                handed = False
+                handed = hand_over(global_step)
+                return skip(global_step, _HANDED_REASON if handed else _BUDGET_REASON)
             if choice is not Choice.SAVE:
                 self._set_pending(global_step)
                 return skip(global_step, _BUDGET_REASON if choice is Choice.SKIP_BUDGET else _BUSY_REASON)
@@ -263,7 +320,7 @@ class ContinuousSaves:
             self._set_pending(global_step if ticket.skipped or failed else None)
             return ticket
         finally:
-            self._budget.leave(choice, entered)
+            self._budget.leave(choice, entered, handed)
 
     def charge(self, seconds: float) -> None:
         """What the last save cost off the training thread, once known (`SaveBudget.charge`)."""

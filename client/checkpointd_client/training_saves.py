@@ -17,6 +17,7 @@ Lock discipline: the session's lock guards `_spare`, `_segment` and
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,11 +26,11 @@ import numpy as np
 import tensorflow as tf
 
 from checkpointd.protocol import increments, wire
-from checkpointd.protocol.errors import InvalidRequestError
+from checkpointd.protocol.errors import CheckpointdError, InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
 from checkpointd.v1 import checkpointd_pb2 as pb
-from checkpointd_client import delta, described_graph, tf_checkpoint
+from checkpointd_client import delta, described_graph, standby, tf_checkpoint, trainer_versions
 from checkpointd_client.daemon_cpu import DaemonCpu, ThreadCpu, idle_seconds
 from checkpointd_client.local_decision import Held, LocalDecision
 from checkpointd_client.notice import Notice
@@ -38,6 +39,7 @@ from checkpointd_client.ticket import SaveResult, SaveTicket
 from checkpointd_client.transport import shm
 from checkpointd_client.transport.session import DaemonSession, LocalSkips
 
+_LOGGER = logging.getLogger(__name__)
 # The objects whose value is the step a save on notice is named by, as TF-Agents names them.
 _STEP_NAMES = ("global_step", "train_step", "step")
 _NOTICE_POLL = 0.005  # seconds between looks at the save in flight that a save on notice waits for
@@ -87,6 +89,8 @@ class TrainingSaves:
         self._local = LocalDecision(daemon, self.local_skips, incremental=incremental)
         self._layout: tuple[Any, ...] | None = None  # the layout the busy lock's path was adopted for
         self._offsets: tuple[int, ...] = ()  # its tensors' offsets in the segment
+        self._standby: standby.StandbySlots | None = None  # a continuous checkpointer's hand-over slots
+        self._standby_off = False  # they could not be made or watched: not tried again
 
     @property
     def durable_step(self) -> int | None:
@@ -149,6 +153,72 @@ class TrainingSaves:
             return True
         assert decision is not None
         return call.send(decision, blocking, lambda d: self._copy(state, ticket, d, call))
+
+    def hand_over(self, step: int) -> bool:
+        """Hands the state at `step` over as a standby snapshot (`checkpointd_client.standby`); False if it cannot.
+
+        It cannot before a save was accepted into this host's shared memory
+        (the slots go in that daemon's folder), nor once it failed for good
+        (the memory full, a daemon without WatchStandby), which is logged once.
+        """
+        with self._daemon.lock:
+            segment = self._segment
+        if segment is None or not self.standby_ready:
+            return False
+        counter = self._checkpoint.save_counter
+        counter.assign_add(1)  # the snapshot holds what the save would: the counter one on
+        try:
+            state = self.described.describe()
+            header = pb.SaveHeader(
+                run=self._daemon.run, kind=to_wire(SaveKind.TRAINING_CHECKPOINT), export_dir=self._dir,
+                blocking=True, step=step, snapshot_bytes=state.nbytes,
+                training_checkpoint=state.to_proto(*self._retention), trainer_versions=trainer_versions.versions(),
+            ).SerializeToString()  # fmt: skip
+            slots = self._slots_for(segment.path.rsplit("/", 1)[0], state, header)
+            if slots is None:
+                return False
+            slots.hand_over(self._checkpoint, state, header)
+            return True
+        except Exception as e:  # noqa: BLE001 - a hand-over never stops training: durable saves go on
+            self._no_standby(f"a hand-over failed ({type(e).__name__}: {e})")
+            return False
+        finally:
+            counter.assign_sub(1)
+
+    @property
+    def standby_ready(self) -> bool:
+        """Whether a hand-over may be made: a save went through this host's shared memory, and none failed for good."""
+        return self._segment is not None and self._use_shm and not self._standby_off
+
+    def _slots_for(self, folder: str, state: tf_checkpoint.TrainingState, header: bytes) -> standby.StandbySlots | None:
+        """This layout's slots in `folder`, made and watched if need be; None if they cannot be (logged once)."""
+        sizes = [t.nbytes for t in state.tensors] + [0]
+        slots = self._standby
+        if slots is not None and slots.fits(folder, sizes, header):
+            return slots
+        self._standby = None
+        if slots is not None:
+            slots.close()
+        try:
+            slots = standby.StandbySlots(self._daemon.run, folder, sizes, len(header), self._checkpoint)
+        except OSError as e:
+            self._no_standby(f"its slots cannot be made in {folder} ({e.strerror or e})")
+            return None
+        try:
+            self._daemon.watch_standby(slots.paths)
+        except CheckpointdError as e:
+            slots.close()
+            self._no_standby(f"the daemon does not watch them ({e})")
+            return None
+        self._standby = slots
+        return slots
+
+    def _no_standby(self, why: str) -> None:
+        self._standby_off = True
+        _LOGGER.warning(
+            "run %s: no standby snapshots between durable saves: %s; a SIGKILL loses the time since the last "
+            "durable save", self._daemon.run, why,
+        )  # fmt: skip
 
     def _send_held(self, held: Held, state: tf_checkpoint.TrainingState, ticket: SaveTicket, call: SaveCall) -> None:
         """Copies into the segment under the busy lock taken here, and queues the call on an upload thread."""
@@ -260,6 +330,9 @@ class TrainingSaves:
         with self._daemon.lock:
             self._spare, self._segment = None, None
         self._local.close()
+        slots, self._standby = self._standby, None
+        if slots is not None:
+            slots.close()
 
 
 class _Spare:

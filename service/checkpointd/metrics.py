@@ -20,6 +20,7 @@ from prometheus_client import (
 
 from checkpointd.core.incremental_path import PATHS
 from checkpointd.protocol.kinds import LABELS
+from checkpointd.protocol.standby import OUTCOMES as STANDBY_OUTCOMES
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -173,6 +174,14 @@ class Metrics:
             ["outcome"],
             registry=registry,
         )
+        self.standby_saves = Counter(
+            "checkpointd_standby_saves_total",
+            "Trainers watched for their standby snapshot (continuous saves on this host) that ended, by what "
+            "became of it: written (a checkpoint newer than the run's newest), not_newer (the run held one as "
+            "new: a save on notice, a flush), no_whole_slot (killed while copying its first), failed.",
+            ["outcome"],
+            registry=registry,
+        )
         self.notice_to_durable = Histogram(
             "checkpointd_preemption_notice_to_durable_seconds",
             "Seconds from a trainer's notice (its clock) to its save on notice durable here (this clock).",
@@ -181,6 +190,8 @@ class Metrics:
         )
         for outcome in PREEMPTION_OUTCOMES:
             self.preemption_saves.labels(outcome)
+        for outcome in STANDBY_OUTCOMES:
+            self.standby_saves.labels(outcome)
         for kind in KINDS:
             self.payload_received.labels(kind)
             self.payload_copied.labels(kind)
@@ -273,6 +284,16 @@ class Metrics:
         self._child(self.preemption_saves, outcome).inc()
         if notice_to_durable is not None:
             self.notice_to_durable.observe(notice_to_durable)
+
+    def standby_save(self, outcome: str) -> None:
+        """Counts one watched trainer's end by its standby snapshot's outcome.
+
+        Raises:
+            ValueError: an outcome not in STANDBY_OUTCOMES (labels stay bounded).
+        """
+        if outcome not in STANDBY_OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r} of a standby snapshot; expected one of {STANDBY_OUTCOMES}")
+        self._child(self.standby_saves, outcome).inc()
 
     def store_uploaded(self, kind: str, seconds: float, nbytes: int) -> None:
         """One commit's upload to the object store: phase "upload", and its bytes."""

@@ -31,6 +31,7 @@ from checkpointd.core.ports import Closing, Described, Leases, NoLeases, SaveFor
 from checkpointd.durable.files import check_writable_dir
 from checkpointd.metrics import Metrics
 from checkpointd.protocol.errors import DeadlineError, RunNotFoundError
+from checkpointd.rpc import messages
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.bind import bind_error, bind_failure, bind_quietly, bracket
 from checkpointd.rpc.calls import OpenCalls
@@ -40,6 +41,7 @@ from checkpointd.saves.pipeline import Formats, SavePipeline
 from checkpointd.saves.pool import WriterPool
 from checkpointd.saves.retention import Retention
 from checkpointd.saves.runs import Lanes
+from checkpointd.saves.standby import Standbys
 from checkpointd.storage.local import LocalStore
 from checkpointd.storage.ownership import DirLock
 from checkpointd.transport.shm import SharedMemory
@@ -96,6 +98,7 @@ class Server:
         self._pool: WriterPool | None = None
         self.retention: Retention | None = None
         self.shared_memory: SharedMemory | None = None
+        self._standbys: Standbys | None = None  # watched trainers' standby slots (in shared memory)
         self._health = health.HealthServicer()
         self._calls = OpenCalls(SERVICE_NAME)  # ended with a status by abandon()
         self._grpc: grpc.Server | None = None
@@ -167,7 +170,9 @@ class Server:
             leases=self.leases,
             paths=(paths := host.incremental_paths(self._store, config.incremental_path)),
         )
-        servicer = CheckpointServicer(pipeline, config.state_dir / "staging")
+        if self.shared_memory is not None:
+            self._standbys = Standbys(pipeline, self.shared_memory.folder, messages.save_header_request, self.metrics)
+        servicer = CheckpointServicer(pipeline, config.state_dir / "staging", self._standbys)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
             options=[
@@ -335,6 +340,9 @@ class Server:
         if self.retention is not None:
             self.retention.stop(timeout=retention_timeout)
             self.retention = None
+        if self._standbys is not None:  # before the leases and the folder its slots are in go
+            self._standbys.close()
+            self._standbys = None
         # After the drain and the queued tidying (both under the leases): every
         # run's lease is released, so other daemons take them at once.
         self.leases.close()

@@ -293,6 +293,18 @@ class DaemonSession:
 
     # Flush and close.
 
+    def watch_standby(self, slot_paths: list[str]) -> None:
+        """Asks the daemon to watch the run's standby slots (none: to stop), `checkpointd_client.standby`.
+
+        Raises:
+            CheckpointdError: the daemon refused it, or cannot be reached.
+        """
+        try:
+            self.before_trying()
+            self.stub.WatchStandby(pb.WatchStandbyRequest(run=self.run, slot_paths=slot_paths), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise self.domain_error(e, f"watching run {self.run!r}'s standby slots") from e
+
     def wait_idle(self, deadline: float | None, timeout: float | None) -> None:
         """Waits until no save call or upload of this saver runs.
 

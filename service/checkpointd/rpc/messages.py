@@ -14,7 +14,7 @@ from checkpointd.core.lane import LaneStats
 from checkpointd.core.numpy_state import NumpyEntry, NumpyStateSpec
 from checkpointd.core.ports import CheckpointValues, CommittedSave
 from checkpointd.core.variable_manifest import Manifest, VariableSpec
-from checkpointd.protocol import wire
+from checkpointd.protocol import standby, wire
 from checkpointd.protocol.errors import InvalidRequestError
 from checkpointd.protocol.kinds import SaveKind, from_wire, to_wire
 from checkpointd.protocol.names import checkpoint_prefix
@@ -60,6 +60,15 @@ def training_checkpoint_from_pb(message: pb.TrainingCheckpoint) -> CheckpointSpe
         tuple(TensorSpec(t.checkpoint_key, t.dtype, tuple(t.shape), t.nbytes) for t in message.tensors),
         CheckpointRetention.from_wire(message.max_to_keep, message.keep_checkpoint_every_n_hours),
     )
+
+
+def save_header_request(header: bytes) -> SaveRequest:
+    """A serialized SaveHeader (a standby slot's record), decoded as `save_request` does.
+
+    Raises:
+        InvalidRequestError: it does not parse, or is no valid header.
+    """
+    return save_request(standby.header_message(header))
 
 
 def save_request(header: pb.SaveHeader) -> SaveRequest:

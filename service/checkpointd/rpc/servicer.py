@@ -23,7 +23,7 @@ import grpc
 
 from checkpointd.core.ports import SavedFile
 from checkpointd.protocol import wire
-from checkpointd.protocol.errors import InvalidRequestError, RunNotFoundError
+from checkpointd.protocol.errors import InvalidRequestError, RunClosedError, RunNotFoundError
 from checkpointd.protocol.kinds import SaveKind, to_wire
 from checkpointd.protocol.names import LEASE_WAIT_METADATA, TMP_PREFIX, check_export_dir, check_run_name
 from checkpointd.restores import committed, files, staged_files
@@ -31,6 +31,7 @@ from checkpointd.rpc import messages, upload
 from checkpointd.rpc.errors import grpc_errors
 from checkpointd.saves import catalog
 from checkpointd.saves.pipeline import SavePipeline
+from checkpointd.saves.standby import Standbys
 from checkpointd.transport.shm import Segment
 from checkpointd.v1 import checkpointd_pb2 as pb
 from checkpointd.v1 import checkpointd_pb2_grpc as pb_grpc
@@ -98,14 +99,16 @@ def restore_file(f: SavedFile, stat: tuple[int, int, int] | None) -> pb.RestoreF
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     """Implements checkpointd.v1.CheckpointService."""
 
-    def __init__(self, pipeline: SavePipeline, staging: Path) -> None:
+    def __init__(self, pipeline: SavePipeline, staging: Path, standbys: Standbys | None = None) -> None:
         """Args:
         pipeline: the save pipeline (and through it the runs and the store).
         staging: where uploaded templates are received, in the daemon's state dir.
+        standbys: the watched trainers' standby slots (None: no shared memory).
         """
         self._pipeline = pipeline
         self._lanes = pipeline.lanes
         self._staging = staging
+        self._standbys = standbys
 
     @grpc_errors
     def RegisterRun(
@@ -118,6 +121,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         def receive() -> Path:
             upload.receive_template(request_iterator, staged, header.template_bytes)
             return staged
+
+        self._wait_standby(header.run, context)  # a trainer gone just now: its last snapshot first
 
         try:
             manifest = self._pipeline.register(
@@ -171,7 +176,25 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @grpc_errors
     def CloseRun(self, request: pb.CloseRunRequest, context: grpc.ServicerContext) -> pb.CloseRunResponse:
         self._pipeline.close_run(request.run, _wait_seconds(request.timeout_seconds, "CloseRun"))
+        if self._standbys is not None:  # closed by its trainer: nothing of it left to stand by
+            self._standbys.watch(request.run, [])
         return pb.CloseRunResponse(run=request.run)
+
+    @grpc_errors
+    def WatchStandby(self, request: pb.WatchStandbyRequest, context: grpc.ServicerContext) -> pb.WatchStandbyResponse:
+        run = check_run_name(request.run)
+        if self._standbys is None:
+            raise RunClosedError(
+                "WatchStandby: this daemon has no shared memory (--shm-root), so it cannot watch standby slots; "
+                "saves go to it as usual"
+            )
+        self._standbys.watch(run, list(request.slot_paths))
+        return pb.WatchStandbyResponse(run=run)
+
+    def _wait_standby(self, run: str | None, context: grpc.ServicerContext) -> None:
+        """Until the standby snapshot of `run`'s trainer (any run's: None) that just went is written."""
+        if self._standbys is not None:
+            self._standbys.wait(run, context.time_remaining())
 
     @grpc_errors
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
@@ -198,6 +221,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @grpc_errors
     def GetLatest(self, request: pb.LatestRequest, context: grpc.ServicerContext) -> pb.LatestResponse:
         kind = messages.kind_from_pb(request.kind, "GetLatest", optional=True)
+        self._wait_standby(request.run or None, context)
         if request.HasField("checkpoint_dir"):  # by where the checkpoints are, whichever run wrote them
             run = _reader_run(request.run, request.folder, "GetLatest")
             if kind is not None and kind is not SaveKind.TRAINING_CHECKPOINT:

@@ -19,11 +19,11 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 
 import grpc
 
-from checkpointd.core.ports import WholePartsSink
 from checkpointd.protocol.errors import DeadlineError, InvalidRequestError
 from checkpointd.protocol.names import check_export_dir
 from checkpointd.protocol.wire import check_chunk
 from checkpointd.rpc import same_chunks
+from checkpointd.saves.sinks import write_views
 from checkpointd.v1 import checkpointd_pb2 as pb
 
 _R = TypeVar("_R")
@@ -271,13 +271,7 @@ def receive_snapshot(
             raise InvalidRequestError("Save: nothing may follow shared_memory_written")
         if not context.is_active():
             raise InvalidRequestError("Save: the client went away during the upload")
-        views = segment.views()
-        if isinstance(sink, WholePartsSink):
-            sink.write_parts(views)  # whole parts: the sink picks their order
-        else:
-            for part, view in enumerate(views):
-                if view.nbytes:
-                    sink.write(part, 0, view)
+        write_views(sink, segment.views())
         return "shm"
     if request is not None:
         requests = itertools.chain((request,), requests)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from checkpointd.core.ports import CopyingSink, OrderedSink, SaveSink, Staged, WholePartsSink
 from checkpointd.saves.pool import WriterPool
@@ -73,3 +74,19 @@ class AtWriterPriority:
 
     def close(self) -> None:
         self._sink.close()
+
+
+class PartWriter(Protocol):
+    """Anything a snapshot's parts are written into (a `SaveSink`, the receiver's sink)."""
+
+    def write(self, part: int, offset: int, data: Any, crc: int | None = None) -> None: ...
+
+
+def write_views(sink: PartWriter, views: Sequence[memoryview]) -> None:
+    """Writes a snapshot's parts, each whole in memory (`views[j]` is part j's bytes), into `sink`."""
+    if isinstance(sink, WholePartsSink):
+        sink.write_parts(views)  # whole parts: the sink picks their order
+        return
+    for part, view in enumerate(views):
+        if view.nbytes:
+            sink.write(part, 0, view)

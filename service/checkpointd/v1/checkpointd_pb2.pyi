@@ -304,6 +304,20 @@ class CloseRunResponse(_message.Message):
     run: str
     def __init__(self, run: _Optional[str] = ...) -> None: ...
 
+class WatchStandbyRequest(_message.Message):
+    __slots__ = ("run", "slot_paths")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    SLOT_PATHS_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    slot_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run: _Optional[str] = ..., slot_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WatchStandbyResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ("run", "stored")
     RUN_FIELD_NUMBER: _ClassVar[int]

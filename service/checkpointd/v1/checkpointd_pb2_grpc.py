@@ -54,6 +54,11 @@ class CheckpointServiceStub(object):
                 request_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesRequest.SerializeToString,
                 response_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesResponse.FromString,
                 )
+        self.WatchStandby = channel.unary_unary(
+                '/checkpointd.v1.CheckpointService/WatchStandby',
+                request_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.WatchStandbyRequest.SerializeToString,
+                response_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.WatchStandbyResponse.FromString,
+                )
 
 
 class CheckpointServiceServicer(object):
@@ -225,6 +230,29 @@ class CheckpointServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchStandby(self, request, context):
+        """Standby snapshots (a continuous RemoteCheckpointer on the daemon's
+        host): between its durable saves, the trainer copies its newest
+        snapshot into one of two slot files it made in the daemon's
+        shared-memory folder (the folder of the segment it was offered), with
+        a record naming it (checkpointd.protocol.standby: a SaveHeader, a
+        generation, a CRC32C). No call is made per snapshot. This call asks the
+        daemon to watch the slots: the trainer holds a shared flock(2) of the
+        first slot while it lives, and once nobody holds it (the process
+        ended: SIGKILL, the OOM killer, an exception) the daemon writes the
+        slots' newest complete snapshot as an ordinary checkpoint of the run,
+        unless the run's dir already holds one of that step or newer. A
+        RegisterRun or GetLatest of the run waits for that write. Empty
+        slot_paths: stop watching (a clean close). One watch per run: a new
+        call replaces the last. NOT_FOUND for an unknown run;
+        INVALID_ARGUMENT for a slot outside the daemon's shared-memory folder,
+        not a regular file of the daemon's user, or a number of slots other
+        than two; FAILED_PRECONDITION if the daemon has no shared memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +295,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.RestoreFiles,
                     request_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesRequest.FromString,
                     response_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesResponse.SerializeToString,
+            ),
+            'WatchStandby': grpc.unary_unary_rpc_method_handler(
+                    servicer.WatchStandby,
+                    request_deserializer=checkpointd_dot_v1_dot_checkpointd__pb2.WatchStandbyRequest.FromString,
+                    response_serializer=checkpointd_dot_v1_dot_checkpointd__pb2.WatchStandbyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -411,5 +444,22 @@ class CheckpointService(object):
         return grpc.experimental.unary_stream(request, target, '/checkpointd.v1.CheckpointService/RestoreFiles',
             checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesRequest.SerializeToString,
             checkpointd_dot_v1_dot_checkpointd__pb2.RestoreFilesResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def WatchStandby(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/checkpointd.v1.CheckpointService/WatchStandby',
+            checkpointd_dot_v1_dot_checkpointd__pb2.WatchStandbyRequest.SerializeToString,
+            checkpointd_dot_v1_dot_checkpointd__pb2.WatchStandbyResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

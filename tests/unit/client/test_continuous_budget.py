@@ -6,7 +6,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from checkpointd_client.continuous import Choice, ContinuousSaves, Decisions, SaveBudget, check_budget
+from checkpointd_client.continuous import (
+    STANDBY_SHARE,
+    Choice,
+    ContinuousSaves,
+    Decisions,
+    SaveBudget,
+    check_budget,
+)
 from tests.unit.conftest import FakeClock
 
 
@@ -242,3 +249,59 @@ def test_flushs_save_of_the_last_call_counts_its_stall_not_as_training_nor_as_a_
     ticket = saves.save(1, False, False, lambda s, b: _Ticket(s), lambda s, r: _Ticket(s, True, r))
     assert ticket.skipped and "budget" in ticket.reason  # 1 s of checkpointing: paid for by 20 s of training
     assert saves.decisions == Decisions(saved=1, skipped_by_budget=1, skipped_busy=0)
+
+
+def test_with_standby_durable_saves_and_hand_overs_each_keep_to_their_share_of_the_budget() -> None:
+    clock = FakeClock()
+    budget = SaveBudget(0.05, clock)
+    step, save_cost, hand_cost = 0.001, 0.010, 0.0005
+    trained = saved_stall = handed_stall = 0.0
+    handed_at: list[int] = []
+    for i in range(20_000):
+        clock.advance(step)
+        trained += step
+        choice, entered = budget.enter(False, standby=True)
+        cost = {Choice.SAVE: save_cost, Choice.HAND_OVER: hand_cost}.get(choice, 0.0)
+        clock.advance(cost)
+        saved_stall += cost if choice is Choice.SAVE else 0.0
+        handed_stall += cost if choice is Choice.HAND_OVER else 0.0
+        if choice is Choice.HAND_OVER:
+            handed_at.append(i)
+        budget.leave(choice, entered)
+    share = 0.05 * STANDBY_SHARE
+    assert saved_stall <= share * trained + 2 * save_cost
+    assert handed_stall <= share * trained + 3 * hand_cost
+    decisions = budget.decisions
+    assert decisions.handed_over > 10 * decisions.saved, "hand-overs, far cheaper, come far more often"
+    assert max(b - a for a, b in zip(handed_at, handed_at[1:], strict=False)) < 50, "a hand-over every few steps"
+
+
+def test_a_hand_over_that_could_not_be_made_counts_as_a_skip_by_the_budget() -> None:
+    clock = FakeClock()
+    budget = SaveBudget(0.05, clock)
+    for _ in range(2):  # the first save is not charged; the second is
+        choice, entered = budget.enter(False, standby=True)
+        assert choice is Choice.SAVE
+        clock.advance(0.01)
+        budget.leave(choice, entered)
+    clock.advance(0.001)
+    choice, entered = budget.enter(False, standby=True)
+    assert choice is Choice.HAND_OVER
+    budget.leave(choice, entered, handed_over=False)
+    assert budget.decisions == Decisions(saved=2, skipped_by_budget=1, skipped_busy=0, handed_over=0)
+
+
+def test_a_hand_over_call_is_pending_and_reads_as_handed_over() -> None:
+    clock = FakeClock()
+    saves = ContinuousSaves(0.05, clock)
+
+    def save(step: object, blocking: bool) -> _Ticket:
+        clock.advance(0.01)
+        return _Ticket(step)
+
+    for step in (1, 2):  # the first save is not charged; the second is
+        assert not saves.save(step, False, False, save, lambda s, r: _Ticket(s, True, r), lambda s: True).skipped
+    clock.advance(0.001)
+    ticket = saves.save(3, False, False, save, lambda s, r: _Ticket(s, True, r), lambda s: True)
+    assert ticket.skipped and "standby" in ticket.reason
+    assert saves.take_pending() == 3, "a hand-over is not durable: flush() and close() still save its step"

@@ -53,6 +53,7 @@ PROTOCOL_NEEDS: dict[str, set[str]] = {
     "checkpointd.protocol.credentials": {"grpc"},
     "checkpointd.protocol.wire": {"crc32c", "protobuf", "checkpointd.v1"},
     "checkpointd.protocol.increments": {"crc32c", "protobuf", "checkpointd.v1"},
+    "checkpointd.protocol.standby": {"crc32c", "protobuf", "checkpointd.v1"},
 }
 # grpc/__init__.py imports these packages, when installed, to alias them as
 # grpc.tools, grpc.health and grpc.reflection; their __init__s are empty. What

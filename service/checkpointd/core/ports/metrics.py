@@ -66,6 +66,9 @@ class PhaseSink(Protocol):
     def preemption_save(self, outcome: str, notice_to_durable: float | None) -> None:
         """Counts one accepted save on notice by outcome; `notice_to_durable`: seconds, if written and known."""
 
+    def standby_save(self, outcome: str) -> None:
+        """Counts one watched trainer's end by what became of its standby snapshot (`checkpointd.saves.standby`)."""
+
 
 class NullPhases:
     """A PhaseSink that records nothing."""
@@ -83,6 +86,9 @@ class NullPhases:
         pass
 
     def preemption_save(self, outcome: str, notice_to_durable: float | None) -> None:
+        pass
+
+    def standby_save(self, outcome: str) -> None:
         pass
 
 
