@@ -116,15 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         assert before is not None and after is not None
         none, continuous = statistics.median(rates["none"]), statistics.median(rates["continuous"])
         saved = after.saved - before.saved
-        calls = (
-            saved + (after.skipped_by_budget - before.skipped_by_budget) + (after.skipped_busy - before.skipped_busy)
-        )
+        calls = after.calls - before.calls
         print(f"median steps/s: no saves {none:.1f}, save() every step {continuous:.1f}: "
               f"ratio {continuous / none:.3f} ({(1 - continuous / none) * 100:+.1f} % slower)")  # fmt: skip
         print(f"decisions over the measured windows: {calls} calls, {saved} saved "
               f"({saved / (args.reps * args.window):.1f}/s), "
               f"{after.skipped_by_budget - before.skipped_by_budget} skipped by the budget, "
-              f"{after.skipped_busy - before.skipped_busy} skipped busy; "
+              f"{after.skipped_busy - before.skipped_busy} skipped busy, "
+              f"{after.handed_over - before.handed_over} handed over as standby snapshots; "
               f"a call that did not save: {skip_seconds / max(skips, 1) * 1e6:.0f} us mean")  # fmt: skip
         print(f"time in save(): {statistics.median(shares) * 100:.1f} % of the window (median; budget "
               f"{args.budget * 100:g} %); durable checkpoints: {checkpointer.counts}")  # fmt: skip

@@ -16,10 +16,12 @@ cases: a DQN agent with Adam, slots trained, and a TFUniformReplayBuffer; small
   a step trains and adds one item to the buffer (so incremental saves have
   something new to send). What a SIGKILL loses: at KILL_SAMPLES moments
   spread over the continuous windows, the steps since the newest save
-  durable then and the seconds of training they took. (Sampled from the
-  run's own timeline, not a real kill: the demo does that; a save the daemon
-  accepted is not lost by the trainer's kill, so durable is the cautious
-  line.) The demo's DQN CartPole is bench.continuous's (`python -m bench`
+  durable then, or standby snapshot handed over (sealed in its slot: the
+  daemon writes it once the trainer is gone, `checkpointd_client.standby`),
+  and the seconds of training they took. (Sampled from the run's own
+  timeline, not a real kill: the demo and tests/integration/training/test_standby.py
+  do that; a save the daemon accepted is not lost by the trainer's kill, so
+  durable is the cautious line.) The demo's DQN CartPole is bench.continuous's (`python -m bench`
   runs it beside this).
 - move (with S3, unless --no-move; the medium state): bench.move's graceful
   move (daemon A drained, B restores after A exits) and node loss (A
@@ -132,6 +134,7 @@ def continuous(
 ) -> dict[str, Any]:
     """Steps/s with no saves and with `save()` after every step, interleaved; what a SIGKILL would lose."""
     from checkpointd_client import RemoteCheckpointer
+    from checkpointd_client.continuous import HANDED_OVER_REASON
 
     rates: dict[str, list[float]] = {"none": [], "continuous": []}
     reached: list[tuple[float, int]] = []  # (time, step) after each step of the continuous windows
@@ -153,6 +156,8 @@ def continuous(
                     reached.append((now, int(step.numpy())))
                     if not ticket.skipped:
                         pending.append(ticket)
+                    elif ticket.reason == HANDED_OVER_REASON:  # sealed in a slot: the daemon writes it if killed
+                        durable.append((now, ticket.step))
                     for t in [t for t in pending if t.done()]:
                         pending.remove(t)
                         if t.exception(0) is None:

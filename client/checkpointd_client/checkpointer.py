@@ -272,7 +272,7 @@ class RemoteCheckpointer(SavesOnNotice):
 
     @property
     def decisions(self) -> Decisions | None:
-        """How the `save()` calls of a continuous checkpointer decided (saved, skipped_by_budget,
+        """How the `save()` calls of a continuous checkpointer decided (saved, skipped_by_budget, handed_over,
         skipped_busy); None unless `continuous=True`."""
         return self._continuous.decisions if self._continuous is not None else None
 

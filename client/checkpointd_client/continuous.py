@@ -27,6 +27,15 @@ rule (`SaveBudget`):
   previous save allows. A slow disk keeps saves in flight longer, so they
   get rarer too, and training does not wait for them.
 
+On the daemon's host (a save went through its shared memory), a call that
+does not save may hand a standby snapshot over instead
+(`checkpointd_client.standby`): a copy of what changed into a slot the
+daemon writes only if this process ends before its next save. The budget is
+then shared: durable saves and hand-overs each get `STANDBY_SHARE` of it,
+each by the rule above (a hand-over costs its stall: the daemon does no
+work for it). A hand-over is far cheaper than a durable save, so it comes
+far more often, and a SIGKILL loses about the time since the last one.
+
 A blocking save always saves (its stall counts, so the continuous saves after
 it wait for training to pay for it). The last call that did not save is never
 lost to this rule: `flush()`, `close()` and a save on notice save it first
@@ -75,7 +84,7 @@ class Choice(enum.Enum):
 
 _BUDGET_REASON = "within the checkpointing budget: the last save is not yet paid for by training"
 _BUSY_REASON = "this checkpointer's previous save is still in flight"
-_HANDED_REASON = (
+HANDED_OVER_REASON = (
     "handed over as a standby snapshot, not yet durable: the daemon writes it if this process ends before its "
     "next save"
 )
@@ -105,6 +114,11 @@ class Decisions:
     skipped_busy: int = 0
     charged_seconds: float = 0.0
     handed_over: int = 0
+
+    @property
+    def calls(self) -> int:
+        """Every `save()` call decided: saved, skipped either way, or handed over."""
+        return self.saved + self.skipped_by_budget + self.skipped_busy + self.handed_over
 
 
 def check_budget(budget: Any) -> float:
@@ -309,7 +323,7 @@ class ContinuousSaves:
                 self._set_pending(global_step)  # not durable: flush() and close() still save it
                 handed = False
                 handed = hand_over(global_step)
-                return skip(global_step, _HANDED_REASON if handed else _BUDGET_REASON)
+                return skip(global_step, HANDED_OVER_REASON if handed else _BUDGET_REASON)
             if choice is not Choice.SAVE:
                 self._set_pending(global_step)
                 return skip(global_step, _BUDGET_REASON if choice is Choice.SKIP_BUDGET else _BUSY_REASON)

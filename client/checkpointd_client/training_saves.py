@@ -196,9 +196,7 @@ class TrainingSaves:
         slots = self._standby
         if slots is not None and slots.fits(folder, sizes, header):
             return slots
-        self._standby = None
-        if slots is not None:
-            slots.close()
+        self._drop_standby()
         try:
             slots = standby.StandbySlots(self._daemon.run, folder, sizes, len(header), self._checkpoint)
         except OSError as e:
@@ -273,8 +271,9 @@ class TrainingSaves:
                 self._local.adopt(segment, offer, layout, state.nbytes)
                 return upload
             self._use_shm = False  # the daemon is not on this host (or not this user's)
-        with self._daemon.lock:
-            spare, self._spare = self._spare, None
+        with self._daemon.lock:  # no segment now (a daemon elsewhere, or out of room): no hand-overs either
+            spare, self._spare, self._segment = self._spare, None, None
+        self._drop_standby()
         if spare is None or spare.layout != state.layout:  # Python state needs none: it is bytes already
             spare = _Spare(state.layout, [np.empty(0 if tf_checkpoint.is_string(t) else t.nbytes, np.uint8) for t in state.tensors])  # fmt: skip
         held, spare.export_dir = spare.export_dir, None  # the save whose snapshot the buffers hold, until this copy
@@ -330,6 +329,9 @@ class TrainingSaves:
         with self._daemon.lock:
             self._spare, self._segment = None, None
         self._local.close()
+        self._drop_standby()
+
+    def _drop_standby(self) -> None:
         slots, self._standby = self._standby, None
         if slots is not None:
             slots.close()
