@@ -268,9 +268,8 @@ def test_with_standby_durable_saves_and_hand_overs_each_keep_to_their_share_of_t
         if choice is Choice.HAND_OVER:
             handed_at.append(i)
         budget.leave(choice, entered)
-    share = 0.05 * STANDBY_SHARE
-    assert saved_stall <= share * trained + 2 * save_cost
-    assert handed_stall <= share * trained + 3 * hand_cost
+    assert saved_stall <= 0.05 * (1 - STANDBY_SHARE) * trained + 2 * save_cost
+    assert handed_stall <= 0.05 * STANDBY_SHARE * trained + 3 * hand_cost
     decisions = budget.decisions
     assert decisions.handed_over > 10 * decisions.saved, "hand-overs, far cheaper, come far more often"
     assert max(b - a for a, b in zip(handed_at, handed_at[1:], strict=False)) < 50, "a hand-over every few steps"
