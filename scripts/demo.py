@@ -62,7 +62,8 @@ def _print_metrics(daemon: procs.Daemon) -> None:
         f"daemon {daemon.name}'s {daemon.metrics_url}: {m['accepted']:.0f} saves accepted, {m['skipped']:.0f} skipped, "
         f"{m['written']:.0f} written ({m['written_bytes'] / (1 << 20):,.1f} MiB), {m['failed']:.0f} failed; "
         f"saves on notice: {m['notice_ok']:.0f} ok, {m['notice_failed']:.0f} failed, "
-        f"{m['notice_cancelled']:.0f} cancelled"
+        f"{m['notice_cancelled']:.0f} cancelled; standby snapshots of killed trainers written: "
+        f"{m['standby_written']:.0f}"
     )
 
 

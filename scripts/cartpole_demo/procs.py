@@ -94,15 +94,16 @@ def scrape(metrics_url: str) -> dict[str, float]:
 
     Returns:
         accepted (saves the daemon took: written, failed or still in flight),
-        skipped, written, failed, written_bytes, and of the saves on notice
-        notice_ok, notice_failed, notice_cancelled.
+        skipped, written, failed, written_bytes, of the saves on notice
+        notice_ok, notice_failed, notice_cancelled, and of the ended trainers'
+        standby snapshots standby_written, standby_not_newer, ... (one per outcome).
     """
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     totals = {"written": 0.0, "skipped": 0.0, "failed": 0.0, "in_flight": 0.0, "written_bytes": 0.0}
-    totals.update(notice_ok=0.0, notice_failed=0.0, notice_cancelled=0.0)
+    totals.update(notice_ok=0.0, notice_failed=0.0, notice_cancelled=0.0, standby_written=0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "checkpointd_saves_total":
@@ -115,6 +116,8 @@ def scrape(metrics_url: str) -> dict[str, float]:
                 totals["written_bytes"] += sample.value
             elif sample.name == "checkpointd_preemption_saves_total":
                 totals["notice_" + sample.labels.get("outcome", "")] = sample.value
+            elif sample.name == "checkpointd_standby_saves_total":
+                totals["standby_" + sample.labels.get("outcome", "")] = sample.value
     totals["accepted"] = totals["written"] + totals["failed"] + totals["in_flight"]
     return totals
 
