@@ -88,9 +88,13 @@ class Segment:
     _map: mmap.mmap
 
     def views(self) -> list[memoryview]:
-        """One writable view per part, each 64-byte aligned (the map is page aligned)."""
+        """One writable view per part at its offset (the map is page aligned)."""
         whole = memoryview(self._map)
         return [whole[o : o + n] for o, n in zip(self.offsets, self.sizes, strict=True)]
+
+    def image(self) -> memoryview:
+        """The whole segment, from its page-aligned start."""
+        return memoryview(self._map)
 
     def close(self) -> None:
         try:
@@ -176,18 +180,23 @@ class SharedMemory:
     def folder(self) -> Path:
         return self._dir
 
-    def segment(self, run: str, sizes: Sequence[int]) -> Segment | None:
+    def segment(
+        self, run: str, sizes: Sequence[int], layout: tuple[Sequence[int], int] | None = None
+    ) -> Segment | None:
         """The run's segment for parts of `sizes`, made or remade as needed.
 
+        `layout`, if given, is each part's offset and the segment's size (a
+        format's image of its data file); by default each part starts on
+        the next 64-byte boundary after the one before (`aligned_offsets`).
         Call it only while holding the run's lane (one save at a time).
         Returns None when the segment cannot be made, e.g. the tmpfs has
         no room (logged): the save then goes over the wire.
         """
         sizes = tuple(sizes)
-        offsets, size = aligned_offsets(sizes)
+        offsets, size = aligned_offsets(sizes) if layout is None else (list(layout[0]), layout[1])
         with self._lock:
             old = self._segments.pop(run, None)
-            if old is not None and old.sizes == sizes:
+            if old is not None and old.sizes == sizes and old.offsets == tuple(offsets) and old.size == size:
                 self._segments[run] = old  # now the most recently used
                 self._busy.add(run)
                 return old
