@@ -358,15 +358,16 @@ class BundleSink:
         device = os.fstat(writer.fileno).st_dev
         writing = direct.DirectWrite(path, whole) if direct.supported() and device not in _refused else None
         try:
-            for j in self.order():
-                route = self._routes[j]
-                if j in self._kept or route is None:
-                    continue
-                view, log = views[j], self._logs[j]
-                for start, end in chunks.spans(0, view.nbytes):
-                    crc = crc32c.crc32c(view[start:end])
-                    writer.copied(route, end - start, crc)
-                    log.add(end - start, crc)
+            pieces = [
+                (j, route, start, end)
+                for j in self.order()
+                if j not in self._kept and (route := self._routes[j]) is not None
+                for start, end in chunks.spans(0, views[j].nbytes)
+            ]
+            crcs = _sum_pieces([views[j][start:end] for j, _, start, end in pieces])
+            for (j, route, start, end), crc in zip(pieces, crcs, strict=True):
+                writer.copied(route, end - start, crc)
+                self._logs[j].add(end - start, crc)
         finally:
             written = writing.wait() if writing is not None else False
         if written:
@@ -473,6 +474,33 @@ class BundleSink:
             f.exception()  # waited for; the save is given up, so its error is not raised
         with self._lock:
             self._stack.close()
+
+
+def _sum_pieces(pieces: Sequence[memoryview]) -> list[int]:
+    """Each piece's CRC32C, the second half summed on a thread of its own (crc32c releases the GIL).
+
+    Two cores sum an image at twice the speed; and under load, where the
+    caller's thread runs at the writers' low priority, each thread gets its
+    share of a core. The helper is made by the caller, so it has its priority.
+    """
+    crcs = [0] * len(pieces)
+    failed: list[BaseException] = []
+
+    def sum_range(lo: int, hi: int) -> None:
+        try:
+            for k in range(lo, hi):
+                crcs[k] = crc32c.crc32c(pieces[k])
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            failed.append(e)
+
+    half = len(pieces) // 2
+    helper = threading.Thread(target=sum_range, args=(half, len(pieces)), name="crc32c", daemon=True)
+    helper.start()
+    sum_range(0, half)
+    helper.join()
+    if failed:
+        raise failed[0]
+    return crcs
 
 
 def split(snapshot: object, sizes: Sequence[int], who: str, what: str) -> list[memoryview]:
