@@ -297,6 +297,7 @@ class SavePipeline:
                 parts.append(request.snapshot_bytes - manifest.nbytes)  # the numpy state
             lock_path = ""
             fmt = self.formats(request.kind)
+            layout = None
             if request.shared_memory and self._shm is not None:
                 # A format that can write its data file from an image of it (O_DIRECT) lays the segment out so.
                 layout = (
@@ -317,7 +318,10 @@ class SavePipeline:
             incremental = request.incremental and bases.worth_a_base(parts)
             alike = incremental_choice.alike(request, segment is not None)
             if incremental:  # through shared memory too: the daemon compares the chunks itself
-                base, chosen = self._incremental.open(self.store, folder, request, manifest.variables, alike)
+                image = segment is not None and layout is not None
+                base, chosen = self._incremental.open(
+                    self.store, folder, request, manifest.variables, alike, image=image
+                )
             meta = SaveMeta(run, request.kind, request.step, request.export_dir, request.trainer_versions, deadline)
             # The save's files are open before the accept is answered, and are
             # written as the chunks land; no deletions in the folder meanwhile.

@@ -73,7 +73,7 @@ def resident_pages(path: Path) -> tuple[int, int]:
 class Trainer:
     """A training state plus odd-sized variables, saved through the daemon's shared memory and in process."""
 
-    def __init__(self, daemon: Daemon, run: str, local: Path) -> None:
+    def __init__(self, daemon: Daemon, run: str, local: Path, *, incremental: bool = False) -> None:
         self.state = training_state.build(seed=0)
         self.state.collect(20)
         self.state.train(2)
@@ -85,7 +85,7 @@ class Trainer:
         ]
         objects = {**self.state.objects, "odd": self.odd}
         self.remote = RemoteCheckpointer(
-            "train", daemon.address, run=run, max_to_keep=2, timeout=LIMIT, incremental=False, **objects
+            "train", daemon.address, run=run, max_to_keep=2, timeout=LIMIT, incremental=incremental, **objects
         )
         self.local = common.Checkpointer(str(local), max_to_keep=2, **objects)
         self.ours = daemon.root / run / "train"
@@ -93,9 +93,13 @@ class Trainer:
 
     def save(self) -> int:
         """Saves through the daemon and in process; returns the step."""
-        self.remote.save(self.state.global_step, blocking=True).result(LIMIT)
+        return self.save_result().step
+
+    def save_result(self) -> Any:
+        """Saves through the daemon and in process; returns the daemon's result."""
+        result = self.remote.save(self.state.global_step, blocking=True).result(LIMIT)
         self.local.save(self.state.global_step)
-        return int(self.state.global_step.numpy())
+        return result
 
     def change(self) -> None:
         self.state.collect(3)
@@ -122,8 +126,8 @@ def _shm_snapshots(daemon: Daemon) -> float:
 def trainer_of(tmp_path: Path) -> Iterator[Any]:
     made: list[Trainer] = []
 
-    def make(daemon: Daemon, run: str) -> Trainer:
-        made.append(Trainer(daemon, run, tmp_path / f"local-{run}"))
+    def make(daemon: Daemon, run: str, **options: Any) -> Trainer:
+        made.append(Trainer(daemon, run, tmp_path / f"local-{run}", **options))
         return made[-1]
 
     try:
@@ -144,6 +148,21 @@ def test_a_checkpoint_written_past_the_page_cache_is_tensorflows_byte_for_byte(d
         resident, pages = resident_pages(trainer.data_file(step))
         assert pages > 2900 and resident <= 2, (step, resident, pages)  # at most the object graph's last block
     assert trainer.same_files(first) and trainer.same_files(second)
+
+
+def test_an_incremental_save_in_an_image_is_written_whole_where_the_root_would_copy_in_the_kernel(
+    daemon: Daemon, trainer_of: Any
+) -> None:
+    # ext4 (the tests' root) has no reflink: a base's unchanged chunks would be read and written again.
+    trainer = trainer_of(daemon, "image-incremental", incremental=True)
+    first = trainer.save_result()
+    trainer.change()
+    second = trainer.save_result()
+    assert (first.incremental_path, second.incremental_path) == ("no_base", "receive")
+    assert second.bytes_copied == 0
+    resident, _ = resident_pages(trainer.data_file(second.step))
+    assert resident <= 2
+    assert trainer.same_files(first.step) and trainer.same_files(second.step)
 
 
 @pytest.fixture(scope="module")
