@@ -6,7 +6,11 @@ on an accept, the daemon offers the run's segment, a file on a tmpfs
 variables straight into it (the copy it makes anyway for a point-in-time
 snapshot) and says so; the daemon writes the bundle from views of the
 segment, in the data file's order, without another copy. No chunking, CRC or socket is involved, which is
-what made the wire path slow for large policies.
+what made the wire path slow for large policies. A training checkpoint's
+segment is laid out as an image of its data file (each tensor at its
+offset in the file: `checkpointd.bundle.image`, the layout its format
+gives), so the daemon writes it whole with O_DIRECT, past the page cache;
+a policy's parts start on 64-byte boundaries (`aligned_offsets`).
 
 Safety:
 - The daemon's folder `<shm root>/checkpointd-<pid>-<random>` is mode 0700
