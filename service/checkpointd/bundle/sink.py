@@ -19,11 +19,11 @@ Strings known at open (the object graph) are written at once. Large data
 files are handed to the disk while they grow (`durable.writeback.writing`);
 a snapshot in shared memory comes whole (`write_parts`) and is written in
 the data file's order, so the file grows from its start and the writeback
-sees each page as it is written. A segment laid out as an image of the
-data file (`image_layout`, `checkpointd.bundle.image`) is written whole
+sees each page as it is written. A large segment laid out as an image of
+the data file (`image_layout`, `checkpointd.bundle.image`) is written whole
 with O_DIRECT instead (`write_image`): no copy into the page cache, and
-nothing left for the commit's fsync but the file's metadata. The staged save carries both files' size
-and CRC32C (`Staged.known`, combined from the tensors' as they were
+nothing left for the commit's fsync but the file's metadata. The staged
+save carries both files' size and CRC32C (`Staged.known`, combined from the tensors' as they were
 written), so the store's manifest does not read them back.
 
 Every fixed-size tensor's chunk digests are logged on the way
@@ -66,6 +66,9 @@ _LOGGER = logging.getLogger(__name__)
 
 # The devices whose file system refused an O_DIRECT write: not tried again there.
 _refused: set[int] = set()
+# Images at least this large are written with O_DIRECT; below it the disk's
+# round trip for the data, then another for the fsync, costs more than one.
+_DIRECT_MIN_BYTES = writeback.WRITEBACK_BYTES
 # The data file's CRC32C is combined from its tensors' for up to one tensor per 2**this bytes.
 _COMBINE_SHIFT = 20
 
@@ -316,12 +319,13 @@ class BundleSink:
         """Takes every part from `whole`, a page-aligned segment holding part j at `offsets[j]`.
 
         When `offsets` are `image_layout()`'s (the segment is an image of the
-        data file), the strings are put into the image's gaps and the image
-        is written with O_DIRECT (`checkpointd.durable.direct`), each
-        tensor's chunks summed meanwhile; where the file system refuses
-        O_DIRECT, the image is written through the page cache. Otherwise,
-        or once some bytes came another way, or while a store watches the
-        ranges, the parts are taken as `write_parts` takes them.
+        data file) and the image is large, the strings are put into the
+        image's gaps and the image is written with O_DIRECT
+        (`checkpointd.durable.direct`), each tensor's chunks summed
+        meanwhile; where the file system refuses O_DIRECT, the image is
+        written through the page cache. Otherwise (a small image, bytes
+        that came another way, a store watching the ranges) the parts are
+        taken as `write_parts` takes them.
 
         Raises:
             as `write`.
@@ -334,6 +338,7 @@ class BundleSink:
             fits is None
             or list(offsets) != fits[0]
             or whole.nbytes < fits[1]
+            or fits[1] < _DIRECT_MIN_BYTES
             or self._on_range is not None
             or any(self._received)
         ):

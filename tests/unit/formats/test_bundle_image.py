@@ -50,6 +50,12 @@ def test_round_up_to_whole_blocks(n: int, up: int) -> None:
     assert direct.round_up(n) == up
 
 
+@pytest.fixture(autouse=True)
+def _any_image_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These bundles are a few KiB: written as an image all the same."""
+    monkeypatch.setattr(sink, "_DIRECT_MIN_BYTES", 0)
+
+
 def _open(directory: Path) -> sink.BundleSink:
     directory.mkdir()
 
@@ -92,6 +98,14 @@ def test_an_image_segment_is_written_whole_and_the_files_are_the_bundles_byte_fo
     assert (index, data) == _expected(tmp_path)
     # The chunk digests an incremental save's next base needs, as the ordinary path logs them.
     assert {d.key: d.crcs for d in s.digests()} == {"a": (crc32c.crc32c(A),), "w": (crc32c.crc32c(W),)}
+
+
+def test_a_small_image_is_written_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sink, "_DIRECT_MIN_BYTES", 3 * direct.ALIGNMENT)
+    monkeypatch.setattr(direct, "DirectWrite", None)  # never made
+    offsets, size = image.layout(ENTRIES, ROUTES, PARTS)  # type: ignore[misc]
+    _write_image(tmp_path / "small", _segment(offsets, size), offsets)
+    assert _files(tmp_path / "small") == _expected(tmp_path)
 
 
 def test_a_segment_not_laid_out_as_the_image_is_written_part_by_part(tmp_path: Path) -> None:
