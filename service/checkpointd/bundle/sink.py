@@ -19,8 +19,11 @@ Strings known at open (the object graph) are written at once. Large data
 files are handed to the disk while they grow (`durable.writeback.writing`);
 a snapshot in shared memory comes whole (`write_parts`) and is written in
 the data file's order, so the file grows from its start and the writeback
-sees each page as it is written. The staged save carries both files' size
-and CRC32C (`Staged.known`, combined from the tensors' as they were
+sees each page as it is written. A large segment laid out as an image of
+the data file (`image_layout`, `checkpointd.bundle.image`) is written whole
+with O_DIRECT instead (`write_image`): no copy into the page cache, and
+nothing left for the commit's fsync but the file's metadata. The staged
+save carries both files' size and CRC32C (`Staged.known`, combined from the tensors' as they were
 written), so the store's manifest does not read them back.
 
 Every fixed-size tensor's chunk digests are logged on the way
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -51,13 +55,20 @@ from types import TracebackType
 
 import crc32c
 
-from checkpointd.bundle import chunks
-from checkpointd.bundle.writer import DATA_SUFFIX, INDEX_SUFFIX, BundleWriter, Entry
+from checkpointd.bundle import chunks, image
+from checkpointd.bundle.writer import DATA_SUFFIX, INDEX_SUFFIX, BundleWriter, Entry, string_bytes
 from checkpointd.core.ports import Staged
-from checkpointd.durable import copies, writeback
+from checkpointd.durable import copies, direct, writeback
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError, SaveFailedError
 from checkpointd.protocol.tensors import STRING
 
+_LOGGER = logging.getLogger(__name__)
+
+# The devices whose file system refused an O_DIRECT write: not tried again there.
+_refused: set[int] = set()
+# Images at least this large are written with O_DIRECT; below it the disk's
+# round trip for the data, then another for the fsync, costs more than one.
+_DIRECT_MIN_BYTES = writeback.WRITEBACK_BYTES
 # The data file's CRC32C is combined from its tensors' for up to one tensor per 2**this bytes.
 _COMBINE_SHIFT = 20
 
@@ -120,11 +131,13 @@ class BundleSink:
         self._on_range: Callable[[int, int], None] | None = None
         self._on_refer: Callable[[int, int, object, int], None] | None = None
         self._referred = False  # some ranges were left to the store to copy (their bytes not in staging)
+        self._strings = dict(strings or {})
+        self._direct = False  # written from an image with O_DIRECT: none of the data file is in the page cache
         self._stack = contextlib.ExitStack()
         try:
             self._writer = self._stack.enter_context(BundleWriter(prefix, entries))
             self._stack.enter_context(writeback.writing(os.path.dirname(prefix), self._writer.size))
-            for i, value in (strings or {}).items():
+            for i, value in self._strings.items():
                 self._writer.write_strings(i, [value])
         except BaseException:
             self._stack.close()
@@ -298,6 +311,80 @@ class BundleSink:
             if views[j].nbytes:
                 self.write(j, 0, views[j])
 
+    def image_layout(self) -> tuple[list[int], int] | None:
+        """Each part's offset in an image of the data file, and the image's size (`checkpointd.bundle.image`)."""
+        return image.layout(self._writer.entries, self._routes, self._parts)
+
+    def write_image(self, whole: memoryview, offsets: Sequence[int]) -> None:
+        """Takes every part from `whole`, a page-aligned segment holding part j at `offsets[j]`.
+
+        When `offsets` are `image_layout()`'s (the segment is an image of the
+        data file) and the image is large, the strings are put into the
+        image's gaps and the image is written with O_DIRECT
+        (`checkpointd.durable.direct`), each tensor's chunks summed
+        meanwhile; where the file system refuses O_DIRECT, the image is
+        written through the page cache. Otherwise (a small image, bytes
+        that came another way, a store watching the ranges) the parts are
+        taken as `write_parts` takes them.
+
+        Raises:
+            as `write`.
+        """
+        if len(offsets) != len(self._parts):
+            raise InvalidRequestError(f"Save: {len(offsets)} parts given whole; the snapshot has {len(self._parts)}")
+        views = [whole[o : o + n] for o, n in zip(offsets, self._parts, strict=True)]
+        fits = self.image_layout()
+        if (
+            fits is None
+            or list(offsets) != fits[0]
+            or whole.nbytes < fits[1]
+            or fits[1] < _DIRECT_MIN_BYTES
+            or self._on_range is not None
+            or any(self._received)
+        ):
+            self.write_parts(views)
+            return
+        with self._lock:
+            if self._closed:
+                raise ValueError("the save's files were closed (the save was given up)")
+            self._write_image(whole[: fits[1]], views)
+
+    def _write_image(self, whole: memoryview, views: list[memoryview]) -> None:
+        """`write_image`'s write, under the lock: the strings placed, the image written, the tensors summed."""
+        writer, size = self._writer, self._writer.size
+        for i, value in self._strings.items():  # written to the file at open; the image's block holds them too
+            data, _ = string_bytes([value], writer.entries[i])
+            whole[writer.offsets[i] : writer.offsets[i] + len(data)] = data
+        for j in self._kept:
+            route = self._routes[j]
+            if route is not None:  # a string tensor's value, in place after its length and checksum
+                writer.write_strings(route, [bytes(views[j])], image=whole)
+        path = writer.prefix + DATA_SUFFIX
+        device = os.fstat(writer.fileno).st_dev
+        writing = direct.DirectWrite(path, whole) if direct.supported() and device not in _refused else None
+        try:
+            pieces = [
+                (j, route, start, end)
+                for j in self.order()
+                if j not in self._kept and (route := self._routes[j]) is not None
+                for start, end in chunks.spans(0, views[j].nbytes)
+            ]
+            crcs = _sum_pieces([views[j][start:end] for j, _, start, end in pieces])
+            for (j, route, start, end), crc in zip(pieces, crcs, strict=True):
+                writer.copied(route, end - start, crc)
+                self._logs[j].add(end - start, crc)
+        finally:
+            written = writing.wait() if writing is not None else False
+        if written:
+            os.ftruncate(writer.fileno, size)  # the image's last block, cut to the file
+            self._direct = True
+        else:
+            if writing is not None:
+                _refused.add(device)
+                _LOGGER.info("%s refuses O_DIRECT writes; shared-memory saves there go through the page cache", path)
+            writer.write_raw(whole[:size], 0)
+        self._received = list(self._parts)
+
     def order(self) -> list[int]:
         """The parts in the data file's order (the tail last)."""
         last = self._writer.size  # the tail (not in the data file) after the tensors
@@ -378,7 +465,8 @@ class BundleSink:
         known = dict(staged.known or {})
         known[rel + INDEX_SUFFIX] = (len(index), crc32c.crc32c(index))
         # Combined always when staging lacks referred ranges: reading the file back would sum holes.
-        if self._referred or len(self._writer.entries) <= max(self._writer.size >> _COMBINE_SHIFT, 1):
+        # And when written with O_DIRECT: none of the file is in the page cache to read back.
+        if self._referred or self._direct or len(self._writer.entries) <= max(self._writer.size >> _COMBINE_SHIFT, 1):
             known[rel + DATA_SUFFIX] = (self._writer.size, self._writer.data_crc())
         return dataclasses.replace(staged, known=known)
 
@@ -391,6 +479,33 @@ class BundleSink:
             f.exception()  # waited for; the save is given up, so its error is not raised
         with self._lock:
             self._stack.close()
+
+
+def _sum_pieces(pieces: Sequence[memoryview]) -> list[int]:
+    """Each piece's CRC32C, the second half summed on a thread of its own (crc32c releases the GIL).
+
+    Two cores sum an image at twice the speed; and under load, where the
+    caller's thread runs at the writers' low priority, each thread gets its
+    share of a core. The helper is made by the caller, so it has its priority.
+    """
+    crcs = [0] * len(pieces)
+    failed: list[BaseException] = []
+
+    def sum_range(lo: int, hi: int) -> None:
+        try:
+            for k in range(lo, hi):
+                crcs[k] = crc32c.crc32c(pieces[k])
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            failed.append(e)
+
+    half = len(pieces) // 2
+    helper = threading.Thread(target=sum_range, args=(half, len(pieces)), name="crc32c", daemon=True)
+    helper.start()
+    sum_range(0, half)
+    helper.join()
+    if failed:
+        raise failed[0]
+    return crcs
 
 
 def split(snapshot: object, sizes: Sequence[int], who: str, what: str) -> list[memoryview]:

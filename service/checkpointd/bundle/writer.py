@@ -116,6 +116,19 @@ def _string_head(values: Sequence[bytes]) -> tuple[bytes, int]:
     return bytes(lengths) + checksum, crc32c.crc32c(checksum, crc)
 
 
+def string_bytes(values: Sequence[bytes], entry: Entry) -> tuple[bytes, int]:
+    """A string tensor's bytes in the data file, and its entry's (unmasked) CRC32C.
+
+    Raises:
+        ValueError: the elements do not take the size `entry` gave.
+    """
+    if string_size([len(v) for v in values]) != entry.size:
+        raise ValueError(f"bundle key {entry.key!r}: its strings do not take the {entry.size} bytes announced")
+    head, crc = _string_head(values)
+    data = head + b"".join(values)
+    return data, crc32c.crc32c(data[len(head) :], crc)
+
+
 def entry_proto(dtype: str, shape: Sequence[int], offset: int, size: int, masked_crc: int) -> bytes:
     """A BundleEntryProto, serialized as protobuf does (fields in number order, zeros absent)."""
     return _entry_head(dtype, shape, offset, size) + _crc_field(masked_crc)
@@ -178,6 +191,15 @@ def _layout(entries: tuple[Entry, ...]) -> _Layout:
         [(b"", HEADER), *((key, head + placeholder) for key, head in rows)], [0] + [len(placeholder) - 1] * len(rows)
     )
     return _Layout(tuple(offsets), at, order, rows, fixed)
+
+
+def data_offsets(entries: Sequence[Entry]) -> tuple[int, ...]:
+    """Each entry's offset in the data file (data order).
+
+    Raises:
+        ValueError: see `check_entries`.
+    """
+    return _layout(tuple(entries)).offsets
 
 
 def check_entries(entries: Sequence[Entry]) -> None:
@@ -300,8 +322,11 @@ class BundleWriter:
         """The bytes of tensor #`i` written so far."""
         return self._written[i]
 
-    def write_strings(self, i: int, values: Sequence[bytes]) -> None:
+    def write_strings(self, i: int, values: Sequence[bytes], image: memoryview | None = None) -> None:
         """Writes string tensor #`i` (data order) whole: its elements in C order.
+
+        With `image` (the data file's image in memory, written to the file
+        later by the caller), its bytes are put there instead of written.
 
         Raises:
             ValueError: tensor `i` is not a string tensor, is written already,
@@ -311,15 +336,24 @@ class BundleWriter:
         entry = self.entries[i]
         if entry.dtype != STRING or self._written[i]:
             raise ValueError(f"bundle key {entry.key!r}: not an unwritten string tensor")
-        if string_size([len(v) for v in values]) != entry.size:
-            raise ValueError(f"bundle key {entry.key!r}: its strings do not take the {entry.size} bytes announced")
-        head, crc = _string_head(values)
-        data = head + b"".join(values)
-        self._pwrite(memoryview(data), self.offsets[i])
-        self._crcs[i] = crc32c.crc32c(data[len(head) :], crc)
+        data, crc = string_bytes(values, entry)
+        at = self.offsets[i]
+        if image is not None:
+            image[at : at + len(data)] = data
+        else:
+            self._pwrite(memoryview(data), at)
+        self._crcs[i] = crc
         # The entry's checksum folds the lengths in as integers, not as the varints written.
         self._string_file_crcs[i] = crc32c.crc32c(data)
         self._written[i] = entry.size
+
+    def write_raw(self, data: object, at: int) -> None:
+        """Writes `data` at offset `at` of the data file as it is: bytes the caller accounts for (`copied`).
+
+        Raises:
+            OSError: the write failed.
+        """
+        self._pwrite(memoryview(data).cast("B"), at)  # type: ignore[arg-type]
 
     def _pwrite(self, view: memoryview, at: int) -> None:
         fd = self.fileno

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd import bundle
-from checkpointd.bundle import chunks, sink
+from checkpointd.bundle import chunks, image, sink
 from checkpointd.bundle.reader import BundleReader, CorruptBundleError, UnreadableBundleError
 from checkpointd.bundle.sink import BundleSink
 from checkpointd.core.checkpoint_spec import CheckpointSpec, TensorSpec, check_dtypes, check_keys
@@ -179,16 +179,7 @@ class TrainingFormat:
         """
         if checkpoint is None or kind is not SaveKind.TRAINING_CHECKPOINT or numpy_state is not None:
             raise SaveFailedError(f"run {run!r}: the training format writes TRAINING_CHECKPOINT saves only")
-        if list(parts) != [*(t.nbytes for t in checkpoint.tensors), 0]:
-            raise SaveFailedError(f"run {run!r}: snapshot parts do not match the training checkpoint's tensors")
-        entries = [
-            bundle.Entry(t.checkpoint_key, tensors.STRING, (), bundle.string_size([t.nbytes]))
-            if tensors.is_string(t.dtype)
-            else bundle.Entry(t.checkpoint_key, t.dtype, t.shape, t.nbytes)
-            for t in checkpoint.tensors
-        ]
-        entries.append(bundle.string_entry(tensors.OBJECT_GRAPH_KEY, checkpoint.object_graph))
-        routes: list[int | None] = [*range(len(checkpoint.tensors)), None]
+        entries, routes = _bundle_of(run, parts, checkpoint)
         rules, count = checkpoint.retention, len(checkpoint.tensors)
 
         def finish(index: bytes, tail: bytes) -> Staged:
@@ -213,6 +204,21 @@ class TrainingFormat:
             staging / STAGED_STEM, entries, routes, parts, finish, strings={len(entries) - 1: checkpoint.object_graph}
         )
         return opened
+
+    def segment_layout(
+        self, parts: Sequence[int], *, checkpoint: CheckpointSpec | None = None
+    ) -> tuple[list[int], int] | None:
+        """Each part's offset in a shared-memory segment that is an image of the data file, and its size.
+
+        Implements `checkpointd.core.ports.SegmentLayouts` (`checkpointd.bundle.image`).
+
+        Raises:
+            SaveFailedError: not a training checkpoint, or parts that do not fit it.
+        """
+        if checkpoint is None:
+            raise SaveFailedError("the training format lays out TRAINING_CHECKPOINT saves only")
+        entries, routes = _bundle_of("", parts, checkpoint)
+        return image.layout(entries, routes, parts)
 
     def read(self, save: CommittedSave, manifest: Manifest) -> TrainingValues:
         """Opens a committed training checkpoint for Restore.
@@ -279,6 +285,26 @@ class TrainingValues:
                 yield memoryview(self._strings[t.checkpoint_key])
             else:
                 yield memoryview(_read(self._reader, t.checkpoint_key, self._where))
+
+
+def _bundle_of(
+    run: str, parts: Sequence[int], checkpoint: CheckpointSpec
+) -> tuple[list[bundle.Entry], list[int | None]]:
+    """The bundle's entries (data order: the tensors, then the object graph) and each part's route to them.
+
+    Raises:
+        SaveFailedError: the parts are not the tensors' sizes then 0.
+    """
+    if list(parts) != [*(t.nbytes for t in checkpoint.tensors), 0]:
+        raise SaveFailedError(f"run {run!r}: snapshot parts do not match the training checkpoint's tensors")
+    entries = [
+        bundle.Entry(t.checkpoint_key, tensors.STRING, (), bundle.string_size([t.nbytes]))
+        if tensors.is_string(t.dtype)
+        else bundle.Entry(t.checkpoint_key, t.dtype, t.shape, t.nbytes)
+        for t in checkpoint.tensors
+    ]
+    entries.append(bundle.string_entry(tensors.OBJECT_GRAPH_KEY, checkpoint.object_graph))
+    return entries, [*range(len(checkpoint.tensors)), None]
 
 
 def graph_attributes(data: bytes, what: str) -> list[tuple[str, str]]:

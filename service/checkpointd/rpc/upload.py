@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 
 import grpc
 
+from checkpointd.core.ports import ImageSink
 from checkpointd.protocol.errors import DeadlineError, InvalidRequestError
 from checkpointd.protocol.names import check_export_dir
 from checkpointd.protocol.wire import check_chunk
@@ -216,7 +217,12 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
 class SharedSegment(Protocol):
     """A shared-memory segment holding a snapshot (`checkpointd.transport.shm.Segment`)."""
 
+    @property
+    def offsets(self) -> Sequence[int]: ...
+
     def views(self) -> list[memoryview]: ...
+
+    def image(self) -> memoryview: ...
 
 
 class Sink(Protocol):
@@ -239,7 +245,8 @@ def receive_snapshot(
     written at once, so no more than a chunk of the snapshot is held here.
     When the accept offered `segment`, the client may instead send one
     `shared_memory_written` (the snapshot is in the segment) and half-close;
-    the parts are then written into `sink` straight from the segment.
+    the parts are then written into `sink` straight from the segment (the
+    whole segment, to a sink that can write its data file from its image).
 
     Args:
         requests: the requests after the header.
@@ -271,6 +278,9 @@ def receive_snapshot(
             raise InvalidRequestError("Save: nothing may follow shared_memory_written")
         if not context.is_active():
             raise InvalidRequestError("Save: the client went away during the upload")
+        if isinstance(sink, ImageSink) and sink.image_layout() is not None:  # the data file from the whole segment
+            sink.write_image(segment.image(), segment.offsets)
+            return "shm"
         write_views(sink, segment.views())
         return "shm"
     if request is not None:

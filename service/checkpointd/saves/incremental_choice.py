@@ -35,11 +35,28 @@ class IncrementalChoice:
         self._paths_lock = threading.Lock()
 
     def open(
-        self, store: Store, folder: str, request: SaveRequest, variables: Sequence[VariableSpec], alike: str
+        self,
+        store: Store,
+        folder: str,
+        request: SaveRequest,
+        variables: Sequence[VariableSpec],
+        alike: str,
+        *,
+        image: bool = False,
     ) -> tuple[bases.OpenBase | None, IncrementalPath]:
-        """The base an incremental save copies from (None: it receives every byte; the caller closes it), its path."""
+        """The base an incremental save copies from (None: it receives every byte; the caller closes it), its path.
+
+        `image`: the snapshot is in a shared-memory segment laid out as its
+        data file (written from memory with O_DIRECT). Its bytes are all in
+        memory already, so a root that copies in the kernel (a read of the
+        base and a write of the copy) is not offered the base unless the
+        path was set to copy (--incremental-path copy): the image's write
+        writes those bytes once and reads nothing. A root that clones its
+        extents still copies.
+        """
         base = bases.open_base(store, folder, request, self._local, self._bases, variables, self._remote_bases)
-        chosen = self._path(alike, base)
+        in_kernel = self._paths.copies is IncrementalPath.COPY and self._paths.config.choice == "auto"
+        chosen = IncrementalPath.RECEIVE if image and in_kernel and base is not None else self._path(alike, base)
         if chosen is IncrementalPath.RECEIVE and base is not None:
             base.close()  # cheaper to receive its bytes than to copy them: no base offered
             base = None

@@ -56,6 +56,7 @@ from checkpointd.core.ports import (
     PhaseSink,
     SaveMeta,
     SaveSink,
+    SegmentLayouts,
     Store,
 )
 from checkpointd.core.variable_manifest import Manifest, VariableSpec
@@ -295,8 +296,16 @@ class SavePipeline:
                 parts = [v.nbytes for v in manifest.variables]
                 parts.append(request.snapshot_bytes - manifest.nbytes)  # the numpy state
             lock_path = ""
+            fmt = self.formats(request.kind)
+            layout = None
             if request.shared_memory and self._shm is not None:
-                segment = self._shm.segment(run, parts)  # safe: this save holds the lane
+                # A format that can write its data file from an image of it (O_DIRECT) lays the segment out so.
+                layout = (
+                    fmt.segment_layout(parts, **own_spec(request.checkpoint))
+                    if isinstance(fmt, SegmentLayouts)
+                    else None
+                )
+                segment = self._shm.segment(run, parts, layout)  # safe: this save holds the lane
                 if (
                     segment is not None
                     and request.trainer_decided is not None
@@ -309,9 +318,11 @@ class SavePipeline:
             incremental = request.incremental and bases.worth_a_base(parts)
             alike = incremental_choice.alike(request, segment is not None)
             if incremental:  # through shared memory too: the daemon compares the chunks itself
-                base, chosen = self._incremental.open(self.store, folder, request, manifest.variables, alike)
+                image = segment is not None and layout is not None
+                base, chosen = self._incremental.open(
+                    self.store, folder, request, manifest.variables, alike, image=image
+                )
             meta = SaveMeta(run, request.kind, request.step, request.export_dir, request.trainer_versions, deadline)
-            fmt = self.formats(request.kind)
             # The save's files are open before the accept is answered, and are
             # written as the chunks land; no deletions in the folder meanwhile.
             # Its place is bound there: a path changed after the accept is never

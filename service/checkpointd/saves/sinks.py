@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from checkpointd.core.ports import CopyingSink, OrderedSink, SaveSink, Staged, WholePartsSink
+from checkpointd.core.ports import CopyingSink, ImageSink, OrderedSink, SaveSink, Staged, WholePartsSink
 from checkpointd.saves.pool import WriterPool
 
 
@@ -38,6 +38,16 @@ class AtWriterPriority:
         for part, view in enumerate(views):
             if view.nbytes:
                 self._sink.write(part, 0, view)
+
+    def image_layout(self) -> tuple[list[int], int] | None:
+        return self._sink.image_layout() if isinstance(self._sink, ImageSink) else None
+
+    def write_image(self, whole: memoryview, offsets: Sequence[int]) -> None:
+        """The format's sink's `write_image`; call it only where `image_layout()` is not None."""
+        if not isinstance(self._sink, ImageSink):
+            raise TypeError(f"{type(self._sink).__name__} writes no image: give it the parts (write_parts)")
+        self._lower()
+        self._sink.write_image(whole, offsets)
 
     def _lower(self) -> None:
         if threading.get_ident() not in self._lowered:

@@ -6,7 +6,11 @@ on an accept, the daemon offers the run's segment, a file on a tmpfs
 variables straight into it (the copy it makes anyway for a point-in-time
 snapshot) and says so; the daemon writes the bundle from views of the
 segment, in the data file's order, without another copy. No chunking, CRC or socket is involved, which is
-what made the wire path slow for large policies.
+what made the wire path slow for large policies. A training checkpoint's
+segment is laid out as an image of its data file (each tensor at its
+offset in the file: `checkpointd.bundle.image`, the layout its format
+gives), so the daemon writes it whole with O_DIRECT, past the page cache;
+a policy's parts start on 64-byte boundaries (`aligned_offsets`).
 
 Safety:
 - The daemon's folder `<shm root>/checkpointd-<pid>-<random>` is mode 0700
@@ -88,9 +92,13 @@ class Segment:
     _map: mmap.mmap
 
     def views(self) -> list[memoryview]:
-        """One writable view per part, each 64-byte aligned (the map is page aligned)."""
+        """One writable view per part at its offset (the map is page aligned)."""
         whole = memoryview(self._map)
         return [whole[o : o + n] for o, n in zip(self.offsets, self.sizes, strict=True)]
+
+    def image(self) -> memoryview:
+        """The whole segment, from its page-aligned start."""
+        return memoryview(self._map)
 
     def close(self) -> None:
         try:
@@ -176,18 +184,23 @@ class SharedMemory:
     def folder(self) -> Path:
         return self._dir
 
-    def segment(self, run: str, sizes: Sequence[int]) -> Segment | None:
+    def segment(
+        self, run: str, sizes: Sequence[int], layout: tuple[Sequence[int], int] | None = None
+    ) -> Segment | None:
         """The run's segment for parts of `sizes`, made or remade as needed.
 
+        `layout`, if given, is each part's offset and the segment's size (a
+        format's image of its data file); by default each part starts on
+        the next 64-byte boundary after the one before (`aligned_offsets`).
         Call it only while holding the run's lane (one save at a time).
         Returns None when the segment cannot be made, e.g. the tmpfs has
         no room (logged): the save then goes over the wire.
         """
         sizes = tuple(sizes)
-        offsets, size = aligned_offsets(sizes)
+        offsets, size = aligned_offsets(sizes) if layout is None else (list(layout[0]), layout[1])
         with self._lock:
             old = self._segments.pop(run, None)
-            if old is not None and old.sizes == sizes:
+            if old is not None and old.sizes == sizes and old.offsets == tuple(offsets) and old.size == size:
                 self._segments[run] = old  # now the most recently used
                 self._busy.add(run)
                 return old

@@ -7,13 +7,13 @@ Beside them: a save's sink (`sinks`), what Restore needs (`restore`), who
 writes a run in a fleet (`leases`), the counters (`metrics`) and the values
 that cross them (`records`). A capability only some implementations offer is
 a Protocol of its own (`StreamingStore`, `RemoteBases`, `Closing`,
-`LocalCopies`, `HeldSaves`, `SaveFiles`, `StagesFiles`, `CheckpointValues`, `WatchedSink`,
-`ReferencingSink`, `WholePartsSink`, `OrderedSink`, `CopyingSink`,
+`LocalCopies`, `HeldSaves`, `SaveFiles`, `SegmentLayouts`, `StagesFiles`, `CheckpointValues`, `WatchedSink`,
+`ReferencingSink`, `WholePartsSink`, `ImageSink`, `OrderedSink`, `CopyingSink`,
 `SameChunksSink`, `LeaseHolders`, `Described`, `TidiesLater`, `BoundedRequests`), checked with isinstance, never
 probed with getattr. `checkpointd.server` picks the implementations.
 """
 
-from checkpointd.core.ports.formats import SaveFormat
+from checkpointd.core.ports.formats import SaveFormat, SegmentLayouts
 from checkpointd.core.ports.leases import Described, LeaseHolders, Leases, NoLeases
 from checkpointd.core.ports.metrics import (
     Clock,
@@ -35,6 +35,7 @@ from checkpointd.core.ports.restore import (
 )
 from checkpointd.core.ports.sinks import (
     CopyingSink,
+    ImageSink,
     OrderedSink,
     ReferencingSink,
     SameChunksSink,
@@ -60,6 +61,7 @@ __all__ = [
     "CopyingSink",
     "Described",
     "HeldSaves",
+    "ImageSink",
     "LeaseHolders",
     "LeaseSink",
     "Leases",
@@ -79,6 +81,7 @@ __all__ = [
     "SaveMeta",
     "SaveSink",
     "SaveValues",
+    "SegmentLayouts",
     "SavedFile",
     "SnapshotBytes",
     "Staged",

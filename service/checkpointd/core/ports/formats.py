@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from checkpointd.core.ports.records import CommittedSave, SnapshotBytes, Staged
 from checkpointd.core.ports.restore import SaveValues
@@ -125,5 +125,20 @@ class SaveFormat(Protocol):
         Raises:
             InvalidRequestError: the save does not fit the run's manifest.
             ChecksumError, SaveFailedError: its files are corrupt or unreadable.
+        """
+        ...
+
+
+@runtime_checkable
+class SegmentLayouts(Protocol):
+    """A SaveFormat that lays a save's shared-memory segment out as its data file's image (O_DIRECT writes)."""
+
+    def segment_layout(
+        self, parts: Sequence[int], *, checkpoint: CheckpointSpec | None = None
+    ) -> tuple[list[int], int] | None:
+        """Each part's offset in the segment and its size, as `open`'s sink would write the image; None: no image.
+
+        Raises:
+            SaveFailedError: the parts do not fit the save.
         """
         ...

@@ -73,6 +73,23 @@ class WholePartsSink(Protocol):
 
 
 @runtime_checkable
+class ImageSink(Protocol):
+    """A SaveSink that can write its data file straight from a shared-memory segment laid out as the file's image."""
+
+    def image_layout(self) -> tuple[list[int], int] | None:
+        """Each part's offset in an image of the data file and the image's size; None: the parts have no image."""
+        ...
+
+    def write_image(self, whole: memoryview, offsets: Sequence[int]) -> None:
+        """Takes every part from `whole` (part j at `offsets[j]`), as `write_parts` would from its views.
+
+        Raises:
+            as `SaveSink.write`.
+        """
+        ...
+
+
+@runtime_checkable
 class OrderedSink(Protocol):
     """A SaveSink whose data file lays its parts out in an order of its own: writing in it writes the file in order."""
 
