@@ -7,7 +7,8 @@ collect step and one train step per iteration), starts its own
 `checkpointd serve` on this host, and times windows of training, interleaved
 so the machine's drift falls on both alike: one with no saves, then one
 calling `RemoteCheckpointer(continuous=True).save(train_step)` after every
-step. It prints each window's steps/s, the medians, their ratio, the
+step. It prints each window's steps/s, the medians, the median of the
+rounds' ratios (each round's two windows side by side), the
 checkpointer's decisions and the mean time of a call that did not save
 (with `--out FILE`, as JSON too: `python -m bench` runs it in its preemption
 section, bench/preemption.py judges it).
@@ -26,6 +27,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def paired_ratio(rates: dict[str, list[float]]) -> float:
+    """The median over rounds of (continuous ÷ no saves) steps/s, each round's two windows side by side: the
+    machine's drift between rounds (other work, the trainer's own warming) falls out of each round's ratio."""
+    return statistics.median(c / n for n, c in zip(rates["none"], rates["continuous"], strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer.close()
         assert before is not None and after is not None
         none, continuous = statistics.median(rates["none"]), statistics.median(rates["continuous"])
+        ratio = paired_ratio(rates)
         saved = after.saved - before.saved
         calls = after.calls - before.calls
-        print(f"median steps/s: no saves {none:.1f}, save() every step {continuous:.1f}: "
-              f"ratio {continuous / none:.3f} ({(1 - continuous / none) * 100:+.1f} % slower)")  # fmt: skip
+        print(f"median steps/s: no saves {none:.1f}, save() every step {continuous:.1f}; median of the "
+              f"{args.reps} rounds' ratios {ratio:.3f} ({(1 - ratio) * 100:+.1f} % slower)")  # fmt: skip
         print(f"decisions over the measured windows: {calls} calls, {saved} saved "
               f"({saved / (args.reps * args.window):.1f}/s), "
               f"{after.skipped_by_budget - before.skipped_by_budget} skipped by the budget, "
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             args.out.write_text(json.dumps({
                 "steps_per_second": {"none": none, "continuous": continuous, "samples": rates},
-                "ratio": continuous / none, "budget": args.budget, "in_save_share": statistics.median(shares),
+                "ratio": ratio, "ratio_of_medians": continuous / none, "budget": args.budget, "in_save_share": statistics.median(shares),
                 "decisions": {k: getattr(after, k) - getattr(before, k) for k in dataclasses.asdict(after)},
             }, indent=1))  # fmt: skip
     finally:

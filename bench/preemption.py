@@ -133,6 +133,7 @@ def continuous(
     address: str, objects: dict[str, Any], step: Any, train: Callable[[], None], reps: int, window: float
 ) -> dict[str, Any]:
     """Steps/s with no saves and with `save()` after every step, interleaved; what a SIGKILL would lose."""
+    from bench.continuous import paired_ratio
     from checkpointd_client import RemoteCheckpointer
     from checkpointd_client.continuous import HANDED_OVER_REASON
 
@@ -184,7 +185,8 @@ def continuous(
     none, saving = statistics.median(rates["none"]), statistics.median(rates["continuous"])
     return {
         "steps_per_second": {"none": none, "continuous": saving, "samples": rates},
-        "ratio": saving / none,
+        "ratio": paired_ratio(rates),
+        "ratio_of_medians": saving / none,
         "decisions": dataclasses.asdict(decisions) if decisions is not None else None,
         "sigkill": _losses(reached, durable, spans),
     }
