@@ -13,8 +13,16 @@ rule (`SaveBudget`):
   (`checkpointd_client.daemon_cpu`). On busy cores shared with training that
   CPU slows training as the stall does (a 2 MB save of the bench's small
   state stalls ~6 ms and costs the daemon ~18 ms of CPU). The calls that decided not to save cost their few
-  microseconds too. Training time is the wall time between calls, outside
-  `save()`. The first save is not charged: its one-time costs (the graph
+  microseconds too. So are its after-effects on training: the steps taken
+  while a durable save is in flight (and the one during which it ended), and
+  the first `AFTER_STEPS` steps after a hand-over, are each charged what
+  they took beyond the mean of the quiet steps (neither; kept once
+  `QUIET_LEAST` were seen; summed over the interval, so that the noise of
+  single steps cancels, and only a sum above zero counts), and that extra
+  time is not counted as training:
+  the upload thread's and the daemon's share of the cores, the caches the
+  copy emptied, whatever slows those steps. Training time is the wall time
+  between calls, outside `save()`. The first save is not charged: its one-time costs (the graph
   described, the segment made and first touched, everything copied) are
   paid once whatever the budget.
 - After a save that cost `s`, the next save waits until the training done
@@ -104,9 +112,10 @@ class Decisions:
         skipped_by_budget: calls that did not save to keep within the budget.
         skipped_busy: calls within the budget that did not save because the
             previous save was still in flight.
-        charged_seconds: the CPU seconds charged to the budget beside the
+        charged_seconds: the seconds charged to the budget beside the
             training thread's time in save(): what the saves cost off it,
-            producing requests and (same host) the daemon's work.
+            producing requests and (same host) the daemon's work, and the
+            steps they slowed beyond the quiet steps' mean.
         handed_over: calls that did not save but handed a standby snapshot
             over (`checkpointd_client.standby`): written by the daemon only
             if the process ends before its next save.
@@ -146,14 +155,31 @@ class _Pool:
         self.trained = 0.0  # seconds of training since its last save returned
         self.saves = 0  # its saves so far: the first `free` are not charged
         self.free = free
+        self.slowed = 0.0  # its slowed steps' time beyond the quiet steps' since its last save (signed: noise)
 
     def over(self, budget: float) -> bool:
-        return self.spent > budget * self.trained
+        slowed = max(0.0, self.slowed)  # that time was checkpointing, not training
+        return self.spent + slowed > budget * (self.trained - slowed)
 
-    def saved(self, stall: float) -> None:
-        """A new interval: this save is paid for by the training after it."""
+    def saved(self, stall: float) -> float:
+        """A new interval: this save is paid for by the training after it; returns the last one's slowed time."""
+        slowed = max(0.0, self.slowed)
         self.saves += 1
-        self.spent, self.trained = (stall if self.saves > self.free else 0.0), 0.0
+        self.spent, self.trained, self.slowed = (stall if self.saves > self.free else 0.0), 0.0, 0.0
+        return slowed
+
+    def after(self, seconds: float) -> None:
+        """Adds a step's time beyond the quiet steps' mean (negative: less) to this interval."""
+        if self.saves > self.free:
+            self.slowed += seconds
+
+
+# After-effects: the steps taken while a durable save is in flight, and the first AFTER_STEPS steps after a
+# hand-over, are compared with the quiet steps (neither), whose mean is kept over about 1 / QUIET_WEIGHT of
+# them once QUIET_LEAST were seen.
+AFTER_STEPS = 3
+QUIET_WEIGHT = 0.05
+QUIET_LEAST = 20
 
 
 class SaveBudget:
@@ -171,6 +197,10 @@ class SaveBudget:
         self._durable, self._standby = _Pool(free=1), _Pool(free=2)
         self._charged = 0.0  # seconds charged so far
         self._counts = [0, 0, 0, 0]  # saved, skipped by the budget, skipped busy, handed over
+        self._quiet = 0.0  # the mean time of a quiet step (see AFTER_STEPS)
+        self._quiet_seen = 0
+        self._since_hand_over = AFTER_STEPS  # calls since the last hand-over
+        self._in_flight = False  # the last call saw a save in flight
 
     @property
     def budget(self) -> float:
@@ -201,6 +231,7 @@ class SaveBudget:
                 trained = max(0.0, now - self._left_at)
                 self._durable.trained += trained
                 self._standby.trained += trained
+                self._after(trained, in_flight)
             durable = self._budget * (1 - STANDBY_SHARE) if standby else self._budget
             # Counted by index, in Decisions' order: an Enum's hash is Python code, and this runs every step.
             over = self._durable.over(durable)
@@ -214,6 +245,19 @@ class SaveBudget:
                 choice, index = Choice.SKIP_BUSY, 2
             self._counts[index] += counted
             return choice, now
+
+    def _after(self, step: float, in_flight: bool) -> None:
+        """Charges a step slowed by a save in flight or a hand-over just made, against the quiet steps' mean."""
+        after_hand_over = self._since_hand_over < AFTER_STEPS
+        self._since_hand_over += 1
+        # A save that ended during this step slowed it too: the step after the last one that saw it in flight.
+        in_flight, self._in_flight = in_flight or self._in_flight, in_flight
+        if not (in_flight or after_hand_over):
+            self._quiet_seen += 1
+            self._quiet += (step - self._quiet) / min(self._quiet_seen, 1 / QUIET_WEIGHT)
+            return
+        if self._quiet_seen >= QUIET_LEAST:
+            (self._durable if in_flight else self._standby).after(step - self._quiet)
 
     def charge(self, seconds: float) -> None:
         """Adds what the last save cost off the training thread (known once it is durable) to its interval."""
@@ -231,9 +275,10 @@ class SaveBudget:
             now = self._clock()
             stall = max(0.0, now - entered)
             if choice is Choice.SAVE:
-                self._durable.saved(stall)
+                self._charged += self._durable.saved(stall)
             elif choice is Choice.HAND_OVER and handed_over:
-                self._standby.saved(stall)
+                self._charged += self._standby.saved(stall)
+                self._since_hand_over = 0
             else:
                 if choice is Choice.HAND_OVER:  # not made after all: a skip by the budget
                     self._counts[3] -= 1

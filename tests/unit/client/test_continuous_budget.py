@@ -304,3 +304,38 @@ def test_a_hand_over_call_is_pending_and_reads_as_handed_over() -> None:
     ticket = saves.save(3, False, False, save, lambda s, r: _Ticket(s, True, r), lambda s: True)
     assert ticket.skipped and "standby" in ticket.reason
     assert saves.take_pending() == 3, "a hand-over is not durable: flush() and close() still save its step"
+
+
+def _slowed_loop(budget: SaveBudget, clock: FakeClock, standby: bool, steps: int) -> tuple[float, float]:
+    """Steps of 1 ms, 1.5 ms while a durable save is in flight (20 ms) or for 3 steps after a hand-over; a save
+    stalls 2 ms, a hand-over 0.5 ms. Returns (what checkpointing cost: stalls and the slowed steps' extra,
+    the training those steps would have taken unslowed)."""
+    cost = quiet = 0.0
+    in_flight_until, slowed_for = -1.0, 0
+    for _ in range(steps):
+        in_flight = clock.now < in_flight_until
+        slowed = in_flight or slowed_for > 0
+        clock.advance(0.0015 if slowed else 0.001)
+        cost += 0.0005 if slowed else 0.0
+        quiet += 0.001
+        slowed_for = max(0, slowed_for - 1)
+        choice, entered = budget.enter(clock.now < in_flight_until, standby=standby)
+        stall = {Choice.SAVE: 0.002, Choice.HAND_OVER: 0.0005}.get(choice, 0.0)
+        clock.advance(stall)
+        cost += stall
+        if choice is Choice.SAVE:
+            in_flight_until = clock.now + 0.020
+        elif choice is Choice.HAND_OVER:
+            slowed_for = 3
+        budget.leave(choice, entered)
+    return cost, quiet
+
+
+@pytest.mark.parametrize("standby", [False, True])
+def test_steps_slowed_by_a_save_in_flight_or_a_hand_over_count_against_the_budget(standby: bool) -> None:
+    clock = FakeClock()
+    budget = SaveBudget(0.05, clock)
+    cost, quiet = _slowed_loop(budget, clock, standby, 50_000)
+    assert cost <= 0.05 * quiet * 1.02, f"checkpointing cost {cost / quiet:.2%} of training"
+    assert budget.decisions.charged_seconds > 0, "the slowed steps were charged"
+    assert cost >= 0.05 * quiet * 0.9, "and the budget is still spent, not wasted"

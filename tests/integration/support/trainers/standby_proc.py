@@ -12,9 +12,10 @@ holds it), at `REFERENCES/ref-<step>`. It prints one line, then waits on
 stdin (the test SIGKILLs it):
 
 - `kill`: after its third hand-over: `handed <step>`.
-- `torn`: after its third hand-over, it zeroes the magic of the slot that
-  hand-over sealed, as if killed while copying into it: `torn <step of the
-  hand-over before>`.
+- `torn`: after its third hand-over, once two hand-overs came with no save
+  between them (so the one before the last is newer than every durable
+  save), it zeroes the magic of the slot the last one sealed, as if killed
+  while copying into it: `torn <step of the hand-over before>`.
 - `flushed`: after its third hand-over, flush() (a durable save of that
   step): `flushed <step>`.
 """
@@ -38,6 +39,7 @@ def main(mode: str, address: str, run: str, references: Path) -> int:
 
     from checkpointd.protocol import standby
     from checkpointd_client import RemoteCheckpointer
+    from checkpointd_client.continuous import HANDED_OVER_REASON
     from tests.integration.training.test_held_training import _Trainer
 
     trainer = _Trainer()
@@ -48,17 +50,22 @@ def main(mode: str, address: str, run: str, references: Path) -> int:
     trainer.train()
     ckpt.save(trainer.step, blocking=True)  # through shared memory: the slots go in that daemon's folder
     handed: list[int] = []
+    in_a_row = 0  # hand-overs since the last durable save
     for _ in range(STEPS):
         trainer.train()
         ticket = ckpt.save(trainer.step)
-        if ticket.skipped and "standby" in ticket.reason:
+        if not ticket.skipped:
+            in_a_row = 0
+        elif ticket.reason == HANDED_OVER_REASON:
             step = int(trainer.step.numpy())
             counter = ckpt.checkpoint.save_counter
             counter.assign_add(1)
             ckpt.checkpoint.write(str(references / f"ref-{step}"))
             counter.assign_sub(1)
             handed.append(step)
-            if len(handed) == HAND_OVERS:
+            in_a_row += 1
+            # torn: the hand-over before the last must be newer than every durable save
+            if len(handed) >= HAND_OVERS and (mode != "torn" or in_a_row >= 2):
                 break
     else:
         print(f"only {len(handed)} hand-overs in {STEPS} steps", flush=True)
