@@ -428,6 +428,28 @@ def test_a_link_planted_in_a_committed_save_is_not_followed_by_restores(
     assert_serving(daemon, stub, run)
 
 
+@pytest.mark.parametrize(
+    ("slots", "code", "message"),
+    [
+        (["/etc/passwd", "/etc/hosts"], grpc.StatusCode.INVALID_ARGUMENT, "is not a slot in this daemon's"),
+        (["/etc/passwd"], grpc.StatusCode.INVALID_ARGUMENT, "send exactly 2"),
+    ],
+)
+def test_watch_standby_with_slots_that_are_not_the_daemons_is_invalid_and_watches_nothing(
+    daemon: Daemon, stub: Stub, run: Run, slots: list[str], code: grpc.StatusCode, message: str
+) -> None:
+    before = listing(daemon.root)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.WatchStandby(pb.WatchStandbyRequest(run=run.name, slot_paths=slots), timeout=RPC_TIMEOUT)
+    assert caught.value.code() == code, caught.value.details()
+    assert message in caught.value.details()
+    with pytest.raises(grpc.RpcError) as unknown:
+        stub.WatchStandby(pb.WatchStandbyRequest(run="no-such-run", slot_paths=slots[:1] * 2), timeout=RPC_TIMEOUT)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND, unknown.value.details()
+    assert listing(daemon.root) == before
+    assert_serving(daemon, stub, run)
+
+
 # Snapshots that go wrong after the accept: the save counts as failed.
 
 

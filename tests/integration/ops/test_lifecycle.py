@@ -176,6 +176,7 @@ def test_reflection_lists_and_describes_the_service(daemon: Daemon) -> None:
         "GetLatest",
         "Restore",
         "RestoreFiles",
+        "WatchStandby",
     }
 
 
