@@ -106,6 +106,8 @@ class CheckpointDirs:
             directory: the dir relative to the folder ("" for the folder).
             rules: the rules to apply; None: those its newest checkpoint recorded.
         """
+        if rules is not None and rules.max_to_keep is None:
+            return 0  # keep every one: CheckpointManager._sweep returns at once too, reading nothing
         with self._lock(folder, directory):
             checkpoints = self._checkpoints(folder, directory)
             if not checkpoints:

@@ -192,3 +192,21 @@ def test_a_sweep_writes_the_state_file_once_and_again_only_for_a_victim_that_sta
     assert dirs.tidy(FOLDER, DIR, CheckpointRetention(2, None)) == 0
     assert writes == [["ckpt-2", "ckpt-3"], ["ckpt-1", "ckpt-2", "ckpt-3"]]
     assert _state(tmp_path) == ["ckpt-1", "ckpt-2", "ckpt-3"]
+
+
+def test_a_dir_that_keeps_every_checkpoint_is_not_even_listed_by_its_retention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalStore(tmp_path, fsync=False)
+    dirs = CheckpointDirs(store)
+    for step in range(3):
+        _commit(store, dirs, step, CheckpointRetention(None, None))
+    touched: list[str] = []
+    for name in ("committed", "read_file", "write_file", "delete"):
+        real = getattr(store, name)
+        monkeypatch.setattr(store, name, lambda *a, _n=name, _r=real, **k: (touched.append(_n), _r(*a, **k))[1])
+    assert dirs.tidy(FOLDER, DIR, CheckpointRetention(None, None)) == 0
+    assert touched == []  # as CheckpointManager._sweep: max_to_keep=None keeps all and reads nothing
+    assert _state(tmp_path) == ["ckpt-0", "ckpt-1", "ckpt-2"]
+    assert dirs.tidy(FOLDER, DIR, CheckpointRetention(2, None)) == 1  # the same dir, with a limit: swept
+    assert "committed" in touched
