@@ -98,8 +98,7 @@ HANDED_OVER_REASON = (
 )
 # Of the budget, the share that standby hand-overs may cost where they are made (the rest: durable
 # saves). More than half: a process dies (SIGKILL, the OOM killer, a crash) far more often than a node,
-# and a hand-over of a large state costs a tenth of a durable save (no write, no daemon CPU). At 370 MB
-# (a ~27 ms hand-over, ~200 ms a durable save) this hands over every ~0.8 s and saves every ~13 s.
+# and a hand-over costs only its copy (no write, no daemon CPU), far less than a durable save.
 STANDBY_SHARE = 0.7
 
 

@@ -235,8 +235,16 @@ class CheckpointServiceServicer(object):
         host): between its durable saves, the trainer copies its newest
         snapshot into one of two slot files it made in the daemon's
         shared-memory folder (the folder of the segment it was offered), with
-        a record naming it (checkpointd.protocol.standby: a SaveHeader, a
-        generation, a CRC32C). No call is made per snapshot. This call asks the
+        a record naming it. No call is made per snapshot. A slot file, all
+        integers little-endian: bytes [0, 8) the magic "CKPDSTB1", written
+        last; [8, 16) the generation (u64, higher is newer); [16, 20) the
+        header's length L (u32); [20, 24) the CRC32C (u32) of bytes [8, 20),
+        then [24, 32), then the header; [24, 32) the data offset D (u64, page
+        aligned); [32, 32 + L) the header, a serialized SaveHeader as the save
+        would send it (kind TRAINING_CHECKPOINT); from D the snapshot's parts,
+        one per tensor of its training_checkpoint, each at the next multiple
+        of 64 bytes. A writer zeroes the magic before it changes a slot, so a
+        slot whose magic or CRC32C does not check is never written. This call asks the
         daemon to watch the slots: the trainer holds a shared flock(2) of the
         first slot while it lives, and once nobody holds it (the process
         ended: SIGKILL, the OOM killer, an exception) the daemon writes the
