@@ -216,6 +216,15 @@ def _walk(fd: int, path: str) -> Iterator[tuple[str, list[str], list[str], int]]
             os.close(child)
 
 
+def exists(dir_fd: int, name: str) -> bool:
+    """Whether `name` is an entry of the dir `dir_fd` (a link counts, unfollowed)."""
+    try:
+        os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def fd_path(fd: int) -> str:
     """A path that names the open directory `fd` itself, whatever its path has become."""
     return f"/proc/self/fd/{fd}"

@@ -22,6 +22,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from checkpointd.durable import dirs
@@ -262,10 +263,13 @@ def _split_suffixed(name: str, head: str) -> str | None:
     return base
 
 
-def recover(root: Path) -> int:
+def recover(root: Path, interrupted: Callable[[int, str, str], int] | None = None) -> int:
     """Repairs interrupted publications under `root` (run at daemon start).
 
-    Deletes every `.checkpointd-tmp-*` dir, and every `.checkpointd-tmp-<name>-<hex>`
+    Deletes every `.checkpointd-tmp-*` dir (first calling `interrupted` with
+    its parent dir's descriptor, its name and the `<name>` of
+    `.checkpointd-tmp-<name>-<hex>`: what a publication out of it left in the
+    parent is the caller's to undo; it returns how many entries it removed), and every `.checkpointd-tmp-<name>-<hex>`
     file (a state file being replaced, as `LocalStore.write_file` does). Renames every
     `.checkpointd-old-<name>-<hex>` dir back to `<name>` if `<name>` is
     absent, else deletes it. Symlinks are not followed; other names are
@@ -291,6 +295,9 @@ def recover(root: Path) -> int:
             if _is_link(name, dir_fd):
                 continue
             if name.startswith(TMP_PREFIX):
+                base = _split_suffixed(name, TMP_PREFIX)
+                if interrupted is not None and base is not None:
+                    fixed += interrupted(dir_fd, name, base)
                 _LOGGER.info("recover: deleting unfinished temp dir %s", entry)
                 dirs.remove_quietly(dir_fd, name, dirpath)
                 fixed += 1
@@ -299,7 +306,7 @@ def recover(root: Path) -> int:
             if base is None:
                 keep.append(name)
                 continue
-            if _exists(base, dir_fd):
+            if dirs.exists(dir_fd, base):
                 _LOGGER.info("recover: deleting replaced tree %s", entry)
                 dirs.remove_quietly(dir_fd, name, dirpath)
             else:
@@ -316,14 +323,6 @@ def _is_link(name: str, dir_fd: int) -> bool:
         return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
     except FileNotFoundError:
         return True  # gone meanwhile: nothing to do there
-
-
-def _exists(name: str, dir_fd: int) -> bool:
-    try:
-        os.lstat(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def check_writable_dir(path: Path, what: str) -> None:

@@ -91,7 +91,7 @@ class LocalStore:
         return str(path)
 
     def recover(self) -> int:
-        return files.recover(self.root)
+        return files.recover(self.root, interrupted=prefix.roll_back)
 
     def target(self, folder: str, export_dir: str) -> Path:
         return resolve_export_dir(self.root, folder, export_dir)

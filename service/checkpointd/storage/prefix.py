@@ -14,9 +14,10 @@ in the manifest and fsynced; then an older save at the same prefix loses its
 manifest (it stops counting), the files are renamed into `<dir>` (data
 before index), and the manifest last; the dir is fsynced after each step. A
 crash leaves either the old save, or files without a manifest (not a save:
-never listed, reported by `checkpointd verify`, overwritten by the next save
-of that step), or the new save. Delete: the manifest goes first, then the
-files it lists. Stdlib only.
+never listed, overwritten by the next save of that step), or the new save.
+The daemon's start-up recovery deletes such files (`roll_back`): the staging
+dir, still there with its manifest, names them. Delete: the manifest goes
+first, then the files it lists. Stdlib only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 from pathlib import Path
 
 from checkpointd.core.ports import Staged
+from checkpointd.durable import dirs
 from checkpointd.storage import save_manifest
 
 _LOGGER = logging.getLogger(__name__)
@@ -113,6 +115,44 @@ def publish(staging: Path, parent_fd: int, staging_name: str, target: Path, *, f
         os.rmdir(staging_name, dir_fd=parent_fd)
     except OSError as e:
         _LOGGER.warning("could not remove the empty staging dir %s: %s", staging_name, e)
+
+
+def roll_back(parent_fd: int, staging_name: str, name: str) -> int:
+    """Undoes a `publish` of the prefix `name` that a crash interrupted; returns the files deleted.
+
+    Called by start-up recovery (`checkpointd.durable.files.recover`) for each
+    staging dir it is about to delete. If that dir holds a prefix save's
+    manifest (every file it lists is `<name>.<suffix>`, none in a subdir) and
+    `<name>` has no manifest in the parent (the publish did not finish, or an
+    older save there stopped counting when it began), the listed files in
+    the parent are not a save: moved there before the crash, or the older
+    save's being replaced. They are deleted, so the prefix is absent rather
+    than partial. Nothing else is touched: a staging dir without a manifest
+    was never published from, and a dir save is published by one rename.
+    """
+    if dirs.exists(parent_fd, manifest_path(Path(name)).name):
+        return 0
+    try:
+        fd = os.open(staging_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+    except OSError:
+        return 0
+    try:
+        listed = [e.path for e in save_manifest.read_manifest(Path(dirs.fd_path(fd)))["files"]]
+    except (OSError, save_manifest.ManifestError):
+        return 0  # not published from: its manifest is written before the first rename
+    finally:
+        os.close(fd)
+    if not listed or not all("/" not in rel and rel.startswith(name + ".") for rel in listed):
+        return 0
+    removed = 0
+    for rel in listed:
+        try:
+            os.unlink(rel, dir_fd=parent_fd)
+        except FileNotFoundError:
+            continue
+        _LOGGER.warning("recover: deleting %s, left without its manifest by an interrupted commit", rel)
+        removed += 1
+    return removed
 
 
 def delete(prefix: Path, parent_fd: int) -> bool:

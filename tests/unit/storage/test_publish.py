@@ -245,3 +245,79 @@ def test_a_staged_prefix_is_renamed_with_the_files_it_knows(tmp_path: Path) -> N
     renamed = prefix.rename_staged_save(staged, "ckpt-3")
     assert tree(tmp_path) == {"ckpt-3.index": "i", "ckpt-3.data-00000-of-00001": "dd"}
     assert renamed.known == {"ckpt-3.index": (1, 7), "ckpt-3.data-00000-of-00001": (2, 9)}
+
+
+def _staged_prefix(train: Path, name: str, content: str) -> Path:
+    """A prefix save of `name` staged in `train` with its manifest written: what `prefix.publish` starts from."""
+    from checkpointd.storage import save_manifest
+
+    staging = make(train / f".checkpointd-tmp-{name}-{_HEX}", {f"{name}.index": f"index {content}"})
+    make(staging, {f"{name}.data-00000-of-00001": f"data {content}"})
+    save_manifest.write_manifest(staging, run="r", kind="checkpoint", step=0, export_dir="train", versions={})
+    return staging
+
+
+def _publish(staging: Path, name: str) -> None:
+    from checkpointd.storage import prefix
+
+    fd = os.open(staging.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        prefix.publish(staging, fd, staging.name, staging.parent / name, fsync=False)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("moved", [0, 1, 2])
+def test_recover_deletes_what_an_interrupted_prefix_commit_left_so_the_prefix_is_absent_not_partial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moved: int
+) -> None:
+    from checkpointd.storage import prefix
+
+    root = tmp_path / "root"
+    train = root / "run" / "train"
+    # ckpt-3 committed; ckpt-6 committed once, and being replaced by a new ckpt-6 when the daemon dies
+    # after `moved` of its files were renamed into place.
+    for name in ("ckpt-3", "ckpt-6"):
+        _publish(_staged_prefix(train, name, "old"), name)
+    committed = tree(train)
+    make(train, {"ckpt-9.index": "a file of no save of ours: no manifest, no staging dir names it"})
+    staging = _staged_prefix(train, "ckpt-6", "new")
+    real_rename = os.rename
+    renames: list[str] = []
+
+    def rename(src, dst, **kwargs):  # noqa: ANN001, ANN202
+        if len(renames) == moved:
+            raise KeyboardInterrupt("the kill")  # publish catches no such thing: nothing after it runs
+        renames.append(os.fspath(dst))
+        return real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        _publish(staging, "ckpt-6")
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not prefix.is_committed(train / "ckpt-6")  # the old one stopped counting before the first rename
+    assert len([n for n in os.listdir(train) if n.startswith("ckpt-6.")]) == 2  # old, new, or one of each
+
+    assert local.LocalStore(root, fsync=False).recover() == 1 + 2  # the staging dir; ckpt-6's two files
+    assert tree(train) == {
+        **{rel: text for rel, text in committed.items() if rel.startswith("ckpt-3.")},
+        "ckpt-9.index": "a file of no save of ours: no manifest, no staging dir names it",
+    }
+
+
+def test_recover_keeps_a_prefix_whose_commit_ended_and_touches_no_other_staging(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    train = root / "run" / "train"
+    _publish(_staged_prefix(train, "ckpt-3", "done"), "ckpt-3")
+    committed = tree(train)
+    # Killed before the empty staging dir's rmdir: the save counts.
+    (train / f".checkpointd-tmp-ckpt-3-{_HEX}").mkdir()
+    # A dir save's staging, its manifest written (it is published by one rename): only the dir goes.
+    make(train, {f".checkpointd-tmp-policy-{_HEX}/saved_model.pb": "p", "policy.txt": "not the save's"})
+    from checkpointd.storage import save_manifest
+
+    save_manifest.write_manifest(
+        train / f".checkpointd-tmp-policy-{_HEX}", run="r", kind="policy", step=0, export_dir="policy", versions={}
+    )
+    assert local.LocalStore(root, fsync=False).recover() == 2
+    assert tree(train) == {**committed, "policy.txt": "not the save's"}
