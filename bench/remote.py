@@ -100,3 +100,49 @@ def checkpointd_times(
     # How the snapshots travelled: shared memory or gRPC chunks (the daemon's count).
     result["transports"] = {k: v - transports_before.get(k, 0.0) for k, v in transport_totals(metrics_url).items()}
     return result
+
+
+# The small stall against TF async's (issue 35): both are well under a millisecond, and the first few
+# calls of either after a pause run slower (its code and data not yet in the caches), so a handful of
+# reps measured minutes apart compares the two warm-ups more than the two calls. Here they alternate,
+# each call's save made durable before the other's, after WARM_ROUNDS of both not counted.
+PAIRED_ROUNDS = 40
+WARM_ROUNDS = 5
+
+
+def paired_stalls(
+    saver: RemotePolicySaver, checkpoint: Any, run_root: Path, out: Path, timeout: float,
+    rounds: int = PAIRED_ROUNDS,
+) -> dict[str, Any]:  # fmt: skip
+    """`save()`'s stall and TF async `Checkpoint.write`'s, alternating round by round.
+
+    `checkpoint` is section 2's `tf.train.Checkpoint` of the same policy
+    (`bench.inprocess.tf_checkpoint`); each write is followed by `sync()`,
+    each save by its ticket's result. Published saves and TF's files are
+    deleted as they come.
+
+    Raises:
+        RuntimeError: if a save is skipped or fails.
+    """
+    from bench import inprocess
+
+    ours, theirs = [], []
+    for i in range(WARM_ROUNDS + rounds):
+        export_dir = f"paired-{i}"
+        start = time.perf_counter()
+        ticket = saver.save(export_dir)
+        stall = time.perf_counter() - start
+        if ticket.skipped:
+            raise RuntimeError(f"save {export_dir} was skipped: {ticket.reason}")
+        ticket.result(timeout)
+        shutil.rmtree(run_root / export_dir, ignore_errors=True)
+        prefix = out / f"paired-tf-{i}" / "ckpt"
+        start = time.perf_counter()
+        checkpoint.write(str(prefix), options=inprocess.ASYNC)
+        blocked = time.perf_counter() - start
+        checkpoint.sync()
+        shutil.rmtree(prefix.parent, ignore_errors=True)
+        if i >= WARM_ROUNDS:
+            ours.append(stall)
+            theirs.append(blocked)
+    return {"checkpointd": summarize(ours), "tf_async": summarize(theirs), "warm_rounds": WARM_ROUNDS}

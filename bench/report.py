@@ -77,6 +77,13 @@ def table(r: dict[str, Any]) -> str:
 
     head("3. checkpointd (daemon in another process, same machine: shared memory)")
     _remote_rows(per_size, rem)
+    paired = rem.get("small", {}).get("stall_vs_tf_async")
+    if paired is not None:
+        row(
+            "stall vs TF async write, alternating",
+            [f"small, {paired['checkpointd']['n']} rounds: {fmt_time(paired['checkpointd'])} vs "
+             f"{fmt_time(paired['tf_async'])}"],
+        )  # fmt: skip
     head("3b. checkpointd over gRPC (shared memory off: a trainer on another host)")
     _remote_rows(per_size, r["remote_wire"])
 

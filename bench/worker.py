@@ -119,6 +119,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
 
+            if size.name == "small":
+                say("3. the stall against TF async's, alternating")
+                result["remote"]["stall_vs_tf_async"] = remote.paired_stalls(
+                    remote_saver, checkpoint, daemon.root / "trainer", out, SAVE_TIMEOUT
+                )
+
             say("3. checkpointd over gRPC (shared memory off, as for a trainer on another host)")
             with RemotePolicySaver(
                 policy, daemon.address, run="trainer-wire", train_step=counter,

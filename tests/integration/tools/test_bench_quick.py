@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from bench.judge import GROUPS, OBJECT_STORE, TRAINING_STATE
+from bench.remote import PAIRED_ROUNDS
 
 ROOT = Path(__file__).resolve().parents[3]
 SECTIONS = (
@@ -100,6 +101,8 @@ def test_key_measurements_are_positive(result: dict[str, Any]) -> None:
     assert result["remote"][small]["transports"] == {"shm": 2 * reps, "grpc": 0}
     assert result["remote_wire"][small]["transports"] == {"shm": 0, "grpc": 2 * reps}
     assert result["async"][small]["tf_async_checkpoint"]["write_blocked"]["median"] > 0
+    paired = result["remote"][small]["stall_vs_tf_async"]  # the stall target's: alternating, warm
+    assert paired["checkpointd"]["n"] == paired["tf_async"]["n"] == PAIRED_ROUNDS
     for saver in ("baseline", "async_policy_saver", "tf_async_checkpoint", "checkpointd"):
         assert result["training"][small]["steps_per_second"][saver]["median"] > 0
     limits = result["limits"]
