@@ -35,7 +35,7 @@ from checkpointd.rpc import messages
 from checkpointd.rpc.auth import ServerAuth, load_server_auth
 from checkpointd.rpc.bind import bind_error, bind_failure, bind_quietly, bracket
 from checkpointd.rpc.calls import OpenCalls
-from checkpointd.rpc.servicer import CheckpointServicer, add_restore_files_handler
+from checkpointd.rpc.servicer import CheckpointServicer, add_raw_handlers
 from checkpointd.saves.budget import UploadBudget, default_staging_bytes
 from checkpointd.saves.pipeline import Formats, SavePipeline
 from checkpointd.saves.pool import WriterPool
@@ -182,7 +182,7 @@ class Server:
             ],
             interceptors=[*auth.interceptors(), self._calls],
         )
-        add_restore_files_handler(servicer, self._grpc)  # first: its chunks are serialized already
+        add_raw_handlers(servicer, self._grpc)  # first: they skip a copy of each chunk
         pb_grpc.add_CheckpointServiceServicer_to_server(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(

@@ -52,7 +52,7 @@ def crc32c_of(data: Buffer, value: int = 0) -> int:
     return crc32c.crc32c(data, value)
 
 
-def check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) -> bytes:
+def check_chunk(chunk: pb.Chunk | ChunkView, expected_offset: int, limit: int, what: str) -> Buffer:
     """Refuses a chunk out of order, past `limit` bytes, or with a wrong CRC32C.
 
     Returns:
@@ -75,6 +75,84 @@ def check_chunk(chunk: pb.Chunk, expected_offset: int, limit: int, what: str) ->
     if crc32c.crc32c(data) != chunk.crc32c:  # the GIL is released while it sums
         raise ChecksumError(f"{what}: CRC32C mismatch in the chunk at offset {chunk.offset}")
     return data
+
+
+class ChunkView:
+    """A Chunk parsed by `parse_save_request`: its data a view of the received message, not a copy."""
+
+    __slots__ = ("path", "offset", "data", "crc32c")
+
+    def __init__(self, path: str, offset: int, data: memoryview, crc32c: int) -> None:
+        self.path, self.offset, self.data, self.crc32c = path, offset, data, crc32c
+
+
+class ChunkRequest:
+    """A SaveRequest that holds a chunk and nothing else, as `parse_save_request` reads one."""
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: ChunkView) -> None:
+        self.chunk = chunk
+
+    def WhichOneof(self, group: str) -> str | None:  # noqa: N802 - the message's own method, duck-typed
+        return "chunk" if group == "item" else None
+
+
+def parse_save_request(data: bytes) -> pb.SaveRequest | ChunkRequest:
+    """A Save call's message: a chunk as a `ChunkRequest` whose data is a view of `data`; else a SaveRequest.
+
+    The daemon's deserializer of Save. A message's bytes field is copied by
+    the parse and again by each read of it: for a snapshot's chunks, the
+    daemon's largest CPU cost after their CRC32Cs (400 MB: ~190 ms). A
+    message laid out as `encoded_chunk` writes one (its fields once each,
+    nothing else) is read here without a copy; any other is left to
+    `SaveRequest.FromString`, so it means, and fails, exactly as protobuf
+    says (a malformed message raises its DecodeError).
+    """
+    fast = _chunk_view(data)
+    return ChunkRequest(fast) if fast is not None else pb.SaveRequest.FromString(data)
+
+
+# Chunk's fields with their wire types: path (1, bytes), offset (2, varint), data (3, bytes), crc32c (4, fixed32).
+_CHUNK_TAGS = frozenset((0x0A, 0x10, 0x1A, 0x25))
+
+
+def _chunk_view(data: bytes) -> ChunkView | None:
+    """The chunk of a SaveRequest holding only one, fields once each; None for anything else."""
+    if data[:1] != b"\x12":
+        return None
+    try:
+        length, at = varint.decode(data, 1)
+        if at + length != len(data):
+            return None
+        path, offset, view, crc = "", 0, None, 0
+        seen = 0
+        while at < len(data):
+            tag, at = varint.decode(data, at)
+            if tag not in _CHUNK_TAGS or seen & (1 << (tag >> 3)):
+                return None  # another field, or one twice (the last wins): FromString's to read
+            seen |= 1 << (tag >> 3)
+            if tag == 0x10:  # offset
+                offset, at = varint.decode(data, at)
+                if offset >> 64:
+                    return None
+            elif tag == 0x25:  # crc32c
+                if at + 4 > len(data):
+                    return None
+                crc = int.from_bytes(data[at : at + 4], "little")
+                at += 4
+            else:  # path, data: length-delimited
+                size, at = varint.decode(data, at)
+                if at + size > len(data):
+                    return None
+                if tag == 0x0A:
+                    path = data[at : at + size].decode("utf-8")
+                else:
+                    view = memoryview(data)[at : at + size]
+                at += size
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return ChunkView(path, offset, view if view is not None else memoryview(b""), crc)
 
 
 def check_chunk_bytes(chunk_bytes: int) -> None:

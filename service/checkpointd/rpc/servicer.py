@@ -68,19 +68,29 @@ def _response_bytes(response: pb.RestoreFilesResponse | bytes) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
-def add_restore_files_handler(servicer: CheckpointServicer, server: grpc.Server) -> None:
-    """Serves RestoreFiles with a serializer that passes chunks already serialized through.
+def add_raw_handlers(servicer: CheckpointServicer, server: grpc.Server) -> None:
+    """Serves RestoreFiles and Save with (de)serializers that skip a copy of each chunk's bytes.
 
-    Add it before `add_CheckpointServiceServicer_to_server`: gRPC asks the
-    generic handlers in the order they were added, and the generated one
-    would serialize every response as a message (a bytes chunk is not one).
+    RestoreFiles' serializer passes chunks already serialized through; Save's
+    deserializer reads a chunk's data as a view of the received message
+    (`wire.parse_save_request`). Add them before
+    `add_CheckpointServiceServicer_to_server`: gRPC asks the generic handlers
+    in the order they were added, and the generated ones would (de)serialize
+    every message with protobuf.
     """
-    handler = grpc.unary_stream_rpc_method_handler(
-        servicer.RestoreFiles,
-        request_deserializer=pb.RestoreFilesRequest.FromString,
-        response_serializer=_response_bytes,
-    )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"RestoreFiles": handler}),))
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        "RestoreFiles": grpc.unary_stream_rpc_method_handler(
+            servicer.RestoreFiles,
+            request_deserializer=pb.RestoreFilesRequest.FromString,
+            response_serializer=_response_bytes,
+        ),
+        "Save": grpc.stream_stream_rpc_method_handler(
+            servicer.Save,
+            request_deserializer=wire.parse_save_request,
+            response_serializer=pb.SaveResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
 
 
 def _until_ended(context: grpc.ServicerContext, limit: float) -> None:
@@ -254,7 +264,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     def RestoreFiles(
         self, request: pb.RestoreFilesRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.RestoreFilesResponse | bytes]:
-        """The header, then the chunks (serialized already: see add_restore_files_handler), or the staged files."""
+        """The header, then the chunks (serialized already: see add_raw_handlers), or the staged files."""
         run = _reader_run(request.run, request.folder if request.export_dir else "", "RestoreFiles")
         folder = self._pipeline.folder(run, request.folder)
         store = self._pipeline.store

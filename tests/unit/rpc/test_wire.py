@@ -13,6 +13,7 @@ import crc32c
 import ml_dtypes
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 
 from checkpointd.protocol import wire
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
@@ -178,3 +179,53 @@ def test_numpy_state_to_pb_keeps_the_entries_in_order() -> None:
     state = wire.numpy_state_to_pb(b"graph", [("numpy_arrays/b", 3), ("numpy_arrays/a", 0)])
     assert state.object_graph == b"graph"
     assert [(e.checkpoint_key, e.nbytes) for e in state.entries] == [("numpy_arrays/b", 3), ("numpy_arrays/a", 0)]
+
+
+def _same_as_protobuf(data: bytes) -> wire.ChunkRequest | pb.SaveRequest:
+    """`parse_save_request(data)`, asserted to mean what `SaveRequest.FromString(data)` means."""
+    parsed = wire.parse_save_request(data)
+    expected = pb.SaveRequest.FromString(data)
+    assert parsed.WhichOneof("item") == expected.WhichOneof("item")
+    if isinstance(parsed, wire.ChunkRequest):
+        c, e = parsed.chunk, expected.chunk
+        assert (c.path, c.offset, bytes(c.data), c.crc32c) == (e.path, e.offset, e.data, e.crc32c)
+    return parsed
+
+
+@pytest.mark.parametrize(
+    ("offset", "size", "path"), [(0, 0, ""), (0, 1, ""), (5, 1 << 20, ""), ((1 << 64) - 1, 3, "a/é.txt")]
+)
+def test_a_chunk_as_the_client_encodes_it_is_read_without_a_copy(offset: int, size: int, path: str) -> None:
+    payload = os.urandom(size)
+    data = wire.encoded_chunk(offset, payload, crc32c.crc32c(payload), path)
+    parsed = _same_as_protobuf(data)
+    assert isinstance(parsed, wire.ChunkRequest)
+    if size:
+        assert parsed.chunk.data.obj is data  # a view of the received message: no copy
+    assert bytes(wire.check_chunk(parsed.chunk, offset, offset + size, "snapshot")) == payload
+
+
+def test_any_other_save_request_is_protobufs_to_read_and_means_the_same() -> None:
+    chunk = pb.SaveRequest(chunk=pb.Chunk(offset=7, data=b"abc", crc32c=crc32c.crc32c(b"abc"))).SerializeToString()
+    body = chunk[2:]  # the Chunk message's own fields
+    others = [
+        pb.SaveRequest(header=pb.SaveHeader(run="r", export_dir="e", snapshot_bytes=3)).SerializeToString(),
+        pb.SaveRequest(shared_memory_written=pb.SharedMemoryWritten()).SerializeToString(),
+        chunk + chunk,  # the chunk twice: protobuf merges the two
+        b"\x12" + bytes([len(body) + 2]) + body + b"\x10\x09",  # the offset twice: the last wins
+        b"\x12" + bytes([len(body) + 2]) + body + b"\x28\x01",  # an unknown field in the chunk
+        chunk + b"\x08\x01",  # an unknown field in the request
+        b"\x12\x05\x1a\x03abc",  # no offset, no CRC: zeros
+    ]
+    for data in others:
+        parsed = _same_as_protobuf(data)
+        assert data == b"\x12\x05\x1a\x03abc" or not isinstance(parsed, wire.ChunkRequest)
+    for truncated in (
+        chunk[:-1],
+        b"\x12\x05\x1a\x09abc",
+        b"\x12\x04\x0a\x02\xff\xfe",
+    ):  # short; past the end; bad UTF-8
+        with pytest.raises(DecodeError):
+            pb.SaveRequest.FromString(truncated)
+        with pytest.raises(DecodeError):
+            wire.parse_save_request(truncated)
