@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import crc32c
+from google.protobuf.message import DecodeError
 
 from checkpointd.protocol import varint
 from checkpointd.protocol.errors import ChecksumError, InvalidRequestError
@@ -98,7 +99,22 @@ class ChunkRequest:
         return "chunk" if group == "item" else None
 
 
-def parse_save_request(data: bytes) -> pb.SaveRequest | ChunkRequest:
+class MalformedRequest:
+    """A Save call's message that is not a SaveRequest: reading it raises InvalidRequestError, saying why."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def WhichOneof(self, group: str) -> str | None:  # noqa: N802 - the message's own method, duck-typed
+        raise InvalidRequestError(
+            f"Save: a message is not a SaveRequest that protobuf can decode ({self.reason}); build the "
+            "messages from protos/checkpointd/v1/checkpointd.proto"
+        )
+
+
+def parse_save_request(data: bytes) -> pb.SaveRequest | ChunkRequest | MalformedRequest:
     """A Save call's message: a chunk as a `ChunkRequest` whose data is a view of `data`; else a SaveRequest.
 
     The daemon's deserializer of Save. A message's bytes field is copied by
@@ -106,11 +122,18 @@ def parse_save_request(data: bytes) -> pb.SaveRequest | ChunkRequest:
     daemon's largest CPU cost after their CRC32Cs (400 MB: ~190 ms). A
     message laid out as `encoded_chunk` writes one (its fields once each,
     nothing else) is read here without a copy; any other is left to
-    `SaveRequest.FromString`, so it means, and fails, exactly as protobuf
-    says (a malformed message raises its DecodeError).
+    `SaveRequest.FromString`, so it means exactly what protobuf says. Bytes
+    protobuf cannot decode become a `MalformedRequest`, which the handler
+    refuses as INVALID_ARGUMENT when it reads it (a deserializer that raises
+    makes gRPC answer INTERNAL, "Exception deserializing request!").
     """
     fast = _chunk_view(data)
-    return ChunkRequest(fast) if fast is not None else pb.SaveRequest.FromString(data)
+    if fast is not None:
+        return ChunkRequest(fast)
+    try:
+        return pb.SaveRequest.FromString(data)
+    except DecodeError as e:
+        return MalformedRequest(str(e) or type(e).__name__)
 
 
 # Chunk's fields with their wire types: path (1, bytes), offset (2, varint), data (3, bytes), crc32c (4, fixed32).

@@ -485,6 +485,31 @@ def test_chunks_out_of_order_are_invalid(daemon: Daemon, stub: Stub, run: Run) -
     assert_serving(daemon, stub, run)
 
 
+@pytest.mark.parametrize("where", ["first", "after-accept"])
+def test_bytes_that_are_no_save_request_are_invalid_saying_so_and_write_nothing(
+    daemon: Daemon, stub: Stub, run: Run, where: str
+) -> None:
+    before = listing(daemon.root)
+    garbage = b"\x12\x05\x1a\x09abc"  # a chunk whose data runs past the message
+    first = [] if where == "first" else [pb.SaveRequest(header=run.header("broken")).SerializeToString()]
+    with grpc.insecure_channel(daemon.address) as channel:
+        save = channel.stream_stream(
+            "/checkpointd.v1.CheckpointService/Save",
+            request_serializer=lambda b: b,  # the bytes as they are
+            response_deserializer=pb.SaveResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            answers = list(save(iter([*first, garbage]), timeout=RPC_TIMEOUT))
+            raise AssertionError(f"answered {answers}")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.match(
+        r"Save: a message is not a SaveRequest that protobuf can decode \(.+\); build", caught.value.details()
+    )
+    assert counts(stub, run.name) == ((0, 0, 0) if where == "first" else (0, 0, 1))
+    assert listing(daemon.root) == before
+    assert_serving(daemon, stub, run)
+
+
 def test_truncated_snapshot_is_invalid(daemon: Daemon, stub: Stub, run: Run) -> None:
     before = listing(daemon.root)
     with _accepted(stub, run) as call:
