@@ -82,8 +82,8 @@ from checkpointd_client.ticket import SaveTicket
 DEFAULT_BUDGET = 0.05
 # Of the budget, what the rule spends: it sees the stalls, the CPU a save takes off the training thread and
 # the steps just after one, not all of its cost (the caches a copy or the daemon emptied beyond those steps,
-# the allocator, the interpreter's own warming after a save). A full budget spent as measured slowed the
-# demo's CartPole trainer by 5.3 % against 5 % (bench.continuous, 12 paired rounds): the rest is left for that.
+# the allocator, the interpreter's own warming after a save); the rest is left for that (bench/README.md,
+# "Continuous saves", has the runs that showed it).
 HEADROOM = 0.9
 # A checkpointer's continuous-save options, passed on by the module swaps (`checkpointd_client.learner`).
 CONTINUOUS_OPTIONS = ("continuous", "budget")

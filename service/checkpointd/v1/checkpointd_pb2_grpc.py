@@ -130,8 +130,9 @@ class CheckpointServiceServicer(object):
         Errors after an accept: the save counts as failed (saves_failed,
         last_error, checkpointd_saves_total{outcome="failed"}); no save is
         published and an existing export dir is untouched: DATA_LOSS (a chunk's
-        CRC32C), INVALID_ARGUMENT (a message other than a chunk; a chunk out of
-        order or past snapshot_bytes; a stream ending short of snapshot_bytes;
+        CRC32C), INVALID_ARGUMENT (a message other than a chunk, or bytes that
+        do not decode as a SaveRequest, which before the accept refuses the
+        call as well; a chunk out of order or past snapshot_bytes; a stream ending short of snapshot_bytes;
         shared_memory_written not offered or not the last message; export_dir
         now resolving outside the folder through a symlink), DEADLINE_EXCEEDED
         (snapshot not in full within --upload-timeout, default 300 s, of the
