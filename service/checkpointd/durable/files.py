@@ -269,8 +269,9 @@ def recover(root: Path, interrupted: Callable[[int, str, str], int] | None = Non
     Deletes every `.checkpointd-tmp-*` dir (first calling `interrupted` with
     its parent dir's descriptor, its name and the `<name>` of
     `.checkpointd-tmp-<name>-<hex>`: what a publication out of it left in the
-    parent is the caller's to undo; it returns how many entries it removed), and every `.checkpointd-tmp-<name>-<hex>`
-    file (a state file being replaced, as `LocalStore.write_file` does). Renames every
+    parent is the caller's to undo; it returns how many entries it removed),
+    and every `.checkpointd-tmp-<name>-<hex>` file (a state file being
+    replaced, as `LocalStore.write_file` does). Renames every
     `.checkpointd-old-<name>-<hex>` dir back to `<name>` if `<name>` is
     absent, else deletes it. Symlinks are not followed; other names are
     never touched.
