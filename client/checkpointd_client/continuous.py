@@ -11,9 +11,9 @@ rule (`SaveBudget`):
   once it is durable (`SaveBudget.charge`): producing its requests, and on
   the same host the daemon's work that idle cores could not have run
   (`checkpointd_client.daemon_cpu`). On busy cores shared with training that
-  CPU slows training as the stall does (a 2 MB save of the bench's small
-  state stalls ~6 ms and costs the daemon ~18 ms of CPU). The calls that decided not to save cost their few
-  microseconds too. So are its after-effects on training: the steps taken
+  CPU slows training as the stall does (the daemon's CPU for a save is
+  often several times the trainer's stall). The calls that decided not to
+  save cost their few microseconds too. So are its after-effects on training: the steps taken
   while a durable save is in flight (and the one during which it ended), and
   the first `AFTER_STEPS` steps after a hand-over, are each charged what
   they took beyond the mean of the quiet steps (neither; kept once

@@ -165,13 +165,21 @@ def test_verify_names_a_changed_file_of_a_prefix(tmp_path: Path) -> None:
     assert not report.ok and "ckpt-4.index has 9 bytes" in report.reason
 
 
+def _committed(
+    tmp_path: Path, steps: range, rules: CheckpointRetention | None = None
+) -> tuple[LocalStore, CheckpointDirs]:
+    """A store at `tmp_path` with a checkpoint of each of `steps` committed in DIR."""
+    store = LocalStore(tmp_path, fsync=False)
+    dirs = CheckpointDirs(store)
+    for step in steps:
+        _commit(store, dirs, step, rules)
+    return store, dirs
+
+
 def test_a_sweep_writes_the_state_file_once_and_again_only_for_a_victim_that_stayed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = LocalStore(tmp_path, fsync=False)
-    dirs = CheckpointDirs(store)
-    for step in range(3):
-        _commit(store, dirs, step)
+    store, dirs = _committed(tmp_path, range(3))
     writes: list[list[str]] = []
     write_file = store.write_file
 
@@ -197,10 +205,7 @@ def test_a_sweep_writes_the_state_file_once_and_again_only_for_a_victim_that_sta
 def test_a_dir_that_keeps_every_checkpoint_is_not_even_listed_by_its_retention(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = LocalStore(tmp_path, fsync=False)
-    dirs = CheckpointDirs(store)
-    for step in range(3):
-        _commit(store, dirs, step, CheckpointRetention(None, None))
+    store, dirs = _committed(tmp_path, range(3), CheckpointRetention(None, None))
     touched: list[str] = []
     for name in ("committed", "read_file", "write_file", "delete"):
         real = getattr(store, name)
