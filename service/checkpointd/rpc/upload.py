@@ -123,9 +123,11 @@ def within(
     while the handler waits for the outcome for the time left: a client that
     stalls, or sends nothing at all, is cut off at the deadline without
     polling. The reader does all the per-chunk work too (checks, CRC32C, the
-    copy into the buffer), so a chunk passes from gRPC's thread to one of
-    ours and no further: a queue between a reader and the handler cost a
-    thread hand-off (and a wait for the GIL) per chunk. Once the snapshot is
+    write), so a small save's chunk passes from gRPC's thread to one of ours
+    and no further: a queue between a reader and the handler cost a thread
+    hand-off (and a wait for the GIL) per chunk. A large snapshot's chunks
+    are taken from gRPC a few ahead by one more thread (`read_ahead`), which
+    pays that hand-off for a connection that never waits on a write. Once the snapshot is
     in, the reader goes on with `then` (the save's commit), which the
     deadline does not bound: the handler is woken once, with the outcome,
     not once for the upload and again for the commit. Once the deadline has
@@ -214,6 +216,56 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
 # Buffers this large are mapped on their own, with huge pages asked for.
 
 
+# A snapshot's chunks are taken from gRPC by a thread of their own, this many ahead of their
+# checks and writes, once the snapshot is larger than READ_AHEAD_FROM bytes (a few chunks).
+READ_AHEAD = 4
+READ_AHEAD_FROM = 4 << 20
+
+
+def read_ahead(requests: Iterator[_T], depth: int) -> Iterator[_T]:
+    """`requests`, taken from their iterator up to `depth` ahead by a reader thread of `_READERS`.
+
+    gRPC hands a streaming handler the next message only when it asks for
+    it, so a receive that checks and writes each chunk before asking for the
+    next leaves the connection idle meanwhile; the CRC32C and the write
+    release the GIL, so a thread taking the next messages from gRPC runs
+    beside them. What the iterator raises is raised here, in order. Once the
+    consumer stops (an error, or the generator closed), the thread stops at
+    its next message, without blocking on the queue.
+    """
+    ahead: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=depth)
+    stopped = threading.Event()
+
+    def take() -> None:
+        end: tuple[bool, Any] = (False, None)
+        try:
+            for request in requests:
+                if stopped.is_set():
+                    return
+                ahead.put((True, request))  # after `stopped`, at most this one put: the consumer drained
+        except BaseException as exc:  # noqa: BLE001 - raised in the consumer
+            end = (False, exc)
+        if not stopped.is_set():
+            ahead.put(end)
+
+    _READERS.run(take)
+    try:
+        while True:
+            more, item = ahead.get()
+            if not more:
+                if item is not None:
+                    raise item
+                return
+            yield item
+    finally:
+        stopped.set()
+        while True:  # frees a taker blocked on a full queue; it then sees `stopped`
+            try:
+                ahead.get_nowait()
+            except queue.Empty:
+                break
+
+
 class SharedSegment(Protocol):
     """A shared-memory segment holding a snapshot (`checkpointd.transport.shm.Segment`)."""
 
@@ -285,6 +337,8 @@ def receive_snapshot(
         return "shm"
     if request is not None:
         requests = itertools.chain((request,), requests)
+    if total > READ_AHEAD_FROM:
+        requests = read_ahead(requests, READ_AHEAD)
     sizes = list(parts)
     if sum(sizes) != total:
         raise InvalidRequestError(f"Save: the parts sum to {sum(sizes)}, not the {total} bytes announced")

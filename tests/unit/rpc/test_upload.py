@@ -46,8 +46,13 @@ class Parts:
         return out
 
 
+@pytest.mark.parametrize("read_ahead", [False, True])
 @pytest.mark.parametrize("chunk_bytes", [1, 3, 7, 64, 1000])
-def test_each_chunk_is_written_into_its_parts_as_it_arrives(chunk_bytes: int) -> None:
+def test_each_chunk_is_written_into_its_parts_as_it_arrives(
+    chunk_bytes: int, read_ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if read_ahead:  # the chunks taken from the stream by a thread of their own, as for a large snapshot
+        monkeypatch.setattr(upload, "READ_AHEAD_FROM", 0)
     parts = [5, 0, 64, 1, 130, 3]  # chunks of 3 or 7 bytes span parts
     data = bytes(range(256))[: sum(parts)]
     sink = Parts(parts)

@@ -84,3 +84,50 @@ def test_within_reports_the_result_and_the_deadline_on_kept_threads() -> None:
     with pytest.raises(DeadlineError, match="--upload-timeout"):
         upload.within(stalled, iter(()), time.monotonic() + 0.05, 0.05, _same)
     release.set()
+
+
+class _Counted:
+    """An endless request stream that counts the messages taken from it."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> int:
+        self.taken += 1
+        return self.taken - 1
+
+
+def test_read_ahead_yields_every_request_in_order_then_ends() -> None:
+    assert list(upload.read_ahead(iter(range(50)), 3)) == list(range(50))
+    assert list(upload.read_ahead(iter([]), 3)) == []
+
+
+def test_read_ahead_raises_the_streams_error_after_what_came_before_it() -> None:
+    def stream() -> object:
+        yield "a"
+        yield "b"
+        raise DeadlineError("the client went away")
+
+    got: list[object] = []
+    with pytest.raises(DeadlineError, match="went away"):
+        for request in upload.read_ahead(stream(), 4):  # type: ignore[arg-type]
+            got.append(request)
+    assert got == ["a", "b"]
+
+
+def test_read_ahead_takes_at_most_depth_ahead_and_stops_once_the_consumer_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    readers = upload._Readers()
+    monkeypatch.setattr(upload, "_READERS", readers)  # its own threads: idle below means the taker returned
+    stream = _Counted()
+    requests = upload.read_ahead(stream, 3)
+    assert next(requests) == 0
+    # Taken: the one consumed, 3 queued, and one more held by the taker blocked on the full queue.
+    _wait_for(lambda: stream.taken == 5, "5 requests taken")
+    requests.close()  # the consumer stops (an error in the receive, or the save given up)
+    _wait_for(lambda: readers._idle == 1, "the taker thread back to idle")
+    assert stream.taken == 6  # the one it was putting went in, the next one it took it dropped
