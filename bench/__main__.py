@@ -307,8 +307,9 @@ def run_preemption(config: BenchConfig) -> dict[str, Any]:
 
 
 def run_incremental(config: BenchConfig) -> dict[str, Any]:
-    """The incremental case in a worker process (bench.incremental)."""
-    return run_worker(config, "incremental", ["--large"] if config.incremental == "large" else [])
+    """The incremental case in a worker process (bench.incremental), on S3 too where section 8 runs."""
+    extra = (["--large"] if config.incremental == "large" else []) + (["--s3"] if config.s3 == "on" else [])
+    return run_worker(config, "incremental", extra)
 
 
 def run_worker(config: BenchConfig, name: str, extra: list[str]) -> dict[str, Any]:

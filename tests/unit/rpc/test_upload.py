@@ -75,7 +75,10 @@ def test_parts_that_do_not_sum_to_the_snapshot_are_refused() -> None:
         upload.receive_snapshot(iter(_requests(b"abcd", 4)), 8, _Context(), [3, 4], None, Parts([3, 4]))
 
 
-def test_a_bad_crc_in_a_large_snapshot_is_data_loss() -> None:
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_a_bad_crc_in_a_large_snapshot_is_data_loss(read_ahead: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if read_ahead:
+        monkeypatch.setattr(upload, "READ_AHEAD_FROM", 0)
     data = bytes(5 << 20)
     requests = _requests(data, 1 << 20)
     requests[3].chunk.crc32c ^= 1
