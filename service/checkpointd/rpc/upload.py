@@ -24,6 +24,7 @@ from checkpointd.protocol.errors import DeadlineError, InvalidRequestError
 from checkpointd.protocol.names import check_export_dir
 from checkpointd.protocol.wire import check_chunk
 from checkpointd.rpc import same_chunks
+from checkpointd.rpc.read_ahead import read_ahead
 from checkpointd.saves.sinks import write_views
 from checkpointd.v1 import checkpointd_pb2 as pb
 
@@ -126,7 +127,8 @@ def within(
     write), so a small save's chunk passes from gRPC's thread to one of ours
     and no further: a queue between a reader and the handler cost a thread
     hand-off (and a wait for the GIL) per chunk. A large snapshot's chunks
-    are taken from gRPC a few ahead by one more thread (`read_ahead`), which
+    are taken from gRPC a few ahead by one more thread (`read_ahead`, from
+    `_READERS` too), which
     pays that hand-off for a connection that never waits on a write. Once the snapshot is
     in, the reader goes on with `then` (the save's commit), which the
     deadline does not bound: the handler is woken once, with the outcome,
@@ -224,50 +226,6 @@ READ_AHEAD = 4
 READ_AHEAD_FROM = 64 << 20
 
 
-def read_ahead(requests: Iterator[_T], depth: int) -> Iterator[_T]:
-    """`requests`, taken from their iterator up to `depth` ahead by a reader thread of `_READERS`.
-
-    gRPC hands a streaming handler the next message only when it asks for
-    it, so a receive that checks and writes each chunk before asking for the
-    next leaves the connection idle meanwhile; the CRC32C and the write
-    release the GIL, so a thread taking the next messages from gRPC runs
-    beside them. What the iterator raises is raised here, in order. Once the
-    consumer stops (an error, or the generator closed), the thread stops at
-    its next message, without blocking on the queue.
-    """
-    ahead: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=depth)
-    stopped = threading.Event()
-
-    def take() -> None:
-        end: tuple[bool, Any] = (False, None)
-        try:
-            for request in requests:
-                if stopped.is_set():
-                    return
-                ahead.put((True, request))  # after `stopped`, at most this one put: the consumer drained
-        except BaseException as exc:  # noqa: BLE001 - raised in the consumer
-            end = (False, exc)
-        if not stopped.is_set():
-            ahead.put(end)
-
-    _READERS.run(take)
-    try:
-        while True:
-            more, item = ahead.get()
-            if not more:
-                if item is not None:
-                    raise item
-                return
-            yield item
-    finally:
-        stopped.set()
-        while True:  # frees a taker blocked on a full queue; it then sees `stopped`
-            try:
-                ahead.get_nowait()
-            except queue.Empty:
-                break
-
-
 class SharedSegment(Protocol):
     """A shared-memory segment holding a snapshot (`checkpointd.transport.shm.Segment`)."""
 
@@ -340,7 +298,7 @@ def receive_snapshot(
     if request is not None:
         requests = itertools.chain((request,), requests)
     if total > READ_AHEAD_FROM:
-        requests = read_ahead(requests, READ_AHEAD)
+        requests = read_ahead(requests, READ_AHEAD, _READERS.run)
     sizes = list(parts)
     if sum(sizes) != total:
         raise InvalidRequestError(f"Save: the parts sum to {sum(sizes)}, not the {total} bytes announced")
