@@ -110,6 +110,10 @@ start() {
   dir=$(cd "$dir" && pwd)
   local fsid conf=$dir/ceph.conf
   fsid=$(cat /proc/sys/kernel/random/uuid 2>/dev/null || "$PY" -c 'import uuid; print(uuid.uuid4())')
+  # The memstore OSD holds every stored byte in RAM, taking only what is stored, and refuses writes
+  # (clients wait) once 95 % full. Deleted objects stay stored until radosgw's garbage collection
+  # (every 10 s, objects deleted 5 s before): the bench's large S3 section writes and deletes 1.6 GB
+  # a round, a round every ~5 s, and at 4 GiB it was seen full with a PUT waiting past boto3's timeout.
   cat >"$conf" <<EOF
 [global]
 fsid = $fsid
@@ -136,7 +140,7 @@ mon data = $dir/mon
 [osd.0]
 osd data = $dir/osd
 osd objectstore = memstore
-memstore device bytes = 4294967296
+memstore device bytes = 8589934592
 osd fast shutdown = false
 [client.rgw.a]
 ms mon client mode = crc
