@@ -128,12 +128,12 @@ def within(
     and no further: a queue between a reader and the handler cost a thread
     hand-off (and a wait for the GIL) per chunk. A large snapshot's chunks
     are taken from gRPC a few ahead by one more thread (`read_ahead`, from
-    `_READERS` too), which
-    pays that hand-off for a connection that never waits on a write. Once the snapshot is
-    in, the reader goes on with `then` (the save's commit), which the
-    deadline does not bound: the handler is woken once, with the outcome,
-    not once for the upload and again for the commit. Once the deadline has
-    passed first the reader stops at its next request, or ends with the call.
+    `_READERS` too), which pays that hand-off for a connection that never
+    waits on a write. Once the snapshot is in, the reader goes on with
+    `then` (the save's commit), which the deadline does not bound: the
+    handler is woken once, with the outcome, not once for the upload and
+    again for the commit. Once the deadline has passed first the reader
+    stops at its next request, or ends with the call.
     """
     upload = _Upload()
 
@@ -215,9 +215,6 @@ def receive_template(requests: Iterator[pb.RegisterRunRequest], staged: Path, to
         raise InvalidRequestError(f"RegisterRun: received {received} template bytes; the header announced {total}")
 
 
-# Buffers this large are mapped on their own, with huge pages asked for.
-
-
 # A snapshot's chunks are taken from gRPC by a thread of their own, this many ahead of their
 # checks and writes, once the snapshot is larger than READ_AHEAD_FROM bytes: there the connection
 # no longer waits on the writes (bench/README.md, "Figures behind choices"). A smaller save gains
@@ -254,7 +251,8 @@ def receive_snapshot(
     """Writes a Save's snapshot into `sink` as it arrives: the chunks after its header, checked, split in parts.
 
     Every chunk is checked (in order, within `total`, its CRC32C) and then
-    written at once, so no more than a chunk of the snapshot is held here.
+    written at once, so no more than a chunk of the snapshot is held here
+    (and up to READ_AHEAD more, taken ahead, past READ_AHEAD_FROM bytes).
     When the accept offered `segment`, the client may instead send one
     `shared_memory_written` (the snapshot is in the segment) and half-close;
     the parts are then written into `sink` straight from the segment (the
