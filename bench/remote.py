@@ -146,3 +146,69 @@ def paired_stalls(
             ours.append(stall)
             theirs.append(blocked)
     return {"checkpointd": summarize(ours), "tf_async": summarize(theirs), "warm_rounds": WARM_ROUNDS}
+
+
+# Over gRPC against the in-process saver (issue 35): checkpointd_times' reps come minutes after section
+# 1's in-process saves, and its first rep has the run's first save as a base, so with the weights unchanged
+# the daemon copies instead of receiving. Here every save sends the whole policy (no base: each published
+# save is deleted, the first one too), alternating with PolicySaver.save + fsync round by round.
+WIRE_ROUNDS = 8
+WIRE_WARM_ROUNDS = 1
+
+
+def paired_wire(
+    saver: RemotePolicySaver, policy_saver: Any, run_root: Path, out: Path, timeout: float,
+    rounds: int = WIRE_ROUNDS,
+) -> dict[str, Any]:  # fmt: skip
+    """call -> durable over gRPC (shared memory off) and in-process `PolicySaver.save` + fsync, alternating.
+
+    `saver` is a RemotePolicySaver with shared memory off whose run lives at
+    `run_root`; every save of it there is deleted before the rounds and after
+    each one, so each sends every byte. Which of the two goes first
+    alternates by round. Also the bytes per second over gRPC (SaveResult's
+    bytes written / call -> durable).
+
+    Raises:
+        RuntimeError: if a save is skipped, or the daemon did not receive it whole.
+    """
+    from bench import inprocess
+
+    for published in run_root.iterdir() if run_root.exists() else []:
+        if published.is_dir():
+            shutil.rmtree(published, ignore_errors=True)
+    ours, theirs, rates = [], [], []
+    for i in range(WIRE_WARM_ROUNDS + rounds):
+
+        def remote(i: int = i) -> None:
+            export_dir = f"wire-{i}"
+            start = time.perf_counter()
+            ticket = saver.save(export_dir)
+            if ticket.skipped:
+                raise RuntimeError(f"save {export_dir} was skipped: {ticket.reason}")
+            done = ticket.result(timeout)
+            seconds = time.perf_counter() - start
+            shutil.rmtree(run_root / export_dir, ignore_errors=True)
+            if done.bytes_copied:
+                raise RuntimeError(f"save {export_dir} copied {done.bytes_copied} bytes from a base: not a full send")
+            if i >= WIRE_WARM_ROUNDS:
+                ours.append(seconds)
+                rates.append(done.bytes_written / seconds)
+
+        def local(i: int = i) -> None:
+            target = out / f"wire-inprocess-{i}"
+            start = time.perf_counter()
+            policy_saver.save(str(target))
+            inprocess.fsync_tree(target)
+            seconds = time.perf_counter() - start
+            shutil.rmtree(target, ignore_errors=True)
+            if i >= WIRE_WARM_ROUNDS:
+                theirs.append(seconds)
+
+        for step in (remote, local) if i % 2 == 0 else (local, remote):
+            step()
+    return {
+        "grpc": summarize(ours),
+        "inprocess_fsync": summarize(theirs),
+        "grpc_throughput": summarize(rates),
+        "warm_rounds": WIRE_WARM_ROUNDS,
+    }

@@ -86,6 +86,12 @@ def table(r: dict[str, Any]) -> str:
         )  # fmt: skip
     head("3b. checkpointd over gRPC (shared memory off: a trainer on another host)")
     _remote_rows(per_size, r["remote_wire"])
+    wire = r["remote_wire"]
+    if all("paired" in wire.get(s, {}) for s in sizes):
+        per_size(
+            "save() call->durable, alternating (sent whole)",
+            lambda s: f"{fmt_time(wire[s]['paired']['grpc'])} vs {fmt_time(wire[s]['paired']['inprocess_fsync'])}",
+        )
 
     tr = r["training"]
     head("2+3. DQN agent.train steps/s (batch 32x2), same cadence for every saver")

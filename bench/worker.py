@@ -140,6 +140,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         SAVE_TIMEOUT,
                     )
                 )
+                say("3. over gRPC, alternating with PolicySaver.save + fsync")
+                result["remote_wire"]["paired"] = remote.paired_wire(
+                    wire_saver, saver, daemon.root / "trainer-wire", out, SAVE_TIMEOUT
+                )
 
             cadence = max(MIN_CADENCE, result["inprocess"]["save"]["median"])
             say(f"2+3. DQN training windows, a save requested every {cadence:.3f} s")

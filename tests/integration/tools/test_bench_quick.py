@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from bench.judge import GROUPS, OBJECT_STORE, TRAINING_STATE
-from bench.remote import PAIRED_ROUNDS
+from bench.remote import PAIRED_ROUNDS, WIRE_ROUNDS
 
 ROOT = Path(__file__).resolve().parents[3]
 SECTIONS = (
@@ -103,6 +103,9 @@ def test_key_measurements_are_positive(result: dict[str, Any]) -> None:
     assert result["async"][small]["tf_async_checkpoint"]["write_blocked"]["median"] > 0
     paired = result["remote"][small]["stall_vs_tf_async"]  # the stall target's: alternating, warm
     assert paired["checkpointd"]["n"] == paired["tf_async"]["n"] == PAIRED_ROUNDS
+    wire = result["remote_wire"][small]["paired"]  # the cross-host targets': alternating, every save sent whole
+    assert wire["grpc"]["n"] == wire["inprocess_fsync"]["n"] == wire["grpc_throughput"]["n"] == WIRE_ROUNDS
+    assert wire["grpc_throughput"]["median"] > 0
     for saver in ("baseline", "async_policy_saver", "tf_async_checkpoint", "checkpointd"):
         assert result["training"][small]["steps_per_second"][saver]["median"] > 0
     limits = result["limits"]
