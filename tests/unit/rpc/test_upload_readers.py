@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
+import crc32c
 import pytest
 
 from checkpointd.protocol.errors import DeadlineError
 from checkpointd.rpc import upload
+from checkpointd.v1 import checkpointd_pb2 as pb
 
 DEADLINE = 30.0  # any single wait here; reached only on failure
 
@@ -84,3 +87,50 @@ def test_within_reports_the_result_and_the_deadline_on_kept_threads() -> None:
     with pytest.raises(DeadlineError, match="--upload-timeout"):
         upload.within(stalled, iter(()), time.monotonic() + 0.05, 0.05, _same)
     release.set()
+
+
+class _Written:
+    """A sink that counts the bytes written into it."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def write(self, part: int, offset: int, data: object, crc: int | None = None) -> None:
+        self.bytes += memoryview(data).nbytes  # type: ignore[arg-type]
+
+
+class _Active:
+    def is_active(self) -> bool:
+        return True
+
+
+def test_a_large_upload_read_ahead_that_stalls_is_cut_off_and_its_threads_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    readers = upload._Readers()
+    monkeypatch.setattr(upload, "_READERS", readers)  # its own threads: the reader's and the taker's
+    monkeypatch.setattr(upload, "READ_AHEAD_FROM", 0)  # chunks taken ahead, as for a large snapshot
+    chunk, total = 1 << 10, 8 << 10
+    data = bytes(range(256)) * (total // 256)
+    release = threading.Event()
+
+    def stalled_client() -> Iterator[pb.SaveRequest]:
+        for offset in range(0, 2 * chunk, chunk):  # two chunks, then the client stalls
+            piece = data[offset : offset + chunk]
+            yield pb.SaveRequest(chunk=pb.Chunk(offset=offset, data=piece, crc32c=crc32c.crc32c(piece)))
+        release.wait(DEADLINE)
+        late = data[2 * chunk : 3 * chunk]  # a good chunk: only the deadline keeps it out
+        yield pb.SaveRequest(chunk=pb.Chunk(offset=2 * chunk, data=late, crc32c=crc32c.crc32c(late)))
+
+    sink = _Written()
+    with pytest.raises(DeadlineError, match="--upload-timeout"):
+        upload.within(
+            lambda requests: upload.receive_snapshot(requests, total, _Active(), [total], None, sink),
+            stalled_client(),
+            time.monotonic() + 0.2,
+            0.2,
+            _same,
+        )
+    release.set()  # the client sends again, past the deadline: the save was given up
+    _wait_for(lambda: readers._idle == 2, "the reader and the taker both back to idle")
+    assert sink.bytes <= 2 * chunk  # the chunk sent after the deadline was not written
