@@ -329,7 +329,7 @@ if __name__ == "__main__":
 # The report: rows and targets, from the results alone (no TensorFlow).
 
 SENT_FACTOR = 1.1
-# Incremental call -> durable against the same save in full, by the path the daemon took (issue 35): never
+# Incremental call -> durable against the same save in full, by the path the daemon took: never
 # slower where the unchanged bytes are copied or received; a quarter where the file system shares extents
 # (clone); half where the object store copies them itself (server_copy).
 LATENCY_SHARE = {"clone": 0.25, "server_copy": 0.5}

@@ -102,7 +102,7 @@ def checkpointd_times(
     return result
 
 
-# The small stall against TF async's (issue 35): both are well under a millisecond, and the first few
+# The small stall against TF async's: both are well under a millisecond, and the first few
 # calls of either after a pause run slower (its code and data not yet in the caches), so a handful of
 # reps measured minutes apart compares the two warm-ups more than the two calls. Here they alternate,
 # each call's save made durable before the other's, after WARM_ROUNDS of both not counted.
@@ -148,7 +148,7 @@ def paired_stalls(
     return {"checkpointd": summarize(ours), "tf_async": summarize(theirs), "warm_rounds": WARM_ROUNDS}
 
 
-# Over gRPC against the in-process saver (issue 35): checkpointd_times' reps come minutes after section
+# Over gRPC against the in-process saver: checkpointd_times' reps come minutes after section
 # 1's in-process saves, and its first rep has the run's first save as a base, so with the weights unchanged
 # the daemon copies instead of receiving. Here every save sends the whole policy (no base: each published
 # save is deleted, the first one too), alternating with PolicySaver.save + fsync round by round.

@@ -112,8 +112,8 @@ start() {
   fsid=$(cat /proc/sys/kernel/random/uuid 2>/dev/null || "$PY" -c 'import uuid; print(uuid.uuid4())')
   # The memstore OSD holds every stored byte in RAM, taking only what is stored, and refuses writes
   # (clients wait) once 95 % full. Deleted objects stay stored until radosgw's garbage collection
-  # (every 10 s, objects deleted 5 s before): the bench's large S3 section writes and deletes 1.6 GB
-  # a round, a round every ~5 s, and at 4 GiB it was seen full with a PUT waiting past boto3's timeout.
+  # (every 10 s, objects deleted 5 s before): the bench's large S3 section writes and deletes about
+  # 1.6 GB a round, a round every ~5 s, so the store must hold a few rounds at once.
   cat >"$conf" <<EOF
 [global]
 fsid = $fsid
